@@ -1,0 +1,1 @@
+"""Parallel primitives (torch only): mesh, CP sharding, CP attention, distributed encoding, TP, FSDP, validator."""

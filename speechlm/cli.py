@@ -1,0 +1,57 @@
+"""`speechlm` command line: one subcommand per module, each registered by that module's `add_parser`.
+
+Every subcommand module exposes `add_parser(subparsers)`, which adds its parser and sets
+`func=callable(args) -> int`. Heavy imports (torch, transformers) stay inside the callables so
+that `speechlm --help` and `speechlm validate` are quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, in the order `--help` lists them
+SUBCOMMAND_MODULES = (
+    "speechlm.data.manifest_cli",  # manifest build | stats
+    "speechlm.data.tokenizer",  # tokenizer train
+    "speechlm.data.plan",  # plan
+    "speechlm.train.entry",  # train
+    "speechlm.validate",  # validate
+    "speechlm.demo",  # demo (the Quick start's main job)
+    "speechlm.bench",  # bench sampler | packing | ...
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speechlm",
+        description="Train speech LLMs on packed (THD) sequences with context, tensor and data parallelism.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that subcommand is not part of this build
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Data side: manifests, text cleaning, tokenizer, sampler, dataset and loaders."""

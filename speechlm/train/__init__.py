@@ -1,0 +1,1 @@
+"""Training: Lightning module, strategy, callbacks, checkpoints, entrypoint."""
