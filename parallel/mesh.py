@@ -1,0 +1,115 @@
+"""`ParallelDims`: the one object that owns the parallel layout.
+
+Axes, outermost first: `dp_replicate` (pure replication, HSDP's outer axis), `dp_shard` (FSDP2),
+`cp` (context parallel), `tp` (tensor parallel, innermost so TP peers are neighbours, e.g. one node).
+Global rank g maps to coordinates in row-major order:
+
+    g = ((r_rep * dp_shard + r_shard) * cp + r_cp) * tp + r_tp
+
+Flattened sub-meshes the rest of the code asks for:
+- `dp`          = dp_replicate x dp_shard: the sampler's data-parallel ranks (CP/TP peers share a batch);
+- `dp_shard_cp` = dp_shard x cp: where FSDP2 shards parameters (CP ranks hold the same weights);
+- `dp_cp`       = dp_replicate x dp_shard x cp: the ranks the loss normaliser and gradients sum over.
+
+The rank arithmetic is pure (tested without a process group); `build_mesh` creates the DeviceMesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LayoutError(ValueError):
+    """The requested layout does not fit the world size."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left
+    cp: int = 1
+    tp: int = 1
+    _mesh: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "cp", "tp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        rest = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % rest:
+                raise LayoutError(
+                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp = "
+                    f"{self.dp_replicate}*{self.cp}*{self.tp} = {rest}; change --cp-size/--tp-size or the "
+                    f"number of processes"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // rest)
+        prod = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if prod != self.world_size:
+            raise LayoutError(
+                f"dp_replicate*dp_shard*cp*tp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = "
+                f"{prod} != world size {self.world_size}; set parallel.dp_shard=-1 to fill the rest"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world size {self.world_size}")
+        r_tp = rank % self.tp
+        r_cp = (rank // self.tp) % self.cp
+        r_shard = (rank // (self.tp * self.cp)) % self.dp_shard
+        r_rep = rank // (self.tp * self.cp * self.dp_shard)
+        return {"dp_replicate": r_rep, "dp_shard": r_shard, "cp": r_cp, "tp": r_tp}
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def cp_rank(self, rank: int) -> int:
+        return self.coords(rank)["cp"]
+
+    def tp_rank(self, rank: int) -> int:
+        return self.coords(rank)["tp"]
+
+    def peers(self, rank: int, axis: str) -> list[int]:
+        """Global ranks that differ from `rank` only along `axis` (in axis order)."""
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        c = self.coords(rank)
+        out = []
+        for i in range(sizes[axis]):
+            cc = dict(c, **{axis: i})
+            out.append(((cc["dp_replicate"] * self.dp_shard + cc["dp_shard"]) * self.cp + cc["cp"]) * self.tp + cc["tp"])
+        return out
+
+    def build_mesh(self, device_type: str) -> Any:
+        """Create the 4-D DeviceMesh with named axes and the flattened `dp`, `dp_shard_cp`, `dp_cp`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        object.__setattr__(self, "_mesh", mesh)
+        return mesh
+
+    @property
+    def mesh(self) -> Any:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+                f"cp={self.cp} tp={self.tp}")

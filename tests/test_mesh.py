@@ -1,0 +1,44 @@
+"""ParallelDims: pure rank arithmetic (no process group)."""
+
+import itertools
+
+import pytest
+
+from parallel.mesh import LayoutError, ParallelDims
+
+
+@pytest.mark.parametrize("world,rep,cp,tp", [(1, 1, 1, 1), (8, 1, 2, 2), (8, 2, 2, 1), (16, 2, 2, 2), (4, 1, 4, 1)])
+def test_coords_cover_every_rank_once(world, rep, cp, tp):
+    d = ParallelDims(world, rep, -1, cp, tp)
+    assert d.dp_replicate * d.dp_shard * d.cp * d.tp == world
+    seen = {tuple(d.coords(r).values()) for r in range(world)}
+    assert len(seen) == world
+    # tp is innermost: consecutive ranks are TP peers
+    if tp > 1:
+        assert d.peers(0, "tp") == list(range(tp))
+
+
+def test_cp_and_tp_peers_share_dp_rank():
+    d = ParallelDims(8, 1, -1, 2, 2)  # dp_shard = 2
+    assert d.dp == 2
+    for r in range(8):
+        for axis in ("cp", "tp"):
+            assert {d.dp_rank(p) for p in d.peers(r, axis)} == {d.dp_rank(r)}
+    assert sorted({d.dp_rank(r) for r in range(8)}) == [0, 1]
+
+
+def test_dp_rank_orders_replicate_then_shard():
+    d = ParallelDims(8, 2, 2, 2, 1)
+    got = [d.dp_rank(r) for r in range(8)]
+    assert got == [r // 2 for r in range(8)]
+    for r, (a, b) in zip(range(8), itertools.product(range(4), range(2))):
+        assert d.coords(r)["cp"] == b and d.dp_rank(r) == a
+
+
+def test_layout_errors_name_the_numbers():
+    with pytest.raises(LayoutError, match="not divisible"):
+        ParallelDims(6, 1, -1, 4, 1)
+    with pytest.raises(LayoutError, match="1\\*2\\*2\\*1 = 4 != world size 8"):
+        ParallelDims(8, 1, 2, 2, 1)
+    with pytest.raises(LayoutError, match="cp must be >= 1"):
+        ParallelDims(2, 1, -1, 0, 1)
