@@ -1,0 +1,414 @@
+"""Dataset, collation and loader: row indices in, padded `Batch` out.
+
+Shapes: B utterances in a batch, N audio samples (16 kHz mono), L tokens.
+
+The sampler (elsewhere) yields lists of manifest row indices; this module does all the I/O:
+
+    SpeechDataset[i]   decode row i's audio -> mono -> resample to 16 kHz; tokenize its clean text
+                       -> Sample, or DroppedSample(reason) when the audio cannot be used
+    Collator(pad_id)   drop the DroppedSamples (counted per reason), zero-pad audio_BN and
+                       pad tokens_BL with pad_id -> Batch; all dropped -> an empty Batch (B = 0)
+    build_dataloader   DataLoader(batch_sampler=..., collate_fn=Collator, worker_init_fn=seed_worker)
+
+A bad clip is never replaced by silence or by another row: the batch simply has one utterance
+fewer, and `Batch.dropped` says why. Workers are separate processes, so drop counts travel inside the
+batches and the trainer adds them up with `DropCounter`; nothing is shared between processes.
+
+The manifest stays columnar (Arrow string arrays, numpy codes for the language), so that forked
+workers do not touch millions of Python objects and slowly copy the parent's memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import soundfile as sf
+import soxr
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("audio_filepath", "text", "lang")
+DROP_REASONS = ("missing_file", "undecodable", "empty_audio")
+
+
+class AudioDecodeError(RuntimeError):
+    """An audio file exists but cannot be decoded into finite samples."""
+
+
+class TextTokenizer(Protocol):
+    """What the dataset needs from a tokenizer (`speechlm.data.tokenizer.Tokenizer` has it)."""
+
+    pad_id: int
+    langs: Sequence[str]
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
+    """Decode an audio file to float32 mono at `target_sr` (channels averaged, soxr HQ resampling).
+
+    Raises FileNotFoundError when there is no such file and AudioDecodeError when libsndfile cannot
+    decode it (unknown format, truncated stream) or it holds NaN/inf samples. An empty file decodes
+    to an empty array: whether that is an error is the caller's call.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
+    try:
+        x_NC, sr = sf.read(path, dtype="float32", always_2d=True)
+    except (sf.SoundFileError, RuntimeError, OSError, EOFError, ValueError) as e:
+        raise AudioDecodeError(f"cannot decode {path}: {e}") from e
+    x_N = x_NC.mean(axis=1, dtype=np.float32) if x_NC.shape[1] > 1 else x_NC[:, 0]
+    if x_N.size and not np.isfinite(x_N).all():
+        raise AudioDecodeError(f"{path} contains NaN or infinite samples: re-encode or drop the file")
+    if sr != target_sr and x_N.size:
+        x_N = soxr.resample(x_N, sr, target_sr, quality="HQ")
+    return np.ascontiguousarray(x_N, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One decoded utterance. `duration` is that of the decoded audio, in seconds."""
+
+    index: int
+    audio: torch.Tensor  # [N] float32, mono, at the dataset's sample rate
+    tokens: torch.Tensor  # [L] int64, no bos/eos, at most max_tokens
+    duration: float
+    lang: str
+    tokens_truncated: bool = False
+
+
+@dataclass(frozen=True)
+class DroppedSample:
+    """A row whose audio could not be used; `reason` is one of DROP_REASONS."""
+
+    index: int
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class Batch:
+    """Padded utterances of one micro-batch; B = 0 when every row of it was dropped."""
+
+    audio: torch.Tensor  # [B, N] float32, zero-padded
+    audio_lens: torch.Tensor  # [B] int64, valid samples per row
+    tokens: torch.Tensor  # [B, L] int64, padded with the tokenizer's pad_id
+    token_lens: torch.Tensor  # [B] int64
+    langs: list[str]
+    indices: list[int]  # manifest rows, in the sampler's order
+    durations: torch.Tensor  # [B] float32, seconds of decoded audio
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows dropped from this batch
+    tokens_truncated: int = 0  # rows whose tokens were cut to max_tokens
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def is_empty(self) -> bool:
+        return len(self.indices) == 0
+
+    @classmethod
+    def empty(cls, dropped: Mapping[str, int] | None = None) -> Batch:
+        """A batch with no utterances (B = 0), carrying the drop counts."""
+        return cls(
+            audio=torch.zeros(0, 0, dtype=torch.float32),
+            audio_lens=torch.zeros(0, dtype=torch.int64),
+            tokens=torch.zeros(0, 0, dtype=torch.int64),
+            token_lens=torch.zeros(0, dtype=torch.int64),
+            langs=[],
+            indices=[],
+            durations=torch.zeros(0, dtype=torch.float32),
+            dropped=dict(dropped or {}),
+        )
+
+    def _map_tensors(self, fn: Any) -> Batch:
+        return replace(
+            self,
+            audio=fn(self.audio),
+            audio_lens=fn(self.audio_lens),
+            tokens=fn(self.tokens),
+            token_lens=fn(self.token_lens),
+            durations=fn(self.durations),
+            langs=list(self.langs),
+            indices=list(self.indices),
+            dropped=dict(self.dropped),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy with every tensor on `device`."""
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        """A copy in page-locked memory; DataLoader(pin_memory=True) calls this on each batch."""
+        return self._map_tensors(lambda t: t.pin_memory())
+
+
+def _read_table(path: Path) -> pa.Table:
+    """Read a manifest with `speechlm.data.manifest.load_manifest` (parquet or NeMo JSON).
+
+    Falls back to reading the needed parquet columns directly when that module is not installed.
+    """
+    try:
+        from speechlm.data.manifest import load_manifest
+    except ModuleNotFoundError as e:
+        if e.name != "speechlm.data.manifest":
+            raise
+    else:
+        return load_manifest(path)
+    if not path.exists():
+        raise FileNotFoundError(f"manifest {path} does not exist: build one with `speechlm manifest build`")
+    names = pq.ParquetDataset(path).schema.names
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest")
+    return pq.read_table(path, columns=[c for c in (*REQUIRED_COLUMNS, "segment_id") if c in names])
+
+
+class SpeechDataset(Dataset):
+    """Map-style dataset over a training manifest: row index -> Sample | DroppedSample.
+
+    `table_or_path` is a pyarrow Table or a parquet manifest. Relative audio paths are resolved
+    against `base_dir` (default: the manifest's folder; the working directory for a Table).
+    """
+
+    def __init__(
+        self,
+        table_or_path: pa.Table | str | Path,
+        tokenizer: TextTokenizer,
+        *,
+        max_tokens: int = 512,
+        sample_rate: int = 16000,
+        base_dir: str | Path | None = None,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+        if isinstance(table_or_path, pa.Table):
+            table, self.source = table_or_path, "<table>"
+        else:
+            path = Path(table_or_path)
+            table, self.source = _read_table(path), str(path)
+            if base_dir is None:
+                base_dir = path.resolve().parent if path.is_file() else path.resolve()
+        missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+        if missing:
+            raise ValueError(
+                f"manifest {self.source} lacks column(s) {missing} (has {table.column_names}): rebuild it "
+                f"with `speechlm manifest build`"
+            )
+        self.tokenizer = tokenizer
+        self.max_tokens = int(max_tokens)
+        self.sample_rate = int(sample_rate)
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self._paths = table.column("audio_filepath").cast(pa.string()).combine_chunks()
+        self._texts = table.column("text").cast(pa.string()).combine_chunks()
+        self._segment_ids = (
+            table.column("segment_id").cast(pa.string()).combine_chunks()
+            if "segment_id" in table.column_names
+            else None
+        )
+        langs = pc.dictionary_encode(table.column("lang").cast(pa.string()).combine_chunks())
+        self._lang_codes = langs.indices.to_numpy(zero_copy_only=False)
+        self._lang_names: list[str] = langs.dictionary.to_pylist()
+        for name, col in (("audio_filepath", self._paths), ("text", self._texts), ("lang", langs)):
+            if col.null_count:
+                row = pc.index(pc.is_null(col), True).as_py()
+                raise ValueError(
+                    f"manifest {self.source}, row {row} ({self._describe(row)}): column {name} is null "
+                    f"({col.null_count} null rows in all); fix or rebuild the manifest"
+                )
+        unknown = sorted(set(self._lang_names) - set(tokenizer.langs))
+        if unknown:
+            raise ValueError(
+                f"manifest {self.source} has language(s) {unknown} that the tokenizer does not know "
+                f"(it knows {list(tokenizer.langs)}); retrain it with `speechlm tokenizer train --manifest ...`"
+            )
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def _describe(self, i: int) -> str:
+        if self._segment_ids is not None and self._segment_ids[i].is_valid:
+            return f"segment {self._segment_ids[i].as_py()}"
+        return f"row {i}"
+
+    def resolve_path(self, i: int) -> Path:
+        """Absolute (or base-dir relative) audio path of row `i`."""
+        path = Path(self._paths[i].as_py())
+        if not path.is_absolute() and self.base_dir is not None:
+            path = self.base_dir / path
+        return path
+
+    def lang(self, i: int) -> str:
+        return self._lang_names[int(self._lang_codes[i])]
+
+    def __getitem__(self, index: int) -> Sample | DroppedSample:
+        i = int(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {index} is out of range for manifest {self.source} with {len(self)} rows")
+        path = self.resolve_path(i)
+        try:
+            audio_N = load_audio(path, self.sample_rate)
+        except FileNotFoundError as e:
+            return self._drop(i, "missing_file", str(e))
+        except AudioDecodeError as e:
+            return self._drop(i, "undecodable", str(e))
+        if audio_N.size == 0:
+            return self._drop(i, "empty_audio", f"{path} decodes to no samples")
+        text = self._texts[i].as_py()
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as e:
+            raise ValueError(f"manifest {self.source}, {self._describe(i)}: {e}") from e
+        truncated = len(ids) > self.max_tokens
+        return Sample(
+            index=i,
+            audio=torch.from_numpy(audio_N),
+            tokens=torch.tensor(ids[: self.max_tokens], dtype=torch.int64),
+            duration=audio_N.size / self.sample_rate,
+            lang=self.lang(i),
+            tokens_truncated=truncated,
+        )
+
+    def _drop(self, i: int, reason: str, detail: str) -> DroppedSample:
+        logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
+        return DroppedSample(index=i, reason=reason, detail=detail)
+
+
+class Collator:
+    """collate_fn: Samples -> padded Batch; DroppedSamples are left out and counted per reason."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = int(pad_id)
+
+    def __repr__(self) -> str:
+        return f"Collator(pad_id={self.pad_id})"
+
+    def __call__(self, items: Sequence[Sample | DroppedSample]) -> Batch:
+        kept: list[Sample] = []
+        dropped: Counter[str] = Counter()
+        for item in items:
+            if isinstance(item, Sample):
+                kept.append(item)
+            elif isinstance(item, DroppedSample):
+                dropped[item.reason] += 1
+            else:
+                raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
+        if not kept:
+            return Batch.empty(dropped)
+        audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
+        token_lens_B = torch.tensor([s.tokens.numel() for s in kept], dtype=torch.int64)
+        audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
+        tokens_BL = torch.full((len(kept), int(token_lens_B.max())), self.pad_id, dtype=torch.int64)
+        for b, s in enumerate(kept):
+            audio_BN[b, : s.audio.numel()] = s.audio
+            tokens_BL[b, : s.tokens.numel()] = s.tokens
+        return Batch(
+            audio=audio_BN,
+            audio_lens=audio_lens_B,
+            tokens=tokens_BL,
+            token_lens=token_lens_B,
+            langs=[s.lang for s in kept],
+            indices=[s.index for s in kept],
+            durations=torch.tensor([s.duration for s in kept], dtype=torch.float32),
+            dropped=dict(dropped),
+            tokens_truncated=sum(s.tokens_truncated for s in kept),
+        )
+
+
+class DropCounter:
+    """Running totals of dropped rows per reason, fed from `Batch.dropped` in the training loop."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+
+    def update(self, dropped: Mapping[str, int]) -> None:
+        for reason, n in dropped.items():
+            if n < 0:
+                raise ValueError(f"drop count for {reason!r} is negative ({n})")
+            if n:
+                self._counts[reason] += int(n)
+
+    @property
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(sorted(self._counts.items()))
+
+    def state_dict(self) -> dict[str, int]:
+        return self.as_dict()
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._counts = Counter()
+        self.update(state)
+
+    def __str__(self) -> str:
+        if not self._counts:
+            return "no rows dropped"
+        parts = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"{self.total} rows dropped ({parts})"
+
+
+def seed_worker(worker_id: int, *, seed: int) -> None:
+    """worker_init_fn: seed random, numpy and torch in a worker from (seed, worker_id) only."""
+    words = np.random.SeedSequence([int(seed), int(worker_id)]).generate_state(4, dtype=np.uint32)
+    random.seed(int(words[0]) << 32 | int(words[1]))
+    np.random.seed(int(words[2]))
+    torch.manual_seed(int(words[3]) << 32 | int(words[1]))
+
+
+def build_dataloader(
+    dataset: Dataset,
+    batch_sampler: Iterable[list[int]],
+    *,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    seed: int = 0,
+    prefetch_factor: int = 2,
+    collate_fn: Collator | None = None,
+) -> DataLoader:
+    """DataLoader over `batch_sampler` (lists of row indices) yielding `Batch`es in the sampler's order.
+
+    `collate_fn` defaults to `Collator(dataset.tokenizer.pad_id)`. With workers, each one is seeded
+    from (seed, worker id); persistent_workers and prefetch_factor apply only when num_workers > 0.
+    `pin_memory` is ignored when no accelerator is present.
+    """
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be >= 0")
+    if collate_fn is None:
+        tokenizer = getattr(dataset, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(
+                f"{type(dataset).__name__} has no .tokenizer to take pad_id from: pass collate_fn=Collator(pad_id)"
+            )
+        collate_fn = Collator(tokenizer.pad_id)
+    extra: dict[str, Any] = {}
+    if num_workers > 0:
+        extra.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory and torch.accelerator.is_available(),
+        worker_init_fn=functools.partial(seed_worker, seed=seed),
+        generator=torch.Generator().manual_seed(seed),
+        in_order=True,
+        **extra,
+    )

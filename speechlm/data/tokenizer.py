@@ -1,0 +1,372 @@
+"""SentencePiece tokenizer with fixed special ids and one whole token per language tag.
+
+Vocabulary layout (ids are fixed, whatever the corpus):
+
+    0 <pad>   1 <unk>   2 <s> (bos)   3 </s> (eos)   4 <|audio|>   5.. <|xx|> one per language, in order
+    then the learned pieces (BPE or unigram)
+
+`<|audio|>` and the language tags are SentencePiece *user-defined* symbols, so the model never splits
+them. SentencePiece still prepends its word-boundary piece "▁" to text that starts with a tag, which
+would cost one useless token per utterance; `Tokenizer.encode` therefore cuts the text at the special
+symbols, maps each symbol straight to its id, and hands only the text between them to SentencePiece.
+Training sees exactly that text (the symbols removed), so the learned pieces match what `encode`
+asks of them.
+
+Files written by `train_tokenizer(texts, "dir/tokenizer", ...)`:
+
+    dir/tokenizer.model   the SentencePiece model
+    dir/tokenizer.vocab   one "piece<TAB>score" line per id
+    dir/tokenizer.json    languages, special ids, model type, vocabulary size
+
+`Tokenizer` pickles as its path and reloads the model in the receiving process (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
+AUDIO = "<|audio|>"
+SIDECAR_FORMAT = 1
+
+_TAG_RE = re.compile(r"<\|([^|<>\s]+)\|>")
+_LANG_RE = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+class UnknownLanguageError(KeyError):
+    """A language the tokenizer has no tag for (a KeyError whose message prints without quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def format_lang_tag(lang: str) -> str:
+    """Return the tag token of a language code: "hi" -> "<|hi|>"."""
+    return f"<|{lang}|>"
+
+
+def _check_langs(langs: Sequence[str]) -> list[str]:
+    """Validate language codes and drop repeats, keeping the first-seen order."""
+    if isinstance(langs, str):
+        raise TypeError(
+            f"langs must be a sequence of language codes, got the string {langs!r}; wrap it in a list"
+        )
+    out: list[str] = []
+    for lang in langs:
+        if not isinstance(lang, str) or not _LANG_RE.fullmatch(lang):
+            raise ValueError(
+                f"language code {lang!r} is not valid: use letters, digits, '_' or '-' only "
+                f"(a bare code like 'hi', not a tag like '<|hi|>')"
+            )
+        if lang == "audio":
+            raise ValueError("'audio' cannot be a language code: <|audio|> is the audio placeholder")
+        if lang not in out:
+            out.append(lang)
+    if not out:
+        raise ValueError("no languages given: pass at least one language code, e.g. langs=['hi']")
+    return out
+
+
+def _strip_special(text: str) -> str:
+    """Remove special symbols and collapse the whitespace around them (the text SentencePiece sees)."""
+    return " ".join(_TAG_RE.sub(" ", text).split())
+
+
+def _iterate_training_text(texts: Iterable[str]) -> Iterator[str]:
+    for text in texts:
+        if text is None:
+            continue
+        plain = _strip_special(str(text))
+        if plain:
+            yield plain
+
+
+def _split_prefix(out_prefix: str | Path) -> Path:
+    prefix = Path(out_prefix)
+    if prefix.suffix in (".model", ".vocab", ".json"):
+        prefix = prefix.with_suffix("")
+    return prefix
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    out_prefix: str | Path,
+    *,
+    langs: Sequence[str],
+    vocab_size: int = 500,
+    model_type: str = "bpe",
+    character_coverage: float = 1.0,
+) -> Path:
+    """Train a SentencePiece model on `texts` and write `<out_prefix>.{model,vocab,json}`.
+
+    `texts` are cleaned transcripts, usually starting with a language tag; the tags are not learned as
+    pieces (they are reserved symbols). Training is single-threaded and reads every sentence, so the
+    same texts give the same model byte for byte. `vocab_size` is a soft limit: a small corpus gets
+    fewer pieces instead of an error. Returns the path of the `.model` file.
+    """
+    langs = _check_langs(langs)
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type={model_type!r} is not supported: use 'bpe' or 'unigram'")
+    reserved = 4 + 1 + len(langs)
+    if vocab_size <= reserved:
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room for learned pieces: {reserved} ids are reserved "
+            f"(pad, unk, bos, eos, audio and {len(langs)} language tags); use a larger vocab_size"
+        )
+    prefix = _split_prefix(out_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    user_symbols = [AUDIO] + [format_lang_tag(lang) for lang in langs]
+    sentences = _iterate_training_text(texts)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences,
+            model_prefix=str(prefix),
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            hard_vocab_limit=False,
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            pad_piece=PAD,
+            unk_piece=UNK,
+            bos_piece=BOS,
+            eos_piece=EOS,
+            user_defined_symbols=user_symbols,
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=1 << 16,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"SentencePiece training for {prefix}.model failed: {e}. If the corpus is empty or tiny, "
+            f"check the text column; if it says the vocabulary is too small for the characters, raise "
+            f"vocab_size (now {vocab_size}) or lower character_coverage (now {character_coverage})"
+        ) from e
+    sp = spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+    sidecar = {
+        "format": SIDECAR_FORMAT,
+        "model_type": model_type,
+        "vocab_size": sp.get_piece_size(),
+        "langs": langs,
+        "special": {name: sp.piece_to_id(name) for name in (PAD, UNK, BOS, EOS, AUDIO)},
+        "lang_ids": {lang: sp.piece_to_id(format_lang_tag(lang)) for lang in langs},
+    }
+    Path(f"{prefix}.json").write_text(json.dumps(sidecar, indent=2, ensure_ascii=False) + "\n")
+    return Path(f"{prefix}.model")
+
+
+class Tokenizer:
+    """A trained SentencePiece model plus its special ids; `encode` adds no bos/eos."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._load(path)
+
+    def _load(self, path: str | Path) -> None:
+        prefix = _split_prefix(path)
+        self.path = Path(f"{prefix}.model")
+        self._sidecar_path = Path(f"{prefix}.json")
+        if not self.path.is_file():
+            raise FileNotFoundError(
+                f"tokenizer model {self.path} does not exist: train one with "
+                f"`speechlm tokenizer train --manifest PATH` or pass the prefix used for train_tokenizer"
+            )
+        if not self._sidecar_path.is_file():
+            raise FileNotFoundError(
+                f"{self._sidecar_path} (languages and special ids) is missing next to {self.path}: "
+                f"it is written by train_tokenizer; retrain the tokenizer or restore the file"
+            )
+        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        meta = json.loads(self._sidecar_path.read_text())
+        self.langs: tuple[str, ...] = tuple(meta["langs"])
+        self.pad_id = self._piece_id(PAD)
+        self.unk_id = self._piece_id(UNK)
+        self.bos_id = self._piece_id(BOS)
+        self.eos_id = self._piece_id(EOS)
+        self.audio_id = self._piece_id(AUDIO)
+        self._lang_ids = {lang: self._piece_id(format_lang_tag(lang)) for lang in self.langs}
+        expected = {**meta["special"], **{format_lang_tag(k): v for k, v in meta["lang_ids"].items()}}
+        actual = {
+            PAD: self.pad_id,
+            UNK: self.unk_id,
+            BOS: self.bos_id,
+            EOS: self.eos_id,
+            AUDIO: self.audio_id,
+        }
+        actual.update({format_lang_tag(k): v for k, v in self._lang_ids.items()})
+        if expected != actual:
+            raise ValueError(
+                f"{self._sidecar_path} does not match {self.path} (special ids {expected} vs {actual}): "
+                f"the two files come from different trainings; retrain the tokenizer"
+            )
+        self._special_ids = {tok: i for tok, i in actual.items()}
+        self._lang_by_id = {i: lang for lang, i in self._lang_ids.items()}
+        self._dropped_ids = frozenset((self.pad_id, self.bos_id, self.eos_id, self.audio_id))
+
+    def _piece_id(self, piece: str) -> int:
+        i = self._sp.piece_to_id(piece)
+        if i == self._sp.unk_id() and piece != UNK:
+            raise ValueError(f"{self.path} has no piece {piece!r}: it was not trained by train_tokenizer")
+        return int(i)
+
+    # pickling: carry the path only; the receiving process reloads the model
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._load(state["path"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, langs={list(self.langs)})"
+
+    def lang_id(self, lang: str) -> int:
+        """Return the id of the tag token `<|lang|>`."""
+        try:
+            return self._lang_ids[lang]
+        except KeyError:
+            raise UnknownLanguageError(
+                f"language {lang!r} is not in tokenizer {self.path} (known: {', '.join(self.langs)}); "
+                f"retrain the tokenizer on a manifest that contains it"
+            ) from None
+
+    def id_to_piece(self, i: int) -> str:
+        return str(self._sp.id_to_piece(int(i)))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special symbols (`<|hi|>`, `<|audio|>`) become one id each, no bos/eos."""
+        ids: list[int] = []
+        pos = 0
+        for m in _TAG_RE.finditer(text):
+            ids.extend(self._encode_plain(text[pos : m.start()]))
+            special = self._special_ids.get(m.group(0))
+            if special is None:
+                raise ValueError(
+                    f"text contains the tag {m.group(0)!r}, which tokenizer {self.path} does not know "
+                    f"(languages: {', '.join(self.langs)}); retrain the tokenizer with this language or "
+                    f"fix the text: {text[:80]!r}"
+                )
+            ids.append(special)
+            pos = m.end()
+        ids.extend(self._encode_plain(text[pos:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        text = " ".join(text.split())
+        return list(self._sp.encode(text)) if text else []
+
+    def decode(self, ids: Iterable[int], *, keep_lang_tag: bool = False) -> str:
+        """Text of `ids`, without pad/bos/eos/audio; language tags only with `keep_lang_tag=True`."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()  # a tensor or an array
+        n = self.vocab_size
+        parts: list[str] = []
+        run: list[int] = []
+        for raw in ids:
+            i = int(raw)
+            if not 0 <= i < n:
+                raise ValueError(f"token id {i} is out of range for tokenizer {self.path} (0..{n - 1})")
+            if i in self._dropped_ids:
+                continue
+            lang = self._lang_by_id.get(i)
+            if lang is None:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._sp.decode(run))
+                run = []
+            if keep_lang_tag:
+                parts.append(format_lang_tag(lang))
+        if run:
+            parts.append(self._sp.decode(run))
+        return " ".join(p.strip() for p in parts if p.strip())
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI: speechlm tokenizer train --manifest PATH
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `speechlm tokenizer train`."""
+    parser = subparsers.add_parser("tokenizer", help="train the SentencePiece tokenizer")
+    sub = parser.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train on the text column of a training manifest",
+        description="Train a SentencePiece tokenizer (with one tag token per language of the manifest).",
+    )
+    train.add_argument("--manifest", required=True, type=Path, help="training manifest (parquet)")
+    train.add_argument(
+        "--out", type=Path, default=None, help="output prefix (default: <manifest dir>/tokenizer)"
+    )
+    train.add_argument("--vocab-size", type=int, default=500, help="soft vocabulary size (default: 500)")
+    train.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="default: bpe")
+    train.add_argument(
+        "--character-coverage", type=float, default=1.0, help="share of characters kept (default: 1.0)"
+    )
+    train.set_defaults(func=run_train_command)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
+    """Return (texts, sorted languages) from the `text` and `lang` columns of a parquet manifest."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if not path.exists():
+        raise FileNotFoundError(f"manifest {path} does not exist: build one with `speechlm manifest build`")
+    names = pq.read_schema(path).names if path.is_file() else None
+    if names is not None:
+        missing = [c for c in ("text", "lang") if c not in names]
+        if missing:
+            raise ValueError(f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest")
+    table = pq.read_table(path, columns=["text", "lang"])
+    lang_col = table.column("lang")
+    if lang_col.null_count:
+        raise ValueError(
+            f"manifest {path}: {lang_col.null_count} row(s) have no lang; fix or rebuild the manifest"
+        )
+    langs = sorted(str(x) for x in pc.unique(lang_col.cast("string")).to_pylist())
+    texts = [t for t in table.column("text").to_pylist() if t]
+    return texts, langs
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    manifest = Path(args.manifest)
+    out = args.out if args.out is not None else manifest.resolve().parent / "tokenizer"
+    texts, langs = read_manifest_text(manifest)
+    if not texts:
+        raise SystemExit(f"manifest {manifest} has no non-empty text: nothing to train a tokenizer on")
+    model_path = train_tokenizer(
+        texts,
+        out,
+        langs=langs,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+    )
+    tok = Tokenizer(model_path)
+    sample = texts[0]
+    ids = tok.encode(sample)
+    print(f"model: {model_path}")
+    print(f"vocab size: {tok.vocab_size} ({len(texts)} texts, languages: {', '.join(langs)})")
+    print(f"sample: {sample}")
+    print(f"  ids:    {ids}")
+    print(f"  pieces: {[tok.id_to_piece(i) for i in ids]}")
+    return 0
