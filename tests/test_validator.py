@@ -1,0 +1,558 @@
+"""The parallel-layout validator: one trigger and one near miss per rule row, the full grid of the
+issue's three layout rules, the helpers, and the generated docs."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallel.backend_caps import BACKENDS
+from parallel.validator import (
+    ERROR,
+    RULES,
+    WARNING,
+    Finding,
+    ValidationError,
+    check_or_raise,
+    format_findings,
+    normalize_installed,
+    parse_capability,
+    parse_version,
+    validate,
+)
+from speechlm.config import ExperimentConfig, apply_override
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALLED = {"torch": "2.13.0", "transformer-engine": "2.5.0", "flash-attn": "2.8.3", "cudnn": "9.10.0"}
+
+
+def make_config(*overrides: str, **attrs: Any) -> ExperimentConfig:
+    """Defaults + dotted overrides; `attrs` ("model__pad_to_multiple"=8) sets fields the config lacks."""
+    cfg = ExperimentConfig()
+    for ov in overrides:
+        apply_override(cfg, ov)
+    for path, value in attrs.items():
+        *parents, leaf = path.split("__")
+        obj: Any = cfg
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, leaf, value)
+    return cfg
+
+
+@dataclass
+class Case:
+    overrides: tuple[str, ...] = ()
+    world: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    cap: Any = 9.0
+    installed: dict[str, str | None] = field(default_factory=lambda: dict(INSTALLED))
+    manifest: dict[str, Any] | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def ids(self) -> list[str]:
+        cfg = make_config(*self.overrides, **self.attrs)
+        findings = validate(
+            cfg, self.world, self.env, self.cap, self.installed, manifest_summary=self.manifest
+        )
+        return [f.rule_id for f in findings]
+
+
+def _without(name: str) -> dict[str, str | None]:
+    return {**INSTALLED, name: None}
+
+
+# rule id -> (a case that triggers it, a near miss that does not)
+RULE_CASES: dict[str, tuple[Case, Case]] = {
+    "world-size-mismatch": (
+        Case(("parallel.dp_shard=2",), world=4),
+        Case(("parallel.dp_shard=2",), world=2),
+    ),
+    "backend-unknown": (
+        Case(attrs={"model__attention_backend": "xformers"}),
+        Case(("model.attention_backend=reference",)),
+    ),
+    "bshd-with-cp": (
+        Case(("model.packed_sequences=false", "parallel.cp_size=2"), world=2),
+        Case(("model.packed_sequences=true", "parallel.cp_size=2"), world=2),
+    ),
+    "thd-backend-no-varlen": (
+        Case(("model.packed_sequences=true", "model.attention_backend=sdpa")),
+        Case(("model.packed_sequences=false", "model.attention_backend=sdpa")),
+    ),
+    "bshd-backend-no-padding": (
+        Case(("model.packed_sequences=false", "model.attention_backend=torch_varlen")),
+        Case(("model.packed_sequences=true", "model.attention_backend=torch_varlen")),
+    ),
+    "backend-no-cp": (
+        Case(("model.attention_backend=flash", "parallel.cp_size=2"), world=2),
+        Case(("model.attention_backend=flash", "parallel.cp_size=1"), world=1),
+    ),
+    "te-fused-attn-sm120": (
+        Case(("model.attention_backend=te",), cap=12.0),
+        Case(("model.attention_backend=te",), cap=12.0, env={"NVTE_FUSED_ATTN": "0"}),
+    ),
+    "te-fused-attn": (
+        Case(("model.attention_backend=te",), cap=9.0, env={"NVTE_FUSED_ATTN": "1"}),
+        Case(("model.attention_backend=te", "trainer.validate_only=true"), cap=9.0),
+    ),
+    "te-thd-needs-flash-attn": (
+        Case(("model.attention_backend=te",), env={"NVTE_FUSED_ATTN": "0"}, installed=_without("flash-attn")),
+        Case(("model.attention_backend=te",), env={"NVTE_FUSED_ATTN": "0"}),
+    ),
+    "heads-not-divisible-by-tp": (
+        Case(("parallel.tp_size=3",), world=3),
+        Case(("parallel.tp_size=2",), world=2),
+    ),
+    "rounding-not-divisible": (
+        Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 4}),
+        Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 16}),
+    ),
+    "backend-not-installed": (
+        Case(("model.attention_backend=flash",), installed=_without("flash-attn")),
+        Case(("model.attention_backend=reference",), installed=_without("flash-attn")),
+    ),
+    "backend-version-unsupported": (
+        Case(("model.attention_backend=torch_varlen",), installed={**INSTALLED, "torch": "2.9.1+cu128"}),
+        Case(("model.attention_backend=torch_varlen",), installed={**INSTALLED, "torch": "2.10.0+cu128"}),
+    ),
+    "backend-needs-gpu": (
+        Case(("model.attention_backend=flash",), cap=None),
+        Case(("model.attention_backend=flash",), cap=9.0),
+    ),
+    "gpu-too-old-for-backend": (
+        Case(("model.attention_backend=flash",), cap=7.5),
+        Case(("model.attention_backend=flash",), cap=8.0),
+    ),
+    "reference-at-scale": (
+        Case(("model.attention_backend=reference",), world=8, cap=9.0),
+        Case(("model.attention_backend=reference",), world=4, cap=9.0),
+    ),
+    "sampler-budget-invalid": (
+        Case(("sampler.max_batch_duration=0",)),
+        Case(("sampler.max_batch_duration=30",)),
+    ),
+    "budget-below-longest-utterance": (
+        Case(("sampler.max_batch_duration=90",), manifest={"max_duration": 120.0}),
+        Case(("sampler.max_batch_duration=90",), manifest={"max_duration": 30.0}),
+    ),
+    "grad-accum-exceeds-batches": (
+        Case(("trainer.grad_accum=4",), world=4, manifest={"n_rows": 10}),
+        Case(("trainer.grad_accum=2",), world=4, manifest={"n_rows": 10}),
+    ),
+}
+
+
+def test_every_rule_row_has_a_case() -> None:
+    assert set(RULE_CASES) == {r.id for r in RULES}
+
+
+def test_rule_ids_are_unique_kebab_case_with_static_levels() -> None:
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+    for r in RULES:
+        assert r.id == r.id.lower() and " " not in r.id and "_" not in r.id, r.id
+        assert r.level in (ERROR, WARNING)
+        assert r.doc and r.when
+
+
+@pytest.mark.parametrize("rule_id", [r.id for r in RULES])
+def test_rule_triggers_and_near_miss_does_not(rule_id: str) -> None:
+    trigger, near_miss = RULE_CASES[rule_id]
+    assert rule_id in trigger.ids()
+    assert rule_id not in near_miss.ids()
+
+
+# ---------------------------------------------------------------------------------------------
+# The issue's three layout rules over the full grid
+# ---------------------------------------------------------------------------------------------
+
+NVTE_VALUES = (None, "", "0", "1")
+CAPABILITIES = (None, 9.0, 12.0)
+
+
+def expected_layout_ids(
+    packed: bool, cp: int, backend: str, nvte: str | None, cap: Any, validate_only: bool
+) -> set[str]:
+    caps = BACKENDS[backend]
+    out = set()
+    if not packed and cp > 1:
+        out.add("bshd-with-cp")
+    if packed and not caps.thd:
+        out.add("thd-backend-no-varlen")
+    if not packed and not caps.bshd:
+        out.add("bshd-backend-no-padding")
+    if cp > 1 and not caps.cp:
+        out.add("backend-no-cp")
+    if packed and backend == "te" and nvte != "0" and not validate_only and cap is not None:
+        out.add("te-fused-attn-sm120" if cap == 12.0 else "te-fused-attn")
+    if cap is None and not caps.cpu and not (validate_only and backend == "flex"):
+        out.add("backend-needs-gpu")
+    return out
+
+
+@pytest.mark.parametrize("validate_only", [False, True])
+def test_layout_grid(validate_only: bool) -> None:
+    checked = 0
+    for packed, cp, backend, nvte, cap in product((False, True), (1, 2), BACKENDS, NVTE_VALUES, CAPABILITIES):
+        cfg = make_config(
+            f"model.packed_sequences={str(packed).lower()}",
+            f"parallel.cp_size={cp}",
+            f"model.attention_backend={backend}",
+            f"trainer.validate_only={str(validate_only).lower()}",
+        )
+        env = {} if nvte is None else {"NVTE_FUSED_ATTN": nvte}
+        got = {f.rule_id for f in validate(cfg, cp, env, cap, INSTALLED)}
+        want = expected_layout_ids(packed, cp, backend, nvte, cap, validate_only)
+        assert got == want, (packed, cp, backend, nvte, cap, validate_only)
+        checked += 1
+    assert checked == 2 * 2 * len(BACKENDS) * len(NVTE_VALUES) * len(CAPABILITIES)
+
+
+def test_grid_spot_checks_read_like_the_issue() -> None:
+    def ids(*ov: str, env: dict[str, str] | None = None, cap: Any = 9.0, world: int = 1) -> set[str]:
+        return {f.rule_id for f in validate(make_config(*ov), world, env or {}, cap, INSTALLED)}
+
+    assert "bshd-with-cp" in ids("model.packed_sequences=false", "parallel.cp_size=2", world=2)
+    assert ids("model.packed_sequences=false", "parallel.cp_size=1") == set()
+    assert ids("model.attention_backend=sdpa") == {"thd-backend-no-varlen"}
+    assert ids("model.attention_backend=te", cap=12.0) == {"te-fused-attn-sm120"}
+    assert ids("model.attention_backend=te", env={"NVTE_FUSED_ATTN": ""}, cap=12.0) == {"te-fused-attn-sm120"}
+    assert ids("model.attention_backend=te", env={"NVTE_FUSED_ATTN": "0"}, cap=12.0) == set()
+    assert ids("model.attention_backend=te", cap=9.0) == {"te-fused-attn"}
+    assert ids("model.attention_backend=te", "model.packed_sequences=false", cap=12.0) == set()
+
+
+def test_findings_carry_level_reason_and_fix() -> None:
+    cfg = make_config("model.packed_sequences=false", "parallel.cp_size=2")
+    (f,) = validate(cfg, 2, {}, None, INSTALLED)
+    assert f.level == ERROR and f.rule_id == "bshd-with-cp"
+    assert "cp=2" in f.reason and "model.packed_sequences=true" in f.fix
+    assert f.as_dict() == {"level": "error", "rule_id": "bshd-with-cp", "reason": f.reason, "fix": f.fix}
+
+
+def test_thd_error_names_the_backends_with_a_varlen_path() -> None:
+    (f,) = validate(make_config("model.attention_backend=sdpa"), 1, {}, None, INSTALLED)
+    for name, caps in BACKENDS.items():
+        assert (name in f.fix) == caps.thd, name
+
+
+def test_errors_come_before_warnings() -> None:
+    cfg = make_config("model.attention_backend=te", "parallel.tp_size=3")
+    findings = validate(cfg, 3, {}, 9.0, INSTALLED)
+    assert [f.rule_id for f in findings] == ["heads-not-divisible-by-tp", "te-fused-attn"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule details
+# ---------------------------------------------------------------------------------------------
+
+
+def test_world_size_messages_give_the_numbers() -> None:
+    (f,) = validate(make_config("parallel.dp_shard=2", "parallel.tp_size=2"), 8, {}, None, INSTALLED)
+    assert "1*2*1*2 = 4" in f.reason and "world size is 8" in f.reason
+    (f,) = validate(make_config("parallel.tp_size=4"), 6, {}, 9.0, INSTALLED)
+    assert "dp_shard=-1" in f.reason and "6" in f.reason and "= 4" in f.reason
+    (f,) = validate(make_config("parallel.dp_shard=0"), 1, {}, 9.0, INSTALLED)
+    assert "dp_shard=0" in f.reason
+    assert (
+        validate(make_config("parallel.dp_replicate=2", "parallel.cp_size=2"), 8, {}, None, INSTALLED) == []
+    )
+
+
+def test_encoder_heads_count_only_when_the_encoder_is_tensor_parallel() -> None:
+    base = ("parallel.tp_size=2", "model.encoder.num_heads=3")
+    assert validate(make_config(*base), 2, {}, 9.0, INSTALLED) == []
+    (f,) = validate(make_config(*base, "model.encoder.tensor_parallel=true"), 2, {}, 9.0, INSTALLED)
+    assert "model.encoder.num_heads=3" in f.reason
+    (f,) = validate(make_config("parallel.tp_size=2", "model.llm.num_kv_heads=1"), 2, {}, 9.0, INSTALLED)
+    assert "num_kv_heads=1" in f.reason and "num_heads=4" not in f.reason
+
+
+@pytest.mark.parametrize(
+    ("cp", "tp", "packed", "multiple", "fires"),
+    [
+        (1, 1, True, 1, False),
+        (1, 4, True, 6, True),
+        (1, 4, True, 8, False),
+        (2, 1, True, 2, True),  # chunks of 2*cp = 4
+        (2, 1, True, 4, False),
+        (2, 8, True, 8, True),  # lcm(4, 16) = 16: 8 leaves 4 tokens per rank for tp=8
+        (2, 8, True, 16, False),
+        (1, 2, False, 3, True),  # BSHD: the padded length must divide by tp
+        (1, 2, False, 2, False),
+    ],
+)
+def test_rounding_unit(cp: int, tp: int, packed: bool, multiple: int, fires: bool) -> None:
+    cfg = make_config(
+        f"parallel.cp_size={cp}",
+        f"parallel.tp_size={tp}",
+        f"model.packed_sequences={str(packed).lower()}",
+        "model.llm.num_heads=8",
+        "model.llm.num_kv_heads=8",
+        model__pad_to_multiple=multiple,
+    )
+    ids = [f.rule_id for f in validate(cfg, cp * tp, {}, 9.0, INSTALLED)]
+    assert ("rounding-not-divisible" in ids) == fires
+
+
+def test_te_fused_attn_reads_the_flag_like_transformer_engine() -> None:
+    cfg = make_config("model.attention_backend=te")
+    for value, fires in (("0", False), (" 0 ", False), ("00", False), ("1", True), ("", True), ("no", True)):
+        ids = [f.rule_id for f in validate(cfg, 1, {"NVTE_FUSED_ATTN": value}, "12.0", INSTALLED)]
+        assert ("te-fused-attn-sm120" in ids) == fires, value
+
+
+def test_te_with_fused_attention_off_needs_flash_attn_enabled() -> None:
+    cfg = make_config("model.attention_backend=te")
+    env = {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"}
+    (f,) = validate(cfg, 1, env, 9.0, INSTALLED)
+    assert f.rule_id == "te-thd-needs-flash-attn" and "NVTE_FLASH_ATTN=0" in f.reason
+    bshd = make_config("model.attention_backend=te", "model.packed_sequences=false")
+    assert validate(bshd, 1, env, 9.0, INSTALLED) == []
+
+
+def test_missing_and_old_packages() -> None:
+    te = make_config("model.attention_backend=te")
+    ids = [
+        f.rule_id
+        for f in validate(te, 1, {"NVTE_FUSED_ATTN": "0"}, 9.0, {"torch": "2.13.0", "flash-attn": "2.8"})
+    ]
+    assert ids == ["backend-not-installed"]
+    (f,) = validate(te, 1, {"NVTE_FUSED_ATTN": "0"}, 9.0, {**INSTALLED, "transformer_engine": "1.10.0"})
+    assert f.rule_id == "backend-version-unsupported" and "1.10.0" in f.reason and "< 1.11" in f.reason
+    ref = make_config()
+    (f,) = validate(ref, 1, {}, None, {"torch": "2.5.1"})
+    assert f.rule_id == "backend-version-unsupported" and "torch 2.5.1" in f.reason
+    (f,) = validate(ref, 1, {}, None, {})
+    assert f.rule_id == "backend-not-installed" and "pip install torch" in f.fix
+    assert validate(ref, 1, {}, None, {"torch": "unknown"}) == []  # unreadable version: not judged
+    flash = make_config("model.attention_backend=flash")
+    (f,) = validate(flash, 1, {}, 9.0, {"torch": "2.13.0", "flash-attn": "none"})
+    assert "speechlm[flash]" in f.fix
+
+
+def test_flex_on_cpu_is_fine_for_validation_only() -> None:
+    assert (
+        validate(
+            make_config("model.attention_backend=flex", "trainer.validate_only=true"), 1, {}, None, INSTALLED
+        )
+        == []
+    )
+    (f,) = validate(make_config("model.attention_backend=flex"), 1, {}, None, INSTALLED)
+    assert f.rule_id == "backend-needs-gpu"
+
+
+def test_reference_at_scale_suggests_backends_for_the_layout() -> None:
+    (f,) = validate(make_config(), 16, {}, 9.0, INSTALLED)
+    assert f.level == WARNING and "flash" in f.fix and "sdpa" not in f.fix
+    (f,) = validate(make_config("model.packed_sequences=false"), 16, {}, 9.0, INSTALLED)
+    assert "sdpa" not in f.fix and "torch_varlen" not in f.fix and "flash" in f.fix
+    assert validate(make_config("parallel.cp_size=2"), 16, {}, 9.0, INSTALLED) == []  # no other CP backend
+    assert validate(make_config(), 16, {}, None, INSTALLED) == []  # CPU
+
+
+def test_token_budget_counts_the_rounded_length() -> None:
+    ov = ("parallel.cp_size=2", "parallel.tp_size=4", "sampler.max_batch_tokens=999")
+    cfg = make_config(*ov)
+    ids = [f.rule_id for f in validate(cfg, 8, {}, 9.0, INSTALLED, manifest_summary={"max_tokens": 997})]
+    assert ids == ["budget-below-longest-utterance"]  # 997 -> 1000 (multiple of lcm(4, 8) = 8) > 999
+    (f,) = validate(cfg, 8, {}, 9.0, INSTALLED, manifest_summary={"max_tokens": 997})
+    assert f.level == WARNING and "997 tokens, 1000 after rounding" in f.reason
+    assert (
+        validate(
+            make_config(*ov[:2], "sampler.max_batch_tokens=1000"),
+            8,
+            {},
+            9.0,
+            INSTALLED,
+            manifest_summary={"max_tokens": 997},
+        )
+        == []
+    )
+    (f,) = validate(make_config(*ov[:2], "sampler.max_batch_tokens=6"), 8, {}, 9.0, INSTALLED)
+    assert f.rule_id == "sampler-budget-invalid" and "8 tokens" in f.reason
+    (f,) = validate(make_config("sampler.max_batch_duration=null"), 1, {}, 9.0, INSTALLED)
+    assert "neither" in f.reason
+
+
+def test_grad_accum_uses_epoch_size_in_temperature_mode() -> None:
+    cfg = make_config("trainer.grad_accum=4", "sampler.epoch_size=100")
+    assert validate(cfg, 4, {}, 9.0, INSTALLED, manifest_summary={"n_rows": 10}) == []
+    cfg = make_config("trainer.grad_accum=4", "sampler.epoch_size=100", "sampler.mode=exhaustive")
+    (f,) = validate(cfg, 4, {}, 9.0, INSTALLED, manifest_summary={"n_rows": 10})
+    assert "at most 2 micro-batches" in f.reason
+    (f,) = validate(make_config(), 4, {}, None, INSTALLED, manifest_summary={"n_rows": 3})  # grad_accum=1
+    assert f.rule_id == "grad-accum-exceeds-batches" and "at most 0 micro-batches" in f.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness: any layout yields well-formed findings
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    packed=st.booleans(),
+    backend=st.sampled_from([*BACKENDS, "bogus"]),
+    cp=st.integers(1, 4),
+    tp=st.integers(1, 8),
+    dp_replicate=st.integers(1, 3),
+    dp_shard=st.sampled_from([-1, 0, 1, 2, 4]),
+    world=st.integers(1, 70),
+    cap=st.sampled_from([None, (7, 0), (8, 0), (9, 0), (10, 0), (12, 0)]),
+    nvte=st.sampled_from([None, "", "0", "1", "x"]),
+    validate_only=st.booleans(),
+    pad=st.sampled_from([None, 1, 2, 3, 8, 16]),
+    tokens=st.sampled_from([None, -1, 4, 4096]),
+    manifest=st.sampled_from([None, {}, {"n_rows": 3, "max_duration": 100.0, "max_tokens": 5000}]),
+    drop=st.sampled_from([None, "torch", "flash-attn", "transformer-engine"]),
+)
+def test_findings_are_well_formed(
+    packed,
+    backend,
+    cp,
+    tp,
+    dp_replicate,
+    dp_shard,
+    world,
+    cap,
+    nvte,
+    validate_only,
+    pad,
+    tokens,
+    manifest,
+    drop,
+) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(
+        f"model.packed_sequences={str(packed).lower()}",
+        f"parallel.cp_size={cp}",
+        f"parallel.tp_size={tp}",
+        f"parallel.dp_replicate={dp_replicate}",
+        f"parallel.dp_shard={dp_shard}",
+        f"trainer.validate_only={str(validate_only).lower()}",
+        f"sampler.max_batch_tokens={tokens}",
+        model__attention_backend=backend,
+        model__pad_to_multiple=pad,
+    )
+    installed = {k: (None if k == drop else v) for k, v in INSTALLED.items()}
+    env = {} if nvte is None else {"NVTE_FUSED_ATTN": nvte}
+    findings = validate(cfg, world, env, cap, installed, manifest_summary=manifest)
+    known = {r.id: r.level for r in RULES}
+    for f in findings:
+        assert known[f.rule_id] == f.level
+        assert f.reason and f.fix and "{" not in f.reason + f.fix, f
+    assert len({f.rule_id for f in findings}) == len(findings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers and fit-start entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def test_parse_capability() -> None:
+    assert (
+        parse_capability(None) is None
+        and parse_capability("none") is None
+        and parse_capability("cpu") is None
+    )
+    assert parse_capability(9.0) == (9, 0) == parse_capability("9.0") == parse_capability("sm_90")
+    assert parse_capability("12.0") == (12, 0) == parse_capability("sm120") == parse_capability((12, 0))
+    assert parse_capability(8.6) == (8, 6) and parse_capability("10") == (10, 0)
+    with pytest.raises(ValueError, match="9.0, 12.0 or sm_90"):
+        parse_capability("hopper")
+
+
+def test_parse_version_and_installed_names() -> None:
+    assert parse_version("2.13.0+cpu") == (2, 13, 0, 0)
+    assert parse_version("2.10") == parse_version("2.10.0") > parse_version("2.9.1")
+    assert parse_version("1.11.0.dev0+abc") > parse_version("1.10.99")
+    with pytest.raises(ValueError, match="2.6.0"):
+        parse_version("latest")
+    assert normalize_installed({"Transformer_Engine": "2.1", "flash_attn": "", "cuDNN": "none"}) == {
+        "transformer-engine": "2.1",
+        "flash-attn": None,
+        "cudnn": None,
+    }
+    assert normalize_installed({"te": "2.5", "flash": "2.8"}) == {
+        "transformer-engine": "2.5",
+        "flash-attn": "2.8",
+    }
+
+
+def test_bad_world_size_is_an_argument_error() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        validate(make_config(), 0, {}, None, INSTALLED)
+
+
+def test_check_or_raise_logs_once_and_raises_on_every_rank() -> None:
+    warning = Finding(WARNING, "te-fused-attn", "r1", "f1")
+    error = Finding(ERROR, "bshd-with-cp", "r2", "f2")
+    logged: list[str] = []
+    check_or_raise([warning], log=logged.append, rank=0)
+    check_or_raise([warning], log=logged.append, rank=3)
+    assert len(logged) == 1 and "te-fused-attn" in logged[0]
+    logged.clear()
+    for rank in (0, 1):
+        with pytest.raises(ValidationError, match="bshd-with-cp") as info:
+            check_or_raise([error, warning], log=logged.append, rank=rank)
+        assert info.value.findings == [error, warning] and "f2" in info.value.report
+    assert len(logged) == 2 and "r2" in logged[1] and "f2" in logged[1]  # rank 0: warnings, then errors
+    check_or_raise([], log=logged.append)
+
+
+def test_format_findings_shows_level_id_reason_and_fix() -> None:
+    text = format_findings([Finding(ERROR, "bshd-with-cp", "because " * 30, "do this")])
+    assert text.splitlines()[0].split() == ["ERROR", "bshd-with-cp"]
+    assert "reason: because" in text and "fix:    do this" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_validator_and_cli_module_do_not_import_torch() -> None:
+    code = "import sys, parallel.validator, speechlm.validate; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/validator.md is generated from the table
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_docs_script() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "gen_validator_docs", ROOT / "scripts" / "gen_validator_docs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_list_every_rule_and_are_current() -> None:
+    gen = _load_docs_script()
+    text = (ROOT / "docs" / "validator.md").read_text()
+    assert text == gen.render(), "docs/validator.md is stale: run python scripts/gen_validator_docs.py"
+    for rule in RULES:
+        assert f"### `{rule.id}` ({rule.level})" in text
+        assert rule.doc in text
+        for part in (rule.reason, rule.fix):
+            assert (part if isinstance(part, str) else " ".join((part.__doc__ or "").split())) in text
+    assert gen.main(["--check"]) == 0
+
+
+def test_docs_check_fails_on_a_stale_file(tmp_path: Path) -> None:
+    gen = _load_docs_script()
+    stale = tmp_path / "validator.md"
+    stale.write_text("old\n")
+    assert gen.main(["--check", "--out", str(stale)]) == 1
+    assert gen.main(["--out", str(stale)]) == 0 and gen.main(["--check", "--out", str(stale)]) == 0
