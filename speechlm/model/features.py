@@ -1,0 +1,198 @@
+"""Log-mel front end in torch: waveform batch -> normalised log-mel frames, on any device.
+
+Letters: B batch, N audio samples, T feature frames, F mel bins, K frequency bins (n_fft // 2 + 1).
+
+Recipe (the defaults match the FastConformer/Parakeet front end):
+1. optional pre-emphasis ``y[n] = x[n] - 0.97 x[n-1]`` inside each clip (samples past the clip's
+   length are zeroed first, so a clip gives the same features alone or in a padded batch);
+2. ``torch.stft``: Hann window of ``win_length`` (25 ms = 400 samples at 16 kHz) centred in an
+   ``n_fft`` (512) frame, hop 10 ms (160), centred frames with zero padding at both ends;
+3. power spectrum ``|X|^2`` -> mel filterbank (slaney or HTK scale, built here) -> ``[B, T, F]``;
+4. log, one of two styles:
+   - ``"ln"`` (Parakeet/NeMo): ``ln(mel + 2**-24)``, then per-utterance, per-bin mean/variance
+     normalisation over the clip's own frames (``(x - mean) / (std + 1e-5)``, unbiased std);
+   - ``"whisper"``: ``log10(max(mel, 1e-10))``, floored at the clip's maximum minus 8, then
+     ``(x + 4) / 4``;
+5. frame count per clip ``feat_len = audio_len // hop``; frames past it are set to 0 (``"ln"``) or
+   to the clip's floor value (``"whisper"``, the value silence would take).
+
+Pad frames never influence real ones, which keeps the encoder's per-utterance outputs independent
+of how clips were batched (needed for the CP layout-equivalence guarantee).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+LN_LOG_GUARD = 2.0**-24
+NORM_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """Everything that defines the front end; an encoder carries the settings it was trained with."""
+
+    n_mels: int = 80
+    sample_rate: int = 16000
+    n_fft: int = 512
+    win_length: int = 400
+    hop_length: int = 160
+    preemphasis: float = 0.97  # 0 disables it
+    log_style: str = "ln"  # "ln" (Parakeet/NeMo, per-feature normalised) or "whisper"
+    normalize: bool = True  # per-utterance, per-bin normalisation (ln style only)
+    mel_scale: str = "slaney"  # "slaney" or "htk"
+    mel_norm: str | None = "slaney"  # "slaney" (area normalisation) or None
+    window_periodic: bool = False
+    f_min: float = 0.0
+    f_max: float | None = None  # default: sample_rate / 2
+
+
+def hz_to_mel(freq_hz: Tensor, scale: str = "slaney") -> Tensor:
+    """Convert Hz to mels: HTK ``2595 log10(1 + f/700)``, or slaney (linear below 1 kHz, log above)."""
+    if scale == "htk":
+        return 2595.0 * torch.log10(1.0 + freq_hz / 700.0)
+    if scale != "slaney":
+        raise ValueError(f"mel scale {scale!r} is not known; use 'slaney' or 'htk'")
+    f_sp = 200.0 / 3.0
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    log_step = math.log(6.4) / 27.0
+    linear = freq_hz / f_sp
+    logpart = min_log_mel + torch.log(torch.clamp(freq_hz, min=min_log_hz) / min_log_hz) / log_step
+    return torch.where(freq_hz >= min_log_hz, logpart, linear)
+
+
+def mel_to_hz(mels: Tensor, scale: str = "slaney") -> Tensor:
+    """Inverse of `hz_to_mel`."""
+    if scale == "htk":
+        return 700.0 * (10.0 ** (mels / 2595.0) - 1.0)
+    if scale != "slaney":
+        raise ValueError(f"mel scale {scale!r} is not known; use 'slaney' or 'htk'")
+    f_sp = 200.0 / 3.0
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    log_step = math.log(6.4) / 27.0
+    linear = mels * f_sp
+    logpart = min_log_hz * torch.exp(log_step * (mels - min_log_mel))
+    return torch.where(mels >= min_log_mel, logpart, linear)
+
+
+def build_mel_filterbank(
+    n_mels: int,
+    n_fft: int,
+    sample_rate: int,
+    *,
+    f_min: float = 0.0,
+    f_max: float | None = None,
+    scale: str = "slaney",
+    norm: str | None = "slaney",
+) -> Tensor:
+    """Return ``fb_KF``: triangular filters over the ``K = n_fft // 2 + 1`` STFT bins, in float64.
+
+    Filter ``m`` rises linearly from mel point ``m`` to ``m + 1`` and falls to ``m + 2`` (the points
+    are evenly spaced in mels between ``f_min`` and ``f_max``). Slaney norm scales each filter to
+    unit area in Hz (``2 / (f_{m+2} - f_m)``).
+    """
+    f_max = sample_rate / 2.0 if f_max is None else f_max
+    fft_hz_K = torch.linspace(0.0, sample_rate / 2.0, n_fft // 2 + 1, dtype=torch.float64)
+    lo, hi = hz_to_mel(torch.tensor([f_min, f_max], dtype=torch.float64), scale)
+    points_hz = mel_to_hz(torch.linspace(float(lo), float(hi), n_mels + 2, dtype=torch.float64), scale)
+    left, centre, right = points_hz[:-2], points_hz[1:-1], points_hz[2:]
+    rising = (fft_hz_K[:, None] - left[None, :]) / (centre - left)[None, :]
+    falling = (right[None, :] - fft_hz_K[:, None]) / (right - centre)[None, :]
+    fb_KF = torch.clamp(torch.minimum(rising, falling), min=0.0)
+    if norm == "slaney":
+        fb_KF = fb_KF * (2.0 / (right - left))[None, :]
+    elif norm is not None:
+        raise ValueError(f"mel norm {norm!r} is not known; use 'slaney' or None")
+    return fb_KF
+
+
+def compute_feature_lengths(audio_lens_B: Tensor, hop_length: int) -> Tensor:
+    """Frames per clip: ``audio_len // hop`` (the centred STFT's extra last frame is dropped)."""
+    return torch.div(audio_lens_B.to(torch.long), hop_length, rounding_mode="floor")
+
+
+class LogMelFeatures(nn.Module):
+    """``forward(audio_BN, audio_lens_B) -> (feats_BTF, feat_lens_B)``; see the module docstring."""
+
+    def __init__(self, settings: FeatureSettings | None = None) -> None:
+        super().__init__()
+        s = settings or FeatureSettings()
+        if s.log_style not in ("ln", "whisper"):
+            raise ValueError(f"log_style {s.log_style!r} is not known; use 'ln' or 'whisper'")
+        if s.win_length > s.n_fft:
+            raise ValueError(f"win_length {s.win_length} is longer than n_fft {s.n_fft}")
+        self.settings = s
+        fb_KF = build_mel_filterbank(
+            s.n_mels, s.n_fft, s.sample_rate, f_min=s.f_min, f_max=s.f_max, scale=s.mel_scale, norm=s.mel_norm
+        )
+        self.mel_fb_KF: Tensor
+        self.window: Tensor
+        self.register_buffer("mel_fb_KF", fb_KF.to(torch.float32), persistent=False)
+        window = torch.hann_window(s.win_length, periodic=s.window_periodic, dtype=torch.float32)
+        self.register_buffer("window", window, persistent=False)
+
+    @property
+    def n_mels(self) -> int:
+        return self.settings.n_mels
+
+    def forward(self, audio_BN: Tensor, audio_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+        s = self.settings
+        if audio_BN.dim() != 2:
+            raise ValueError(f"audio must be [B, N] (mono, padded), got shape {tuple(audio_BN.shape)}")
+        device = audio_BN.device
+        lens_B = audio_lens_B.to(device=device, dtype=torch.long)
+        with torch.autocast(device_type=device.type, enabled=False):
+            x_BN = audio_BN.float()
+            valid_BN = torch.arange(x_BN.shape[1], device=device)[None, :] < lens_B[:, None]
+            x_BN = x_BN.masked_fill(~valid_BN, 0.0)
+            if s.preemphasis:
+                x_BN = torch.cat([x_BN[:, :1], x_BN[:, 1:] - s.preemphasis * x_BN[:, :-1]], dim=1)
+                x_BN = x_BN.masked_fill(~valid_BN, 0.0)
+            spec_BKT = torch.stft(
+                x_BN,
+                n_fft=s.n_fft,
+                hop_length=s.hop_length,
+                win_length=s.win_length,
+                window=self.window,
+                center=True,
+                pad_mode="constant",
+                return_complex=True,
+            )
+            power_BTK = spec_BKT.abs().pow(2).transpose(1, 2)
+            mel_BTF = power_BTK @ self.mel_fb_KF
+            feat_lens_B = compute_feature_lengths(lens_B, s.hop_length)
+            T = int(feat_lens_B.max()) if feat_lens_B.numel() else 0
+            mel_BTF = mel_BTF[:, :T]
+            valid_BT1 = (torch.arange(T, device=device)[None, :] < feat_lens_B[:, None]).unsqueeze(-1)
+            if s.log_style == "ln":
+                feats_BTF = self._log_ln(mel_BTF, valid_BT1, feat_lens_B)
+            else:
+                feats_BTF = self._log_whisper(mel_BTF, valid_BT1)
+        return feats_BTF, feat_lens_B
+
+    def _log_ln(self, mel_BTF: Tensor, valid_BT1: Tensor, feat_lens_B: Tensor) -> Tensor:
+        x_BTF = torch.log(mel_BTF + LN_LOG_GUARD)
+        if self.settings.normalize:
+            n_B11 = feat_lens_B.clamp(min=1).to(x_BTF.dtype)[:, None, None]
+            masked = x_BTF.masked_fill(~valid_BT1, 0.0)
+            mean_B1F = masked.sum(dim=1, keepdim=True) / n_B11
+            var_B1F = ((masked - mean_B1F).masked_fill(~valid_BT1, 0.0) ** 2).sum(dim=1, keepdim=True)
+            var_B1F = var_B1F / (n_B11 - 1).clamp(min=1)
+            x_BTF = (x_BTF - mean_B1F) / (var_B1F.sqrt() + NORM_EPS)
+        return x_BTF.masked_fill(~valid_BT1, 0.0)
+
+    @staticmethod
+    def _log_whisper(mel_BTF: Tensor, valid_BT1: Tensor) -> Tensor:
+        x_BTF = torch.log10(torch.clamp(mel_BTF, min=1e-10))
+        peak_B11 = x_BTF.masked_fill(~valid_BT1, float("-inf")).amax(dim=(1, 2), keepdim=True)
+        peak_B11 = torch.where(torch.isfinite(peak_B11), peak_B11, torch.zeros_like(peak_B11))
+        floor_B11 = peak_B11 - 8.0
+        x_BTF = torch.maximum(x_BTF, floor_B11)
+        x_BTF = torch.where(valid_BT1, x_BTF, floor_B11)
+        return (x_BTF + 4.0) / 4.0

@@ -1,0 +1,332 @@
+"""The speech LLM: log-mel features -> audio encoder -> frame-stack projector -> decoder LLM (+ CTC head).
+
+Letters: B batch, N audio samples, T feature frames, F mel bins, U encoder frames, E encoder width,
+A_i projected audio frames of clip i, H LLM hidden, V vocabulary, L tokens, M labelled positions.
+
+The steps are separate methods so that the training layer can distribute them (under CP each rank
+encodes 1/cp of the clips, gathers them, packs and shards the stream, then decodes):
+
+    encode_audio(audio_BN, audio_lens_B)   -> EncoderOutput(embeds=[A_i x H], enc_hidden_BTE, enc_lens_B)
+    speechlm.prompt.build_prompts(...)     -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
+    speechlm.packing.pack_thd(prompts, embeds, model.embed_tokens, ...) -> PackedBatch
+    forward_packed(packed, attn_context=cp_context) -> (ce_sum, n_labelled)
+
+Token cross-entropy is a sum over labelled positions (fp32), so the caller divides by the global
+count. Only the labelled positions' logits are computed (``logits_to_keep``): most positions are
+audio frames, and the fp32 copy of ``[M, V]`` is made once.
+
+CTC: a linear head over the encoder frames (before the projector), blank = ``pad_id``, summed over
+utterances with ``zero_infinity``. `ctc_loss_sum` takes the batch's tokens as collated and drops the
+leading language tag itself (``ctc_skip_leading=1``): the tag has no acoustic counterpart, the LLM
+predicts it. (Letter T in ``enc_hidden_BTE`` counts encoder frames, U elsewhere in this file.)
+
+FSDP2: these methods are not ``forward``; the training layer registers them with
+``torch.distributed.fsdp.register_fsdp_forward_method`` (or shards the submodules) so that the
+root's parameters are gathered. ``forward`` itself is `loss_from_batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from speechlm.config import ModelConfig
+from speechlm.model.attention import ensure_registered, get_backend
+from speechlm.model.encoder import build_encoder
+from speechlm.model.features import LogMelFeatures
+from speechlm.model.llm import build_llm
+from speechlm.model.projector import FrameStackProjector
+from speechlm.packing import IGNORE_INDEX
+
+
+@dataclass
+class EncoderOutput:
+    embeds: list[Tensor]  # per utterance [A_i, H], ready to splice into the prompt
+    enc_hidden_BTE: Tensor  # encoder output [B, U, E] (frames past each clip are zero)
+    enc_lens_B: Tensor  # int64 encoder frames per clip
+
+    @property
+    def enc_hidden(self) -> Tensor:
+        return self.enc_hidden_BTE
+
+    @property
+    def enc_lens(self) -> Tensor:
+        return self.enc_lens_B
+
+
+def _field(batch: Any, name: str) -> Any:
+    return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
+
+
+class SpeechLLM(nn.Module):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        *,
+        vocab_size: int,
+        pad_id: int,
+        bos_id: int,
+        eos_id: int,
+        audio_id: int,
+        instruction_ids: Sequence[int] = (),
+        ctc_skip_leading: int = 1,
+    ) -> None:
+        super().__init__()
+        self.cfg = model_cfg
+        self.vocab_size = vocab_size
+        self.pad_id, self.bos_id, self.eos_id, self.audio_id = pad_id, bos_id, eos_id, audio_id
+        self.instruction_ids = [int(i) for i in instruction_ids]
+        self.ctc_skip_leading = ctc_skip_leading
+        self.ctc_weight = model_cfg.ctc_weight
+        self.backend = get_backend(model_cfg.attention_backend)
+        attn_implementation = ensure_registered(model_cfg.attention_backend)
+
+        self.encoder = build_encoder(model_cfg.encoder, dropout=model_cfg.dropout)
+        self.features = LogMelFeatures(self.encoder.feature_settings)
+        # The LLM's only dropout is attention dropout, which the THD reference/CP paths lack: keep it 0.
+        self.llm = build_llm(
+            model_cfg.llm,
+            vocab_size=vocab_size,
+            pad_id=pad_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            dropout=0.0,
+            attn_implementation=attn_implementation,
+        )
+        self.projector = FrameStackProjector(
+            self.encoder.output_dim,
+            self.llm.config.hidden_size,
+            model_cfg.projector_stack,
+            model_cfg.projector_hidden,
+            dropout=model_cfg.dropout,
+        )
+        self.ctc_head = nn.Linear(self.encoder.output_dim, vocab_size) if model_cfg.ctc_weight > 0 else None
+
+    # ------------------------------------------------------------------------------------------
+    # Audio side
+    # ------------------------------------------------------------------------------------------
+
+    def encode_audio(self, audio_BN: Tensor, audio_lens_B: Tensor) -> EncoderOutput:
+        feats_BTF, feat_lens_B = self.features(audio_BN, audio_lens_B)
+        enc_hidden_BUE, enc_lens_B = self.encoder(feats_BTF, feat_lens_B)
+        proj_BAH, proj_lens_B = self.projector(enc_hidden_BUE, enc_lens_B)
+        embeds = [proj_BAH[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
+        return EncoderOutput(embeds=embeds, enc_hidden_BTE=enc_hidden_BUE, enc_lens_B=enc_lens_B)
+
+    def ctc_loss_sum(
+        self, enc_hidden_BUE: Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
+    ) -> tuple[Tensor, int]:
+        """Summed CTC loss over the batch (fp32, blank = pad_id, impossible alignments count 0).
+
+        ``tokens_BL``/``token_lens_B`` are the batch's transcript tokens as collated, language tag
+        first; the first ``ctc_skip_leading`` tokens (the tag) are dropped here (`ctc_targets`).
+        """
+        if self.ctc_head is None:
+            raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
+        device = enc_hidden_BUE.device
+        targets_BL, target_lens_B = self.ctc_targets(tokens_BL.to(device), token_lens_B.to(device))
+        logits_BUV = self.ctc_head(enc_hidden_BUE)  # in the compute dtype (autocast / FSDP params)
+        with torch.autocast(device_type=device.type, enabled=False):
+            log_probs_UBV = logits_BUV.float().log_softmax(dim=-1).transpose(0, 1)
+            loss = nn.functional.ctc_loss(
+                log_probs_UBV,
+                targets_BL.to(torch.long),
+                enc_lens_B.to(device=device, dtype=torch.long),
+                target_lens_B,
+                blank=self.pad_id,
+                reduction="sum",
+                zero_infinity=True,
+            )
+        return loss, int(enc_hidden_BUE.shape[0])
+
+    def ctc_targets(self, tokens_BL: Tensor, token_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+        """CTC targets from the collated tokens: drop the first ``ctc_skip_leading`` (the language tag)."""
+        k = self.ctc_skip_leading
+        lens_B = (token_lens_B.to(torch.long) - k).clamp(min=0)
+        targets_BL = tokens_BL[:, k:]
+        if targets_BL.shape[1] == 0:  # ctc_loss wants at least one column
+            targets_BL = tokens_BL.new_full((tokens_BL.shape[0], 1), self.pad_id)
+        return targets_BL, lens_B
+
+    # ------------------------------------------------------------------------------------------
+    # Text side
+    # ------------------------------------------------------------------------------------------
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        return self.llm.get_input_embeddings()(ids)
+
+    def forward_packed(
+        self, packed: Any, *, attn_context: Any = None, return_logits: bool = False
+    ) -> tuple[Tensor, int] | Tensor:
+        """Decode a THD ``PackedBatch``; ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
+        cu = packed.cu_seqlens
+        kwargs: dict[str, Any] = dict(
+            inputs_embeds=packed.inputs_embeds[None],
+            position_ids=packed.position_ids[None],
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=int(packed.max_seqlen),
+            max_length_k=int(packed.max_seqlen),
+        )
+        if attn_context is not None:
+            kwargs["cp_context"] = attn_context
+        if return_logits:
+            return self.llm(**kwargs).logits[0]
+        labels_T = packed.labels
+        keep_M = torch.nonzero(labels_T != IGNORE_INDEX).flatten()
+        logits_MV = self.llm(**kwargs, logits_to_keep=keep_M).logits[0]
+        ce_sum = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="sum")
+        return ce_sum, int(keep_M.numel())
+
+    def forward_padded(self, padded: Any) -> tuple[Tensor, int]:
+        """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled)``."""
+        logits_BSV = self.llm(
+            inputs_embeds=padded.inputs_embeds,
+            attention_mask=padded.attention_mask,
+            position_ids=padded.position_ids,
+        ).logits
+        keep_BS = padded.labels != IGNORE_INDEX
+        ce_sum = nn.functional.cross_entropy(
+            logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="sum"
+        )
+        return ce_sum, int(keep_BS.sum())
+
+    # ------------------------------------------------------------------------------------------
+    # Single-process convenience path
+    # ------------------------------------------------------------------------------------------
+
+    def build_prompts(self, tokens_BL: Tensor, token_lens_B: Tensor) -> list[tuple[Tensor, Tensor]]:
+        from speechlm.prompt import build_prompts
+
+        return build_prompts(
+            tokens_BL,
+            token_lens_B,
+            bos_id=self.bos_id,
+            eos_id=self.eos_id,
+            audio_id=self.audio_id,
+            instruction_ids=self.instruction_ids,
+        )
+
+    def loss_from_batch(self, batch: Any, *, packed: bool, cp: int = 1, tp: int = 1) -> dict[str, Any]:
+        """Encode, build prompts, pack (THD) or pad (BSHD), decode; sums and counts, not means.
+
+        ``batch`` has ``audio`` [B, N], ``audio_lens`` [B], ``tokens`` [B, L] (language tag first) and
+        ``token_lens`` [B] (attributes or mapping keys). ``cp``/``tp`` only round the THD lengths.
+        """
+        from speechlm.packing import pack_bshd, pack_thd
+
+        audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
+        tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
+        device = next(self.parameters()).device
+        enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
+        prompts = self.build_prompts(tokens_BL, token_lens_B)
+        if packed:
+            pb = pack_thd(
+                prompts, enc.embeds, self.embed_tokens, audio_id=self.audio_id, cp=cp, tp=tp, device=device
+            )
+            ce_sum, n_labelled = self.forward_packed(pb)
+        else:
+            padded = pack_bshd(prompts, enc.embeds, self.embed_tokens, audio_id=self.audio_id, device=device)
+            ce_sum, n_labelled = self.forward_padded(padded)
+        if self.ctc_head is not None:
+            ctc_sum, ctc_count = self.ctc_loss_sum(
+                enc.enc_hidden_BTE, enc.enc_lens_B, tokens_BL, token_lens_B
+            )
+        else:
+            ctc_sum, ctc_count = ce_sum.new_zeros(()), 0
+        return dict(ce_sum=ce_sum, n_labelled=n_labelled, ctc_sum=ctc_sum, ctc_count=ctc_count)
+
+    def forward(self, batch: Any, *, packed: bool | None = None, cp: int = 1, tp: int = 1) -> dict[str, Any]:
+        return self.loss_from_batch(
+            batch, packed=self.cfg.packed_sequences if packed is None else packed, cp=cp, tp=tp
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Greedy decoding
+    # ------------------------------------------------------------------------------------------
+
+    def _last_logits(self, embeds: list[Tensor]) -> Tensor:
+        """Logits ``[B, V]`` at the last position of each sequence (no cache; full recompute)."""
+        lens = [int(e.shape[0]) for e in embeds]
+        device = embeds[0].device
+        if self.backend.caps.thd:
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
+            cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
+            positions_T = torch.cat([torch.arange(n, device=device) for n in lens])
+            last = (cu[1:] - 1).to(torch.long)
+            out = self.llm(
+                inputs_embeds=torch.cat(embeds)[None],
+                position_ids=positions_T[None],
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=max(lens),
+                max_length_k=max(lens),
+                logits_to_keep=last,
+            )
+            return out.logits[0]
+        S = max(lens)
+        x_BSH = embeds[0].new_zeros(len(embeds), S, embeds[0].shape[1])
+        mask_BS = torch.zeros(len(embeds), S, dtype=torch.long, device=device)
+        for b, e in enumerate(embeds):
+            x_BSH[b, : e.shape[0]] = e
+            mask_BS[b, : e.shape[0]] = 1
+        positions_BS = torch.arange(S, device=device).expand(len(embeds), S)
+        logits_BSV = self.llm(inputs_embeds=x_BSH, attention_mask=mask_BS, position_ids=positions_BS).logits
+        return logits_BSV[torch.arange(len(embeds), device=device), torch.tensor(lens, device=device) - 1]
+
+    @torch.no_grad()
+    def generate_greedy(
+        self, audio_BN: Tensor, audio_lens_B: Tensor, *, max_new_tokens: int, lang_id: int | None = None
+    ) -> list[list[int]]:
+        """Greedy transcripts: prompt ``[bos, audio, *instruction]``, then the language tag, text, eos.
+
+        ``lang_id`` forces the language tag (it is then the first returned token). Returned lists hold
+        the generated ids without the eos; decoding stops at eos or after ``max_new_tokens`` tokens.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            device = next(self.parameters()).device
+            enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
+            bos = self.embed_tokens(torch.tensor([self.bos_id], device=device))
+            instr = self.embed_tokens(torch.tensor(self.instruction_ids, dtype=torch.long, device=device))
+            seqs = [torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds]
+            outputs: list[list[int]] = [[] for _ in seqs]
+            if lang_id is not None and max_new_tokens > 0:
+                tag = self.embed_tokens(torch.tensor([lang_id], device=device))
+                seqs = [torch.cat([s, tag]) for s in seqs]
+                outputs = [[int(lang_id)] for _ in seqs]
+            active = [i for i in range(len(seqs)) if len(outputs[i]) < max_new_tokens]
+            while active:
+                next_ids = self._last_logits([seqs[i] for i in active]).argmax(dim=-1).tolist()
+                new_emb = self.embed_tokens(torch.tensor(next_ids, device=device))
+                still = []
+                for j, i in enumerate(active):
+                    if next_ids[j] == self.eos_id:
+                        continue
+                    outputs[i].append(int(next_ids[j]))
+                    seqs[i] = torch.cat([seqs[i], new_emb[j : j + 1]])
+                    if len(outputs[i]) < max_new_tokens:
+                        still.append(i)
+                active = still
+            return outputs
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------------------------------
+    # Parameters
+    # ------------------------------------------------------------------------------------------
+
+    def encoder_parameters(self) -> Iterator[nn.Parameter]:
+        return self.encoder.parameters()
+
+    def set_encoder_trainable(self, trainable: bool) -> None:
+        for p in self.encoder.parameters():
+            p.requires_grad_(trainable)
+
+    def num_parameters(self, *, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
