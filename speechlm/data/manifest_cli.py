@@ -1,0 +1,148 @@
+"""`speechlm manifest ...`: build a training manifest from shards, print its statistics, convert.
+
+    speechlm manifest build SHARDS_DIR --out OUT_DIR [--min-duration S] [--max-duration S]
+                            [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards]
+    speechlm manifest stats MANIFEST [--plot FILE.png] [--json]
+    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse]
+
+Each subcommand returns 0 on success and 1 with a one-paragraph error (no traceback) when the data
+is unusable (`ManifestError`). Heavy imports (pyarrow) happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# shown in --help without importing pyarrow; tests check them against speechlm.data.manifest.DEFAULT_*
+HELP_DEFAULTS = {"min_duration": 0.5, "max_duration": 20.0, "min_quality": 0.5, "val_fraction": 0.05}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``manifest`` and its subcommands on the top-level `speechlm` parser."""
+    parser = subparsers.add_parser("manifest", help="build, inspect and convert training manifests")
+    parser.set_defaults(func=lambda args: _print_help(parser))
+    sub = parser.add_subparsers(dest="manifest_command", metavar="SUBCOMMAND")
+
+    build = sub.add_parser("build", help="shards (metadata + audio index parquet) -> train/val parquet")
+    build.add_argument("shards_dir", metavar="SHARDS_DIR", help="folder with one sub-folder per shard")
+    build.add_argument("--out", required=True, metavar="OUT_DIR", help="where train/val.parquet go")
+    build.add_argument(
+        "--min-duration",
+        type=float,
+        metavar="S",
+        help=f"drop clips shorter than S seconds (default {HELP_DEFAULTS['min_duration']})",
+    )
+    build.add_argument(
+        "--max-duration",
+        type=float,
+        metavar="S",
+        help=f"drop clips longer than S seconds (default {HELP_DEFAULTS['max_duration']})",
+    )
+    build.add_argument(
+        "--min-quality",
+        type=float,
+        metavar="Q",
+        help=f"drop rows with tx_quality_score < Q (default {HELP_DEFAULTS['min_quality']})",
+    )
+    build.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help=f"fraction of each language held out for validation (default {HELP_DEFAULTS['val_fraction']})",
+    )
+    build.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="salt of the train/val hash (default 0)"
+    )
+    build.add_argument(
+        "--skip-bad-shards",
+        action="store_true",
+        help="build without unusable shards (listed in the report) instead of failing",
+    )
+    build.set_defaults(func=run_build)
+
+    stats = sub.add_parser("stats", help="hours and utterances per language, duration histogram")
+    stats.add_argument("manifest", metavar="MANIFEST", help=".parquet manifest or NeMo .json/.jsonl")
+    stats.add_argument("--plot", metavar="FILE.png", help="also save a plot")
+    stats.add_argument("--lang", metavar="xx", help="language of NeMo lines without one")
+    stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    stats.set_defaults(func=run_stats)
+
+    convert = sub.add_parser("convert", help="NeMo JSON lines (or Lhotse cuts) -> manifest parquet")
+    convert.add_argument(
+        "source", metavar="NEMO_JSONL", help="NeMo manifest, or cuts.jsonl.gz with --format lhotse"
+    )
+    convert.add_argument("--out", required=True, metavar="FILE.parquet", help="output manifest")
+    convert.add_argument("--lang", metavar="xx", help="language of lines (cuts) that have none")
+    convert.add_argument(
+        "--format", choices=("nemo", "lhotse"), default="nemo", help="input format (default nemo)"
+    )
+    convert.set_defaults(func=run_convert)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _fail(error: Exception) -> int:
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from speechlm.data.manifest import ManifestError, build_manifest
+
+    options = {k: getattr(args, k) for k in HELP_DEFAULTS if getattr(args, k) is not None}
+    try:
+        report = build_manifest(
+            args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
+        )
+    except ManifestError as e:
+        return _fail(e)
+    print(report.format())
+    out = Path(args.out)
+    print(f"\nwrote {out / 'train.parquet'}, {out / 'val.parquet'}, {out / 'build_report.json'}")
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from speechlm.data.manifest import ManifestError, format_stats, load_manifest, manifest_stats, plot_stats
+
+    try:
+        stats = manifest_stats(load_manifest(args.manifest, default_lang=args.lang))
+    except ManifestError as e:
+        return _fail(e)
+    print(
+        json.dumps(stats, indent=2, ensure_ascii=False)
+        if args.json
+        else f"{args.manifest}\n{format_stats(stats)}"
+    )
+    if args.plot:
+        plot_stats(stats, args.plot)
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from speechlm.data.manifest import ManifestError, read_nemo_manifest
+
+    try:
+        if args.format == "lhotse":
+            from speechlm.data.lhotse_adapter import cuts_to_manifest
+
+            table = cuts_to_manifest(args.source, default_lang=args.lang)
+        else:
+            table = read_nemo_manifest(args.source, default_lang=args.lang)
+    except (ManifestError, ImportError) as e:
+        return _fail(e)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, args.out, compression="zstd")
+    print(
+        f"wrote {args.out}: {len(table)} rows, {float(sum(table.column('duration').to_numpy())) / 3600:.2f} h"
+    )
+    return 0
