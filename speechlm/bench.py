@@ -1,0 +1,66 @@
+"""`speechlm bench NAME [ARGS...]`: run one of the benchmarks in the source tree's `benchmarks/`.
+
+Each benchmark is a script with `main(argv) -> int`; this registry maps its name to the file, which
+is loaded by path (the `benchmarks/` folder is not an installed package, so this works from an
+editable install or a checkout). Everything after NAME goes to the benchmark's own parser, so
+`speechlm bench sampler --help` shows that benchmark's options. To add one, add a line below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# name -> file, relative to the repository root
+BENCHMARKS: dict[str, str] = {
+    "sampler": "benchmarks/bench_sampler.py",  # epoch plan: vectorised vs per-row Python
+}
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import benchmark `name` from its file; raise a clear error when it is unknown or absent."""
+    if name not in BENCHMARKS:
+        raise KeyError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}")
+    path = REPO_ROOT / BENCHMARKS[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"benchmark {name!r} expects {path}, which is missing; benchmarks run from a source checkout "
+            "(pip install -e .)"
+        )
+    spec = importlib.util.spec_from_file_location(f"speechlm_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    try:
+        module = load_benchmark(args.benchmark)
+    except (KeyError, FileNotFoundError) as e:
+        print(f"speechlm bench: {e.args[0]}", file=sys.stderr)
+        return 1
+    return int(module.main(list(args.benchmark_args)) or 0)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="run a benchmark (sampler, ...)", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "benchmark",
+        metavar="NAME",
+        choices=sorted(BENCHMARKS),
+        help=f"one of: {', '.join(sorted(BENCHMARKS))}; NAME --help shows its options",
+    )
+    parser.add_argument(
+        "benchmark_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark"
+    )
+    parser.set_defaults(func=run_benchmark)

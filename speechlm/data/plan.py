@@ -1,0 +1,385 @@
+"""`speechlm plan`: show one epoch's plan before training on it.
+
+Builds the same `build_epoch_plan` the trainer's sampler builds (same manifest coding: languages
+sorted by name, durations as float32; text tokens are not part of the budget, as in
+`speechlm.train.data.build_sampler`) and prints:
+
+- micro-batches per dp rank and optimizer steps per epoch (micro-batches / grad_accum);
+- audio hours per optimizer step, summed over all dp ranks;
+- the language mix of the plan (utterances and hours) next to the natural and the target shares;
+- per duration bucket: utterances, micro-batches, hours;
+- the padding efficiency (real tokens / computed tokens) of a padded BSHD batch, which computes
+  B * max_len per micro-batch, and of a packed THD batch, which computes the sum of the lengths
+  plus the CP/TP rounding of `speechlm.packing.round_lengths`. Token counts per utterance follow
+  the sampler's token-cost formula (audio + prompt) plus an estimate of the text tokens,
+  ceil(characters / CHARS_PER_TOKEN), when the manifest has a `text` column.
+
+`--json FILE` writes the summary plus `ranks`: one list per dp rank of micro-batches, each a list
+of manifest row indices, in consumption order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speechlm.data.sampler import (
+    EpochPlan,
+    TokenCostModel,
+    assign_buckets,
+    build_epoch_plan,
+    compute_language_targets,
+)
+
+CHARS_PER_TOKEN = 3.0  # text-token estimate for the padding figures only (a small SentencePiece vocab)
+
+
+@dataclass
+class PlanInputs:
+    durations: np.ndarray  # float32 [N] seconds
+    lang_codes: np.ndarray  # int32 [N], index into lang_names
+    lang_names: list[str]  # sorted
+    text_chars: np.ndarray | None  # int64 [N] characters of `text`, when the manifest has it
+
+
+def read_plan_inputs(path: str | Path) -> PlanInputs:
+    """Read `duration`, `lang` (and `text` if present) from a parquet manifest or a NeMo JSON one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if path.suffix.lower() in (".json", ".jsonl"):
+        from speechlm.data.manifest import load_manifest  # NeMo manifests go through the converter
+
+        table = load_manifest(path)
+    else:
+        if not path.exists():
+            raise FileNotFoundError(
+                f"manifest {path} does not exist; pass --manifest or set data.train_manifest"
+            )
+        try:
+            names = pq.read_schema(path).names if path.is_file() else pq.ParquetDataset(path).schema.names
+            missing = [c for c in ("duration", "lang") if c not in names]
+            if missing:
+                raise ValueError(
+                    f"manifest {path} has no column {', '.join(map(repr, missing))}; "
+                    f"it has {names}. Build it with `speechlm manifest build`"
+                )
+            table = pq.read_table(path, columns=["duration", "lang"] + (["text"] if "text" in names else []))
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"manifest {path} is not a readable parquet file ({e})") from None
+    for column in ("duration", "lang"):
+        if table.column(column).null_count:
+            raise ValueError(
+                f"manifest {path}: column {column!r} has {table.column(column).null_count} empty "
+                "values; every row needs a duration and a language"
+            )
+    lang = table.column("lang")
+    if pa.types.is_dictionary(lang.type):
+        lang = lang.cast(lang.type.value_type)
+    lang_names = sorted(pc.unique(lang).to_pylist())
+    codes = pc.index_in(lang, value_set=pa.array(lang_names, type=lang.type)).to_numpy()
+    text_chars = None
+    if "text" in table.column_names:
+        text_chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
+    return PlanInputs(
+        durations=table.column("duration").cast(pa.float32()).to_numpy().astype(np.float32, copy=False),
+        lang_codes=codes.astype(np.int32),
+        lang_names=[str(n) for n in lang_names],
+        text_chars=text_chars,
+    )
+
+
+def round_thd_total(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
+    """Tokens a THD micro-batch computes: lengths rounded as `speechlm.packing.round_lengths` does."""
+    if cp > 1:
+        chunk = 2 * cp
+        lengths = -(-lengths // chunk) * chunk
+        multiple = math.lcm(chunk, cp * tp)
+    else:
+        multiple = tp
+    per_batch = np.add.reduceat(lengths, batch_offsets[:-1]) if len(lengths) else np.zeros(0, np.int64)
+    return int((-(-per_batch // multiple) * multiple).sum())
+
+
+def summarize_plan(
+    plan: EpochPlan,
+    inputs: PlanInputs,
+    *,
+    grad_accum: int,
+    temperature: float,
+    bucket_boundaries: tuple[float, ...],
+    token_cost: TokenCostModel,
+    cp_size: int = 1,
+    tp_size: int = 1,
+) -> dict[str, Any]:
+    """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`)."""
+    used = plan.rank_batches.reshape(-1)
+    lengths = plan.batch_offsets[used + 1] - plan.batch_offsets[used]
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    rows = plan.rows[np.repeat(plan.batch_offsets[used] - offsets[:-1], lengths) + np.arange(offsets[-1])]
+    dur = inputs.durations[rows].astype(np.float64)
+    codes = inputs.lang_codes[rows]
+    n_langs = len(inputs.lang_names)
+    steps = plan.batches_per_rank // grad_accum
+
+    natural = np.bincount(inputs.lang_codes, minlength=n_langs)
+    targets = compute_language_targets(natural, temperature)
+    utt = np.bincount(codes, minlength=n_langs)
+    hours = np.bincount(codes, weights=dur, minlength=n_langs) / 3600
+    languages = [
+        {
+            "lang": name,
+            "natural_share": natural[i] / natural.sum(),
+            "target_share": float(targets[i]),
+            "planned_utterances": int(utt[i]),
+            "planned_share": utt[i] / max(utt.sum(), 1),
+            "planned_hours": float(hours[i]),
+            "planned_hours_share": hours[i] / max(hours.sum(), 1e-12),
+        }
+        for i, name in enumerate(inputs.lang_names)
+    ]
+
+    first_rows = rows[offsets[:-1]]
+    batch_bucket = assign_buckets(inputs.durations[first_rows], bucket_boundaries)
+    row_bucket = np.repeat(batch_bucket, lengths)
+    edges = [0.0, *bucket_boundaries, math.inf]
+    n_buckets = len(edges) - 1
+    b_utt = np.bincount(row_bucket, minlength=n_buckets)
+    b_batches = np.bincount(batch_bucket, minlength=n_buckets)
+    b_hours = np.bincount(row_bucket, weights=dur, minlength=n_buckets) / 3600
+    buckets = [
+        {
+            "from_s": edges[b],
+            "to_s": None if math.isinf(edges[b + 1]) else edges[b + 1],
+            "utterances": int(b_utt[b]),
+            "micro_batches": int(b_batches[b]),
+            "hours": float(b_hours[b]),
+        }
+        for b in range(n_buckets)
+    ]
+
+    text = None
+    if inputs.text_chars is not None:
+        text = np.ceil(inputs.text_chars[rows] / CHARS_PER_TOKEN).astype(np.int64)
+    tokens = token_cost.count_tokens(inputs.durations[rows], text)
+    real = int(tokens.sum())
+    longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
+    bshd = int((lengths * longest).sum())
+    thd = round_thd_total(tokens, offsets, cp_size, tp_size)
+    total_hours = float(dur.sum()) / 3600
+    return {
+        "mode": plan.mode,
+        "epoch": plan.epoch,
+        "seed": plan.seed,
+        "manifest_rows": plan.manifest_rows,
+        "dp_size": plan.dp_size,
+        "grad_accum": grad_accum,
+        "micro_batches_per_rank": plan.batches_per_rank,
+        "optimizer_steps_per_epoch": steps,
+        "planned_utterances": int(len(rows)),
+        "planned_hours": total_hours,
+        "dropped_utterances": int(len(plan.rows) - len(rows)),
+        "audio_hours_per_step": total_hours / steps if steps else 0.0,
+        "languages": languages,
+        "buckets": buckets,
+        "padding": {
+            "real_tokens": real,
+            "bshd_computed_tokens": bshd,
+            "thd_computed_tokens": thd,
+            "bshd_efficiency": real / max(bshd, 1),
+            "thd_efficiency": real / max(thd, 1),
+            "cp_size": cp_size,
+            "tp_size": tp_size,
+            "text_tokens_estimated": text is not None,
+            "chars_per_token": CHARS_PER_TOKEN,
+        },
+    }
+
+
+def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
+    lines = [
+        f"manifest {manifest}: {s['manifest_rows']:,} utterances; mode {s['mode']}, epoch {s['epoch']}, "
+        f"seed {s['seed']}, budget {budget}",
+        f"dp ranks {s['dp_size']}, grad_accum {s['grad_accum']}: {s['micro_batches_per_rank']:,} micro-batches per "
+        f"rank, {s['optimizer_steps_per_epoch']:,} optimizer steps per epoch",
+        f"planned {s['planned_utterances']:,} utterances, {s['planned_hours']:.2f} h "
+        f"({s['dropped_utterances']:,} dropped by the lockstep trims); "
+        f"{s['audio_hours_per_step']:.4f} h of audio per optimizer step (all dp ranks)",
+        "",
+        f"{'lang':<10}{'natural':>9}{'target':>9}{'planned':>9}{'utterances':>12}{'hours %':>9}{'hours':>10}",
+    ]
+    for r in s["languages"]:
+        lines.append(
+            f"{r['lang']:<10}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
+            f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}"
+            f"{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
+        )
+    lines += ["", f"{'bucket':<14}{'utterances':>12}{'micro-batches':>15}{'hours':>10}"]
+    for b in s["buckets"]:
+        span = f"{b['from_s']:g}-{b['to_s']:g} s" if b["to_s"] is not None else f">= {b['from_s']:g} s"
+        lines.append(f"{span:<14}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
+    p = s["padding"]
+    text = (
+        f"text ~ chars/{p['chars_per_token']:g}"
+        if p["text_tokens_estimated"]
+        else "no text column: audio+prompt"
+    )
+    lines += [
+        "",
+        f"padding efficiency (real / computed tokens; {text}; cp {p['cp_size']}, tp {p['tp_size']}):",
+        f"  BSHD (B x max_len): {100 * p['bshd_efficiency']:.1f}%   THD (packed): {100 * p['thd_efficiency']:.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampler settings: defaults, then the config file (if any), then the flags."""
+    from speechlm.config import load_config
+
+    cfg = load_config(args.config)
+    s = cfg.sampler
+    dp = cfg.parallel.dp_replicate * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
+    out: dict[str, Any] = {
+        "manifest": cfg.data.train_manifest,
+        "dp_size": dp,
+        "grad_accum": cfg.trainer.grad_accum,
+        "mode": s.mode,
+        "temperature": s.temperature,
+        "max_batch_duration": s.max_batch_duration,
+        "max_batch_tokens": s.max_batch_tokens,
+        "length_penalty": s.length_penalty,
+        "bucket_boundaries": tuple(s.bucket_boundaries),
+        "epoch_size": s.epoch_size,
+        "seed": s.seed,
+        "epoch": 0,
+        "cp_size": cfg.parallel.cp_size,
+        "tp_size": cfg.parallel.tp_size,
+        "projector_stack": cfg.model.projector_stack,
+    }
+    for key in (
+        "manifest",
+        "dp_size",
+        "grad_accum",
+        "mode",
+        "temperature",
+        "seed",
+        "epoch",
+        "epoch_size",
+        "cp_size",
+        "tp_size",
+    ):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    if args.max_batch_tokens is not None:
+        out["max_batch_tokens"] = args.max_batch_tokens
+    elif args.max_batch_duration is not None:
+        out["max_batch_duration"], out["max_batch_tokens"] = args.max_batch_duration, None
+    return out
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        st = resolve_settings(args)
+    except ValueError as e:  # ConfigError is a ValueError
+        print(f"speechlm plan: {e}", file=sys.stderr)
+        return 1
+    try:
+        inputs = read_plan_inputs(st["manifest"])
+    except (OSError, ValueError) as e:
+        print(f"speechlm plan: {e}", file=sys.stderr)
+        return 1
+    token_cost = TokenCostModel(projector_stack=st["projector_stack"])
+    try:
+        plan = build_epoch_plan(
+            inputs.durations,
+            inputs.lang_codes,
+            dp_size=st["dp_size"],
+            grad_accum=st["grad_accum"],
+            mode=st["mode"],
+            temperature=st["temperature"],
+            max_batch_duration=st["max_batch_duration"],
+            max_batch_tokens=st["max_batch_tokens"],
+            length_penalty=st["length_penalty"],
+            bucket_boundaries=st["bucket_boundaries"],
+            epoch_size=st["epoch_size"],
+            token_cost=token_cost,
+            n_langs=len(inputs.lang_names),
+            seed=st["seed"],
+            epoch=st["epoch"],
+        )
+    except ValueError as e:
+        print(f"speechlm plan: {e}", file=sys.stderr)
+        return 1
+    summary = summarize_plan(
+        plan,
+        inputs,
+        grad_accum=st["grad_accum"],
+        temperature=st["temperature"],
+        bucket_boundaries=st["bucket_boundaries"],
+        token_cost=token_cost,
+        cp_size=st["cp_size"],
+        tp_size=st["tp_size"],
+    )
+    budget = (
+        f"{st['max_batch_tokens']} tokens (length penalty {st['length_penalty']:g})"
+        if st["max_batch_tokens"] is not None
+        else f"{st['max_batch_duration']:g} s"
+    )
+    print(format_summary(summary, str(st["manifest"]), budget))
+    if args.json:
+        summary["manifest"] = str(st["manifest"])
+        summary["settings"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in st.items()}
+        summary["ranks"] = [
+            [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
+        ]
+        try:
+            with open(args.json, "w") as f:
+                json.dump(summary, f)
+        except OSError as e:
+            print(f"speechlm plan: cannot write {args.json}: {e}", file=sys.stderr)
+            return 1
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _split_batches(rows: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    return np.split(rows, offsets[1:-1])
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="print an epoch plan: batches, steps, language mix, padding",
+        description=__doc__.split("\n")[0],
+    )
+    p.add_argument(
+        "--config", help="experiment YAML; its data/sampler/trainer/parallel fields are the defaults"
+    )
+    p.add_argument("--manifest", help="training manifest (default: data.train_manifest)")
+    p.add_argument(
+        "--dp-size", type=int, help="data-parallel ranks (default: parallel.dp_replicate * dp_shard)"
+    )
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--max-batch-duration", type=float, metavar="S", help="seconds of audio per micro-batch"
+    )
+    budget.add_argument("--max-batch-tokens", type=int, metavar="N", help="tokens per micro-batch instead")
+    p.add_argument("--mode", choices=("temperature", "exhaustive"))
+    p.add_argument("--temperature", type=float, help="language temperature T (<= 0: uniform)")
+    p.add_argument("--epoch-size", type=int, help="utterances per epoch in temperature mode")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--epoch", type=int)
+    p.add_argument("--cp-size", type=int, help="context-parallel degree for the THD rounding")
+    p.add_argument("--tp-size", type=int, help="tensor-parallel degree for the THD rounding")
+    p.add_argument("--json", metavar="FILE", help="write the summary and every rank's micro-batches")
+    p.set_defaults(func=run_plan)

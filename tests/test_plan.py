@@ -1,0 +1,164 @@
+"""`speechlm plan`: the printed summary, the JSON plan, config + flag precedence, and errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from speechlm.cli import main
+from speechlm.data.plan import read_plan_inputs, round_thd_total
+from speechlm.data.sampler import DurationBucketBatchSampler, build_epoch_plan
+
+NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
+
+
+@pytest.fixture()
+def manifest(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 6000
+    durations = np.clip(rng.lognormal(np.log(5), 0.6, n), 0.5, 20).astype(np.float32)
+    langs = rng.choice(3, size=n, p=[0.1, 0.7, 0.2])
+    path = tmp_path / "train.parquet"
+    table = pa.table({"duration": pa.array(durations, pa.float32()), "lang": [NAMES[i] for i in langs]})
+    pq.write_table(table, path)
+    return path, durations, [NAMES[i] for i in langs]
+
+
+def test_plan_prints_the_summary_and_writes_every_rank(manifest, tmp_path, capsys):
+    path, durations, langs = manifest
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--manifest", str(path), "--dp-size", "2", "--grad-accum", "2", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for phrase in (
+        "micro-batches per rank",
+        "optimizer steps per epoch",
+        "h of audio per optimizer step",
+        "natural",
+        "target",
+        "bucket",
+        "BSHD",
+        "THD",
+    ):
+        assert phrase in text
+    plan = json.loads(out.read_text())
+    for key in (
+        "ranks",
+        "micro_batches_per_rank",
+        "optimizer_steps_per_epoch",
+        "audio_hours_per_step",
+        "languages",
+        "buckets",
+        "padding",
+        "settings",
+        "manifest",
+    ):
+        assert key in plan
+    assert len(plan["ranks"]) == 2
+    assert {len(r) for r in plan["ranks"]} == {plan["micro_batches_per_rank"]}
+    assert plan["micro_batches_per_rank"] % 2 == 0
+    flat = [i for rank in plan["ranks"] for batch in rank for i in batch]
+    assert all(isinstance(i, int) and 0 <= i < len(durations) for i in flat)
+    assert plan["padding"]["thd_efficiency"] == 1.0 >= plan["padding"]["bshd_efficiency"]
+    assert sum(b["utterances"] for b in plan["buckets"]) == len(flat)
+    # the same micro-batches the training sampler hands rank 1 (languages coded by sorted name)
+    codes = np.searchsorted(sorted(NAMES), langs)
+    sampler = DurationBucketBatchSampler(durations, codes, sorted(NAMES), dp_rank=1, dp_size=2, grad_accum=2)
+    assert list(sampler) == plan["ranks"][1]
+
+
+def test_plan_reads_a_config_and_flags_override_it(manifest, tmp_path):
+    path, durations, _ = manifest
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(
+        f"data:\n  train_manifest: {path}\n"
+        "sampler:\n  mode: exhaustive\n  max_batch_duration: 30.0\n  seed: 5\n"
+        "trainer:\n  grad_accum: 3\n"
+        "parallel:\n  dp_shard: 2\n"
+    )
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(cfg), "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["settings"]["max_batch_duration"] == 30.0 and plan["grad_accum"] == 3 and plan["dp_size"] == 2
+    flat = [i for rank in plan["ranks"] for batch in rank for i in batch]
+    assert len(flat) == len(set(flat))  # exhaustive: every row at most once
+    assert all(durations[b].sum() <= 30.0 or len(b) == 1 for rank in plan["ranks"] for b in rank)
+
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(cfg),
+                "--grad-accum",
+                "1",
+                "--max-batch-tokens",
+                "800",
+                "--mode",
+                "temperature",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    plan = json.loads(out.read_text())
+    assert plan["grad_accum"] == 1 and plan["mode"] == "temperature"
+    assert plan["settings"]["max_batch_tokens"] == 800
+
+
+def test_plan_with_text_estimates_tokens_and_thd_rounding(tmp_path, capsys):
+    path = tmp_path / "m.parquet"
+    n = 3000
+    rng = np.random.default_rng(1)
+    durations = rng.uniform(1, 15, n).astype(np.float32)
+    table = pa.table(
+        {
+            "duration": durations,
+            "lang": pa.array(["en"] * n).dictionary_encode(),
+            "text": ["a b c " * int(d) for d in durations],
+        }
+    )
+    pq.write_table(table, path)
+    out = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--manifest", str(path), "--cp-size", "2", "--tp-size", "2", "--json", str(out)]) == 0
+    )
+    pad = json.loads(out.read_text())["padding"]
+    assert pad["text_tokens_estimated"] and pad["cp_size"] == 2
+    assert pad["bshd_efficiency"] < pad["thd_efficiency"] < 1.0
+    assert "text ~ chars/3" in capsys.readouterr().out
+
+
+def test_thd_rounding_matches_the_packing_module():
+    packing = pytest.importorskip("speechlm.packing")
+    lengths = np.array([5, 9, 1, 12, 7, 3])
+    offsets = np.array([0, 2, 6])
+    for cp, tp in [(1, 1), (1, 4), (2, 1), (2, 2), (4, 2)]:
+        expected = sum(sum(packing.round_lengths(lengths[a:b].tolist(), cp, tp)) for a, b in [(0, 2), (2, 6)])
+        assert round_thd_total(lengths, offsets, cp, tp) == expected
+
+
+def test_plan_inputs_code_languages_by_sorted_name(manifest):
+    path, durations, langs = manifest
+    inputs = read_plan_inputs(path)
+    assert inputs.lang_names == sorted(NAMES)
+    assert [inputs.lang_names[c] for c in inputs.lang_codes[:50]] == langs[:50]
+    assert inputs.text_chars is None and inputs.durations.dtype == np.float32
+    plan = build_epoch_plan(inputs.durations, inputs.lang_codes, dp_size=1)
+    assert plan.manifest_rows == len(durations)
+
+
+def test_plan_errors_name_the_manifest(tmp_path, capsys):
+    missing = tmp_path / "nope.parquet"
+    assert main(["plan", "--manifest", str(missing)]) == 1
+    assert str(missing) in capsys.readouterr().err
+    bad = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"duration": [1.0, 2.0]}), bad)
+    assert main(["plan", "--manifest", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "'lang'" in err
