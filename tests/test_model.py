@@ -481,3 +481,26 @@ def test_configs_are_not_mutated():
     before = copy.deepcopy(cfg)
     SpeechLLM(cfg, vocab_size=VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, audio_id=AUDIO)
     assert cfg == before
+
+
+def test_fresh_encoder_is_batch_invariant_without_calling_train():
+    """BatchNorm is frozen at construction: a clip encodes the same alone or in a batch, train() or not."""
+    from speechlm.config import EncoderConfig
+    from speechlm.model.encoder import build_encoder
+    from speechlm.model.features import LogMelFeatures
+
+    torch.manual_seed(0)
+    enc = build_encoder(EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                                      subsampling_conv_channels=8, num_mel_bins=80), dropout=0.0)
+    assert enc.training  # a fresh module trains ...
+    bns = [m for m in enc.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and not any(m.training for m in bns)  # ... but its BatchNorm layers use running statistics
+    feats = LogMelFeatures()
+    audio = torch.randn(2, 6000)
+    lens = torch.tensor([6000, 4000])
+    f, fl = feats(audio, lens)
+    both, both_lens = enc(f, fl)
+    f1, fl1 = feats(audio[1:, :4000], lens[1:])
+    one, one_lens = enc(f1, fl1)
+    n = int(one_lens[0])
+    torch.testing.assert_close(both[1, :n], one[0, :n], rtol=1e-5, atol=1e-6)

@@ -462,7 +462,17 @@ def load_nemo_encoder(path: str | Path, *, dropout: float, freeze_batchnorm: boo
 
 
 def build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: bool = True) -> AudioEncoder:
-    """Build the configured encoder from its config, or load it from ``enc_cfg.pretrained``."""
+    """Build the configured encoder from its config, or load it from ``enc_cfg.pretrained``.
+
+    The BatchNorm freeze is applied here, at construction: a fresh module is in training mode without
+    `train()` ever being called, and BatchNorm on batch statistics makes a clip's encoding depend on the
+    other clips of its batch (which breaks CP/DP equivalence and lets a dummy clip change results).
+    """
+    encoder = _build_encoder(enc_cfg, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
+    return encoder.train(encoder.training)
+
+
+def _build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: bool) -> AudioEncoder:
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     kind = enc_cfg.kind
