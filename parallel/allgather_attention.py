@@ -32,20 +32,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
+from parallel.collectives import all_gather_into as _all_gather
+from parallel.collectives import reduce_scatter_into as _reduce_scatter
 from parallel.cp_shard import cp_all_rank_indices_thd, inverse_permutation
 from parallel.ring_attention import check_cp_group, local_chunk_groups
 
 __all__ = ["allgather_attention_thd"]
-
-
-def _all_gather(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
 def _allgather_blocks(

@@ -15,7 +15,7 @@ all B clips (cp-fold duplicated work). Instead:
 2. Gather. Frame counts U_i differ per clip, so each rank first all-gathers its b frame counts (a
    fixed-size int tensor; dummies count 0), concatenates its real clips' embeddings to ``[U_r, H]``,
    pads to ``P = max_r U_r`` and runs a DIFFERENTIABLE all-gather
-   (``torch.distributed.nn.functional.all_gather``); the result is trimmed and split back into B
+   (``parallel.collectives.gather_dim0``: all-gather forward, reduce-scatter backward); the result is trimmed and split back into B
    per-clip tensors, in order, identical on every rank.
 3. Backward. The all-gather's backward sums, over all CP ranks, the gradient each rank's loss sends
    to a slot, and delivers the sum to the slot's owner. So the owner's encoder receives the gradient
@@ -38,15 +38,15 @@ clip. Dummies pass through batch statistics if the encoder has BatchNorm in trai
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import Tensor
+
+from parallel.collectives import gather_dim0
 
 __all__ = ["DistEncodeResult", "cp_clip_ranges", "encode_distributed", "slice_extra"]
 
@@ -109,14 +109,6 @@ def _gather_frame_counts(
     return [[int(x) for x in t.tolist()] for t in gathered]
 
 
-def _all_gather_differentiable(x_PH: Tensor, group: Any) -> tuple[Tensor, ...]:
-    # torch.distributed.nn.functional is deprecated in favour of a private functional API; it is the
-    # public differentiable gather that works on gloo and NCCL across torch versions, so keep it quiet.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return dist_nn.all_gather(x_PH, group=group)
-
-
 def encode_distributed(
     encode_fn: EncodeFn,
     audio_BN: Tensor,
@@ -170,7 +162,7 @@ def encode_distributed(
     if dummies:  # weight zero: keeps the encoder in this rank's backward without changing any value
         flat_PH = flat_PH + 0.0 * sum(d.sum() for d in dummies)
 
-    gathered = _all_gather_differentiable(flat_PH, group)
+    gathered = gather_dim0(flat_PH, group).split(pad_to, dim=0)
     embeds: list[Tensor] = []
     for rank_counts, rank_PH, rank_share in zip(all_counts, gathered, shares):
         real_counts = rank_counts[: len(rank_share)]
