@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jiwer
 import torch
@@ -40,7 +41,12 @@ def wer_by_language(refs: list[str], hyps: list[str], langs: list[str]) -> dict[
 
 @torch.no_grad()
 def decode_batches(
-    model: Any, batches: Iterable[Any], tokenizer: Any, *, device: torch.device, max_new_tokens: int = 96,
+    model: Any,
+    batches: Iterable[Any],
+    tokenizer: Any,
+    *,
+    device: torch.device,
+    max_new_tokens: int = 96,
     max_batches: int | None = None,
 ) -> tuple[list[str], list[str], list[str]]:
     """Greedy-decode every batch; returns (references, hypotheses, languages) without language tags."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 
 
-def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float, start: int = 0) -> float:
+def warmup_cosine(
+    step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float, start: int = 0
+) -> float:
     """Multiplier in [min_lr_ratio, 1] for optimizer step `step` (0-based), starting at `start`."""
     if step < start:
         return 0.0
@@ -30,13 +32,21 @@ def decoder_lr_lambda(step: int, *, warmup_steps: int, max_steps: int, min_lr_ra
 
 
 def encoder_lr_lambda(
-    step: int, *, unfreeze_step: int, encoder_warmup_steps: int, warmup_steps: int, max_steps: int,
+    step: int,
+    *,
+    unfreeze_step: int,
+    encoder_warmup_steps: int,
+    warmup_steps: int,
+    max_steps: int,
     min_lr_ratio: float,
 ) -> float:
     if unfreeze_step <= 0:
         return warmup_cosine(step, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
     return warmup_cosine(
-        step, warmup_steps=encoder_warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio,
+        step,
+        warmup_steps=encoder_warmup_steps,
+        max_steps=max_steps,
+        min_lr_ratio=min_lr_ratio,
         start=unfreeze_step,
     )
 

@@ -1,0 +1,68 @@
+"""`speechlm demo`: the Quick start's main job on the bundled demo corpus.
+
+build the manifest → train the tokenizer → print the epoch plan → train `configs/demo.yaml` →
+print the per-language WER table (eval.json and learning_curve.png in the run directory).
+Each step is the same command a user would run by hand; they are printed before they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="build, plan and train on the bundled demo corpus (the Quick start)")
+    p.add_argument("--shards", default=str(REPO / "data/demo/shards"))
+    p.add_argument("--out", default="data/demo_manifest", help="manifest and tokenizer directory")
+    p.add_argument("--config", default=str(REPO / "configs/demo.yaml"))
+    p.add_argument("--no-train", action="store_true", help="stop after printing the plan")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for the training config")
+    p.set_defaults(func=run_demo)
+
+
+def _run(argv: list[str]) -> int:
+    from speechlm.cli import main
+
+    print("\n$ speechlm " + " ".join(argv), flush=True)
+    return main(argv)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    rc = _run(["manifest", "build", args.shards, "--out", str(out)])
+    if rc:
+        return rc
+    rc = _run(
+        ["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")]
+    )
+    if rc:
+        return rc
+    rc = _run(["plan", "--config", args.config, "--manifest", str(out / "train.parquet")])
+    if rc or args.no_train:
+        return rc
+    overrides = [
+        f"data.train_manifest={out / 'train.parquet'}",
+        f"data.val_manifest={out / 'val.parquet'}",
+        f"data.tokenizer={out / 'tokenizer.model'}",
+        *args.overrides,
+    ]
+    return _run(["train", args.config, *overrides])
+
+
+if __name__ == "__main__":
+    sys.exit(
+        run_demo(
+            argparse.Namespace(
+                shards=str(REPO / "data/demo/shards"),
+                out="data/demo_manifest",
+                config=str(REPO / "configs/demo.yaml"),
+                no_train=False,
+                overrides=[],
+            )
+        )
+    )

@@ -1,0 +1,146 @@
+"""Callbacks: per-step metrics log, periodic and preemption checkpoints, WER validation.
+
+All of them act on optimizer steps (one `training_step` is one optimizer step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from speechlm.train.checkpoint import save_checkpoint_atomic, step_dir_name, write_text_atomic
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        out[k] = v
+    return out
+
+
+class MetricsWriter(L.Callback):
+    """Appends one JSON object per optimizer step to `RUN_DIR/metrics.jsonl` (rank 0 only).
+
+    On resume, entries after the resumed step are dropped first, so the file always describes one
+    consistent history.
+    """
+
+    def __init__(self, run_dir: Path, log_every: int = 1):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.log_every = max(1, log_every)
+
+    def truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = [
+            ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step
+        ]
+        write_text_atomic(self.path, "".join(ln + "\n" for ln in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = getattr(pl_module, "last_metrics", None)
+        if trainer.is_global_zero and m and (m["step"] % self.log_every == 0 or m["step"] == 1):
+            self.write({"kind": "train", **m, "time": time.time()})
+
+
+class CheckpointCallback(L.Callback):
+    """Every `every` optimizer steps, at the end of training, and on SIGTERM (then training stops)."""
+
+    def __init__(self, run_dir: Path, every: int, keep_last: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.every = every
+        self.keep_last = keep_last
+        self.last_saved_step = -1
+
+    def save(self, trainer) -> Path:
+        step = trainer.global_step
+        path = save_checkpoint_atomic(trainer, self.root, step_dir_name(step), keep_last=self.keep_last)
+        self.last_saved_step = step
+        return path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if trainer.received_sigterm:
+            path = self.save(trainer)
+            if trainer.is_global_zero:
+                print(
+                    f"\nSIGTERM: saved checkpoint {path}; exiting. Resume with trainer.resume=auto",
+                    flush=True,
+                )
+            trainer.should_stop = True
+            return
+        if self.every > 0 and step % self.every == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.every > 0 and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
+            self.save(trainer)
+
+
+class ValidationCallback(L.Callback):
+    """Greedy decoding + WER per language every `every` steps; keeps the best checkpoint; early stops."""
+
+    def __init__(
+        self,
+        evaluate_fn,
+        metrics: MetricsWriter,
+        run_dir: Path,
+        *,
+        every: int,
+        best_metric: str,
+        patience: int = 0,
+    ):
+        self.evaluate_fn = evaluate_fn  # (pl_module) -> dict of metrics, identical on every rank
+        self.metrics = metrics
+        self.every = every
+        self.best_metric = best_metric
+        self.patience = patience
+        self.best: float | None = None
+        self.bad_evals = 0
+        self.root = Path(run_dir) / "checkpoints"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every <= 0 or step % self.every != 0 or trainer.received_sigterm:
+            return
+        result = self.evaluate_fn(pl_module)
+        if not result:
+            return
+        if trainer.is_global_zero:
+            self.metrics.write({"kind": "val", "step": step, **result, "time": time.time()})
+            summary = " ".join(f"{k}={100 * v:.1f}%" for k, v in result.items() if k.startswith("wer"))
+            print(f"\n[val step {step}] {summary}", flush=True)
+        value = result.get(self.best_metric)
+        if value is None:
+            return
+        if self.best is None or value < self.best:
+            self.best = value
+            self.bad_evals = 0
+            save_checkpoint_atomic(trainer, self.root, "best", update_latest=False)
+        else:
+            self.bad_evals += 1
+            if self.patience > 0 and self.bad_evals >= self.patience:
+                if trainer.is_global_zero:
+                    print(
+                        f"early stopping: {self.best_metric} did not improve for {self.patience} validations"
+                    )
+                trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state.get("best")
+        self.bad_evals = state.get("bad_evals", 0)

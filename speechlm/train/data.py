@@ -1,0 +1,150 @@
+"""Training data glue: manifest → sampler (per data-parallel rank) → DataLoader → optimizer steps.
+
+`StepLoader` groups the sampler's micro-batches into optimizer steps of `grad_accum` micro-batches (the
+sampler guarantees every rank the same count, a multiple of `grad_accum`) and tags each step with the
+sampler position it leaves behind. The LightningModule records the position of the last step it
+*consumed* (the DataLoader prefetches ahead), and that is what a checkpoint stores: resuming restarts
+the sampler at the next unconsumed micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speechlm.config import ExperimentConfig
+
+
+@dataclass
+class StepBatch:
+    micro_batches: list[Any]
+    position: dict[str, int]  # {"epoch": e, "position": micro-batches consumed in epoch e after this step}
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_utterances(self) -> int:
+        return sum(len(b) for b in self.micro_batches)
+
+    @property
+    def audio_seconds(self) -> float:
+        return float(sum(float(b.durations.sum()) for b in self.micro_batches if len(b)))
+
+    # filled in by the module after summing over data-parallel ranks
+    num_utterances_global: int = 0
+    audio_seconds_global: float = 0.0
+    dropped_global: dict[str, int] = field(default_factory=dict)
+
+
+class StepLoader:
+    """Iterable of `StepBatch` over one epoch at a time; the next `iter()` continues with the next epoch."""
+
+    def __init__(
+        self,
+        sampler: Any,
+        dataset: Any,
+        *,
+        grad_accum: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ):
+        self.sampler = sampler
+        self.dataset = dataset
+        self.grad_accum = grad_accum
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.sampler.remaining() // self.grad_accum
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        from speechlm.data.dataset import build_dataloader
+
+        if self.sampler.remaining() == 0:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        epoch = self.sampler.epoch
+        pos = self.sampler.position
+        batches = list(self.sampler)  # index lists of the rest of this epoch (small: ints only)
+        loader = build_dataloader(
+            self.dataset,
+            batches,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            seed=self.seed + 1000 * epoch,
+        )
+        buf: list[Any] = []
+        for b in loader:
+            buf.append(b)
+            pos += 1
+            if len(buf) == self.grad_accum:
+                dropped: dict[str, int] = {}
+                for mb in buf:
+                    for k, v in mb.dropped.items():
+                        dropped[k] = dropped.get(k, 0) + v
+                yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped)
+                buf = []
+        self.sampler.set_epoch(epoch + 1)
+
+
+def build_sampler(
+    cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int, token_lengths: Any = None
+) -> Any:
+    from speechlm.data.manifest import manifest_arrays
+    from speechlm.data.sampler import DurationBucketBatchSampler
+
+    arr = manifest_arrays(table)
+    s = cfg.sampler
+    return DurationBucketBatchSampler(
+        arr.durations,
+        arr.lang_codes,
+        arr.lang_names,
+        token_lengths=token_lengths,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_accum=cfg.trainer.grad_accum,
+        mode=s.mode,
+        temperature=s.temperature,
+        max_batch_duration=None if s.max_batch_tokens else s.max_batch_duration,
+        max_batch_tokens=s.max_batch_tokens,
+        length_penalty=s.length_penalty,
+        bucket_boundaries=tuple(s.bucket_boundaries),
+        epoch_size=s.epoch_size,
+        seed=s.seed,
+    )
+
+
+def build_eval_batches(
+    table: Any, *, max_batch_duration: float, dp_rank: int = 0, dp_size: int = 1
+) -> list[list[int]]:
+    """Deterministic, sequential evaluation batches (every row once, sorted by duration), dealt to dp ranks."""
+    import numpy as np
+
+    from speechlm.data.manifest import manifest_arrays
+
+    durations = manifest_arrays(table).durations
+    order = np.argsort(durations, kind="stable")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    acc = 0.0
+    for i in order.tolist():
+        d = float(durations[i])
+        if cur and acc + d > max_batch_duration:
+            batches.append(cur)
+            cur, acc = [], 0.0
+        cur.append(i)
+        acc += d
+    if cur:
+        batches.append(cur)
+    return batches[dp_rank::dp_size]
+
+
+def resolve_path(p: str | None, base: Path | None = None) -> Path | None:
+    if p is None:
+        return None
+    path = Path(p)
+    if not path.is_absolute() and base is not None and not path.exists():
+        path = base / path
+    return path

@@ -1,0 +1,186 @@
+"""Wire a `SpeechLLM` to the mesh: TP → activation checkpointing → FSDP2, plus the CP step context.
+
+Who sums over what (dims from `parallel.mesh.ParallelDims`):
+- the labelled-token and clip counts of a step are summed over `dp` (CP/TP peers hold the same batch);
+- every rank's loss is its share: CE over its CP shard of the packed stream, CTC over the clips it
+  encoded (each clip on exactly one CP rank), both divided by the *global* counts;
+- FSDP2 averages gradients over `dp_shard_cp` (and `dp_replicate` under HSDP), so the local loss is
+  multiplied by dp*cp (`StepContext.grad_scale`) to turn that average into the sum the objective needs;
+- TP peers compute identical losses; nothing is summed over `tp`.
+
+FSDP2 only hooks `forward()`, and the training step calls the model's pieces directly
+(`encode_audio`, `embed_tokens`, `forward_packed`), so every piece that owns parameters is its own
+FSDP unit: each decoder layer, the token embedding, the rest of the LLM (norm, LM head), the encoder,
+the projector and the CTC head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.cp_shard import shard_thd
+from parallel.dist_encode import encode_distributed
+from parallel.fsdp import clip_grad_norm_
+from parallel.parallelize import parallelize
+from parallel.tp import apply_tp, find_decoder_layers
+from speechlm.packing import PackedBatch
+from speechlm.train.step import StepContext
+
+
+class CPAttention:
+    """The object the reference attention backend delegates to under CP (ring or all-gather-KV)."""
+
+    def __init__(self, group: Any, cp_size: int, cp_rank: int, kind: str):
+        from parallel.allgather_attention import allgather_attention_thd
+        from parallel.ring_attention import ring_attention_thd
+
+        self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
+        self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
+
+    def attention(
+        self,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        cu_seqlens_local: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        return self.fn(
+            q_THD,
+            k_THD,
+            v_THD,
+            cu_seqlens_local,
+            group=self.group,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+            scale=scale,
+            causal=True,
+        )
+
+
+def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
+    """FSDP units, deepest first; each is called through its own forward() by the training step."""
+    llm = model.llm
+    blocks: list[torch.nn.Module] = list(find_decoder_layers(llm))
+    blocks.append(llm.get_input_embeddings())
+    blocks.append(llm)
+    blocks.append(model.encoder)
+    blocks.append(model.projector)
+    if getattr(model, "ctc_head", None) is not None:
+        blocks.append(model.ctc_head)
+    return blocks
+
+
+def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) -> Any:
+    if dims.tp > 1:
+        from parallel.tp import check_tp_heads
+
+        llm_cfg = model.llm.config
+        check_tp_heads(llm_cfg.num_attention_heads, llm_cfg.num_key_value_heads, dims.tp)
+    model = parallelize(
+        model,
+        dims,
+        blocks_fn=speech_llm_blocks,
+        tp_fn=lambda m, tp_mesh: apply_tp(m.llm, tp_mesh),
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        device_type=device_type,
+    )
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if isinstance(model, FSDPModule):
+        # the training step calls these pieces instead of forward(); give them the root's FSDP hooks
+        for name in FSDP_ENTRY_METHODS:
+            register_fsdp_forward_method(model, name)
+    return model
+
+
+# SpeechLLM methods the training and evaluation code call directly (each runs FSDP's root hooks)
+FSDP_ENTRY_METHODS = (
+    "encode_audio", "embed_tokens", "forward_packed", "forward_padded", "ctc_loss_sum", "generate_greedy",
+)
+
+
+def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepContext:
+    cfg = module.cfg
+    rank = dist.get_rank()
+    mesh = dims.mesh
+    device = module.device
+    parallelize_speech_llm(module.model, dims, cfg, device.type)
+    module.clip_fn = clip_grad_norm_
+
+    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
+    dp_cp_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
+    cp_rank = dims.cp_rank(rank)
+
+    def sum_counts_over_dp(values: list[float]) -> list[float]:
+        if dp_group is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=dp_group)
+        return t.tolist()
+
+    def sum_over_data_ranks(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if dp_cp_group is None:
+            return xs
+        t = torch.stack([x.double() for x in xs]).to(device)
+        dist.all_reduce(t, group=dp_cp_group)
+        return tuple(t.cpu().unbind(0))
+
+    ctx.cp, ctx.tp = dims.cp, dims.tp
+    ctx.grad_scale = float(dims.dp_cp)
+    ctx.sum_counts_over_dp = sum_counts_over_dp
+    ctx.sum_over_data_ranks = sum_over_data_ranks
+    ctx.rank = rank
+    if dims.cp > 1:
+        cp_group = mesh["cp"].get_group()
+        ctx.cp_attention = CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention)
+
+        def shard_packed(packed: PackedBatch) -> PackedBatch:
+            parts, cu_local, max_local = shard_thd(
+                {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
+                packed.cu_seqlens,
+                dims.cp,
+                cp_rank,
+            )
+            return PackedBatch(
+                parts["x"], parts["labels"], parts["pos"], cu_local, int(max_local), packed.seq_lens
+            )
+
+        def encode_audio(model: Any, audio_BN: torch.Tensor, audio_lens_B: torch.Tensor) -> Any:
+            def encode_fn(a: torch.Tensor, lens: torch.Tensor) -> Any:
+                out = model.encode_audio(a, lens)
+                return out.embeds, (out.enc_hidden, out.enc_lens)
+
+            res = encode_distributed(
+                encode_fn, audio_BN, audio_lens_B, group=cp_group, cp_rank=cp_rank, cp_size=dims.cp
+            )
+            return CPEncoderOutput(res)
+
+        ctx.shard_packed = shard_packed
+        ctx.encode_audio = encode_audio
+    return ctx
+
+
+class CPEncoderOutput:
+    """Distributed encoding result in the shape `compute_micro_losses` expects.
+
+    `embeds` holds every clip of the micro-batch (gathered, differentiable); `enc_hidden`/`enc_lens`
+    only this rank's clips (for the auxiliary CTC loss, so each clip counts once across CP ranks), and
+    `ctc_slice` says which rows of the batch they are. A rank that owns no real clip gets its dummy's
+    hidden states with `ctc_weight` 0, so the CTC head still takes part in FSDP's reduce-scatter.
+    """
+
+    def __init__(self, res: Any):
+        self.embeds = res.embeds
+        r = res.local_range
+        if len(r) > 0:
+            self.enc_hidden, self.enc_lens = res.local_extra
+            self.ctc_slice = slice(r.start, r.stop)
+            self.ctc_weight = 1.0
+        else:
+            self.enc_hidden, self.enc_lens = res.dummy_extra
+            self.ctc_slice = None
+            self.ctc_weight = 0.0
