@@ -58,6 +58,9 @@ class EncoderConfig:
     subsampling_conv_channels: int = 64
     num_mel_bins: int = 80
     tensor_parallel: bool = False
+    # normalisation in the Conformer conv module: "auto" (layer_norm from scratch, batch_norm for a
+    # pretrained encoder), "layer_norm" (over channels, per frame) or "batch_norm" (frozen running stats)
+    conv_norm: str = "auto"
 
 
 @dataclass
@@ -79,6 +82,9 @@ class ModelConfig:
     projector_stack: int = 2  # frames stacked by the projector
     projector_hidden: int = 512
     packed_sequences: bool = True  # THD packing (true) or padded BSHD (false)
+    # multiple of the packed total (THD) or of the padded length (BSHD); None: the smallest legal one,
+    # lcm(2*cp, cp*tp) (tp when cp=1). Set e.g. 64 for tensor cores; it must be a multiple of that unit.
+    pad_to_multiple: int | None = None
     attention_backend: str = "reference"
     dropout: float = 0.0  # 0 turns off every source of randomness in the forward pass
     ctc_weight: float = 0.3  # auxiliary CTC loss on the encoder output; 0 disables it
@@ -123,7 +129,11 @@ class TrainerConfig:
     best_metric: str = "wer"
     early_stopping_patience: int = 0  # validations without improvement; 0 disables
     resume: str | None = None  # "auto" or a checkpoint directory
-    validate_only: bool = False  # validation-only run (no backward)
+    # "exact": continue the saved epoch plan at the next unconsumed micro-batch (same dp size, seed and
+    # manifest required); "next_epoch": restore model, optimizer and step but start the data at the next
+    # epoch — for resuming into a different data-parallel layout, where the old plan has no meaning
+    resume_data: str = "exact"
+    validate_only: bool = False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
     final_eval_split: str = "train"  # "train" or "val": the split scored into eval.json
 
 
@@ -279,6 +289,10 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"model.attention_backend={cfg.model.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
         )
+    if cfg.model.encoder.conv_norm not in ("auto", "layer_norm", "batch_norm"):
+        raise ConfigError(
+            f"model.encoder.conv_norm={cfg.model.encoder.conv_norm!r}: use 'auto', 'layer_norm' or 'batch_norm'"
+        )
     if cfg.sampler.mode not in ("temperature", "exhaustive"):
         raise ConfigError(f"sampler.mode={cfg.sampler.mode!r}: use 'temperature' or 'exhaustive'")
     if cfg.parallel.cp_attention not in ("ring", "allgather"):
@@ -286,6 +300,8 @@ def check_config(cfg: ExperimentConfig) -> None:
     for name in ("cp_size", "tp_size", "dp_replicate"):
         if getattr(cfg.parallel, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    if cfg.trainer.resume_data not in ("exact", "next_epoch"):
+        raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
     if cfg.trainer.grad_accum < 1:
         raise ConfigError(f"trainer.grad_accum must be >= 1, got {cfg.trainer.grad_accum}")
 

@@ -461,6 +461,33 @@ def load_nemo_encoder(path: str | Path, *, dropout: float, freeze_batchnorm: boo
 # ---------------------------------------------------------------------------------------------
 
 
+class ChannelLayerNorm(nn.Module):
+    """LayerNorm over the channels of each frame of a `[B, C, T]` tensor (a drop-in for BatchNorm1d).
+
+    Batch-invariant like a frozen BatchNorm, but it normalises: a frozen BatchNorm at its initial running
+    statistics (mean 0, variance 1) is the identity, which left a from-scratch Conformer's conv module
+    without normalisation and slowed the demo's CTC learning markedly.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels, eps=eps)
+
+    def forward(self, x_BCT: Tensor) -> Tensor:
+        return self.norm(x_BCT.transpose(1, 2)).transpose(1, 2)
+
+
+def replace_conv_batchnorm(model: nn.Module) -> int:
+    """Swap every BatchNorm1d of a from-scratch encoder for `ChannelLayerNorm`; returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm1d):
+                setattr(parent, name, ChannelLayerNorm(child.num_features, eps=child.eps))
+                n += 1
+    return n
+
+
 def build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: bool = True) -> AudioEncoder:
     """Build the configured encoder from its config, or load it from ``enc_cfg.pretrained``.
 
@@ -468,6 +495,11 @@ def build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: b
     `train()` ever being called, and BatchNorm on batch statistics makes a clip's encoding depend on the
     other clips of its batch (which breaks CP/DP equivalence and lets a dummy clip change results).
     """
+    if enc_cfg.pretrained and enc_cfg.conv_norm == "layer_norm":
+        raise ValueError(
+            f"model.encoder.conv_norm=layer_norm cannot be used with a pretrained encoder "
+            f"({enc_cfg.pretrained}): its BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
+        )
     encoder = _build_encoder(enc_cfg, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
     return encoder.train(encoder.training)
 
@@ -487,6 +519,8 @@ def _build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: 
         model = ParakeetEncoder._from_config(
             copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32
         )
+        if enc_cfg.conv_norm in ("auto", "layer_norm"):
+            replace_conv_batchnorm(model)
         settings = FeatureSettings(n_mels=enc_cfg.num_mel_bins)
         return ParakeetAudioEncoder(model, settings, freeze_batchnorm=freeze_batchnorm)
     if kind == "whisper":
