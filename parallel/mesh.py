@@ -87,7 +87,10 @@ class ParallelDims:
         out = []
         for i in range(sizes[axis]):
             cc = dict(c, **{axis: i})
-            out.append(((cc["dp_replicate"] * self.dp_shard + cc["dp_shard"]) * self.cp + cc["cp"]) * self.tp + cc["tp"])
+            out.append(
+                ((cc["dp_replicate"] * self.dp_shard + cc["dp_shard"]) * self.cp + cc["cp"]) * self.tp
+                + cc["tp"]
+            )
         return out
 
     def build_mesh(self, device_type: str) -> Any:
@@ -95,7 +98,8 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -111,5 +115,7 @@ class ParallelDims:
         return self._mesh
 
     def describe(self) -> str:
-        return (f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"cp={self.cp} tp={self.tp}")
+        return (
+            f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+            f"cp={self.cp} tp={self.tp}"
+        )

@@ -81,16 +81,31 @@ def shift_labels_within(ids_L: Tensor, target_mask_L: Tensor, cu_seqlens: Tensor
     return labels_L
 
 
-def round_lengths(lengths: Sequence[int], cp: int = 1, tp: int = 1) -> list[int]:
+def rounding_unit(cp: int = 1, tp: int = 1) -> int:
+    """The smallest legal multiple for a packed total: ``tp`` (cp = 1) or ``lcm(2 * cp, cp * tp)``."""
+    return math.lcm(2 * cp, cp * tp) if cp > 1 else tp
+
+
+def round_lengths(
+    lengths: Sequence[int], cp: int = 1, tp: int = 1, total_multiple: int | None = None
+) -> list[int]:
     """Round sequence lengths so that the packed stream can be sharded over ``cp`` and ``tp``.
 
     ``cp == 1``: unchanged, except the last length padded so that the total divides by ``tp``.
     ``cp > 1``: each length up to a multiple of ``2 * cp``, then the last one padded further so
     that the total divides by ``lcm(2 * cp, cp * tp)`` (each CP rank's ``total / cp`` divides by
     ``tp``). The extra padding of the last length is a multiple of ``2 * cp``, so it stays legal.
+    ``total_multiple`` (``model.pad_to_multiple``) replaces that automatic multiple of the total, for
+    example 64 for tensor cores; it must itself be a multiple of `rounding_unit(cp, tp)`.
     """
     if cp < 1 or tp < 1:
         raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
+    unit = rounding_unit(cp, tp)
+    if total_multiple is not None and (total_multiple < 1 or total_multiple % unit):
+        raise ValueError(
+            f"pad_to_multiple={total_multiple} is not a multiple of lcm(2*cp, cp*tp) = {unit} (cp={cp}, "
+            f"tp={tp}); each CP rank's share would not divide by tp. Use a multiple of {unit}"
+        )
     out = [int(n) for n in lengths]
     for i, n in enumerate(out):
         if n < 1:
@@ -100,11 +115,8 @@ def round_lengths(lengths: Sequence[int], cp: int = 1, tp: int = 1) -> list[int]
     if cp > 1:
         chunk = 2 * cp
         out = [-(-n // chunk) * chunk for n in out]
-        total_multiple = math.lcm(chunk, cp * tp)
-    else:
-        total_multiple = tp
     total = sum(out)
-    out[-1] += -total % total_multiple
+    out[-1] += -total % (total_multiple or unit)
     return out
 
 
@@ -162,7 +174,13 @@ def _raise_placeholder_error(i: int, count: int, audio_id: int) -> None:
 
 
 def plan_thd(
-    prompts: Sequence[Prompt], audio_lens: Sequence[int], *, audio_id: int, cp: int = 1, tp: int = 1
+    prompts: Sequence[Prompt],
+    audio_lens: Sequence[int],
+    *,
+    audio_id: int,
+    cp: int = 1,
+    tp: int = 1,
+    pad_to_multiple: int | None = None,
 ) -> PackLayout:
     """Lay out the prompts as one THD stream: expand audio, shift labels, round, build cu_seqlens.
 
@@ -197,7 +215,7 @@ def plan_thd(
 
     seq_lens_t = prompt_lens - 1 + torch.tensor(lens_audio, dtype=torch.long)
     seq_lens = seq_lens_t.tolist()
-    padded = round_lengths(seq_lens, cp=cp, tp=tp)
+    padded = round_lengths(seq_lens, cp=cp, tp=tp, total_multiple=pad_to_multiple)
     pad_amounts = torch.tensor(padded, dtype=torch.long) - seq_lens_t
 
     # Extended entries: utterance i's prompt tokens followed by its padding marker, so that entry
@@ -308,10 +326,14 @@ def pack_thd(
     audio_id: int,
     cp: int = 1,
     tp: int = 1,
+    pad_to_multiple: int | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
     """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's)."""
-    layout = plan_thd(prompts, [int(e.shape[0]) for e in audio_embeds], audio_id=audio_id, cp=cp, tp=tp)
+    layout = plan_thd(
+        prompts, [int(e.shape[0]) for e in audio_embeds], audio_id=audio_id, cp=cp, tp=tp,
+        pad_to_multiple=pad_to_multiple,
+    )
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     inputs_embeds = splice_embeddings(layout, embed_tokens(layout.input_ids_T.to(dev)), audio_embeds)
     return PackedBatch(

@@ -358,3 +358,14 @@ def test_supervised_pairs_every_rounding_fixed_batch(cp, tp):
     prompts, audio_lens = two_utterances()
     prompts.append(build_prompt([13, 14, 15], bos_id=BOS, eos_id=EOS, audio_id=AUDIO))
     assert_same_pairs(prompts, [*audio_lens, 9], seed=1, cp=cp, tp=tp)
+
+
+def test_pad_to_multiple_replaces_the_automatic_unit_and_must_be_compatible():
+    from speechlm.packing import round_lengths, rounding_unit
+
+    assert rounding_unit(2, 8) == 16 and rounding_unit(1, 3) == 3 and rounding_unit(4, 1) == 8
+    out = round_lengths([5, 9, 3], cp=2, tp=2, total_multiple=64)
+    assert sum(out) % 64 == 0 and all(n % 4 == 0 for n in out)
+    assert out[:2] == [8, 12]  # only the last sequence takes the extra padding
+    with pytest.raises(ValueError, match="not a multiple of lcm"):
+        round_lengths([5, 9], cp=2, tp=8, total_multiple=24)  # 24 is not a multiple of 16
