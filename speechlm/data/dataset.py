@@ -285,7 +285,11 @@ class SpeechDataset(Dataset):
         )
 
     def _drop(self, i: int, reason: str, detail: str) -> DroppedSample:
-        logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
+        # warn once per row and process (every epoch would repeat it); the counts travel in each Batch
+        warned = self.__dict__.setdefault("_warned_rows", set())
+        if i not in warned:
+            warned.add(i)
+            logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
         return DroppedSample(index=i, reason=reason, detail=detail)
 
 

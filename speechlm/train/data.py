@@ -27,6 +27,13 @@ class StepBatch:
     def num_utterances(self) -> int:
         return sum(len(b) for b in self.micro_batches)
 
+    def rows_digest(self) -> str:
+        """Short digest of the manifest rows this rank consumed in this step (to compare runs)."""
+        import zlib
+
+        rows = [i for b in self.micro_batches for i in b.indices]
+        return f"{zlib.crc32(','.join(map(str, rows)).encode()):08x}"
+
     @property
     def audio_seconds(self) -> float:
         return float(sum(float(b.durations.sum()) for b in self.micro_batches if len(b)))
@@ -49,6 +56,7 @@ class StepLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         seed: int = 0,
+        dp_rank: int = 0,
     ):
         self.sampler = sampler
         self.dataset = dataset
@@ -56,6 +64,7 @@ class StepLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed
+        self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
 
     def __len__(self) -> int:
         return self.sampler.remaining() // self.grad_accum
@@ -73,7 +82,7 @@ class StepLoader:
             batches,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            seed=self.seed + 1000 * epoch,
+            seed=self.seed + 1000 * epoch + 1_000_003 * self.dp_rank,
         )
         buf: list[Any] = []
         for b in loader:
@@ -89,30 +98,17 @@ class StepLoader:
         self.sampler.set_epoch(epoch + 1)
 
 
-def build_sampler(
-    cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int, token_lengths: Any = None
-) -> Any:
+def build_sampler(cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int,
+                  token_lengths: Any = None) -> Any:
+    """The epoch plan of one data-parallel rank, built exactly as `speechlm plan` builds it."""
     from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler import DurationBucketBatchSampler
 
     arr = manifest_arrays(table)
-    s = cfg.sampler
-    return DurationBucketBatchSampler(
-        arr.durations,
-        arr.lang_codes,
-        arr.lang_names,
-        token_lengths=token_lengths,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        grad_accum=cfg.trainer.grad_accum,
-        mode=s.mode,
-        temperature=s.temperature,
-        max_batch_duration=None if s.max_batch_tokens else s.max_batch_duration,
-        max_batch_tokens=s.max_batch_tokens,
-        length_penalty=s.length_penalty,
-        bucket_boundaries=tuple(s.bucket_boundaries),
-        epoch_size=s.epoch_size,
-        seed=s.seed,
+    return DurationBucketBatchSampler.from_config(
+        cfg.sampler, arr.durations, arr.lang_codes, dp_rank=dp_rank, dp_size=dp_size,
+        grad_accum=cfg.trainer.grad_accum, lang_names=arr.lang_names, token_lengths=token_lengths,
+        projector_stack=cfg.model.projector_stack,
     )
 
 

@@ -61,6 +61,20 @@ class CPAttention:
         )
 
 
+def mixed_precision_policy(cfg: Any, device_type: str) -> Any:
+    """FSDP2 bf16 compute with fp32 gradient reduction on GPUs, unless `trainer.precision` asks for fp32."""
+    from parallel.fsdp import default_mp_policy
+
+    if cfg.trainer.precision == "32":
+        return None
+    if cfg.trainer.precision == "bf16":
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return default_mp_policy(device_type)
+
+
 def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
     """FSDP units, deepest first; each is called through its own forward() by the training step."""
     llm = model.llm
@@ -87,6 +101,7 @@ def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) ->
         tp_fn=lambda m, tp_mesh: apply_tp(m.llm, tp_mesh),
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         device_type=device_type,
+        mp_policy=mixed_precision_policy(cfg, device_type),
     )
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
@@ -136,6 +151,13 @@ def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepC
     ctx.rank = rank
     if dims.cp > 1:
         cp_group = mesh["cp"].get_group()
+
+        def sum_over_cp(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            t = torch.stack([x.double() for x in xs]).to(device)
+            dist.all_reduce(t, group=cp_group)
+            return tuple(t.cpu().unbind(0))
+
+        ctx.sum_over_cp = sum_over_cp
         ctx.cp_attention = CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention)
 
         def shard_packed(packed: PackedBatch) -> PackedBatch:

@@ -160,6 +160,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         seed=t.seed,
+        dp_rank=dp_rank,
     )
     module = SpeechLLMModule(cfg, tok)
     module.dims = dims
@@ -215,20 +216,34 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
 
     # 3. resume: the sampler restarts at the next unconsumed micro-batch
     ckpt = resolve_resume(t.resume, run_dir)
+    step = 0
     if ckpt is not None:
         import torch as _t
 
         meta = _t.load(ckpt / "meta.pt", weights_only=False)
         extra = meta.get("speechlm", {})
-        sampler.load_state_dict(extra["sampler_state"])
         pos = extra.get("sampler_position")
-        if pos is not None:
-            sampler.seek(pos["epoch"], pos["position"])
+        if t.resume_data == "exact":
+            try:
+                sampler.load_state_dict(extra["sampler_state"])
+            except ValueError as e:
+                raise SystemExit(
+                    f"error: cannot continue the data order of {ckpt}: {e}\nTo resume the model and optimizer "
+                    f"into this layout anyway, add trainer.resume_data=next_epoch (the data restarts at the "
+                    f"next epoch)"
+                ) from None
+            if pos is not None:
+                sampler.seek(pos["epoch"], pos["position"])
+        else:
+            sampler.set_epoch((pos["epoch"] if pos else 0) + 1)
         module.pending_rng = extra.get("rng")
         step = meta.get("global_step", 0)
         if rank == 0:
             metrics.truncate_after(step)
             print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch'] if pos else 0})")
+    if t.validate_only:
+        # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
+        trainer.fit_loop.epoch_loop.max_steps = step if ckpt is not None else 0
     module.sampler_for_ckpt = sampler
     t0 = time.time()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt is not None else None)
@@ -238,7 +253,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
     final_table = train_table if t.final_eval_split == "train" else val_table
     if final_table is not None and not trainer.received_sigterm:
-        final_eval = Evaluator(cfg, tokenizer, final_table, dims, rank)
+        final_eval = Evaluator(cfg, tokenizer, final_table, dims, rank, max_batches=None)
         wer = final_eval(module)
         result.update(wer)
         if rank == 0:
@@ -253,6 +268,9 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
             )
             print(format_wer_table(wer, counts))
             (run_dir / "eval.json").write_text(json.dumps({"split": t.final_eval_split, **result}, indent=2))
+            with (run_dir / "eval_decodes.jsonl").open("w") as f:
+                for lang, ref, hyp in final_eval.last_decodes:
+                    f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
             from speechlm.train.plots import plot_learning_curve
 
             png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
@@ -296,8 +314,10 @@ class TimeLimit:
 class Evaluator:
     """Greedy WER per language over a manifest, each data-parallel rank decoding its share."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int):
+    def __init__(self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int, max_batches: Any = "config"):
         self.cfg, self.tokenizer, self.table, self.dims, self.rank = cfg, tokenizer, table, dims, rank
+        self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
+        self.last_decodes: list[tuple[str, str, str]] = []
 
     def __call__(self, module: Any) -> dict[str, float]:
         from speechlm.data.dataset import SpeechDataset, build_dataloader
@@ -312,8 +332,33 @@ class Evaluator:
         )
         budget = self.cfg.sampler.max_batch_duration or 60.0
         batches = build_eval_batches(self.table, max_batch_duration=budget)
-        if self.cfg.trainer.val_max_batches:
-            batches = batches[: self.cfg.trainer.val_max_batches]
+        if self.max_batches:
+            batches = batches[: self.max_batches]
         loader = build_dataloader(ds, batches, num_workers=0)
         refs, hyps, langs = decode_batches(module.model, loader, self.tokenizer, device=module.device)
-        return wer_by_language(refs, hyps, langs)
+        self.last_decodes = list(zip(langs, refs, hyps))
+        return {"loss": self.teacher_forced_loss(module, loader), **wer_by_language(refs, hyps, langs)}
+
+    def teacher_forced_loss(self, module: Any, loader: Any) -> float:
+        """Token cross-entropy per labelled token over the split (every rank computes the same batches)."""
+        import torch
+
+        from speechlm.train.step import compute_micro_losses, count_targets
+
+        ctx = module.step_ctx
+        was_training = module.model.training
+        module.model.eval()
+        ce = torch.zeros((), dtype=torch.float64)
+        n = 0
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    if len(batch) == 0:
+                        continue
+                    batch = batch.to(module.device)
+                    ce += compute_micro_losses(module.model, batch, ctx).ce_sum.double().cpu()
+                    n += count_targets(batch, ctx)
+        finally:
+            module.model.train(was_training)
+        (ce,) = ctx.sum_over_cp(ce)  # CP ranks each hold a shard of every sequence
+        return float(ce) / max(n, 1)

@@ -98,6 +98,7 @@ class SpeechLLMModule(L.LightningModule):
         sched = self.lr_schedulers()
         step = self.global_step
         self._sum_step_stats(step_batch)
+        lrs = sched.get_last_lr()  # the rates this step uses (the scheduler moves on inside the step)
         with self._autocast():
             res = run_optimizer_step(
                 self.model,
@@ -118,11 +119,12 @@ class SpeechLLMModule(L.LightningModule):
         self.last_metrics = {
             "step": step + 1,
             **res,
-            "lr": sched.get_last_lr()[0],
-            "lr_encoder": sched.get_last_lr()[1],
+            "lr": lrs[0],
+            "lr_encoder": lrs[1],
             "utt_per_s": n_utts_step / dt if dt == dt and dt > 0 else None,
             "audio_hours": self.audio_seconds_seen / 3600.0,
             "epoch": step_batch.position["epoch"],
+            "rows_digest": step_batch.rows_digest(),
             **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},
         }
         self.log("loss", res["loss"], prog_bar=True, on_step=True, batch_size=1, sync_dist=False)

@@ -43,6 +43,7 @@ class StepContext:
     audio_id: int
     pad_id: int
     instruction_ids: tuple[int, ...] = ()
+    pad_to_multiple: int | None = None
     cp: int = 1
     tp: int = 1
     grad_scale: float = 1.0  # size of the group gradients are averaged over (dp * cp)
@@ -51,6 +52,7 @@ class StepContext:
     encode_audio: Callable[..., Any] | None = None  # distributed encoder (CP); None: model.encode_audio
     sum_counts_over_dp: Callable[[list[float]], list[float]] = field(default=lambda xs: list(xs))
     sum_over_data_ranks: Callable[..., tuple[torch.Tensor, ...]] = field(default=_identity_sum)
+    sum_over_cp: Callable[..., tuple[torch.Tensor, ...]] = field(default=_identity_sum)
     rank: int = 0
 
     @staticmethod
@@ -62,6 +64,7 @@ class StepContext:
             audio_id=tok.audio_id,
             pad_id=tok.pad_id,
             instruction_ids=tuple(tok.instruction_ids),
+            pad_to_multiple=cfg.model.pad_to_multiple,
         )
 
     def prompts(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -141,7 +144,8 @@ def compute_micro_losses(
     if ctx.packed:
         from speechlm.packing import pack_thd
 
-        packed = pack_thd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id, cp=ctx.cp, tp=ctx.tp)
+        packed = pack_thd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id, cp=ctx.cp, tp=ctx.tp,
+                          pad_to_multiple=ctx.pad_to_multiple)
         n_labelled = packed.num_labelled()
         if ctx.shard_packed is not None:
             packed = ctx.shard_packed(packed)
@@ -149,7 +153,8 @@ def compute_micro_losses(
     else:
         from speechlm.packing import pack_bshd
 
-        padded = pack_bshd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id, pad_to_multiple=ctx.tp)
+        padded = pack_bshd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id,
+                           pad_to_multiple=ctx.pad_to_multiple or ctx.tp)
         ce_sum, n_labelled = model.forward_padded(padded)
     return MicroLosses(
         ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=len(batch), weight=weight
