@@ -1,0 +1,167 @@
+"""End-to-end training through `speechlm train` (subprocesses: each run gets a fresh process group).
+
+Covers: resume gives the same batches and losses as an uninterrupted run; SIGTERM saves a checkpoint
+and exits cleanly; packed and padded layouts give the same per-step losses with dropout 0; the validator
+stops a bad layout before any model loads; unknown overrides are rejected; the outputs a run writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE = str(REPO / "configs/smoke.yaml")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> dict[str, str]:
+    """The bundled demo corpus as a manifest plus a tokenizer (built once per session)."""
+    from speechlm.cli import main
+
+    out = tmp_path_factory.mktemp("demo_manifest")
+    assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)]) == 0
+    assert main(["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tok"),
+                 "--vocab-size", "300"]) == 0
+    return {"train": str(out / "train.parquet"), "val": str(out / "val.parquet"), "tok": str(out / "tok.model")}
+
+
+def data_overrides(d: dict[str, str]) -> list[str]:
+    return [f"data.train_manifest={d['train']}", f"data.val_manifest={d['val']}", f"data.tokenizer={d['tok']}"]
+
+
+def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "speechlm.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(ln) for ln in lines if ln.strip() and json.loads(ln).get("kind") == "train"]
+
+
+def test_resume_continues_with_same_batches_and_losses(demo_data, tmp_path):
+    base = [SMOKE, *data_overrides(demo_data), "trainer.ckpt_every=3"]
+    full = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'full'}"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    first = run_train([*base, "trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'part'}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "part/checkpoints/step_000003").is_dir()
+    assert (tmp_path / "part/checkpoints/latest").read_text().strip() == "step_000003"
+    resumed = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'part'}",
+                         "trainer.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [m["step"] for m in a] == [1, 2, 3, 4, 5, 6] == [m["step"] for m in b]
+    for ma, mb in zip(a, b):
+        assert ma["rows_digest"] == mb["rows_digest"], f"step {ma['step']}: different batches"
+        assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-6), f"step {ma['step']}"
+    assert b[-1]["audio_hours"] == pytest.approx(a[-1]["audio_hours"])  # counters restored too
+
+    # evaluation only: restores the latest checkpoint, takes no optimizer step
+    ev = run_train([*base, "trainer.max_steps=100", f"trainer.run_dir={tmp_path / 'part'}",
+                    "trainer.resume=auto", "trainer.validate_only=true", "trainer.final_eval_split=val"])
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads((tmp_path / "part/eval.json").read_text())["steps"] == 6
+    assert [m["step"] for m in read_metrics(tmp_path / "part")][-1] == 6
+
+
+def test_sigterm_saves_checkpoint_and_exits_cleanly(demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speechlm.train", SMOKE, *data_overrides(demo_data), "trainer.max_steps=500",
+         f"trainer.run_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=REPO,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM: saved checkpoint" in out
+    step = int((run_dir / "checkpoints/latest").read_text().strip().split("_")[1])
+    assert 2 <= step < 500
+    assert read_metrics(run_dir)[-1]["step"] == step  # the checkpoint holds the last finished step
+    resumed = run_train([SMOKE, *data_overrides(demo_data), f"trainer.max_steps={step + 2}",
+                         f"trainer.run_dir={run_dir}", "trainer.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)][-3:] == [step, step + 1, step + 2]
+
+
+def test_packed_and_padded_give_the_same_losses(demo_data, tmp_path):
+    losses = {}
+    for packed in ("true", "false"):
+        run_dir = tmp_path / f"packed_{packed}"
+        r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=8", "trainer.grad_accum=1",
+                       "model.dropout=0", f"model.packed_sequences={packed}", f"trainer.run_dir={run_dir}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[packed] = [m["loss"] for m in read_metrics(run_dir)]
+    assert len(losses["true"]) == 8
+    assert losses["false"] == pytest.approx(losses["true"], rel=1e-4)
+
+
+def test_run_writes_metrics_eval_and_curve(demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=2", "trainer.val_every=1",
+                   "trainer.val_max_batches=1", "trainer.final_eval_split=val", f"trainer.run_dir={run_dir}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = read_metrics(run_dir)
+    assert {"step", "loss", "ce", "ctc", "lr", "utt_per_s", "audio_hours", "grad_norm"} <= set(train[-1])
+    vals = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(ln).get("kind") == "val"]
+    assert [v["step"] for v in vals] == [1, 2] and all("wer" in v for v in vals)
+    ev = json.loads((run_dir / "eval.json").read_text())
+    assert ev["split"] == "val" and "wer" in ev and any(k.startswith("wer_") for k in ev)
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert (run_dir / "eval_decodes.jsonl").read_text().count("\n") == 12  # every val utterance decoded
+    assert (run_dir / "checkpoints/best").is_dir()
+    assert "final greedy WER" in r.stdout
+
+
+def test_validator_stops_bad_layout_before_model_load(demo_data):
+    r = run_train([SMOKE, *data_overrides(demo_data), "model.packed_sequences=false", "--cp-size", "2"],
+                  timeout=120)
+    assert r.returncode == 1
+    assert "bshd-with-cp" in r.stdout + r.stderr
+    assert "parameters" not in r.stdout  # no model was built
+
+
+def test_unknown_override_is_rejected(demo_data):
+    r = run_train([SMOKE, "trainer.max_stepz=3"], timeout=120)
+    assert r.returncode == 2
+    assert "trainer.max_stepz" in r.stderr
+
+
+def test_dry_run_prints_layout_and_config(demo_data):
+    r = run_train([SMOKE, *data_overrides(demo_data), "--dry-run"], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "layout: world=1" in r.stdout and "optimizer steps per epoch" in r.stdout
+    assert "packed_sequences: true" in r.stdout
+
+
+@pytest.mark.slow
+def test_short_demo_loss_falls(demo_data, tmp_path):
+    """A shortened demo (the demo model, 150 steps): the loss falls substantially."""
+    run_dir = tmp_path / "demo"
+    r = run_train([str(REPO / "configs/demo.yaml"), *data_overrides(demo_data), "trainer.max_steps=150",
+                   "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.final_eval_split=val",
+                   f"trainer.run_dir={run_dir}"], timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = read_metrics(run_dir)
+    first = sum(x["loss"] for x in m[:5]) / 5
+    last = sum(x["loss"] for x in m[-10:]) / 10
+    assert last < 0.5 * first, (first, last)
+    assert sum(x["ce"] for x in m[-10:]) / 10 < 0.6 * sum(x["ce"] for x in m[:5]) / 5
