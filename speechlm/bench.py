@@ -18,6 +18,9 @@ from typing import Any
 # name -> file, relative to the repository root
 BENCHMARKS: dict[str, str] = {
     "sampler": "benchmarks/bench_sampler.py",  # epoch plan: vectorised vs per-row Python
+    "manifest-memory": "benchmarks/bench_manifest_memory.py",  # 10M-row manifest resident memory
+    "packing": "benchmarks/bench_packing.py",  # THD vs BSHD on the demo batches
+    "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

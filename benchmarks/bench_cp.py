@@ -1,0 +1,96 @@
+"""Context-parallel step time on CPU/gloo: cp = 1, 2, 4 on the same global batch (indicative only).
+
+Each layout runs the real training step (`run_optimizer_step`: distributed audio encoding, packing
+with CP rounding, load-balanced sharding, ring or all-gather attention, FSDP2 over the CP ranks) on
+one long-sequence micro-batch, a warm-up step then `--steps` timed steps; rank 0 reports the median.
+On 2 CPU cores, cp = 4 oversubscribes the cores: the figures show overheads, not speed-ups.
+Usage: `speechlm bench cp [--steps N] [--clips B] [--seconds S] [--kind ring|allgather]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+VOCAB = 256
+
+
+def make_batch(n_clips: int, seconds: float, seed: int = 0):
+    import torch
+
+    from speechlm.data.dataset import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(seconds * 16000)
+    audio = 0.3 * torch.randn(n_clips, n, generator=g)
+    lens = torch.full((n_clips,), n)
+    tokens = torch.randint(5, VOCAB, (n_clips, 48), generator=g)
+    return Batch(audio=audio, audio_lens=lens, tokens=tokens, token_lens=torch.full((n_clips,), 48),
+                 langs=["xx"] * n_clips, indices=list(range(n_clips)), durations=lens.float() / 16000, dropped={})
+
+
+def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int, seconds: float) -> dict:
+    import torch
+
+    from parallel.mesh import ParallelDims
+    from speechlm.config import load_config
+    from speechlm.model.speech_llm import SpeechLLM
+    from speechlm.train.distributed import build_distributed_context
+    from speechlm.train.module import TokenizerInfo, build_optimizer, run_optimizer_step
+    from speechlm.train.step import StepContext
+
+    torch.set_num_threads(max(1, 2 // world))
+    cfg = load_config(None, [f"parallel.cp_size={cp}", f"parallel.cp_attention={kind}", "trainer.precision=32",
+                             "model.dropout=0", "optim.grad_clip=0"])
+    tok = TokenizerInfo(VOCAB, 0, 2, 3, 4)
+    torch.manual_seed(0)
+    model = SpeechLLM(cfg.model, vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
+    ctx = StepContext.single(cfg, tok)
+    if world > 1:
+        dims = ParallelDims(world, 1, -1, cp, 1)
+        dims.build_mesh("cpu")
+        ctx = build_distributed_context(SimpleNamespace(cfg=cfg, model=model, device=torch.device("cpu")), dims, ctx)
+    opt, sched = build_optimizer(model, cfg)
+    batch = make_batch(clips, seconds)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        run_optimizer_step(model, [batch], ctx, opt, sched, cfg, step=i)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="speechlm bench cp", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--clips", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=8.0, help="seconds of audio per clip")
+    ap.add_argument("--kind", default="ring", choices=("ring", "allgather"))
+    ap.add_argument("--cp", default="1,2,4")
+    args = ap.parse_args(argv)
+
+    from parallel.testing import run_distributed
+
+    rows = []
+    for cp in [int(x) for x in args.cp.split(",")]:
+        if cp == 1:
+            res = rank_body(0, 1, 1, args.kind, args.steps, args.clips, args.seconds)
+        else:
+            res = run_distributed(rank_body, cp, "gloo", cp, args.kind, args.steps, args.clips, args.seconds,
+                                  timeout_s=1200)[0]
+        rows.append((cp, res["median_s"]))
+        print(f"cp={cp}: {res['median_s'] * 1000:.0f} ms/step", flush=True)
+    base = rows[0][1]
+    print(f"\ndemo-size model, {args.clips} clips x {args.seconds:g} s per global batch, {args.kind} attention, "
+          f"median of {args.steps} steps after one warm-up")
+    print(f"{'cp':>3} {'ms/step':>9} {'vs cp=1':>8}")
+    for cp, t in rows:
+        print(f"{cp:>3} {t * 1000:>9.0f} {t / base:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
