@@ -78,7 +78,7 @@ def run_steps(model: Any, ctx: StepContext, cfg: ExperimentConfig, per_step: lis
     captured: dict[str, torch.Tensor] = {}
     for step, micro in enumerate(per_step):
 
-        def capture() -> float:
+        def capture(step: int = step) -> float:
             if step == 0:
                 captured.update(full_grads(model))
             return 0.0

@@ -12,15 +12,15 @@ import functools
 
 import pytest
 import torch
+from parallel_harness import global_steps, rank_run, reference_run, tiny_config
 
 from parallel.testing import run_distributed
-from parallel_harness import global_steps, rank_run, reference_run, tiny_config
 
 N_STEPS = 3
 RTOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(dp: int) -> dict:
     steps = global_steps(N_STEPS, dp)
     # one process consumes every data-parallel share of a step as micro-batches of one optimizer step
