@@ -181,6 +181,11 @@ class SpeechLLMModule(L.LightningModule):
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers
         restore_rng_state(self.pending_rng)
         self.pending_rng = None
+        # the learning rates come from the *current* schedule at the restored step: a checkpoint stores the
+        # rate of its own run, which differs when the resumed run changes trainer.max_steps (train longer)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sync_schedule_to_step(sched, self.global_step)
 
 
 def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
@@ -203,6 +208,15 @@ def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Opti
         ),
     ]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
+
+def sync_schedule_to_step(sched: Any, step: int) -> None:
+    """Set every group's learning rate to base_lr * lambda(step) of this run's LambdaLR."""
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched.last_epoch = step
+    sched._last_lr = lrs
 
 
 def run_optimizer_step(

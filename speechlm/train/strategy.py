@@ -9,6 +9,7 @@ disabled by the Trainer (`use_distributed_sampler=False`): our sampler is built 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -43,3 +44,33 @@ class SpeechParallelStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank(self.global_rank)}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's DCP loader insists on DTensor parameters; one process has none (no FSDP/TP), so
+        the same sharded format is read here with torch's state-dict helpers, which take plain modules."""
+        from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
+
+        if _has_dtensor_modules(self.model):
+            # meta.pt holds RNG states and sampler state (numpy, tuples): these are the run's own files
+            return super().load_checkpoint(checkpoint_path, weights_only=bool(weights_only))
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(model_state, checkpoint_id=path)
+        assert self.lightning_module is not None
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=False)
