@@ -42,7 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        # dotted overrides may come after options (`train CONFIG --cp-size 2 trainer.max_steps=3`)
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extras):
+            args.overrides = [*(args.overrides or []), *extras]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

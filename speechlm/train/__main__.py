@@ -13,7 +13,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(p)
-    return run_train_command(p.parse_args(argv))
+    args, extras = p.parse_known_args(argv)
+    if extras:  # dotted overrides may come after options
+        if not all("=" in e and not e.startswith("-") for e in extras):
+            p.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
+    return run_train_command(args)
 
 
 if __name__ == "__main__":
