@@ -245,7 +245,8 @@ def test_llm_loads_from_local_pretrained_dir(tmp_path):
 
 def test_parakeet_encoder_loads_from_local_pretrained_dir(tmp_path):
     torch.manual_seed(0)
-    enc = build_encoder(tiny_encoder_cfg(), dropout=0.0).eval()
+    # a released Parakeet has BatchNorm in its conv modules (conv_norm=batch_norm), as pretrained loads expect
+    enc = build_encoder(tiny_encoder_cfg(conv_norm="batch_norm"), dropout=0.0).eval()
     enc.model.save_pretrained(tmp_path / "enc")
     cfg = tiny_encoder_cfg(pretrained=str(tmp_path / "enc"), hidden_size=999)  # sizes come from the dir
     loaded = build_encoder(cfg, dropout=0.0).eval()
@@ -491,7 +492,8 @@ def test_fresh_encoder_is_batch_invariant_without_calling_train():
 
     torch.manual_seed(0)
     enc = build_encoder(EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                                      subsampling_conv_channels=8, num_mel_bins=80), dropout=0.0)
+                                      subsampling_conv_channels=8, num_mel_bins=80, conv_norm="batch_norm"),
+                        dropout=0.0)
     assert enc.training  # a fresh module trains ...
     bns = [m for m in enc.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert bns and not any(m.training for m in bns)  # ... but its BatchNorm layers use running statistics
@@ -504,3 +506,18 @@ def test_fresh_encoder_is_batch_invariant_without_calling_train():
     one, one_lens = enc(f1, fl1)
     n = int(one_lens[0])
     torch.testing.assert_close(both[1, :n], one[0, :n], rtol=1e-5, atol=1e-6)
+
+
+def test_conv_norm_auto_uses_layer_norm_from_scratch_and_rejects_it_for_pretrained(tmp_path):
+    from speechlm.config import EncoderConfig
+    from speechlm.model.encoder import ChannelLayerNorm, build_encoder
+
+    small = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, subsampling_conv_channels=8)
+    enc = build_encoder(EncoderConfig(**small), dropout=0.0)
+    mods = list(enc.modules())
+    assert any(isinstance(m, ChannelLayerNorm) for m in mods)
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in mods)
+    x = torch.randn(2, 16, 40)
+    torch.testing.assert_close(ChannelLayerNorm(16)(x)[1], ChannelLayerNorm(16)(x[1:])[0])  # batch-invariant
+    with pytest.raises(ValueError, match="conv_norm=layer_norm cannot be used with a pretrained"):
+        build_encoder(EncoderConfig(**small, pretrained=str(tmp_path), conv_norm="layer_norm"), dropout=0.0)
