@@ -106,3 +106,10 @@ def test_clean_text_output_alphabet(text: str) -> None:
             continue
         else:
             assert cat[0] in "LMN", (ch, cat)
+
+
+def test_apostrophe_kept_only_between_letters_not_other_numbers():
+    # hypothesis found this one: "²" is \w in `re` but not a letter
+    assert clean_text("A´²") == "A ²"
+    assert clean_text("x'2") == "x 2"
+    assert clean_text("l´homme") == "l'homme"

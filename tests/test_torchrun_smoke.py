@@ -61,7 +61,6 @@ def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):  # noqa: F811
     """A checkpoint saved at (dp=2, cp=2, tp=1) resumes at (dp=1, cp=2, tp=2) with the same loss."""
     run_dir = tmp_path / "run"

@@ -235,7 +235,6 @@ def _tp_fsdp_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # 4 ranks that each import transformers: 30-50 s on 2 loaded cores
 def test_tp2_x_fsdp2_one_step_matches_single_process() -> None:
     results = run_distributed(_tp_fsdp_worker, 4)
     ref = reference([0, 1], step=True)

@@ -43,8 +43,13 @@ _APOSTROPHES = "'\u2019\u2018\u0060\u00b4\u2032"
 
 _SQUARE_TAG = re.compile(r"\[[^\[\]]*\]")
 _ANGLE_TAG = re.compile(r"<[^<>\s]*>")
-# an apostrophe-like character with a letter on both sides ([^\W\d_] is "a letter" in `re`)
-_INNER_APOSTROPHE = re.compile(rf"(?<=[^\W\d_])[{_APOSTROPHES}](?=[^\W\d_])")
+# an apostrophe-like character between two word characters; `_keep_inner_apostrophe` then requires both
+# neighbours to be letters (str.isalpha): `re`'s \w also matches other numbers such as "²"
+_INNER_APOSTROPHE = re.compile(rf"(?<=(\w))[{_APOSTROPHES}](?=(\w))")
+
+
+def _keep_inner_apostrophe(m: re.Match[str]) -> str:
+    return _APOSTROPHE_PLACEHOLDER if m.group(1).isalpha() and m.group(2).isalpha() else m.group(0)
 _SPACES = re.compile(r" {2,}")
 _LANG_TAG = re.compile(r"^\s*<\|([A-Za-z][A-Za-z0-9_-]*)\|>\s*")
 _LANG_CODE = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -93,7 +98,7 @@ def clean_text(text: str) -> str:
     text = unicodedata.normalize("NFC", text)
     text = _SQUARE_TAG.sub(" ", text)
     text = _ANGLE_TAG.sub(" ", text)
-    text = _INNER_APOSTROPHE.sub(_APOSTROPHE_PLACEHOLDER, text)
+    text = _INNER_APOSTROPHE.sub(_keep_inner_apostrophe, text)
     text = text.translate(_SPACE)
     return _SPACES.sub(" ", text).strip()
 
