@@ -98,7 +98,12 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     from speechlm.data.dataset import SpeechDataset
     from speechlm.data.manifest import load_manifest
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.callbacks import CheckpointCallback, MetricsWriter, ValidationCallback
+    from speechlm.train.callbacks import (
+        CheckpointCallback,
+        MetricsWriter,
+        ValidationCallback,
+        build_progress_bar,
+    )
     from speechlm.train.checkpoint import resolve_resume
     from speechlm.train.data import StepLoader, build_sampler
     from speechlm.train.module import SpeechLLMModule, TokenizerInfo
@@ -176,7 +181,11 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
 
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     metrics = MetricsWriter(run_dir, t.log_every)
-    callbacks: list[Any] = [metrics, CheckpointCallback(run_dir, t.ckpt_every, t.keep_last)]
+    callbacks: list[Any] = [
+        metrics,
+        CheckpointCallback(run_dir, t.ckpt_every, t.keep_last),
+        build_progress_bar(),
+    ]
     evaluator = Evaluator(cfg, tokenizer, val_table, dims, rank) if val_table is not None else None
     if evaluator is not None and t.val_every > 0:
         callbacks.append(
@@ -244,6 +253,14 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     if t.validate_only:
         # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
         trainer.fit_loop.epoch_loop.max_steps = step if ckpt is not None else 0
+    if ckpt is None and rank == 0:
+        metrics.truncate_after(0)  # a fresh run starts a fresh history
+        old = run_dir / "checkpoints"
+        if any(old.glob("step_*")):
+            print(
+                f"note: {old} holds checkpoints of an earlier run; this run starts from scratch (add "
+                f"trainer.resume=auto to continue that run instead); they are replaced as new ones are saved"
+            )
     module.sampler_for_ckpt = sampler
     t0 = time.time()
     trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt is not None else None)
@@ -314,7 +331,9 @@ class TimeLimit:
 class Evaluator:
     """Greedy WER per language over a manifest, each data-parallel rank decoding its share."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int, max_batches: Any = "config"):
+    def __init__(
+        self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int, max_batches: Any = "config"
+    ):
         self.cfg, self.tokenizer, self.table, self.dims, self.rank = cfg, tokenizer, table, dims, rank
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
         self.last_decodes: list[tuple[str, str, str]] = []
