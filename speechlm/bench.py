@@ -36,12 +36,12 @@ def load_benchmark(name: str) -> ModuleType:
             f"benchmark {name!r} expects {path}, which is missing; benchmarks run from a source checkout "
             "(pip install -e .)"
         )
-    spec = importlib.util.spec_from_file_location(f"speechlm_bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
-    return module
+    # imported by its own name from benchmarks/ on sys.path, so that processes a benchmark spawns
+    # (multiprocessing pickles functions by module name) can import it too
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(path.stem)
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
