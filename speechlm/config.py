@@ -133,7 +133,9 @@ class TrainerConfig:
     # manifest required); "next_epoch": restore model, optimizer and step but start the data at the next
     # epoch — for resuming into a different data-parallel layout, where the old plan has no meaning
     resume_data: str = "exact"
-    validate_only: bool = False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
+    validate_only: bool = (
+        False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
+    )
     final_eval_split: str = "train"  # "train" or "val": the split scored into eval.json
 
 
@@ -172,7 +174,7 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: '{key}' must be a mapping, got {value!r}")
-        return _from_dict(tp, value, where, prefix=key + ".")
+        return _from_dict(tp, value, where, prefix=key + ".")  # type: ignore[arg-type]
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -331,7 +331,11 @@ def pack_thd(
 ) -> PackedBatch:
     """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's)."""
     layout = plan_thd(
-        prompts, [int(e.shape[0]) for e in audio_embeds], audio_id=audio_id, cp=cp, tp=tp,
+        prompts,
+        [int(e.shape[0]) for e in audio_embeds],
+        audio_id=audio_id,
+        cp=cp,
+        tp=tp,
         pad_to_multiple=pad_to_multiple,
     )
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)

@@ -53,7 +53,9 @@ class TextTokenizer(Protocol):
     """What the dataset needs from a tokenizer (`speechlm.data.tokenizer.Tokenizer` has it)."""
 
     pad_id: int
-    langs: Sequence[str]
+
+    @property
+    def langs(self) -> Sequence[str]: ...
 
     def encode(self, text: str) -> list[int]: ...
 

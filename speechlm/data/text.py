@@ -50,6 +50,8 @@ _INNER_APOSTROPHE = re.compile(rf"(?<=(\w))[{_APOSTROPHES}](?=(\w))")
 
 def _keep_inner_apostrophe(m: re.Match[str]) -> str:
     return _APOSTROPHE_PLACEHOLDER if m.group(1).isalpha() and m.group(2).isalpha() else m.group(0)
+
+
 _SPACES = re.compile(r" {2,}")
 _LANG_TAG = re.compile(r"^\s*<\|([A-Za-z][A-Za-z0-9_-]*)\|>\s*")
 _LANG_CODE = re.compile(r"^[a-z][a-z0-9_-]*$")

@@ -98,16 +98,23 @@ class StepLoader:
         self.sampler.set_epoch(epoch + 1)
 
 
-def build_sampler(cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int,
-                  token_lengths: Any = None) -> Any:
+def build_sampler(
+    cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int, token_lengths: Any = None
+) -> Any:
     """The epoch plan of one data-parallel rank, built exactly as `speechlm plan` builds it."""
     from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler import DurationBucketBatchSampler
 
     arr = manifest_arrays(table)
     return DurationBucketBatchSampler.from_config(
-        cfg.sampler, arr.durations, arr.lang_codes, dp_rank=dp_rank, dp_size=dp_size,
-        grad_accum=cfg.trainer.grad_accum, lang_names=arr.lang_names, token_lengths=token_lengths,
+        cfg.sampler,
+        arr.durations,
+        arr.lang_codes,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_accum=cfg.trainer.grad_accum,
+        lang_names=arr.lang_names,
+        token_lengths=token_lengths,
         projector_stack=cfg.model.projector_stack,
     )
 

@@ -98,7 +98,7 @@ def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) ->
         model,
         dims,
         blocks_fn=speech_llm_blocks,
-        tp_fn=lambda m, tp_mesh: apply_tp(m.llm, tp_mesh),
+        tp_fn=lambda m, tp_mesh: apply_tp(m.get_submodule("llm"), tp_mesh),
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         device_type=device_type,
         mp_policy=mixed_precision_policy(cfg, device_type),
@@ -108,13 +108,18 @@ def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) ->
     if isinstance(model, FSDPModule):
         # the training step calls these pieces instead of forward(); give them the root's FSDP hooks
         for name in FSDP_ENTRY_METHODS:
-            register_fsdp_forward_method(model, name)
+            register_fsdp_forward_method(model, name)  # type: ignore[arg-type]
     return model
 
 
 # SpeechLLM methods the training and evaluation code call directly (each runs FSDP's root hooks)
 FSDP_ENTRY_METHODS = (
-    "encode_audio", "embed_tokens", "forward_packed", "forward_padded", "ctc_loss_sum", "generate_greedy",
+    "encode_audio",
+    "embed_tokens",
+    "forward_packed",
+    "forward_padded",
+    "ctc_loss_sum",
+    "generate_greedy",
 )
 
 
@@ -200,7 +205,7 @@ class CPEncoderOutput:
         r = res.local_range
         if len(r) > 0:
             self.enc_hidden, self.enc_lens = res.local_extra
-            self.ctc_slice = slice(r.start, r.stop)
+            self.ctc_slice: slice | None = slice(r.start, r.stop)
             self.ctc_weight = 1.0
         else:
             self.enc_hidden, self.enc_lens = res.dummy_extra

@@ -276,7 +276,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         if rank == 0:
             from speechlm.train.evaluate import format_wer_table
 
-            counts = {}
+            counts: dict[str, int] = {}
             for lang in final_table.column("lang").to_pylist():
                 counts[lang] = counts.get(lang, 0) + 1
             print(

@@ -95,7 +95,7 @@ class SpeechLLMModule(L.LightningModule):
 
     def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
-        sched = self.lr_schedulers()
+        sched: Any = self.lr_schedulers()
         step = self.global_step
         self._sum_step_stats(step_batch)
         lrs = sched.get_last_lr()  # the rates this step uses (the scheduler moves on inside the step)
@@ -183,7 +183,7 @@ class SpeechLLMModule(L.LightningModule):
         self.pending_rng = None
         # the learning rates come from the *current* schedule at the restored step: a checkpoint stores the
         # rate of its own run, which differs when the resumed run changes trainer.max_steps (train longer)
-        sched = self.lr_schedulers()
+        sched: Any = self.lr_schedulers()
         if sched is not None:
             sync_schedule_to_step(sched, self.global_step)
 
@@ -198,13 +198,18 @@ def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Opti
         {"params": rest, "lr": o.lr, "name": "decoder"},
         {"params": enc, "lr": o.encoder_lr if o.encoder_lr is not None else o.lr, "name": "encoder"},
     ]
-    opt = torch.optim.AdamW(groups, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=1e-8)
-    common = dict(max_steps=t.max_steps, min_lr_ratio=o.min_lr_ratio)
+    betas = (float(o.betas[0]), float(o.betas[1]))
+    opt = torch.optim.AdamW(groups, betas=betas, weight_decay=o.weight_decay, eps=1e-8)
+    max_steps, floor = t.max_steps, o.min_lr_ratio
     lambdas = [
-        lambda s: decoder_lr_lambda(s, warmup_steps=o.warmup_steps, **common),
+        lambda s: decoder_lr_lambda(s, warmup_steps=o.warmup_steps, max_steps=max_steps, min_lr_ratio=floor),
         lambda s: encoder_lr_lambda(
-            s, unfreeze_step=o.unfreeze_step, encoder_warmup_steps=o.encoder_warmup_steps,
-            warmup_steps=o.warmup_steps, **common,
+            s,
+            unfreeze_step=o.unfreeze_step,
+            encoder_warmup_steps=o.encoder_warmup_steps,
+            warmup_steps=o.warmup_steps,
+            max_steps=max_steps,
+            min_lr_ratio=floor,
         ),
     ]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)

@@ -12,7 +12,8 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, val = [], []
+    train: list[dict] = []
+    val: list[dict] = []
     for line in Path(metrics_path).read_text().splitlines():
         rec = json.loads(line)
         (val if rec.get("kind") == "val" else train).append(rec)

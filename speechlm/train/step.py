@@ -144,8 +144,15 @@ def compute_micro_losses(
     if ctx.packed:
         from speechlm.packing import pack_thd
 
-        packed = pack_thd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id, cp=ctx.cp, tp=ctx.tp,
-                          pad_to_multiple=ctx.pad_to_multiple)
+        packed = pack_thd(
+            prompts,
+            embeds,
+            model.embed_tokens,
+            audio_id=ctx.audio_id,
+            cp=ctx.cp,
+            tp=ctx.tp,
+            pad_to_multiple=ctx.pad_to_multiple,
+        )
         n_labelled = packed.num_labelled()
         if ctx.shard_packed is not None:
             packed = ctx.shard_packed(packed)
@@ -153,8 +160,13 @@ def compute_micro_losses(
     else:
         from speechlm.packing import pack_bshd
 
-        padded = pack_bshd(prompts, embeds, model.embed_tokens, audio_id=ctx.audio_id,
-                           pad_to_multiple=ctx.pad_to_multiple or ctx.tp)
+        padded = pack_bshd(
+            prompts,
+            embeds,
+            model.embed_tokens,
+            audio_id=ctx.audio_id,
+            pad_to_multiple=ctx.pad_to_multiple or ctx.tp,
+        )
         ce_sum, n_labelled = model.forward_padded(padded)
     return MicroLosses(
         ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=len(batch), weight=weight

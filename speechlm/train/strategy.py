@@ -63,6 +63,7 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None
         model_state = {"state_dict": get_model_state_dict(self.model)}
         dcp.load(model_state, checkpoint_id=path)
         assert self.lightning_module is not None
@@ -71,6 +72,10 @@ class SpeechParallelStrategy(ModelParallelStrategy):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optim_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
-                                     options=StateDictOptions(cpu_offload=True))
+            set_optimizer_state_dict(
+                self.model,
+                optimizer,
+                optim_state_dict=optim_state[key],
+                options=StateDictOptions(cpu_offload=True),
+            )
         return torch.load(path / "meta.pt", weights_only=False)
