@@ -35,7 +35,7 @@ from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
 from parallel.collectives import all_gather_into as _all_gather
 from parallel.collectives import reduce_scatter_into as _reduce_scatter
 from parallel.cp_shard import cp_all_rank_indices_thd, inverse_permutation
-from parallel.ring_attention import check_cp_group, local_chunk_groups
+from parallel.ring_attention import check_cp_inputs, local_chunk_groups
 
 __all__ = ["allgather_attention_thd"]
 
@@ -76,11 +76,7 @@ class _AllGatherAttention(torch.autograd.Function):
         scale: float | None,
         causal: bool,
     ) -> Tensor:
-        check_cp_group(group, cp_size, cp_rank)
-        if k.shape != v.shape or k.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"k and v must be (T, Hkv, D) like q's T; got {tuple(k.shape)}, {tuple(v.shape)}"
-            )
+        check_cp_inputs(q, k, v, group, cp_size, cp_rank)
         n_local = q.shape[0]
         blocks = _allgather_blocks(local_chunk_groups(cu_seqlens_local, n_local), cp_size, cp_rank, causal)
         kv_local = torch.stack([k, v])  # (2, T, Hkv, D)

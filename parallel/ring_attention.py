@@ -84,6 +84,15 @@ def check_cp_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) 
         raise ValueError(f"cp_size/cp_rank ({cp_size}, {cp_rank}) do not match the group ({size}, {rank})")
 
 
+def check_cp_inputs(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, cp_size: int, cp_rank: int
+) -> None:
+    """The checks both CP attention functions start with: the group, and k/v shaped (T, Hkv, D) like q."""
+    check_cp_group(group, cp_size, cp_rank)
+    if k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must be (T, Hkv, D) like q's T; got {tuple(k.shape)}, {tuple(v.shape)}")
+
+
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     if group is None or group is dist.GroupMember.WORLD:
         return group_rank
@@ -144,11 +153,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float | None,
         causal: bool,
     ) -> Tensor:
-        check_cp_group(group, cp_size, cp_rank)
-        if k.shape != v.shape or k.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"k and v must be (T, Hkv, D) like q's T; got {tuple(k.shape)}, {tuple(v.shape)}"
-            )
+        check_cp_inputs(q, k, v, group, cp_size, cp_rank)
         blocks = _ring_blocks(local_chunk_groups(cu_seqlens_local, q.shape[0]), causal)
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)

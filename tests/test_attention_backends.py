@@ -377,3 +377,15 @@ def test_reference_thd_under_autocast_with_mixed_qkv_dtypes():
         out, _ = attend_reference(None, q, k, v.bfloat16(), None, scaling=SCALE, **thd_kwargs())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), separate_runs(q, k, v), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", ["torch_varlen", "flex", "flash", "te"])
+def test_backends_without_cp_refuse_a_cp_context(name):
+    """Only the reference backend has a CP path; the others fail loudly rather than attend locally."""
+    from speechlm.model.attention.registry import get_backend
+
+    q = torch.randn(1, 2, 8, 4)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="no context-parallel path"):
+        get_backend(name).fn(None, q, q, q, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                             max_length_q=8, max_length_k=8, cp_context=object())

@@ -22,6 +22,7 @@ from speechlm.model.attention.registry import (
     match_dtypes,
     plan_unpad,
     read_varlen_args,
+    refuse_cp_context,
     scatter_bshd,
     to_thd,
 )
@@ -49,10 +50,7 @@ def attend_flash(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    if kwargs.get("cp_context") is not None:
-        raise ValueError(
-            "flash does not support context parallelism here; use the reference backend with cp > 1"
-        )
+    refuse_cp_context("flash", kwargs)
     flash_attn = _import_flash_attn()
     scale = default_scale(query_BHSD, scaling)
     varlen = read_varlen_args(kwargs, query_BHSD.device)

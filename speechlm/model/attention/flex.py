@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import check_no_dropout, default_scale, match_dtypes, read_varlen_args
+from speechlm.model.attention.registry import (
+    check_no_dropout,
+    default_scale,
+    match_dtypes,
+    read_varlen_args,
+    refuse_cp_context,
+)
 
 _MASK_CACHE: OrderedDict[tuple[str, int, tuple[int, ...]], Any] = OrderedDict()
 _MASK_CACHE_SIZE = 16
@@ -85,10 +91,7 @@ def attend_flex(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    if kwargs.get("cp_context") is not None:
-        raise ValueError(
-            "flex does not support context parallelism here; use the reference backend with cp > 1"
-        )
+    refuse_cp_context("flex", kwargs)
     check_no_dropout("flex", dropout)
     device = query_BHSD.device
     varlen = read_varlen_args(kwargs, device)

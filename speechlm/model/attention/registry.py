@@ -150,6 +150,15 @@ def _max_len(cu: Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
+def refuse_cp_context(backend: str, kwargs: Mapping[str, Any]) -> None:
+    """Backends without a context-parallel path in this build raise here (the validator says so first)."""
+    if kwargs.get("cp_context") is not None:
+        raise ValueError(
+            f"the {backend} attention backend has no context-parallel path in this build; use "
+            f"model.attention_backend=reference with cp > 1"
+        )
+
+
 def read_varlen_args(kwargs: Mapping[str, Any], device: torch.device) -> VarlenArgs | None:
     """Read ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the forward kwargs; None when absent."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

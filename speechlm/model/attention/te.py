@@ -24,6 +24,7 @@ from speechlm.model.attention.registry import (
     match_dtypes,
     plan_unpad,
     read_varlen_args,
+    refuse_cp_context,
     scatter_bshd,
     to_thd,
 )
@@ -72,10 +73,7 @@ def attend_te(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    if kwargs.get("cp_context") is not None:
-        raise ValueError(
-            "te does not support context parallelism here; use the reference backend with cp > 1"
-        )
+    refuse_cp_context("te", kwargs)
     te = _import_te()
     H, G, D = query_BHSD.shape[1], key_BGSD.shape[1], query_BHSD.shape[3]
     core = get_core_attention(

@@ -18,6 +18,7 @@ from speechlm.model.attention.registry import (
     default_scale,
     match_dtypes,
     read_varlen_args,
+    refuse_cp_context,
     to_thd,
 )
 
@@ -56,10 +57,7 @@ def attend_torch_varlen(
         raise ValueError(
             "torch_varlen has no padded (BSHD) path; pass cu_seq_lens_q/k (THD) or use sdpa/reference"
         )
-    if kwargs.get("cp_context") is not None:
-        raise ValueError(
-            "torch_varlen does not support context parallelism; use the reference backend with cp > 1"
-        )
+    refuse_cp_context("torch_varlen", kwargs)
     check_no_dropout("torch_varlen", dropout)
     check_device(query_BHSD.device)
     varlen_attn = _import_varlen_attn()
