@@ -27,6 +27,7 @@ root's parameters are gathered. ``forward`` itself is `loss_from_batch`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,9 +111,14 @@ class SpeechLLM(nn.Module):
     # Audio side
     # ------------------------------------------------------------------------------------------
 
-    def encode_audio(self, audio_BN: Tensor, audio_lens_B: Tensor) -> EncoderOutput:
-        feats_BTF, feat_lens_B = self.features(audio_BN, audio_lens_B)
-        enc_hidden_BUE, enc_lens_B = self.encoder(feats_BTF, feat_lens_B)
+    def encode_audio(
+        self, audio_BN: Tensor, audio_lens_B: Tensor, *, freeze_encoder: bool = False
+    ) -> EncoderOutput:
+        """Features → encoder → projector. ``freeze_encoder`` runs features and encoder without autograd
+        (the first phase of the two-phase schedule); the projector always trains."""
+        with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
+            feats_BTF, feat_lens_B = self.features(audio_BN, audio_lens_B)
+            enc_hidden_BUE, enc_lens_B = self.encoder(feats_BTF, feat_lens_B)
         proj_BAH, proj_lens_B = self.projector(enc_hidden_BUE, enc_lens_B)
         embeds = [proj_BAH[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
         return EncoderOutput(embeds=embeds, enc_hidden_BTE=enc_hidden_BUE, enc_lens_B=enc_lens_B)

@@ -176,9 +176,11 @@ def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepC
                 parts["x"], parts["labels"], parts["pos"], cu_local, int(max_local), packed.seq_lens
             )
 
-        def encode_audio(model: Any, audio_BN: torch.Tensor, audio_lens_B: torch.Tensor) -> Any:
+        def encode_audio(
+            model: Any, audio_BN: torch.Tensor, audio_lens_B: torch.Tensor, *, freeze_encoder: bool = False
+        ) -> Any:
             def encode_fn(a: torch.Tensor, lens: torch.Tensor) -> Any:
-                out = model.encode_audio(a, lens)
+                out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder)
                 return out.embeds, (out.enc_hidden, out.enc_lens)
 
             res = encode_distributed(

@@ -117,12 +117,11 @@ def compute_micro_losses(
     if len(batch) == 0:
         batch, weight = make_dummy_batch(batch, ctx), 0.0
     prompts = ctx.prompts(batch)
-    grad_ctx = torch.no_grad() if encoder_frozen else torch.enable_grad()
-    with grad_ctx:
-        if ctx.encode_audio is not None:
-            enc = ctx.encode_audio(model, batch.audio, batch.audio_lens)
-        else:
-            enc = model.encode_audio(batch.audio, batch.audio_lens)
+    # a frozen encoder runs without autograd inside encode_audio; the projector still trains
+    if ctx.encode_audio is not None:
+        enc = ctx.encode_audio(model, batch.audio, batch.audio_lens, freeze_encoder=encoder_frozen)
+    else:
+        enc = model.encode_audio(batch.audio, batch.audio_lens, freeze_encoder=encoder_frozen)
     ctc_sum = None
     if getattr(model, "ctc_head", None) is not None:
         tokens, token_lens = batch.tokens, batch.token_lens
@@ -134,13 +133,13 @@ def compute_micro_losses(
         else:
             tokens, token_lens = tokens[ctc_slice], token_lens[ctc_slice]
         ctc_sum, _ = model.ctc_loss_sum(
-            enc.enc_hidden.detach() if encoder_frozen else enc.enc_hidden,
+            enc.enc_hidden,
             enc.enc_lens,
             tokens,
             token_lens,
         )
         ctc_sum = ctc_sum * getattr(enc, "ctc_weight", 1.0)
-    embeds = [e.detach() if encoder_frozen else e for e in enc.embeds]
+    embeds = enc.embeds
     if ctx.packed:
         from speechlm.packing import pack_thd
 
