@@ -74,7 +74,7 @@ def save_checkpoint_atomic(
     if strategy.is_global_zero and tmp.exists():
         shutil.rmtree(tmp)
     strategy.barrier("speechlm_ckpt_pre")
-    trainer.save_checkpoint(str(tmp))
+    trainer.save_checkpoint(str(tmp), weights_only=False)  # full state: optimizer, loops, callbacks
     strategy.barrier("speechlm_ckpt_saved")
     if strategy.is_global_zero:
         if final.exists():
