@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("audio_filepath", "text", "lang")
 DROP_REASONS = ("missing_file", "undecodable", "empty_audio")
+_WARNED_FILES: set[str] = set()  # files already reported as dropped by this process
 
 
 class AudioDecodeError(RuntimeError):
@@ -287,10 +288,11 @@ class SpeechDataset(Dataset):
         )
 
     def _drop(self, i: int, reason: str, detail: str) -> DroppedSample:
-        # warn once per row and process (every epoch would repeat it); the counts travel in each Batch
-        warned = self.__dict__.setdefault("_warned_rows", set())
-        if i not in warned:
-            warned.add(i)
+        # warn once per file and process (every epoch and every validation would repeat it); the counts
+        # still travel in each Batch
+        key = str(self.resolve_path(i))
+        if key not in _WARNED_FILES:
+            _WARNED_FILES.add(key)
             logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
         return DroppedSample(index=i, reason=reason, detail=detail)
 

@@ -99,18 +99,18 @@ class SpeechLLMModule(L.LightningModule):
         step = self.global_step
         self._sum_step_stats(step_batch)
         lrs = sched.get_last_lr()  # the rates this step uses (the scheduler moves on inside the step)
-        with self._autocast():
-            res = run_optimizer_step(
-                self.model,
-                step_batch.micro_batches,
-                self.step_ctx,
-                opt,
-                sched,
-                self.cfg,
-                step=step,
-                backward=self.manual_backward,
-                clip=self._clip_gradients,
-            )
+        res = run_optimizer_step(
+            self.model,
+            step_batch.micro_batches,
+            self.step_ctx,
+            opt,
+            sched,
+            self.cfg,
+            step=step,
+            backward=self.manual_backward,
+            clip=self._clip_gradients,
+            autocast=self._autocast,
+        )
         self._update_counters(step_batch)
         now = time.perf_counter()
         dt = now - self._t_last if self._t_last is not None else float("nan")
@@ -235,6 +235,7 @@ def run_optimizer_step(
     step: int,
     backward: Any = None,
     clip: Any = None,
+    autocast: Any = None,
 ) -> dict[str, Any]:
     """One optimizer step over `micro_batches` (this rank's share); returns the step's global metrics.
 
@@ -247,7 +248,8 @@ def run_optimizer_step(
     ce_total = torch.zeros((), dtype=torch.float64)
     ctc_total = torch.zeros((), dtype=torch.float64)
     for b in micro_batches:
-        out = compute_micro_losses(model, b, ctx, encoder_frozen=frozen)
+        with autocast() if autocast is not None else nullcontext():  # forward only
+            out = compute_micro_losses(model, b, ctx, encoder_frozen=frozen)
         loss = out.ce_sum / max(n_tok, 1)
         if w_ctc > 0 and out.ctc_sum is not None:
             loss = loss + w_ctc * out.ctc_sum / max(n_clip, 1)
