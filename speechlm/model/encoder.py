@@ -23,6 +23,7 @@ ranks, would change the gradients.
 
 from __future__ import annotations
 
+import abc
 import copy
 import json
 from pathlib import Path
@@ -49,8 +50,10 @@ def _lengths_to_mask(lens_B: Tensor, max_len: int) -> Tensor:
     return torch.arange(max_len, device=lens_B.device)[None, :] < lens_B[:, None]
 
 
-class AudioEncoder(nn.Module):
-    """Base class: a wrapped encoder with its output width, subsampling and front-end settings."""
+class AudioEncoder(nn.Module, abc.ABC):
+    """Base class: a wrapped encoder with its output width, subsampling and front-end settings.
+
+    Subclasses (Parakeet, Whisper, NeMo) implement `output_lengths` and `forward`."""
 
     output_dim: int
     subsampling: int
@@ -78,11 +81,13 @@ class AudioEncoder(nn.Module):
                     m.eval()
         return self
 
+    @abc.abstractmethod
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Encoder frames per clip for `feat_lens_B` feature frames."""
 
+    @abc.abstractmethod
     def forward(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """(hidden_BUE, out_lens_B) for features [B, T, F]."""
 
     def _finish(self, hidden_BUE: Tensor, out_lens_B: Tensor, n_frames: int) -> tuple[Tensor, Tensor]:
         """Check the arithmetic against the real output, zero the frames past each clip."""

@@ -12,19 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from speechlm.model.attention.registry import (
     BackendUnavailableError,
+    as_thd,
     default_scale,
-    gather_thd,
     match_dtypes,
-    plan_unpad,
-    read_varlen_args,
     refuse_cp_context,
-    scatter_bshd,
-    to_thd,
 )
 
 
@@ -53,38 +48,17 @@ def attend_flash(
     refuse_cp_context("flash", kwargs)
     flash_attn = _import_flash_attn()
     scale = default_scale(query_BHSD, scaling)
-    varlen = read_varlen_args(kwargs, query_BHSD.device)
-    if varlen is not None:
-        q, k, v = to_thd(query_BHSD), to_thd(key_BGSD), to_thd(value_BGSD)
-        cu_q, cu_k, max_q, max_k = (
-            varlen.cu_seqlens_q,
-            varlen.cu_seqlens_k,
-            varlen.max_seqlen_q,
-            varlen.max_seqlen_k,
-        )
-        plan = None
-    else:
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"flash takes a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
-        B, _, S, _ = query_BHSD.shape
-        if attention_mask is None:
-            attention_mask = query_BHSD.new_ones(B, S, dtype=torch.bool)
-        plan = plan_unpad(attention_mask)
-        q, k, v = gather_thd(query_BHSD, plan), gather_thd(key_BGSD, plan), gather_thd(value_BGSD, plan)
-        cu_q = cu_k = plan.cu_seqlens
-        max_q = max_k = plan.max_seqlen
+    t = as_thd("flash", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
     out_THD = flash_attn.flash_attn_varlen_func(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
+        t.q_THD.contiguous(),
+        t.k_TGD.contiguous(),
+        t.v_TGD.contiguous(),
+        cu_seqlens_q=t.cu_seqlens_q,
+        cu_seqlens_k=t.cu_seqlens_k,
+        max_seqlen_q=t.max_seqlen_q,
+        max_seqlen_k=t.max_seqlen_k,
         dropout_p=dropout,
         softmax_scale=scale,
         causal=True,
     )
-    if plan is not None:
-        return scatter_bshd(out_THD, plan), None
-    return out_THD.unsqueeze(0), None
+    return t.restore(out_THD)

@@ -150,6 +150,65 @@ def _max_len(cu: Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
+@dataclass
+class ThdView:
+    """q/k/v as one THD stream for a varlen kernel, and how to put its output back."""
+
+    q_THD: Tensor
+    k_TGD: Tensor
+    v_TGD: Tensor
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    plan: Any  # UnpadPlan of a padded batch, None for a packed one
+
+    def restore(self, out_THD: Tensor) -> tuple[Tensor, None]:
+        """The kernel's THD output in the layout transformers expects back ([B, S, H, D])."""
+        if self.plan is not None:
+            return scatter_bshd(out_THD, self.plan), None
+        return out_THD.unsqueeze(0), None
+
+
+def as_thd(
+    backend: str,
+    query_BHSD: Tensor,
+    key_BGSD: Tensor,
+    value_BGSD: Tensor,
+    attention_mask: Tensor | None,
+    kwargs: Mapping[str, Any],
+) -> ThdView:
+    """Packed batch (cu_seqlens given): the stream as is. Padded batch: unpad it with its [B, S] mask."""
+    varlen = read_varlen_args(kwargs, query_BHSD.device)
+    if varlen is not None:
+        return ThdView(
+            to_thd(query_BHSD),
+            to_thd(key_BGSD),
+            to_thd(value_BGSD),
+            varlen.cu_seqlens_q,
+            varlen.cu_seqlens_k,
+            varlen.max_seqlen_q,
+            varlen.max_seqlen_k,
+            None,
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"{backend} takes a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
+    B, _, S, _ = query_BHSD.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(B, S, dtype=torch.bool, device=query_BHSD.device)
+    plan = plan_unpad(attention_mask)
+    return ThdView(
+        gather_thd(query_BHSD, plan),
+        gather_thd(key_BGSD, plan),
+        gather_thd(value_BGSD, plan),
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_seqlen,
+        plan.max_seqlen,
+        plan,
+    )
+
+
 def refuse_cp_context(backend: str, kwargs: Mapping[str, Any]) -> None:
     """Backends without a context-parallel path in this build raise here (the validator says so first)."""
     if kwargs.get("cp_context") is not None:

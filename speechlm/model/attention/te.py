@@ -14,19 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from speechlm.model.attention.registry import (
     BackendUnavailableError,
+    as_thd,
     default_scale,
-    gather_thd,
     match_dtypes,
-    plan_unpad,
-    read_varlen_args,
     refuse_cp_context,
-    scatter_bshd,
-    to_thd,
 )
 
 _CORES: dict[tuple[int, int, int, float, float], Any] = {}
@@ -80,38 +75,16 @@ def attend_te(
         te, heads=H, groups=G, head_dim=D, scale=default_scale(query_BHSD, scaling), dropout=dropout
     )
     core.train(dropout > 0)
-    varlen = read_varlen_args(kwargs, query_BHSD.device)
-    if varlen is not None:
-        q, k, v = to_thd(query_BHSD), to_thd(key_BGSD), to_thd(value_BGSD)
-        cu_q, cu_k, max_q, max_k = (
-            varlen.cu_seqlens_q,
-            varlen.cu_seqlens_k,
-            varlen.max_seqlen_q,
-            varlen.max_seqlen_k,
-        )
-        plan = None
-    else:
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"te takes a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
-        B, _, S, _ = query_BHSD.shape
-        if attention_mask is None:
-            attention_mask = torch.ones(B, S, dtype=torch.bool, device=query_BHSD.device)
-        plan = plan_unpad(attention_mask)
-        q, k, v = gather_thd(query_BHSD, plan), gather_thd(key_BGSD, plan), gather_thd(value_BGSD, plan)
-        cu_q = cu_k = plan.cu_seqlens
-        max_q = max_k = plan.max_seqlen
+    t = as_thd("te", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
     out = core(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+        t.q_THD.contiguous(),
+        t.k_TGD.contiguous(),
+        t.v_TGD.contiguous(),
         qkv_format="thd",
         attn_mask_type="padding_causal",
-        cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_k,
+        cu_seqlens_q=t.cu_seqlens_q,
+        cu_seqlens_kv=t.cu_seqlens_k,
+        max_seqlen_q=t.max_seqlen_q,
+        max_seqlen_kv=t.max_seqlen_k,
     )
-    out_THD = out.reshape(q.shape[0], H, D)
-    if plan is not None:
-        return scatter_bshd(out_THD, plan), None
-    return out_THD.unsqueeze(0), None
+    return t.restore(out.reshape(t.q_THD.shape[0], H, D))
