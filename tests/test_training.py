@@ -168,3 +168,13 @@ def test_short_demo_loss_falls(demo_data, tmp_path):
     # measured: text CE 5.6 -> 0.5 and total loss 38 -> 24 (CTC still on its blank plateau at step 300)
     assert mean("ce", m[-10:]) < 0.25 * mean("ce", m[:5])
     assert mean("loss", m[-10:]) < 0.75 * mean("loss", m[:5])
+
+
+def test_max_minutes_stops_training(demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=100000", "trainer.max_minutes=0.05",
+                   "trainer.final_eval_split=val", f"trainer.run_dir={run_dir}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert 1 <= len(steps) < 100000 and steps == list(range(1, len(steps) + 1))
+    assert json.loads((run_dir / "eval.json").read_text())["steps"] == len(steps)

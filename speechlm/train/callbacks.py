@@ -146,6 +146,17 @@ class ValidationCallback(L.Callback):
         self.bad_evals = state.get("bad_evals", 0)
 
 
+class TimeLimit(L.Callback):
+    """Stops training after `minutes` of wall clock (checked between optimizer steps, agreed by all ranks)."""
+
+    def __init__(self, minutes: float):
+        self.deadline = time.time() + 60 * minutes
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop = time.time() > self.deadline
+        trainer.should_stop = trainer.should_stop or trainer.strategy.reduce_boolean_decision(stop, all=False)
+
+
 def build_progress_bar() -> L.Callback:
     """Lightning's Rich bar, labelled with the optimizer step (one training_step is one optimizer step)."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar

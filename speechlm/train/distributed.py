@@ -123,6 +123,19 @@ FSDP_ENTRY_METHODS = (
 )
 
 
+def group_sum(group: Any, device: torch.device) -> Any:
+    """fn(*scalars) -> the same scalars summed over `group` (fp64, returned on CPU); identity without a group."""
+
+    def sum_(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if group is None:
+            return xs
+        t = torch.stack([x.double() for x in xs]).to(device)
+        dist.all_reduce(t, group=group)
+        return tuple(t.cpu().unbind(0))
+
+    return sum_
+
+
 def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepContext:
     cfg = module.cfg
     rank = dist.get_rank()
@@ -135,34 +148,20 @@ def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepC
     dp_cp_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
     cp_rank = dims.cp_rank(rank)
 
-    def sum_counts_over_dp(values: list[float]) -> list[float]:
-        if dp_group is None:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=dp_group)
-        return t.tolist()
+    sum_over_dp = group_sum(dp_group, device)
 
-    def sum_over_data_ranks(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if dp_cp_group is None:
-            return xs
-        t = torch.stack([x.double() for x in xs]).to(device)
-        dist.all_reduce(t, group=dp_cp_group)
-        return tuple(t.cpu().unbind(0))
+    def sum_counts_over_dp(values: list[float]) -> list[float]:
+        return [float(x) for x in sum_over_dp(*torch.tensor(values, dtype=torch.float64))]
 
     ctx.cp, ctx.tp = dims.cp, dims.tp
     ctx.grad_scale = float(dims.dp_cp)
     ctx.sum_counts_over_dp = sum_counts_over_dp
-    ctx.sum_over_data_ranks = sum_over_data_ranks
+    ctx.sum_over_data_ranks = group_sum(dp_cp_group, device)
     ctx.rank = rank
     if dims.cp > 1:
         cp_group = mesh["cp"].get_group()
 
-        def sum_over_cp(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            t = torch.stack([x.double() for x in xs]).to(device)
-            dist.all_reduce(t, group=cp_group)
-            return tuple(t.cpu().unbind(0))
-
-        ctx.sum_over_cp = sum_over_cp
+        ctx.sum_over_cp = group_sum(cp_group, device)
         ctx.cp_attention = CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention)
 
         def shard_packed(packed: PackedBatch) -> PackedBatch:

@@ -101,6 +101,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     from speechlm.train.callbacks import (
         CheckpointCallback,
         MetricsWriter,
+        TimeLimit,
         ValidationCallback,
         build_progress_bar,
     )
@@ -307,25 +308,6 @@ def build_loggers(run_dir: Path) -> list[Any]:
     except ImportError:
         pass
     return loggers
-
-
-class TimeLimit:
-    """Stops training after `minutes` of wall clock (checked between optimizer steps)."""
-
-    def __new__(cls, minutes: float):
-        import lightning as L
-
-        class _TimeLimit(L.Callback):
-            def __init__(self) -> None:
-                self.deadline = time.time() + 60 * minutes
-
-            def on_train_batch_end(self, trainer, *a: Any) -> None:
-                stop = time.time() > self.deadline
-                trainer.should_stop = trainer.should_stop or trainer.strategy.reduce_boolean_decision(
-                    stop, all=False
-                )
-
-        return _TimeLimit()
 
 
 class Evaluator:

@@ -72,13 +72,15 @@ class SpeechLLMModule(L.LightningModule):
 
     # --- parallelism -----------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Apply TP, activation checkpointing and FSDP2 once the strategy has built the mesh."""
+        """Apply TP, activation checkpointing and FSDP2 once the strategy has built the mesh.
+
+        With one process nothing is wrapped and the step context stays trivial."""
         if self.parallelized:
             return
-        mesh = getattr(self, "_device_mesh", None)
-        from speechlm.train.parallel_setup import setup_parallel
+        if self.dims is not None and self.dims.world_size > 1:
+            from speechlm.train.distributed import build_distributed_context
 
-        self.step_ctx = setup_parallel(self, mesh)
+            self.step_ctx = build_distributed_context(self, self.dims, self.step_ctx)
         self.parallelized = True
 
     # --- optimizer ----------------------------------------------------------------------------
