@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "speechlm.validate",  # validate
     "speechlm.demo",  # demo (the Quick start's main job)
     "speechlm.bench",  # bench sampler | packing | ...
+    "speechlm.sweep.cli",  # sweep init | run | status | requeue | report | slurm
 )
 
 
