@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "manifest-memory": "benchmarks/bench_manifest_memory.py",  # 10M-row manifest resident memory
     "packing": "benchmarks/bench_packing.py",  # THD vs BSHD on the demo batches
     "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
+    "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -332,6 +332,29 @@ def test_torch_varlen_arguments_and_cpu_refusal(monkeypatch):
     torch.testing.assert_close(out, separate_runs(q, k, v))
 
 
+def test_torch_varlen_shim_for_torch_2_10_and_2_11_signature(monkeypatch):
+    """torch 2.10/2.11's varlen_attn has no enable_gqa: K/V heads are repeated, gradients summed back."""
+    q, k, v = (t.requires_grad_() for t in qkv_thd(1))
+    calls: list = []
+
+    def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        calls.append(dict(k=k.shape, window=window_size, scale=scale))
+        return varlen_loop(q, k, v, cu_q, cu_k, causal=True, scale=scale)
+
+    monkeypatch.setattr(torch_varlen_mod, "check_device", lambda device: None)
+    monkeypatch.setattr(torch_varlen_mod, "_import_varlen_attn", lambda: old_varlen_attn)
+    out, _ = attend_torch_varlen(None, q, k, v, None, scaling=SCALE, **thd_kwargs())
+    (c,) = calls
+    assert c["k"] == (T, H, D) and c["window"] == (-1, 0) and c["scale"] == SCALE  # repeated to H heads
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = separate_runs(q2, k2, v2)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad)  # dk/dv are [1, G, T, D]: summed over each group
+
+
 def test_mocked_flash_through_a_real_llama(monkeypatch):
     """The registry wiring end to end: transformers calls our flash function with the cu_seqlens we pass."""
     from speechlm.config import LLMConfig

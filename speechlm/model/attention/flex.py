@@ -7,8 +7,14 @@ are in the same document and ``kv <= q``. Block masks are cached per (device, T,
 every layer of a forward pass asks for the same one. BSHD: ``kv <= q`` and ``kv`` is a real token
 (rebuilt per call; padded rows differ between batches).
 
-On CUDA the kernel is compiled once (``torch.compile(flex_attention)``); on CPU eager flex runs
-forward only (no backward), so it is a GPU backend (see ``parallel.backend_caps``).
+On CUDA the kernel is compiled once with dynamic shapes (``torch.compile(flex_attention,
+dynamic=True)``): every micro-batch has another packed length, and a static compile recompiles for
+each new length until dynamo's limit (8), after which flex silently falls back to an unfused kernel
+that materialises the T x T scores (measured on an H100, docs/benchmarks.md). Block masks are built
+compiled on CUDA (``create_block_mask(..., _compile=True)``), so no dense T x T mask is materialised
+either; the padded (BSHD) mask is built once per forward pass (every layer passes the same mask
+tensor) instead of once per layer. On CPU eager flex runs forward only (no backward), so it is a GPU
+backend (see ``parallel.backend_caps``).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ def build_document_block_mask(cu_seqlens: Tensor, total: int, device: torch.devi
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(document_causal, None, None, total, total, device=device)
+    return create_block_mask(
+        document_causal, None, None, total, total, device=device, _compile=device.type == "cuda"
+    )
 
 
 def get_document_block_mask(cu_seqlens: Tensor, total: int, device: torch.device) -> Any:
@@ -67,7 +75,22 @@ def build_padding_block_mask(padding_mask_BS: Tensor) -> Any:
     def padding_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) & (valid_BS[b, kv_idx] | (kv_idx == q_idx))
 
-    return create_block_mask(padding_causal, B, None, S, S, device=valid_BS.device)
+    cuda = valid_BS.device.type == "cuda"
+    return create_block_mask(padding_causal, B, None, S, S, device=valid_BS.device, _compile=cuda)
+
+
+_LAST_PADDING_MASK: list[tuple[Tensor, int, Any]] = []  # (mask tensor, its version, block mask)
+
+
+def get_padding_block_mask(padding_mask_BS: Tensor) -> Any:
+    """The block mask of this padding mask, reused while every layer of a forward passes the same tensor."""
+    if _LAST_PADDING_MASK:
+        mask, version, block = _LAST_PADDING_MASK[0]
+        if mask is padding_mask_BS and version == padding_mask_BS._version:
+            return block
+    block = build_padding_block_mask(padding_mask_BS)
+    _LAST_PADDING_MASK[:] = [(padding_mask_BS, padding_mask_BS._version, block)]
+    return block
 
 
 def _flex_fn(device: torch.device) -> Any:
@@ -76,7 +99,7 @@ def _flex_fn(device: torch.device) -> Any:
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _COMPILED:
-        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=False)
+        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=True)
     return _COMPILED["cuda"]
 
 
@@ -107,7 +130,7 @@ def attend_flex(
             attention_mask = torch.ones(B, S, dtype=torch.bool, device=device)
         if attention_mask.dim() != 2:
             raise ValueError(f"flex takes a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
-        block_mask = build_padding_block_mask(attention_mask)
+        block_mask = get_padding_block_mask(attention_mask)
     out_BHSD = _flex_fn(device)(
         query_BHSD,
         key_BGSD,

@@ -2,11 +2,19 @@
 
 Letters: T packed tokens, H query heads, G key/value heads, D head dim.
 
-Causal masking is ``window_size=(-1, 0)``; GQA is native (``enable_gqa``). No dropout, no CP.
+Causal masking is ``window_size=(-1, 0)``. No dropout, no CP.
+
+The signature moved between torch releases: 2.10 and 2.11 have ``varlen_attn(q, k, v, cu_seq_q,
+cu_seq_k, max_q, max_k, *, return_aux, scale, window_size)`` with no GQA support, 2.13 added
+``enable_gqa`` (and more). `varlen_call_kwargs` inspects the installed function once and passes
+only what it accepts; where ``enable_gqa`` is missing, K/V heads are repeated to the query heads
+(the gradients flow back through the repeat and are summed per K/V head).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -31,6 +39,24 @@ def _import_varlen_attn() -> Any:
             f"attention backend 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9): {e}"
         ) from e
     return varlen_attn
+
+
+@functools.cache
+def accepted_keywords(fn: Any) -> frozenset[str]:
+    """Keyword names `fn` accepts (inspected once per function object)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def varlen_call_kwargs(
+    fn: Any, *, scale: float, n_heads: int, n_kv_heads: int
+) -> tuple[dict[str, Any], bool]:
+    """(keywords for this torch's varlen_attn, whether K/V must be repeated to the query heads)."""
+    kw: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}
+    gqa = n_heads != n_kv_heads
+    if "enable_gqa" in accepted_keywords(fn):
+        kw["enable_gqa"] = gqa
+        return kw, False
+    return kw, gqa
 
 
 def check_device(device: torch.device) -> None:
@@ -62,6 +88,15 @@ def attend_torch_varlen(
     check_device(query_BHSD.device)
     varlen_attn = _import_varlen_attn()
     q_THD, k_TGD, v_TGD = to_thd(query_BHSD), to_thd(key_BGSD), to_thd(value_BGSD)
+    kw, repeat_kv = varlen_call_kwargs(
+        varlen_attn,
+        scale=default_scale(query_BHSD, scaling),
+        n_heads=q_THD.shape[1],
+        n_kv_heads=k_TGD.shape[1],
+    )
+    if repeat_kv:  # this torch has no enable_gqa: K/V head g serves query heads g*rep .. g*rep+rep-1
+        rep = q_THD.shape[1] // k_TGD.shape[1]
+        k_TGD, v_TGD = k_TGD.repeat_interleave(rep, dim=1), v_TGD.repeat_interleave(rep, dim=1)
     out_THD = varlen_attn(
         q_THD.contiguous(),
         k_TGD.contiguous(),
@@ -70,8 +105,6 @@ def attend_torch_varlen(
         varlen.cu_seqlens_k,
         varlen.max_seqlen_q,
         varlen.max_seqlen_k,
-        scale=default_scale(query_BHSD, scaling),
-        window_size=(-1, 0),
-        enable_gqa=q_THD.shape[1] != k_TGD.shape[1],
+        **kw,
     )
     return out_THD.unsqueeze(0), None
