@@ -36,6 +36,8 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from parallel.rounding import rounding_unit
+
 __all__ = [
     "check_cp_args",
     "cp_shard_indices_thd",
@@ -195,7 +197,7 @@ def bshd_cp_multiple(cp_size: int, tp_size: int = 1) -> int:
     check_cp_args(cp_size)
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    return math.lcm(2 * cp_size, cp_size * tp_size)
+    return rounding_unit(cp_size, tp_size) if cp_size > 1 else math.lcm(2, tp_size)
 
 
 def pad_bshd_for_cp(x: Tensor, cp_size: int, tp_size: int = 1, dim: int = 1, value: float = 0) -> Tensor:

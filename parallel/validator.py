@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from parallel.backend_caps import BACKENDS, BackendCaps, thd_backends
+from parallel.rounding import rounding_unit
 
 Level = Literal["error", "warning"]
 ERROR: Level = "error"
@@ -253,8 +254,7 @@ class ValidationContext:
     @property
     def rounding_unit(self) -> int:
         """Every packed stream length must divide by this: lcm(2cp, cp*tp) under CP, else tp."""
-        cp, tp = max(self.cp, 1), max(self.tp, 1)
-        return math.lcm(2 * cp, cp * tp) if cp > 1 else tp
+        return rounding_unit(max(self.cp, 1), max(self.tp, 1))
 
     def env_flag_is_zero(self, key: str) -> bool:
         """True when the variable is set to an integer 0 (how transformer-engine reads NVTE_* flags)."""

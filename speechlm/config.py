@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
-ATTENTION_BACKENDS = ("reference", "torch_varlen", "flex", "flash", "te", "sdpa")
+from parallel.backend_caps import BACKENDS
+
+ATTENTION_BACKENDS = tuple(BACKENDS)  # one owner: the capability table (parallel/backend_caps.py)
 
 
 class ConfigError(ValueError):

@@ -35,12 +35,13 @@ between the two layouts; ``supervised_pairs_thd`` / ``supervised_pairs_bshd`` ex
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from parallel.rounding import rounding_unit, sequence_multiple
 
 IGNORE_INDEX = -100
 
@@ -81,11 +82,6 @@ def shift_labels_within(ids_L: Tensor, target_mask_L: Tensor, cu_seqlens: Tensor
     return labels_L
 
 
-def rounding_unit(cp: int = 1, tp: int = 1) -> int:
-    """The smallest legal multiple for a packed total: ``tp`` (cp = 1) or ``lcm(2 * cp, cp * tp)``."""
-    return math.lcm(2 * cp, cp * tp) if cp > 1 else tp
-
-
 def round_lengths(
     lengths: Sequence[int], cp: int = 1, tp: int = 1, total_multiple: int | None = None
 ) -> list[int]:
@@ -112,8 +108,8 @@ def round_lengths(
             raise ValueError(f"sequence {i} has length {n}; every packed sequence needs at least one token")
     if not out:
         return out
-    if cp > 1:
-        chunk = 2 * cp
+    chunk = sequence_multiple(cp)
+    if chunk > 1:
         out = [-(-n // chunk) * chunk for n in out]
     total = sum(out)
     out[-1] += -total % (total_multiple or unit)

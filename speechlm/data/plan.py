@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel.rounding import rounding_unit, sequence_multiple  # stdlib only: the planner stays light
 from speechlm.data.sampler import (
     EpochPlan,
     TokenCostModel,
@@ -100,12 +101,9 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
 
 def round_thd_total(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
     """Tokens a THD micro-batch computes: lengths rounded as `speechlm.packing.round_lengths` does."""
-    if cp > 1:
-        chunk = 2 * cp
-        lengths = -(-lengths // chunk) * chunk
-        multiple = math.lcm(chunk, cp * tp)
-    else:
-        multiple = tp
+    chunk = sequence_multiple(cp)
+    lengths = -(-lengths // chunk) * chunk
+    multiple = rounding_unit(cp, tp)
     per_batch = np.add.reduceat(lengths, batch_offsets[:-1]) if len(lengths) else np.zeros(0, np.int64)
     return int((-(-per_batch // multiple) * multiple).sum())
 
