@@ -73,22 +73,6 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run_validator(cfg: Any, world_size: int, rank: int, *, manifest_summary: dict | None = None) -> None:
-    """The same checks as `speechlm validate`, before any model weights load; errors abort."""
-    from parallel.validator import check_or_raise, validate
-    from speechlm.validate import detect_device_capability, detect_installed
-
-    findings = validate(
-        cfg,
-        world_size,
-        dict(os.environ),
-        detect_device_capability(),
-        detect_installed(),
-        manifest_summary=manifest_summary,
-    )
-    check_or_raise(findings, rank=rank)
-
-
 def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     import lightning as L
     import torch
@@ -119,7 +103,9 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     val_table = load_manifest(cfg.data.val_manifest) if cfg.data.val_manifest else None
     durations = train_table.column("duration").to_numpy()
     summary = {"n_rows": len(train_table), "max_duration": float(durations.max()) if len(durations) else 0.0}
-    run_validator(cfg, world_size, rank, manifest_summary=summary)
+    from speechlm.validate import validate_at_fit_start
+
+    validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
     dims = ParallelDims(
         world_size,
         cfg.parallel.dp_replicate,
