@@ -23,7 +23,7 @@ import yaml
 from speechlm.config import load_config
 from speechlm.sweep.spec import SpecError, load_spec, write_sweep
 from speechlm.sweep.store import StatusError, StatusStore, claim_next
-from tests.test_training import SMOKE, data_overrides, demo_data  # noqa: F401
+from tests.test_training import SMOKE, data_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = f"{sys.executable} {REPO / 'tests/sweep_fake_trainer.py'} {{config}}"
@@ -247,7 +247,7 @@ def test_status_json_report_plot_and_slurm_script(tmp_path):
     assert f"speechlm sweep run {sweep.resolve()}" in script and "0,1,2,3,4,5,6,7" in script
 
 
-def test_kill9_dispatcher_makes_stale_and_requeued_real_job_resumes(demo_data, tmp_path):  # noqa: F811
+def test_kill9_dispatcher_makes_stale_and_requeued_real_job_resumes(demo_data, tmp_path):
     """A real `speechlm train` job: its dispatcher dies with kill -9 after the step-2 checkpoint."""
     spec = {"base": SMOKE, "overrides": [*data_overrides(demo_data), "trainer.max_steps=6", "trainer.ckpt_every=2",
                                          "trainer.final_eval_split=val"]}  # fmt: skip

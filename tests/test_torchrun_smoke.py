@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training import SMOKE, data_overrides, demo_data  # noqa: F401  (fixture)
+from test_training import SMOKE, data_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def check_run(r: subprocess.CompletedProcess, run_dir: Path, steps: int) -> list
 
 
 @pytest.mark.multiproc
-def test_torchrun_cp2_tp2_on_4_ranks(demo_data, tmp_path):  # noqa: F811
+def test_torchrun_cp2_tp2_on_4_ranks(demo_data, tmp_path):
     run_dir = tmp_path / "run"
     r = torchrun(4, [SMOKE, "--cp-size", "2", "--tp-size", "2", *data_overrides(demo_data),
                      "trainer.max_steps=3", "trainer.ckpt_every=3", f"trainer.run_dir={run_dir}"])
@@ -49,7 +49,7 @@ def test_torchrun_cp2_tp2_on_4_ranks(demo_data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.gpu
-def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):  # noqa: F811
+def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):
     import torch
 
     if torch.cuda.device_count() < 4:
@@ -61,7 +61,7 @@ def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.multiproc
-def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):  # noqa: F811
+def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):
     """A checkpoint saved at (dp=2, cp=2, tp=1) resumes at (dp=1, cp=2, tp=2) with the same loss."""
     run_dir = tmp_path / "run"
     common = [SMOKE, *data_overrides(demo_data), f"trainer.run_dir={run_dir}", "trainer.final_eval_split=val",

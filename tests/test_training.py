@@ -21,18 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 SMOKE = str(REPO / "configs/smoke.yaml")
 
 
-@pytest.fixture(scope="session")
-def demo_data(tmp_path_factory) -> dict[str, str]:
-    """The bundled demo corpus as a manifest plus a tokenizer (built once per session)."""
-    from speechlm.cli import main
-
-    out = tmp_path_factory.mktemp("demo_manifest")
-    assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)]) == 0
-    assert main(["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tok"),
-                 "--vocab-size", "300"]) == 0
-    return {"train": str(out / "train.parquet"), "val": str(out / "val.parquet"), "tok": str(out / "tok.model")}
-
-
 def data_overrides(d: dict[str, str]) -> list[str]:
     return [f"data.train_manifest={d['train']}", f"data.val_manifest={d['val']}", f"data.tokenizer={d['tok']}"]
 
