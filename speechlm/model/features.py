@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from speechlm.model.packed_encoder import segment_rows
+
 LN_LOG_GUARD = 2.0**-24
 NORM_EPS = 1e-5
 
@@ -201,12 +203,10 @@ class LogMelFeatures(nn.Module):
         with torch.autocast(device_type=device.type, enabled=False):
             seg_B = torch.div(lens_B + half + hop - 1, hop, rounding_mode="floor") * hop
             starts_B = torch.cumsum(seg_B, 0) - seg_B
-            valid_BN = torch.arange(audio_BN.shape[1], device=device)[None, :] < lens_B[:, None]
-            dest = (starts_B[:, None] + half + torch.arange(audio_BN.shape[1], device=device)[None, :])[
-                valid_BN
-            ]
+            src = segment_rows(torch.arange(lens_B.numel(), device=device) * audio_BN.shape[1], lens_B)
+            dest = segment_rows(starts_B + half, lens_B)
             stream = audio_BN.new_zeros(int(seg_B.sum()) + s.n_fft, dtype=torch.float32)
-            stream = stream.index_copy(0, dest, audio_BN.float()[valid_BN])
+            stream = stream.index_copy(0, dest, audio_BN.float().reshape(-1).index_select(0, src))
             if s.preemphasis:
                 keep = torch.zeros_like(stream, dtype=torch.bool).index_fill(0, dest, True)
                 stream = torch.cat([stream[:1], stream[1:] - s.preemphasis * stream[:-1]])
