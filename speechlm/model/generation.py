@@ -10,9 +10,9 @@ padding mask and position ids counted from each prompt's first real token, so ev
 prompt token sits at column P-1. One prefill forward fills a transformers ``DynamicCache``; each
 further step feeds one token per row (``[B, 1, H]``), extends the mask by a column of ones and
 advances each row's position by one. The attention backend must take a padded batch (BSHD) with a
-KV cache (queries aligned to the last keys); the reference and sdpa backends do. Rows that
-reached eos or ``max_new_tokens`` keep being fed (their output is ignored) so that all shapes stay
-rectangular. Cost per token: one row against the cache, instead of the whole prefix.
+KV cache (queries aligned to the last keys); the reference and sdpa backends do. A clip that
+reached eos or ``max_new_tokens`` leaves the batch and its rows of the cache
+(``DynamicCache.reorder_cache``). Cost per token: one row against the cache, instead of the prefix.
 
 `greedy_recompute` (the oracle the tests compare against): at every step the whole prefix of every
 still-active utterance is recomputed as one packed THD batch (or padded, for BSHD-only backends).
@@ -75,9 +75,11 @@ def greedy_with_cache(
         logits_to_keep=1,
     )
     next_pos_B1 = pos_BP[:, -1:] + 1
+    rows = list(range(B))  # clip of each cache row
     while True:
         next_ids = out.logits[:, -1].argmax(dim=-1)
-        for b, t in enumerate(next_ids.tolist()):
+        for j, t in enumerate(next_ids.tolist()):
+            b = rows[j]
             if done[b]:
                 continue
             if t == eos_id:
@@ -87,7 +89,13 @@ def greedy_with_cache(
             done[b] = len(outputs[b]) >= max_new_tokens
         if not _decide(not all(done), keep_going):
             return outputs
-        mask_BP = torch.cat([mask_BP, mask_BP.new_ones(B, 1)], dim=1)
+        keep = [j for j, b in enumerate(rows) if not done[b]] or [0]  # lockstep only: one ignored row
+        if len(keep) < len(rows):  # finished clips leave the batch and the cache
+            idx = torch.tensor(keep, device=device)
+            out.past_key_values.reorder_cache(idx)
+            mask_BP, next_pos_B1, next_ids = mask_BP[idx], next_pos_B1[idx], next_ids[idx]
+            rows = [rows[j] for j in keep]
+        mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
         out = llm(
             inputs_embeds=embed_tokens(next_ids[:, None]).to(dtype),
             attention_mask=mask_BP,
