@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(REPO / "configs/demo.yaml"))
     ap.add_argument("--run", default=None, help="run directory whose latest checkpoint is decoded")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument(
+        "--batch-duration",
+        type=float,
+        default=None,
+        help="seconds of audio per decoding batch (default: the config's sampler.max_batch_duration, as validation)",
+    )
     ap.add_argument("--splits", default="val,train", help="comma-separated: val, train")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     for split in args.splits.split(","):
         table = load_manifest(data / f"{split}.parquet")
         ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
-        plan = build_eval_batches(table, max_batch_duration=cfg.sampler.max_batch_duration or 60.0)
+        budget = args.batch_duration or cfg.sampler.max_batch_duration or 60.0
+        plan = build_eval_batches(table, max_batch_duration=budget)
         batches += list(build_dataloader(ds, plan, num_workers=0))
     n_utts = sum(len(b) for b in batches)
 
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "splits": args.splits,
             "run": args.run,
             "max_new_tokens": args.max_new_tokens,
+            "batch_duration": args.batch_duration or cfg.sampler.max_batch_duration,
             "threads": torch.get_num_threads(),
             **results,
         }
