@@ -72,7 +72,9 @@ class PackedLayout:
 
     lens_B: Tensor  # encoder frames per clip (int64)
     cu_B1: Tensor  # cumulative offsets [B + 1]
-    groups: list[tuple[int, Tensor]]  # (L, rows [g, L]) for clips of equal length L
+    groups: list[tuple[int, int]]  # (L, g): g clips of length L, in group order
+    group_perm_U: Tensor  # frames in group order (group after group, clip after clip)
+    group_inv_U: Tensor  # inverse of group_perm_U
     conv_rows_U: Tensor  # frame u -> its place in the gapped conv buffer
     conv_width: int  # length of the gapped conv buffer
     max_len: int
@@ -87,17 +89,26 @@ class PackedLayout:
         for b, n in enumerate(lens_B.tolist()):
             if n > 0:
                 by_len.setdefault(int(n), []).append(b)
-        groups = []
+        groups, rows = [], []
         for n, clips in sorted(by_len.items()):
             starts = cu_B1[torch.tensor(clips, device=device)]
-            groups.append((n, starts[:, None] + torch.arange(n, device=device)))
+            groups.append((n, len(clips)))
+            rows.append((starts[:, None] + torch.arange(n, device=device)).flatten())
+        perm_U = torch.cat(rows) if rows else lens_B.new_zeros(0)
         p = conv_half_width
         idx_B = torch.arange(lens_B.numel(), device=device)
         conv_starts_B = cu_B1[:-1] + (idx_B + 1) * p
         conv_rows_U = segment_rows(conv_starts_B, lens_B)
         width = int(cu_B1[-1]) + (lens_B.numel() + 1) * p
         max_len = int(lens_B.max()) if lens_B.numel() else 0
-        return PackedLayout(lens_B, cu_B1, groups, conv_rows_U, width, max_len)
+        return PackedLayout(lens_B, cu_B1, groups, perm_U, torch.argsort(perm_U), conv_rows_U, width, max_len)
+
+    def split_groups(self, x_U_: Tensor) -> list[Tensor]:
+        """``x`` (frames first) as one ``[g, L, ...]`` tensor per length group: one gather in all, so
+        autograd scatters the gradient back once (a gather per group would cost a full-size zero
+        tensor per group and layer in backward)."""
+        parts = x_U_.index_select(0, self.group_perm_U).split([n * g for n, g in self.groups])
+        return [part.view(g, n, *x_U_.shape[1:]) for part, (n, g) in zip(parts, self.groups)]
 
 
 # -------------------------------------------------------------------------------------- attention
@@ -108,31 +119,36 @@ def attend_packed_relpos(
     k_UHD: Tensor,
     v_UHD: Tensor,
     layout: PackedLayout,
-    bias_fn: Callable[[Tensor, int], Tensor],
+    bias_fn: Callable[[int, int], Tensor],
     *,
     scale: float,
     dropout_p: float = 0.0,
 ) -> Tensor:
     """Bidirectional attention within each clip, plus an additive bias that depends on the clip length.
 
-    ``bias_fn(rows_gL, L) -> bias_gHLL`` (already scaled) for the clips whose frames are ``rows_gL``.
+    ``bias_fn(i, L) -> bias_gHLL`` (already scaled) for group i of ``layout.groups`` (g clips of length L).
     Per-length groups through torch SDPA: the one function to replace by a varlen kernel that takes
     an additive bias (e.g. from ``parallel/``, issue 11).
     """
-    rows, outs = [], []
-    for n, rows_gL in layout.groups:
-        q = q_UHD[rows_gL].transpose(1, 2)  # [g, H, L, D]
-        k = k_UHD[rows_gL].transpose(1, 2)
-        v = v_UHD[rows_gL].transpose(1, 2)
+    outs = []
+    q_groups, k_groups, v_groups = (
+        layout.split_groups(q_UHD),
+        layout.split_groups(k_UHD),
+        layout.split_groups(v_UHD),
+    )
+    for i, (n, _) in enumerate(layout.groups):
         out = nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias_fn(rows_gL, n), dropout_p=dropout_p, scale=scale
+            q_groups[i].transpose(1, 2),  # [g, H, L, D]
+            k_groups[i].transpose(1, 2),
+            v_groups[i].transpose(1, 2),
+            attn_mask=bias_fn(i, n),
+            dropout_p=dropout_p,
+            scale=scale,
         )
-        rows.append(rows_gL.flatten())
         outs.append(out.transpose(1, 2).flatten(0, 1))
     if not outs:
         return q_UHD.new_zeros(q_UHD.shape[0], q_UHD.shape[1], v_UHD.shape[-1])
-    row_U = torch.cat(rows)
-    return torch.cat(outs).index_select(0, torch.argsort(row_U))
+    return torch.cat(outs).index_select(0, layout.group_inv_U)
 
 
 def relative_position_table(encode_positions: nn.Module, max_len: int, like: Tensor) -> Tensor:
@@ -150,12 +166,12 @@ def _self_attention(attn: Any, h_UE: Tensor, layout: PackedLayout, pos_PE: Tenso
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
         v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
     rel_PHD = attn.relative_k_proj(pos_PE).view(-1, n_heads, D)
-    q_v = q + attn.bias_v.view(1, n_heads, D)  # position term
+    q_v_groups = layout.split_groups(q + attn.bias_v.view(1, n_heads, D))  # position term
     centre = layout.max_len - 1
 
-    def position_bias(rows_gL: Tensor, n: int) -> Tensor:
+    def position_bias(i: int, n: int) -> Tensor:
         rel_HDP = rel_PHD[centre - (n - 1) : centre + n].permute(1, 2, 0)  # distances n-1 .. -(n-1)
-        bd = attn._rel_shift(q_v[rows_gL].transpose(1, 2) @ rel_HDP)[..., :n]
+        bd = attn._rel_shift(q_v_groups[i].transpose(1, 2) @ rel_HDP)[..., :n]
         return bd * attn.scaling
 
     out_UHD = attend_packed_relpos(
