@@ -17,6 +17,8 @@ a run without duration buckets sees). Per layout:
 - ``decoder_token_efficiency``: real decoder tokens / computed (BSHD: clips x longest; THD: the
   packed total; single process, so no cp/tp rounding);
 - ``step_ms``: median over ``--repeats`` of one forward+backward, summed over the batches, per batch.
+  The layouts take turns on every batch and repeat, so a shared machine's changing load hits all
+  three alike.
 Usage: ``speechlm bench packing [--durations demo|lognormal] [--config CONFIG] [--json FILE]``.
 """
 
@@ -200,36 +202,54 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.train()
 
-    results: dict[str, dict[str, float]] = {}
-    for name, (packed_decoder, packed_encoder) in LAYOUTS.items():
+    def use_layout(name: str) -> Any:
+        packed_decoder, packed_encoder = LAYOUTS[name]
         model.encoder_packed = packed_encoder
         cfg.model.packed_sequences = packed_decoder
-        ctx = StepContext.single(cfg, info)
-        totals = dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec"), 0)
-        seconds = 0.0
-        for b in batches:
+        return StepContext.single(cfg, info)
+
+    def time_step(b: Any, ctx: Any) -> float:
+        t0 = time.perf_counter()
+        out = compute_micro_losses(model, b, ctx)
+        (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    # The machine is shared: the layouts take turns on every batch and every repeat, so a change of
+    # load hits all three alike (medians per batch and layout, summed over the batches).
+    totals = {name: dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec"), 0) for name in LAYOUTS}
+    seconds = dict.fromkeys(LAYOUTS, 0.0)
+    for i, b in enumerate(batches):
+        per: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        for name in LAYOUTS:
+            ctx = use_layout(name)
+            packed_decoder, packed_encoder = LAYOUTS[name]
             for k, v in count_frames(
                 model, b, ctx, packed_decoder=packed_decoder, packed_encoder=packed_encoder
             ).items():
-                totals[k] += v
-            per = []
-            for r in range(args.repeats + 1):  # the first pass warms up
-                t0 = time.perf_counter()
-                out = compute_micro_losses(model, b, ctx)
-                (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
-                if r:
-                    per.append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-            seconds += statistics.median(per)
+                totals[name][k] += v
+            time_step(b, ctx)  # warm-up
+        for _ in range(args.repeats):
+            for name in LAYOUTS:
+                per[name].append(time_step(b, use_layout(name)))
+        for name in LAYOUTS:
+            seconds[name] += statistics.median(per[name])
+        print(
+            f"batch {i + 1}/{len(batches)}: "
+            + ", ".join(f"{n} {1000 * statistics.median(t):.0f} ms" for n, t in per.items()),
+            flush=True,
+        )
+    results: dict[str, dict[str, float]] = {}
+    for name in LAYOUTS:
+        t = totals[name]
         results[name] = {
-            "step_ms": 1000 * seconds / len(batches),
-            "encoder_frame_efficiency": totals["enc_real"] / totals["enc"],
-            "subsampling_frame_efficiency": totals["enc_real"] / totals["sub"],
-            "decoder_token_efficiency": totals["dec_real"] / totals["dec"],
-            "encoder_frames_computed": totals["enc"],
-            "decoder_tokens_computed": totals["dec"],
+            "step_ms": 1000 * seconds[name] / len(batches),
+            "encoder_frame_efficiency": t["enc_real"] / t["enc"],
+            "subsampling_frame_efficiency": t["enc_real"] / t["sub"],
+            "decoder_token_efficiency": t["dec_real"] / t["dec"],
+            "encoder_frames_computed": t["enc"],
+            "decoder_tokens_computed": t["dec"],
         }
-        print(f"{name}: {results[name]['step_ms']:.0f} ms/step", flush=True)
 
     base = results["bshd"]["step_ms"]
     print(
