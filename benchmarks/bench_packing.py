@@ -16,7 +16,8 @@ a run without duration buckets sees). Per layout:
   (the padding-free path computes one or two gap frames per clip there);
 - ``decoder_token_efficiency``: real decoder tokens / computed (BSHD: clips x longest; THD: the
   packed total; single process, so no cp/tp rounding);
-- ``step_ms``: median over ``--repeats`` of one forward+backward, summed over the batches, per batch.
+- ``step_ms``: median over ``--repeats`` of one forward+backward, summed over the batches, per batch;
+  ``cpu_ms`` the same in CPU time of the process (less sensitive to other jobs on the machine).
   The layouts take turns on every batch and repeat, so a shared machine's changing load hits all
   three alike.
 Usage: ``speechlm bench packing [--durations demo|lognormal] [--config CONFIG] [--json FILE]``.
@@ -208,19 +209,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg.model.packed_sequences = packed_decoder
         return StepContext.single(cfg, info)
 
-    def time_step(b: Any, ctx: Any) -> float:
-        t0 = time.perf_counter()
+    def time_step(b: Any, ctx: Any) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one forward + backward."""
+        t0, c0 = time.perf_counter(), time.process_time()
         out = compute_micro_losses(model, b, ctx)
         (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     # The machine is shared: the layouts take turns on every batch and every repeat, so a change of
     # load hits all three alike (medians per batch and layout, summed over the batches).
     totals = {name: dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec"), 0) for name in LAYOUTS}
     seconds = dict.fromkeys(LAYOUTS, 0.0)
+    cpu_seconds = dict.fromkeys(LAYOUTS, 0.0)
     for i, b in enumerate(batches):
-        per: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        per: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
         for name in LAYOUTS:
             ctx = use_layout(name)
             packed_decoder, packed_encoder = LAYOUTS[name]
@@ -233,10 +236,15 @@ def main(argv: list[str] | None = None) -> int:
             for name in LAYOUTS:
                 per[name].append(time_step(b, use_layout(name)))
         for name in LAYOUTS:
-            seconds[name] += statistics.median(per[name])
+            seconds[name] += statistics.median(w for w, _ in per[name])
+            cpu_seconds[name] += statistics.median(c for _, c in per[name])
         print(
             f"batch {i + 1}/{len(batches)}: "
-            + ", ".join(f"{n} {1000 * statistics.median(t):.0f} ms" for n, t in per.items()),
+            + ", ".join(
+                f"{n} {1000 * statistics.median(w for w, _ in t):.0f} ms "
+                f"(cpu {1000 * statistics.median(c for _, c in t):.0f} ms)"
+                for n, t in per.items()
+            ),
             flush=True,
         )
     results: dict[str, dict[str, float]] = {}
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         t = totals[name]
         results[name] = {
             "step_ms": 1000 * seconds[name] / len(batches),
+            "cpu_ms": 1000 * cpu_seconds[name] / len(batches),
             "encoder_frame_efficiency": t["enc_real"] / t["enc"],
             "subsampling_frame_efficiency": t["enc_real"] / t["sub"],
             "decoder_token_efficiency": t["dec_real"] / t["dec"],
@@ -251,25 +260,28 @@ def main(argv: list[str] | None = None) -> int:
             "decoder_tokens_computed": t["dec"],
         }
 
-    base = results["bshd"]["step_ms"]
+    base, base_cpu = results["bshd"]["step_ms"], results["bshd"]["cpu_ms"]
+    sampler = args.sampler if args.durations == "lognormal" else "demo plan"
     print(
-        f"\n{len(batches)} micro-batches ({args.durations} durations, budget {args.max_batch_duration:g} s), "
+        f"\n{len(batches)} micro-batches ({args.durations} durations, {sampler}, budget {args.max_batch_duration:g} s), "
         f"config {args.config}, forward+backward, median of {args.repeats}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
     print(
-        f"{'layout':<20} {'step':>9} {'speedup':>8} {'enc frames':>11} {'enc eff':>8} {'sub eff':>8} "
-        f"{'dec tokens':>11} {'dec eff':>8}"
+        f"{'layout':<20} {'wall':>8} {'speedup':>8} {'cpu':>8} {'speedup':>8} {'enc frames':>11} {'enc eff':>8} "
+        f"{'sub eff':>8} {'dec tokens':>11} {'dec eff':>8}"
     )
     for name, r in results.items():
         print(
-            f"{name:<20} {r['step_ms']:>7.0f}ms {base / r['step_ms']:>7.2f}x {r['encoder_frames_computed']:>11,} "
+            f"{name:<20} {r['step_ms']:>6.0f}ms {base / r['step_ms']:>7.2f}x {r['cpu_ms']:>6.0f}ms "
+            f"{base_cpu / r['cpu_ms']:>7.2f}x {r['encoder_frames_computed']:>11,} "
             f"{r['encoder_frame_efficiency']:>8.1%} {r['subsampling_frame_efficiency']:>8.1%} "
             f"{r['decoder_tokens_computed']:>11,} {r['decoder_token_efficiency']:>8.1%}"
         )
     if args.json:
         payload = {
             "durations": args.durations,
+            "sampler": sampler,
             "config": args.config,
             "batches": len(batches),
             "repeats": args.repeats,
@@ -279,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_thd_vs_bshd": base / results["thd"]["step_ms"],
             "speedup_thd_vs_thd_padded_encoder": results["thd_padded_encoder"]["step_ms"]
             / results["thd"]["step_ms"],
+            "cpu_speedup_thd_vs_bshd": base_cpu / results["thd"]["cpu_ms"],
+            "cpu_speedup_thd_vs_thd_padded_encoder": results["thd_padded_encoder"]["cpu_ms"]
+            / results["thd"]["cpu_ms"],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
