@@ -1,20 +1,39 @@
-"""THD (packed) versus BSHD (padded) on the same demo micro-batches, side by side in one run.
+"""Padding from waveform to loss: three layouts on the same micro-batches, side by side in one run.
 
-For each micro-batch of the demo epoch plan: tokens the decoder computes (THD: the packed total;
-BSHD: batch x longest utterance), attention score entries (THD: sum of L_i^2; BSHD: B x S^2), and the
-wall time of one forward + backward of the whole demo model. Prints per-layout totals and THD/BSHD
-ratios. Usage: `speechlm bench packing [--batches N] [--repeats R]` (builds the demo manifest and
-tokenizer under /tmp if they are missing).
+Layouts (same weights, same batches, forward + backward of the whole model with a trainable encoder):
+- ``bshd``: padded decoder (BSHD) and padded encoder (features, encoder, projector, CTC on padded clips);
+- ``thd_padded_encoder``: packed decoder (THD), padded encoder (the layout before issue 12);
+- ``thd``: packed decoder and padding-free encoder (``model.encoder.packed``): end to end on real frames.
+
+Micro-batches: ``--durations demo`` takes them from the demo epoch plan (builds the demo manifest and
+tokenizer under ``--data`` if missing); ``--durations lognormal`` synthesizes utterances with
+log-normal durations (median 5 s, sigma 0.8, clipped to 0.5-20 s), noise audio and ~3 transcript
+tokens per second, and batches them with the trainer's own sampler (``--sampler bucketed``: duration
+buckets, a budget of ``--max-batch-duration`` seconds) or in random order (``--sampler mixed``: what
+a run without duration buckets sees). Per layout:
+- ``encoder_frame_efficiency``: real encoder frames / frames the conformer layers compute (padded:
+  clips x longest clip); ``subsampling_frame_efficiency`` the same for the subsampling convolutions
+  (the padding-free path computes one or two gap frames per clip there);
+- ``decoder_token_efficiency``: real decoder tokens / computed (BSHD: clips x longest; THD: the
+  packed total; single process, so no cp/tp rounding);
+- ``step_ms``: median over ``--repeats`` of one forward+backward, summed over the batches, per batch;
+  ``cpu_ms`` the same in CPU time of the process (less sensitive to other jobs on the machine).
+  The layouts take turns on every batch and repeat, so a shared machine's changing load hits all
+  three alike.
+Usage: ``speechlm bench packing [--durations demo|lognormal] [--config CONFIG] [--json FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+LAYOUTS = {"bshd": (False, False), "thd_padded_encoder": (True, False), "thd": (True, True)}
 
 
 def prepare_demo(out: Path) -> None:
@@ -23,87 +42,261 @@ def prepare_demo(out: Path) -> None:
     if not (out / "train.parquet").exists():
         main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)])
     if not (out / "tokenizer.model").exists():
-        main(["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")])
+        main(
+            ["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")]
+        )
+
+
+def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:
+    from speechlm.data.dataset import Collator, SpeechDataset
+    from speechlm.data.manifest import load_manifest, manifest_arrays
+    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.data.tokenizer import Tokenizer
+    from speechlm.train.module import TokenizerInfo
+
+    prepare_demo(data)
+    tok = Tokenizer(data / "tokenizer.model")
+    table = load_manifest(data / "train.parquet")
+    arr = manifest_arrays(table)
+    sampler = DurationBucketBatchSampler(
+        arr.durations, arr.lang_codes, arr.lang_names, max_batch_duration=budget, seed=0
+    )
+    ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
+    collate = Collator(tok.pad_id)
+    batches = [collate([ds[i] for i in idx]) for idx in list(sampler)[:n]]
+    return batches, TokenizerInfo(len(tok), tok.pad_id, tok.bos_id, tok.eos_id, tok.audio_id)
+
+
+def draw_mixed_batches(durations: Any, budget: float, seed: int) -> list[list[int]]:
+    """Utterances in random order, cut into micro-batches of at most ``budget`` seconds (no buckets)."""
+    import numpy as np
+
+    order = np.random.default_rng(seed + 1).permutation(len(durations))
+    batches: list[list[int]] = [[]]
+    acc = 0.0
+    for i in order.tolist():
+        if batches[-1] and acc + float(durations[i]) > budget:
+            batches.append([])
+            acc = 0.0
+        batches[-1].append(i)
+        acc += float(durations[i])
+    return batches
+
+
+def lognormal_batches(n: int, budget: float, sampler_kind: str, seed: int = 0) -> tuple[list[Any], Any]:
+    import numpy as np
+    import torch
+
+    from speechlm.data.dataset import Batch
+    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.train.module import TokenizerInfo
+
+    rng = np.random.default_rng(seed)
+    durations = np.clip(rng.lognormal(np.log(5.0), 0.8, size=4000), 0.5, 20.0).astype(np.float32)
+    if sampler_kind == "bucketed":
+        plan = list(
+            DurationBucketBatchSampler(
+                durations,
+                np.zeros(len(durations), dtype=np.int16),
+                ["xx"],
+                max_batch_duration=budget,
+                seed=seed,
+            )
+        )
+    else:
+        plan = draw_mixed_batches(durations, budget, seed)
+    info = TokenizerInfo(vocab_size=1024, pad_id=0, bos_id=1, eos_id=2, audio_id=3)
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for idx in plan[:n]:
+        lens = [int(durations[i] * 16000) for i in idx]
+        audio = torch.randn(len(idx), max(lens), generator=g) * 0.1
+        for j, m in enumerate(lens):
+            audio[j, m:] = 0.0
+        n_tok = [1 + max(1, round(3 * float(durations[i]))) for i in idx]  # language tag + text
+        tokens = torch.zeros(len(idx), max(n_tok), dtype=torch.long)
+        for j, m in enumerate(n_tok):
+            tokens[j, :m] = torch.randint(8, info.vocab_size, (m,), generator=g)
+        batches.append(
+            Batch(
+                audio=audio,
+                audio_lens=torch.tensor(lens),
+                tokens=tokens,
+                token_lens=torch.tensor(n_tok),
+                langs=["xx"] * len(idx),
+                indices=list(idx),
+                durations=torch.tensor([float(durations[i]) for i in idx]),
+            )
+        )
+    return batches, info
+
+
+def count_frames(
+    model: Any, batch: Any, ctx: Any, *, packed_decoder: bool, packed_encoder: bool
+) -> dict[str, int]:
+    import torch
+
+    from speechlm.model.packed_encoder import plan_subsampling_segments
+
+    with torch.no_grad():
+        feat_lens = model.features(batch.audio, batch.audio_lens)[1]
+        enc_lens = model.encoder.output_lengths(feat_lens)
+        proj_lens = [(int(u) + model.projector.stack - 1) // model.projector.stack for u in enc_lens]
+    real_enc = int(enc_lens.sum())
+    if packed_encoder:
+        sub = (
+            int(plan_subsampling_segments(feat_lens, model.encoder.n_convs).sum())
+            // model.encoder.subsampling
+        )
+        enc = real_enc
+    else:
+        sub = enc = len(batch) * int(enc_lens.max())
+    lens = [int(p[0].shape[0]) - 1 + a for p, a in zip(ctx.prompts(batch), proj_lens)]
+    dec = sum(lens) if packed_decoder else len(lens) * max(lens)
+    return {"enc_real": real_enc, "enc": enc, "sub": sub, "dec_real": sum(lens), "dec": dec}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speechlm bench packing", description=__doc__.split("\n")[0])
+    ap.add_argument("--durations", choices=("demo", "lognormal"), default="demo")
+    ap.add_argument(
+        "--sampler",
+        choices=("bucketed", "mixed"),
+        default="bucketed",
+        help="lognormal only: the trainer's duration-bucketed sampler, or utterances in random order (no buckets)",
+    )
+    ap.add_argument("--config", default=str(REPO / "configs/demo.yaml"), help="model config (YAML)")
     ap.add_argument("--data", default="/tmp/speechlm_bench_demo", help="demo manifest/tokenizer directory")
     ap.add_argument("--batches", type=int, default=12, help="micro-batches timed per layout")
     ap.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per batch")
-    ap.add_argument("--max-batch-duration", type=float, default=32.0)
+    ap.add_argument(
+        "--max-batch-duration",
+        type=float,
+        default=None,
+        help="seconds of audio per micro-batch (default: the config's)",
+    )
+    ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
 
     import torch
 
     from speechlm.config import load_config
-    from speechlm.data.dataset import Collator, SpeechDataset
-    from speechlm.data.manifest import load_manifest, manifest_arrays
-    from speechlm.data.sampler import DurationBucketBatchSampler
-    from speechlm.data.tokenizer import Tokenizer
     from speechlm.model.speech_llm import SpeechLLM
-    from speechlm.train.module import TokenizerInfo
     from speechlm.train.step import StepContext, compute_micro_losses
 
-    out = Path(args.data)
-    prepare_demo(out)
-    cfg = load_config(REPO / "configs/demo.yaml", [f"data.train_manifest={out / 'train.parquet'}"])
-    tok = Tokenizer(out / "tokenizer.model")
-    table = load_manifest(out / "train.parquet")
-    arr = manifest_arrays(table)
-    sampler = DurationBucketBatchSampler(arr.durations, arr.lang_codes, arr.lang_names,
-                                         max_batch_duration=args.max_batch_duration, seed=0)
-    ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
-    collate = Collator(tok.pad_id)
-    batches = [collate([ds[i] for i in idx]) for idx in list(sampler)[: args.batches]]
-    info = TokenizerInfo(len(tok), tok.pad_id, tok.bos_id, tok.eos_id, tok.audio_id)
+    cfg = load_config(args.config, [])
+    if args.max_batch_duration is None:
+        args.max_batch_duration = float(cfg.sampler.max_batch_duration or 32.0)
+    if args.durations == "demo":
+        batches, info = demo_batches(cfg, Path(args.data), args.batches, args.max_batch_duration)
+    else:
+        batches, info = lognormal_batches(args.batches, args.max_batch_duration, args.sampler)
     torch.manual_seed(0)
-    model = SpeechLLM(cfg.model, vocab_size=info.vocab_size, pad_id=info.pad_id, bos_id=info.bos_id,
-                      eos_id=info.eos_id, audio_id=info.audio_id)
+    cfg.model.encoder.packed = True
+    model = SpeechLLM(
+        cfg.model,
+        vocab_size=info.vocab_size,
+        pad_id=info.pad_id,
+        bos_id=info.bos_id,
+        eos_id=info.eos_id,
+        audio_id=info.audio_id,
+    )
     model.train()
 
-    def token_counts(batch, packed: bool) -> tuple[int, int]:
-        with torch.no_grad():
-            enc = model.encode_audio(batch.audio, batch.audio_lens)
-        ctx = StepContext.single(cfg, info)
-        lens = [int(p[0].shape[0]) - 1 + int(e.shape[0]) for p, e in zip(ctx.prompts(batch), enc.embeds)]
-        if packed:
-            return sum(lens), sum(n * n for n in lens)
-        return len(lens) * max(lens), len(lens) * max(lens) ** 2
+    def use_layout(name: str) -> Any:
+        packed_decoder, packed_encoder = LAYOUTS[name]
+        model.encoder_packed = packed_encoder
+        cfg.model.packed_sequences = packed_decoder
+        return StepContext.single(cfg, info)
 
+    def time_step(b: Any, ctx: Any) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one forward + backward."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = compute_micro_losses(model, b, ctx)
+        (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    # The machine is shared: the layouts take turns on every batch and every repeat, so a change of
+    # load hits all three alike (medians per batch and layout, summed over the batches).
+    totals = {name: dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec"), 0) for name in LAYOUTS}
+    seconds = dict.fromkeys(LAYOUTS, 0.0)
+    cpu_seconds = dict.fromkeys(LAYOUTS, 0.0)
+    for i, b in enumerate(batches):
+        per: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
+        for name in LAYOUTS:
+            ctx = use_layout(name)
+            packed_decoder, packed_encoder = LAYOUTS[name]
+            for k, v in count_frames(
+                model, b, ctx, packed_decoder=packed_decoder, packed_encoder=packed_encoder
+            ).items():
+                totals[name][k] += v
+            time_step(b, ctx)  # warm-up
+        for _ in range(args.repeats):
+            for name in LAYOUTS:
+                per[name].append(time_step(b, use_layout(name)))
+        for name in LAYOUTS:
+            seconds[name] += statistics.median(w for w, _ in per[name])
+            cpu_seconds[name] += statistics.median(c for _, c in per[name])
+        print(
+            f"batch {i + 1}/{len(batches)}: "
+            + ", ".join(
+                f"{n} {1000 * statistics.median(w for w, _ in t):.0f} ms "
+                f"(cpu {1000 * statistics.median(c for _, c in t):.0f} ms)"
+                for n, t in per.items()
+            ),
+            flush=True,
+        )
     results: dict[str, dict[str, float]] = {}
-    for name, packed in (("THD (packed)", True), ("BSHD (padded)", False)):
-        cfg.model.packed_sequences = packed
-        ctx = StepContext.single(cfg, info)
-        times, toks, scores, real = [], 0, 0, 0
-        for b in batches:
-            t, s = token_counts(b, packed)
-            toks += t
-            scores += s
-            real += token_counts(b, True)[0]
-            out0 = compute_micro_losses(model, b, ctx)  # warm-up
-            out0.ce_sum.backward()
-            model.zero_grad(set_to_none=True)
-            per = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                out = compute_micro_losses(model, b, ctx)
-                (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
-                per.append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-            times.append(statistics.median(per))
-        results[name] = {"tokens": toks, "scores": scores, "real": real, "seconds": sum(times)}
+    for name in LAYOUTS:
+        t = totals[name]
+        results[name] = {
+            "step_ms": 1000 * seconds[name] / len(batches),
+            "cpu_ms": 1000 * cpu_seconds[name] / len(batches),
+            "encoder_frame_efficiency": t["enc_real"] / t["enc"],
+            "subsampling_frame_efficiency": t["enc_real"] / t["sub"],
+            "decoder_token_efficiency": t["dec_real"] / t["dec"],
+            "encoder_frames_computed": t["enc"],
+            "decoder_tokens_computed": t["dec"],
+        }
 
-    thd, bshd = results["THD (packed)"], results["BSHD (padded)"]
-    print(f"{len(batches)} demo micro-batches (budget {args.max_batch_duration:g} s of audio), "
-          f"forward+backward of the demo model, median of {args.repeats}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'layout':<15} {'decoder tokens':>14} {'real/computed':>13} {'attn scores':>12} {'step time':>10}")
+    base, base_cpu = results["bshd"]["step_ms"], results["bshd"]["cpu_ms"]
+    sampler = args.sampler if args.durations == "lognormal" else "demo plan"
+    print(
+        f"\n{len(batches)} micro-batches ({args.durations} durations, {sampler}, budget {args.max_batch_duration:g} s), "
+        f"config {args.config}, forward+backward, median of {args.repeats}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'layout':<20} {'wall':>8} {'speedup':>8} {'cpu':>8} {'speedup':>8} {'enc frames':>11} {'enc eff':>8} "
+        f"{'sub eff':>8} {'dec tokens':>11} {'dec eff':>8}"
+    )
     for name, r in results.items():
-        print(f"{name:<15} {r['tokens']:>14,} {r['real'] / r['tokens']:>13.1%} {r['scores']:>12,} "
-              f"{r['seconds'] / len(batches) * 1000:>8.0f}ms")
-    print(f"ratio THD/BSHD: tokens {thd['tokens'] / bshd['tokens']:.2f}, attention scores "
-          f"{thd['scores'] / bshd['scores']:.2f}, step time {thd['seconds'] / bshd['seconds']:.2f}")
+        print(
+            f"{name:<20} {r['step_ms']:>6.0f}ms {base / r['step_ms']:>7.2f}x {r['cpu_ms']:>6.0f}ms "
+            f"{base_cpu / r['cpu_ms']:>7.2f}x {r['encoder_frames_computed']:>11,} "
+            f"{r['encoder_frame_efficiency']:>8.1%} {r['subsampling_frame_efficiency']:>8.1%} "
+            f"{r['decoder_tokens_computed']:>11,} {r['decoder_token_efficiency']:>8.1%}"
+        )
+    if args.json:
+        payload = {
+            "durations": args.durations,
+            "sampler": sampler,
+            "config": args.config,
+            "batches": len(batches),
+            "repeats": args.repeats,
+            "max_batch_duration": args.max_batch_duration,
+            "threads": torch.get_num_threads(),
+            "layouts": results,
+            "speedup_thd_vs_bshd": base / results["thd"]["step_ms"],
+            "speedup_thd_vs_thd_padded_encoder": results["thd_padded_encoder"]["step_ms"]
+            / results["thd"]["step_ms"],
+            "cpu_speedup_thd_vs_bshd": base_cpu / results["thd"]["cpu_ms"],
+            "cpu_speedup_thd_vs_thd_padded_encoder": results["thd_padded_encoder"]["cpu_ms"]
+            / results["thd"]["cpu_ms"],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 

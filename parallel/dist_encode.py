@@ -72,7 +72,10 @@ def cp_clip_ranges(num_clips: int, cp: int) -> list[range]:
 
 def slice_extra(extra: Any, sl: slice) -> Any:
     """Slice encode_fn's extra along the clip axis: tensors on dim 0, lists as per-clip lists,
-    tuples and mappings element-wise (recursively); None and other values pass through."""
+    objects with a ``slice_clips(slice)`` method (packed frames of several clips) through it, tuples
+    and mappings element-wise (recursively); None and other values pass through."""
+    if hasattr(extra, "slice_clips"):
+        return extra.slice_clips(sl)
     if isinstance(extra, Tensor):
         return extra[sl]
     if isinstance(extra, list):

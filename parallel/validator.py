@@ -231,6 +231,8 @@ class ValidationContext:
     env: Mapping[str, str]
     installed: Mapping[str, str | None]
     manifest: Mapping[str, Any] | None
+    encoder_kind: str = "parakeet"  # model.encoder.kind
+    encoder_packed: bool | None = None  # model.encoder.packed (None: on where supported)
 
     @property
     def on_gpu(self) -> bool:
@@ -367,6 +369,8 @@ def build_context(
         env=dict(env),
         installed=normalize_installed(installed),
         manifest=dict(manifest_summary) if manifest_summary is not None else None,
+        encoder_kind=str(getattr(model.encoder, "kind", "parakeet")),
+        encoder_packed=getattr(model.encoder, "packed", None),
     )
 
 
@@ -551,6 +555,10 @@ def _budget_problems(ctx: ValidationContext) -> list[str]:
     if seconds <= 0:
         return [f"sampler.max_batch_duration={seconds} must be positive"]
     return []
+
+
+# encoder kinds with a padding-free (packed) path; the others compute their padding frames
+PACKED_ENCODER_KINDS: frozenset[str] = frozenset({"parakeet"})
 
 
 def _round_up(n: int, k: int) -> int:
@@ -805,6 +813,35 @@ RULES: tuple[Rule, ...] = (
         "the units the token budget counts (audio + text + prompt tokens), max_duration the longest clip "
         "in seconds. A warning: training goes on, but memory sized for the budget may not hold that "
         "micro-batch.",
+    ),
+    Rule(
+        id="encoder-packed-unsupported",
+        level=ERROR,
+        when="model.encoder.packed=true with an encoder kind that has no padding-free path",
+        applies=lambda c: c.encoder_packed is True and c.encoder_kind not in PACKED_ENCODER_KINDS,
+        reason=lambda c, d: (
+            f"model.encoder.packed=true but encoder.kind={c.encoder_kind!r} has no "
+            f"padding-free path (only {', '.join(sorted(PACKED_ENCODER_KINDS))})"
+        ),
+        fix="set model.encoder.packed=false, or leave it unset (padded for this encoder)",
+        doc="The packed encoder path (features, subsampling, conformer layers on real frames only) exists "
+        "for FastConformer/Parakeet. Whisper's encoder takes a fixed 30 s window by design and a NeMo "
+        "module is run as loaded; both compute their padding frames.",
+    ),
+    Rule(
+        id="encoder-runs-padded",
+        level=WARNING,
+        when="model.encoder.packed is unset and the encoder kind has no padding-free path",
+        applies=lambda c: c.encoder_packed is None and c.encoder_kind not in PACKED_ENCODER_KINDS,
+        reason=lambda c, d: (
+            f"encoder.kind={c.encoder_kind!r} runs on padded clips: its cost grows with "
+            "the longest clip of each micro-batch, not with the audio"
+        ),
+        fix="nothing to change for correctness; set model.encoder.packed=false to silence this, or use "
+        "encoder.kind=parakeet for a padding-free encoder",
+        doc="A reminder that the padding-free encoder is Parakeet-only: with Whisper or NeMo encoders the "
+        "encoder, projector input and CTC head compute padding frames, so a wide duration mix wastes "
+        "encoder FLOPs (see docs/benchmarks.md).",
     ),
     Rule(
         id="grad-accum-exceeds-batches",

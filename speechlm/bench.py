@@ -19,7 +19,8 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "sampler": "benchmarks/bench_sampler.py",  # epoch plan: vectorised vs per-row Python
     "manifest-memory": "benchmarks/bench_manifest_memory.py",  # 10M-row manifest resident memory
-    "packing": "benchmarks/bench_packing.py",  # THD vs BSHD on the demo batches
+    "packing": "benchmarks/bench_packing.py",  # BSHD / THD + padded encoder / THD end to end
+    "eval": "benchmarks/bench_eval.py",  # greedy decoding: KV cache vs prefix recompute
     "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
 }

@@ -63,6 +63,9 @@ class EncoderConfig:
     # normalisation in the Conformer conv module: "auto" (layer_norm from scratch, batch_norm for a
     # pretrained encoder), "layer_norm" (over channels, per frame) or "batch_norm" (frozen running stats)
     conv_norm: str = "auto"
+    # padding-free encoder (features, subsampling, conformer layers on real frames only); None: on
+    # where the encoder kind supports it (parakeet), off elsewhere. true with whisper/nemo: validator error
+    packed: bool | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from speechlm.model.encoder import (
 )
 from speechlm.model.features import FeatureSettings, LogMelFeatures
 from speechlm.model.llm import build_llm
+from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.model.speech_llm import SpeechLLM
 
@@ -388,7 +389,8 @@ def test_packed_and_padded_losses_agree_and_gradients_reach_the_encoder():
     torch.testing.assert_close(thd["ce_sum"], thd_cp["ce_sum"], atol=1e-4, rtol=1e-5)
     assert thd["ctc_count"] == 3 and thd["ctc_sum"] > 0
     enc = model.encode_audio(batch.audio, batch.audio_lens)
-    assert enc.enc_hidden is enc.enc_hidden_BTE and enc.enc_lens is enc.enc_lens_B  # names the trainer uses
+    assert enc.enc_lens is enc.enc_lens_B  # the name the trainer uses
+    assert isinstance(enc.enc_hidden, PackedFrames)  # the default parakeet encoder runs padding-free
     loss = thd["ce_sum"] / thd["n_labelled"] + 0.3 * thd["ctc_sum"] / thd["ctc_count"]
     loss.backward()
     for name, module in (("encoder", model.encoder), ("projector", model.projector)):
@@ -491,9 +493,18 @@ def test_fresh_encoder_is_batch_invariant_without_calling_train():
     from speechlm.model.features import LogMelFeatures
 
     torch.manual_seed(0)
-    enc = build_encoder(EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                                      subsampling_conv_channels=8, num_mel_bins=80, conv_norm="batch_norm"),
-                        dropout=0.0)
+    enc = build_encoder(
+        EncoderConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=64,
+            subsampling_conv_channels=8,
+            num_mel_bins=80,
+            conv_norm="batch_norm",
+        ),
+        dropout=0.0,
+    )
     assert enc.training  # a fresh module trains ...
     bns = [m for m in enc.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert bns and not any(m.training for m in bns)  # ... but its BatchNorm layers use running statistics

@@ -145,6 +145,14 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("sampler.max_batch_duration=90",), manifest={"max_duration": 120.0}),
         Case(("sampler.max_batch_duration=90",), manifest={"max_duration": 30.0}),
     ),
+    "encoder-packed-unsupported": (
+        Case(("model.encoder.kind=whisper", "model.encoder.packed=true")),
+        Case(("model.encoder.kind=parakeet", "model.encoder.packed=true")),
+    ),
+    "encoder-runs-padded": (
+        Case(("model.encoder.kind=whisper",)),
+        Case(("model.encoder.kind=whisper", "model.encoder.packed=false")),
+    ),
     "grad-accum-exceeds-batches": (
         Case(("trainer.grad_accum=4",), world=4, manifest={"n_rows": 10}),
         Case(("trainer.grad_accum=2",), world=4, manifest={"n_rows": 10}),

@@ -1,5 +1,9 @@
 """Audio encoders behind one interface: ``forward(feats_BTF, feat_lens_B) -> (hidden_BTE, out_lens_B)``.
 
+Encoders with ``supports_packed`` (Parakeet) also take packed features: ``forward(feats_TF,
+feat_lens_B, packed=True) -> (hidden_UE, out_lens_B)``, every clip's frames one after the other, no
+padding computed (`speechlm.model.packed_encoder`); the hidden states equal the padded ones per clip.
+
 Letters: B batch, T feature frames, F mel bins, U encoder frames (T / subsampling), E encoder width.
 
 Kinds (``EncoderConfig.kind``):
@@ -55,6 +59,7 @@ class AudioEncoder(nn.Module, abc.ABC):
 
     Subclasses (Parakeet, Whisper, NeMo) implement `output_lengths` and `forward`."""
 
+    supports_packed: bool = False
     output_dim: int
     subsampling: int
     feature_settings: FeatureSettings
@@ -86,8 +91,18 @@ class AudioEncoder(nn.Module, abc.ABC):
         """Encoder frames per clip for `feat_lens_B` feature frames."""
 
     @abc.abstractmethod
-    def forward(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> tuple[Tensor, Tensor]:
-        """(hidden_BUE, out_lens_B) for features [B, T, F]."""
+    def forward(
+        self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """(hidden_BUE, out_lens_B) for features [B, T, F]; with ``packed`` (hidden_UE, out_lens_B) for
+        packed features [sum T_b, F] (only where ``supports_packed``)."""
+
+    def _refuse_packed(self, packed: bool) -> None:
+        if packed:
+            raise ValueError(
+                f"{type(self).__name__} has no padding-free path; set model.encoder.packed=false "
+                "(only encoder.kind='parakeet' runs packed)"
+            )
 
     def _finish(self, hidden_BUE: Tensor, out_lens_B: Tensor, n_frames: int) -> tuple[Tensor, Tensor]:
         """Check the arithmetic against the real output, zero the frames past each clip."""
@@ -107,6 +122,8 @@ class AudioEncoder(nn.Module, abc.ABC):
 
 
 class ParakeetAudioEncoder(AudioEncoder):
+    supports_packed = True
+
     def __init__(self, model: nn.Module, feature_settings: FeatureSettings, *, freeze_batchnorm: bool = True):
         cfg: Any = model.config
         n_convs = (int(cfg.subsampling_factor) - 1).bit_length()
@@ -132,7 +149,21 @@ class ParakeetAudioEncoder(AudioEncoder):
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         return _stride2_conv_lengths(feat_lens_B, self.n_convs)
 
-    def forward(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        if packed:
+            from speechlm.model.packed_encoder import forward_packed_parakeet
+
+            feats_TF = feats_BTF
+            if feats_TF.dim() != 2 or feats_TF.shape[0] != int(feat_lens_B.sum()):
+                raise ValueError(
+                    f"packed features must be [sum of feat_lens, F] = [{int(feat_lens_B.sum())}, F], "
+                    f"got shape {tuple(feats_TF.shape)}"
+                )
+            return forward_packed_parakeet(
+                self.model, feats_TF, feat_lens_B.to(feats_TF.device), self.n_convs
+            )
         T = feats_BTF.shape[1]
         mask_BT = _lengths_to_mask(feat_lens_B.to(feats_BTF.device), T)
         out = self.model(input_features=feats_BTF, attention_mask=mask_BT.long())
@@ -235,7 +266,10 @@ class WhisperAudioEncoder(AudioEncoder):
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         return _stride2_conv_lengths(feat_lens_B, 1)
 
-    def forward(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        self._refuse_packed(packed)
         B, T, F = feats_BTF.shape
         if T > self.input_frames:
             raise ValueError(
@@ -353,7 +387,10 @@ class NemoAudioEncoder(AudioEncoder):
         n_convs = (self.subsampling - 1).bit_length()
         return _stride2_conv_lengths(feat_lens_B, n_convs)
 
-    def forward(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        self._refuse_packed(packed)
         lens_B = feat_lens_B.to(device=feats_BTF.device, dtype=torch.long)
         hidden_BEU, out_lens_B = self.encoder(audio_signal=feats_BTF.transpose(1, 2), length=lens_B)
         hidden_BUE = hidden_BEU.transpose(1, 2)

@@ -16,6 +16,15 @@ Recipe (the defaults match the FastConformer/Parakeet front end):
 5. frame count per clip ``feat_len = audio_len // hop``; frames past it are set to 0 (``"ln"``) or
    to the clip's floor value (``"whisper"``, the value silence would take).
 
+Packed variant (`LogMelFeatures.packed`, ``"ln"`` style): instead of an STFT over the padded
+batch, the clips are laid out in one stream, clip b starting ``n_fft // 2`` samples into a segment
+that starts at a multiple of ``hop`` and is ``hop * ceil((len_b + n_fft // 2) / hop)`` samples long
+(zeros around the clip). One uncentred STFT over the stream then computes, at stream frame
+``start_b / hop + t``, exactly the centred frame t of clip b (the same window over the same samples,
+zeros where the centred STFT pads). Only the clip's ``len_b // hop`` frames are kept (two or three
+frames per clip are computed for the gaps); normalisation statistics are per-clip segment sums.
+Output ``[sum T_b, F]``, equal per clip to the padded path.
+
 Pad frames never influence real ones, which keeps the encoder's per-utterance outputs independent
 of how clips were batched (needed for the CP layout-equivalence guarantee).
 """
@@ -27,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from speechlm.model.packed_encoder import segment_rows
 
 LN_LOG_GUARD = 2.0**-24
 NORM_EPS = 1e-5
@@ -175,6 +186,65 @@ class LogMelFeatures(nn.Module):
             else:
                 feats_BTF = self._log_whisper(mel_BTF, valid_BT1)
         return feats_BTF, feat_lens_B
+
+    def packed(self, audio_BN: Tensor, audio_lens_B: Tensor) -> tuple[Tensor, Tensor]:
+        """Packed features ``(feats_TF [sum T_b, F], feat_lens_B)`` from padded audio (module docstring)."""
+        s = self.settings
+        if s.log_style != "ln":
+            raise ValueError(
+                f"packed features support log_style='ln' only, got {s.log_style!r} (a Whisper front end); "
+                "set model.encoder.packed=false"
+            )
+        if audio_BN.dim() != 2:
+            raise ValueError(f"audio must be [B, N] (mono, padded), got shape {tuple(audio_BN.shape)}")
+        device = audio_BN.device
+        lens_B = audio_lens_B.to(device=device, dtype=torch.long)
+        half, hop = s.n_fft // 2, s.hop_length
+        with torch.autocast(device_type=device.type, enabled=False):
+            seg_B = torch.div(lens_B + half + hop - 1, hop, rounding_mode="floor") * hop
+            starts_B = torch.cumsum(seg_B, 0) - seg_B
+            src = segment_rows(torch.arange(lens_B.numel(), device=device) * audio_BN.shape[1], lens_B)
+            dest = segment_rows(starts_B + half, lens_B)
+            stream = audio_BN.new_zeros(int(seg_B.sum()) + s.n_fft, dtype=torch.float32)
+            stream = stream.index_copy(0, dest, audio_BN.float().reshape(-1).index_select(0, src))
+            if s.preemphasis:
+                keep = torch.zeros_like(stream, dtype=torch.bool).index_fill(0, dest, True)
+                stream = torch.cat([stream[:1], stream[1:] - s.preemphasis * stream[:-1]])
+                stream = stream.masked_fill(~keep, 0.0)
+            spec_KS = torch.stft(
+                stream,
+                n_fft=s.n_fft,
+                hop_length=hop,
+                win_length=s.win_length,
+                window=self.window,
+                center=False,
+                return_complex=True,
+            )
+            feat_lens_B = compute_feature_lengths(lens_B, hop)
+            total = int(feat_lens_B.sum())
+            clip_T = torch.repeat_interleave(
+                torch.arange(lens_B.numel(), device=device), feat_lens_B, output_size=total
+            )
+            first_B = torch.cumsum(feat_lens_B, 0) - feat_lens_B
+            frame_T = torch.div(starts_B, hop, rounding_mode="floor")[clip_T] + (
+                torch.arange(total, device=device) - first_B[clip_T]
+            )
+            power_TK = spec_KS.index_select(1, frame_T).abs().pow(2).t()
+            x_TF = torch.log(power_TK @ self.mel_fb_KF + LN_LOG_GUARD)
+            if s.normalize:
+                x_TF = self._normalize_segments(x_TF, clip_T, feat_lens_B)
+        return x_TF, feat_lens_B
+
+    @staticmethod
+    def _normalize_segments(x_TF: Tensor, clip_T: Tensor, feat_lens_B: Tensor) -> Tensor:
+        """Per-clip, per-bin ``(x - mean) / (std + eps)`` (unbiased std) with segment sums."""
+        B = feat_lens_B.numel()
+        n_B1 = feat_lens_B.clamp(min=1).to(x_TF.dtype)[:, None]
+        mean_BF = x_TF.new_zeros(B, x_TF.shape[1]).index_add(0, clip_T, x_TF) / n_B1
+        centred_TF = x_TF - mean_BF[clip_T]
+        var_BF = x_TF.new_zeros(B, x_TF.shape[1]).index_add(0, clip_T, centred_TF**2)
+        var_BF = var_BF / (n_B1 - 1).clamp(min=1)
+        return centred_TF / (var_BF.sqrt() + NORM_EPS)[clip_T]
 
     def _log_ln(self, mel_BTF: Tensor, valid_BT1: Tensor, feat_lens_B: Tensor) -> Tensor:
         x_BTF = torch.log(mel_BTF + LN_LOG_GUARD)

@@ -6,7 +6,7 @@ A_i projected audio frames of clip i, H LLM hidden, V vocabulary, L tokens, M la
 The steps are separate methods so that the training layer can distribute them (under CP each rank
 encodes 1/cp of the clips, gathers them, packs and shards the stream, then decodes):
 
-    encode_audio(audio_BN, audio_lens_B)   -> EncoderOutput(embeds=[A_i x H], enc_hidden_BTE, enc_lens_B)
+    encode_audio(audio_BN, audio_lens_B)   -> EncoderOutput(embeds=[A_i x H], enc_hidden, enc_lens_B)
     speechlm.prompt.build_prompts(...)     -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
     speechlm.packing.pack_thd(prompts, embeds, model.embed_tokens, ...) -> PackedBatch
     forward_packed(packed, attn_context=cp_context) -> (ce_sum, n_labelled)
@@ -18,7 +18,12 @@ audio frames, and the fp32 copy of ``[M, V]`` is made once.
 CTC: a linear head over the encoder frames (before the projector), blank = ``pad_id``, summed over
 utterances with ``zero_infinity``. `ctc_loss_sum` takes the batch's tokens as collated and drops the
 leading language tag itself (``ctc_skip_leading=1``): the tag has no acoustic counterpart, the LLM
-predicts it. (Letter T in ``enc_hidden_BTE`` counts encoder frames, U elsewhere in this file.)
+predicts it.
+
+Padding-free encoder (``model.encoder.packed``, on by default for Parakeet): features, encoder,
+projector and the CTC head run on packed frames (`speechlm.model.packed_encoder`; ``enc_hidden`` is
+then `PackedFrames`), equal per utterance to the padded path. Greedy decoding lives in
+`speechlm.model.generation` (batched KV cache; the prefix-recompute decoder is kept as the oracle).
 
 FSDP2: these methods are not ``forward``; the training layer registers them with
 ``torch.distributed.fsdp.register_fsdp_forward_method`` (or shards the submodules) so that the
@@ -40,6 +45,7 @@ from speechlm.model.attention import ensure_registered, get_backend
 from speechlm.model.encoder import build_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
+from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.packing import IGNORE_INDEX
 
@@ -47,16 +53,39 @@ from speechlm.packing import IGNORE_INDEX
 @dataclass
 class EncoderOutput:
     embeds: list[Tensor]  # per utterance [A_i, H], ready to splice into the prompt
-    enc_hidden_BTE: Tensor  # encoder output [B, U, E] (frames past each clip are zero)
+    # encoder output: PackedFrames ([sum U_b, E], the padding-free encoder) or [B, U, E] (padded
+    # encoder; frames past each clip are zero)
+    enc_hidden: PackedFrames | Tensor
     enc_lens_B: Tensor  # int64 encoder frames per clip
-
-    @property
-    def enc_hidden(self) -> Tensor:
-        return self.enc_hidden_BTE
 
     @property
     def enc_lens(self) -> Tensor:
         return self.enc_lens_B
+
+
+def resolve_encoder_packed(model_cfg: ModelConfig, supports_packed: bool) -> bool:
+    """``model.encoder.packed``: None means on where the encoder supports it; true where it does not
+    is an error (the validator reports it before a run starts)."""
+    want = model_cfg.encoder.packed
+    if want is None:
+        return supports_packed
+    if want and not supports_packed:
+        raise ValueError(
+            f"model.encoder.packed=true but encoder.kind={model_cfg.encoder.kind!r} has no padding-free "
+            "path; set model.encoder.packed=false (or leave it unset)"
+        )
+    return bool(want)
+
+
+def _packed_to_time_major(x_UV: Tensor, lens_B: Tensor) -> Tensor:
+    """Packed rows ``[sum U_b, V]`` -> ``[max U, B, V]`` (zeros past each clip, never read by the loss)."""
+    B = lens_B.numel()
+    max_len = int(lens_B.max()) if B else 0
+    starts_B = torch.cumsum(lens_B, 0) - lens_B
+    clip_U = torch.repeat_interleave(torch.arange(B, device=x_UV.device), lens_B, output_size=x_UV.shape[0])
+    t_U = torch.arange(x_UV.shape[0], device=x_UV.device) - starts_B[clip_U]
+    out = x_UV.new_zeros(max_len * B, x_UV.shape[1])
+    return out.index_copy(0, t_U * B + clip_U, x_UV).view(max_len, B, x_UV.shape[1])
 
 
 def _field(batch: Any, name: str) -> Any:
@@ -88,6 +117,7 @@ class SpeechLLM(nn.Module):
 
         self.encoder = build_encoder(model_cfg.encoder, dropout=model_cfg.dropout)
         self.features = LogMelFeatures(self.encoder.feature_settings)
+        self.encoder_packed = resolve_encoder_packed(model_cfg, self.encoder.supports_packed)
         # The LLM's only dropout is attention dropout, which the THD reference/CP paths lack: keep it 0.
         self.llm = build_llm(
             model_cfg.llm,
@@ -115,39 +145,58 @@ class SpeechLLM(nn.Module):
         self, audio_BN: Tensor, audio_lens_B: Tensor, *, freeze_encoder: bool = False
     ) -> EncoderOutput:
         """Features → encoder → projector. ``freeze_encoder`` runs features and encoder without autograd
-        (the first phase of the two-phase schedule); the projector always trains."""
+        (the first phase of the two-phase schedule); the projector always trains. With the padding-free
+        encoder (``self.encoder_packed``) features, encoder and projector see packed frames only."""
+        packed = self.encoder_packed
         with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
-            feats_BTF, feat_lens_B = self.features(audio_BN, audio_lens_B)
-            enc_hidden_BUE, enc_lens_B = self.encoder(feats_BTF, feat_lens_B)
-        proj_BAH, proj_lens_B = self.projector(enc_hidden_BUE, enc_lens_B)
-        embeds = [proj_BAH[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
-        return EncoderOutput(embeds=embeds, enc_hidden_BTE=enc_hidden_BUE, enc_lens_B=enc_lens_B)
+            if packed:
+                feats, feat_lens_B = self.features.packed(audio_BN, audio_lens_B)
+            else:
+                feats, feat_lens_B = self.features(audio_BN, audio_lens_B)
+            enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
+        proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
+        if packed:
+            embeds = list(torch.split(proj, [int(n) for n in proj_lens_B.tolist()]))
+            return EncoderOutput(embeds, PackedFrames(enc_hidden, enc_lens_B), enc_lens_B)
+        embeds = [proj[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
+        return EncoderOutput(embeds, enc_hidden, enc_lens_B)
 
     def ctc_loss_sum(
-        self, enc_hidden_BUE: Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
+        self, enc_hidden: PackedFrames | Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
     ) -> tuple[Tensor, int]:
         """Summed CTC loss over the batch (fp32, blank = pad_id, impossible alignments count 0).
 
-        ``tokens_BL``/``token_lens_B`` are the batch's transcript tokens as collated, language tag
-        first; the first ``ctc_skip_leading`` tokens (the tag) are dropped here (`ctc_targets`).
+        ``enc_hidden`` is `PackedFrames` (the head and log-softmax run on the real frames only; the
+        loss kernel gets them laid out as ``[max U, B, V]`` and reads each clip's first U_b frames) or
+        a padded ``[B, U, E]`` tensor. ``tokens_BL``/``token_lens_B`` are the batch's transcript tokens
+        as collated, language tag first; the first ``ctc_skip_leading`` tokens (the tag) are dropped
+        here (`ctc_targets`).
         """
         if self.ctc_head is None:
             raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
-        device = enc_hidden_BUE.device
+        packed = isinstance(enc_hidden, PackedFrames)
+        hidden: Tensor = enc_hidden.data_UE if isinstance(enc_hidden, PackedFrames) else enc_hidden
+        device = hidden.device
+        n_clips = int(enc_lens_B.numel())
+        lens_B = enc_lens_B.to(device=device, dtype=torch.long)
         targets_BL, target_lens_B = self.ctc_targets(tokens_BL.to(device), token_lens_B.to(device))
-        logits_BUV = self.ctc_head(enc_hidden_BUE)  # in the compute dtype (autocast / FSDP params)
+        logits = self.ctc_head(hidden)  # in the compute dtype (autocast / FSDP params)
         with torch.autocast(device_type=device.type, enabled=False):
-            log_probs_UBV = logits_BUV.float().log_softmax(dim=-1).transpose(0, 1)
+            log_probs = logits.float().log_softmax(dim=-1)
+            if packed:
+                log_probs_UBV = _packed_to_time_major(log_probs, lens_B)
+            else:
+                log_probs_UBV = log_probs.transpose(0, 1)
             loss = nn.functional.ctc_loss(
                 log_probs_UBV,
                 targets_BL.to(torch.long),
-                enc_lens_B.to(device=device, dtype=torch.long),
+                lens_B,
                 target_lens_B,
                 blank=self.pad_id,
                 reduction="sum",
                 zero_infinity=True,
             )
-        return loss, int(enc_hidden_BUE.shape[0])
+        return loss, n_clips
 
     def ctc_targets(self, tokens_BL: Tensor, token_lens_B: Tensor) -> tuple[Tensor, Tensor]:
         """CTC targets from the collated tokens: drop the first ``ctc_skip_leading`` (the language tag)."""
@@ -239,9 +288,7 @@ class SpeechLLM(nn.Module):
             padded = pack_bshd(prompts, enc.embeds, self.embed_tokens, audio_id=self.audio_id, device=device)
             ce_sum, n_labelled = self.forward_padded(padded)
         if self.ctc_head is not None:
-            ctc_sum, ctc_count = self.ctc_loss_sum(
-                enc.enc_hidden_BTE, enc.enc_lens_B, tokens_BL, token_lens_B
-            )
+            ctc_sum, ctc_count = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens_BL, token_lens_B)
         else:
             ctc_sum, ctc_count = ce_sum.new_zeros(()), 0
         return dict(ce_sum=ce_sum, n_labelled=n_labelled, ctc_sum=ctc_sum, ctc_count=ctc_count)
@@ -255,44 +302,27 @@ class SpeechLLM(nn.Module):
     # Greedy decoding
     # ------------------------------------------------------------------------------------------
 
-    def _last_logits(self, embeds: list[Tensor]) -> Tensor:
-        """Logits ``[B, V]`` at the last position of each sequence (no cache; full recompute)."""
-        lens = [int(e.shape[0]) for e in embeds]
-        device = embeds[0].device
-        if self.backend.caps.thd:
-            cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
-            cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
-            positions_T = torch.cat([torch.arange(n, device=device) for n in lens])
-            last = (cu[1:] - 1).to(torch.long)
-            out = self.llm(
-                inputs_embeds=torch.cat(embeds)[None],
-                position_ids=positions_T[None],
-                cu_seq_lens_q=cu,
-                cu_seq_lens_k=cu,
-                max_length_q=max(lens),
-                max_length_k=max(lens),
-                logits_to_keep=last,
-            )
-            return out.logits[0]
-        S = max(lens)
-        x_BSH = embeds[0].new_zeros(len(embeds), S, embeds[0].shape[1])
-        mask_BS = torch.zeros(len(embeds), S, dtype=torch.long, device=device)
-        for b, e in enumerate(embeds):
-            x_BSH[b, : e.shape[0]] = e
-            mask_BS[b, : e.shape[0]] = 1
-        positions_BS = torch.arange(S, device=device).expand(len(embeds), S)
-        logits_BSV = self.llm(inputs_embeds=x_BSH, attention_mask=mask_BS, position_ids=positions_BS).logits
-        return logits_BSV[torch.arange(len(embeds), device=device), torch.tensor(lens, device=device) - 1]
-
     @torch.no_grad()
     def generate_greedy(
-        self, audio_BN: Tensor, audio_lens_B: Tensor, *, max_new_tokens: int, lang_id: int | None = None
+        self,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        *,
+        max_new_tokens: int,
+        lang_id: int | None = None,
+        use_cache: bool = True,
+        keep_going: Any = None,
     ) -> list[list[int]]:
         """Greedy transcripts: prompt ``[bos, audio, *instruction]``, then the language tag, text, eos.
 
         ``lang_id`` forces the language tag (it is then the first returned token). Returned lists hold
         the generated ids without the eos; decoding stops at eos or after ``max_new_tokens`` tokens.
+        ``use_cache``: batched KV-cache decoding (`speechlm.model.generation.greedy_with_cache`); False
+        recomputes the prefix at every step (the oracle). ``keep_going``: the lockstep hook for
+        sharded validation under FSDP (see that module).
         """
+        from speechlm.model.generation import greedy_recompute, greedy_with_cache
+
         was_training = self.training
         self.eval()
         try:
@@ -300,26 +330,32 @@ class SpeechLLM(nn.Module):
             enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
             bos = self.embed_tokens(torch.tensor([self.bos_id], device=device))
             instr = self.embed_tokens(torch.tensor(self.instruction_ids, dtype=torch.long, device=device))
-            seqs = [torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds]
-            outputs: list[list[int]] = [[] for _ in seqs]
+            prompts = [torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds]
+            budget, prefix = max_new_tokens, []
             if lang_id is not None and max_new_tokens > 0:
                 tag = self.embed_tokens(torch.tensor([lang_id], device=device))
-                seqs = [torch.cat([s, tag]) for s in seqs]
-                outputs = [[int(lang_id)] for _ in seqs]
-            active = [i for i in range(len(seqs)) if len(outputs[i]) < max_new_tokens]
-            while active:
-                next_ids = self._last_logits([seqs[i] for i in active]).argmax(dim=-1).tolist()
-                new_emb = self.embed_tokens(torch.tensor(next_ids, device=device))
-                still = []
-                for j, i in enumerate(active):
-                    if next_ids[j] == self.eos_id:
-                        continue
-                    outputs[i].append(int(next_ids[j]))
-                    seqs[i] = torch.cat([seqs[i], new_emb[j : j + 1]])
-                    if len(outputs[i]) < max_new_tokens:
-                        still.append(i)
-                active = still
-            return outputs
+                prompts = [torch.cat([p, tag]) for p in prompts]
+                budget, prefix = max_new_tokens - 1, [int(lang_id)]
+            if use_cache and self.backend.caps.bshd:
+                outputs = greedy_with_cache(
+                    self.llm,
+                    self.embed_tokens,
+                    prompts,
+                    eos_id=self.eos_id,
+                    max_new_tokens=budget,
+                    keep_going=keep_going,
+                )
+            else:
+                outputs = greedy_recompute(
+                    self.llm,
+                    self.embed_tokens,
+                    prompts,
+                    eos_id=self.eos_id,
+                    max_new_tokens=budget,
+                    thd=self.backend.caps.thd,
+                    keep_going=keep_going,
+                )
+            return [prefix + o for o in outputs]
         finally:
             self.train(was_training)
 

@@ -91,6 +91,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     )
     from speechlm.train.checkpoint import resolve_resume
     from speechlm.train.data import StepLoader, build_sampler
+    from speechlm.train.evaluate import Evaluator
     from speechlm.train.module import SpeechLLMModule, TokenizerInfo
     from speechlm.train.strategy import SpeechParallelStrategy
 
@@ -294,58 +295,3 @@ def build_loggers(run_dir: Path) -> list[Any]:
     except ImportError:
         pass
     return loggers
-
-
-class Evaluator:
-    """Greedy WER per language over a manifest, each data-parallel rank decoding its share."""
-
-    def __init__(
-        self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int, max_batches: Any = "config"
-    ):
-        self.cfg, self.tokenizer, self.table, self.dims, self.rank = cfg, tokenizer, table, dims, rank
-        self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
-        self.last_decodes: list[tuple[str, str, str]] = []
-
-    def __call__(self, module: Any) -> dict[str, float]:
-        from speechlm.data.dataset import SpeechDataset, build_dataloader
-        from speechlm.train.data import build_eval_batches
-        from speechlm.train.evaluate import decode_batches, wer_by_language
-
-        ds = SpeechDataset(
-            self.table,
-            self.tokenizer,
-            max_tokens=self.cfg.data.max_tokens,
-            sample_rate=self.cfg.data.sample_rate,
-        )
-        budget = self.cfg.sampler.max_batch_duration or 60.0
-        batches = build_eval_batches(self.table, max_batch_duration=budget)
-        if self.max_batches:
-            batches = batches[: self.max_batches]
-        loader = build_dataloader(ds, batches, num_workers=0)
-        refs, hyps, langs = decode_batches(module.model, loader, self.tokenizer, device=module.device)
-        self.last_decodes = list(zip(langs, refs, hyps))
-        return {"loss": self.teacher_forced_loss(module, loader), **wer_by_language(refs, hyps, langs)}
-
-    def teacher_forced_loss(self, module: Any, loader: Any) -> float:
-        """Token cross-entropy per labelled token over the split (every rank computes the same batches)."""
-        import torch
-
-        from speechlm.train.step import compute_micro_losses, count_targets
-
-        ctx = module.step_ctx
-        was_training = module.model.training
-        module.model.eval()
-        ce = torch.zeros((), dtype=torch.float64)
-        n = 0
-        try:
-            with torch.no_grad():
-                for batch in loader:
-                    if len(batch) == 0:
-                        continue
-                    batch = batch.to(module.device)
-                    ce += compute_micro_losses(module.model, batch, ctx).ce_sum.double().cpu()
-                    n += count_targets(batch, ctx)
-        finally:
-            module.model.train(was_training)
-        (ce,) = ctx.sum_over_cp(ce)  # CP ranks each hold a shard of every sequence
-        return float(ce) / max(n, 1)

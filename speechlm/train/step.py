@@ -127,7 +127,7 @@ def compute_micro_losses(
         tokens, token_lens = batch.tokens, batch.token_lens
         ctc_slice = getattr(enc, "ctc_slice", slice(None))  # under CP: only the clips this rank encoded
         if ctc_slice is None:  # this CP rank encoded only a dummy clip: keep the head in the graph, weight 0
-            n = enc.enc_hidden.shape[0]
+            n = len(enc.enc_lens)
             tokens = torch.full((n, 2), ctx.eos_id, dtype=torch.long, device=tokens.device)
             token_lens = torch.full((n,), 2, dtype=torch.long, device=tokens.device)
         else:

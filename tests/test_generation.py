@@ -1,0 +1,84 @@
+"""Greedy decoding: the batched KV-cache decoder gives exactly the prefix-recompute oracle's tokens, and
+both keep running in lockstep (results unchanged) while a peer rank still decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
+from speechlm.model.speech_llm import SpeechLLM
+
+VOCAB, PAD, BOS, EOS, AUDIO, LANG = 48, 0, 2, 3, 4, 5
+
+
+def build_model(backend: str = "reference") -> SpeechLLM:
+    torch.manual_seed(0)
+    enc = EncoderConfig(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        subsampling_conv_channels=8,
+        num_mel_bins=32,
+    )
+    llm = LLMConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    cfg = ModelConfig(encoder=enc, llm=llm, projector_hidden=32, attention_backend=backend)
+    return SpeechLLM(
+        cfg, vocab_size=VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, audio_id=AUDIO, instruction_ids=[7, 8]
+    )
+
+
+def make_audio(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    audio = torch.randn(len(lens), max(lens), generator=g)
+    for i, n in enumerate(lens):
+        audio[i, n:] = 0
+    return audio, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_kv_cache_gives_the_recompute_hypotheses(backend):
+    model = build_model(backend)
+    audio, lens = make_audio([16000, 4000, 9000, 2500])
+    model.eos_id = VOCAB  # never emitted: every clip decodes 12 tokens
+    oracle = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=False)
+    assert model.generate_greedy(audio, lens, max_new_tokens=12) == oracle
+    # make decoding stop at different steps: eos := the emitted token whose first occurrences differ most
+
+    def stops(t: int) -> set[int]:
+        return {o.index(t) if t in o else len(o) for o in oracle}
+
+    model.eos_id = max(sorted({t for o in oracle for t in o}), key=lambda t: len(stops(t)))
+    oracle = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=False)
+    cached = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=True)
+    assert cached == oracle
+    assert len({len(o) for o in oracle}) > 1  # the clips really stopped at different steps
+    forced_oracle = model.generate_greedy(audio, lens, max_new_tokens=6, lang_id=LANG, use_cache=False)
+    forced = model.generate_greedy(audio, lens, max_new_tokens=6, lang_id=LANG)
+    assert forced == forced_oracle and all(o[0] == LANG for o in forced)
+    assert model.generate_greedy(audio, lens, max_new_tokens=0) == [[], [], [], []]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_lockstep_hook_runs_extra_steps_without_changing_results(use_cache):
+    model = build_model()
+    model.eos_id = VOCAB  # never emitted: both clips decode all 5 tokens
+    audio, lens = make_audio([8000, 3000])
+    alone = model.generate_greedy(audio, lens, max_new_tokens=5, use_cache=use_cache)
+    calls = {"llm": 0, "asked": []}
+    hook = model.llm.register_forward_hook(lambda *_: calls.__setitem__("llm", calls["llm"] + 1))
+
+    def keep_going(local_active: bool) -> bool:  # a peer rank decodes 4 steps longer
+        calls["asked"].append(local_active)
+        return local_active or calls["asked"].count(False) <= 4
+
+    try:
+        synced = model.generate_greedy(
+            audio, lens, max_new_tokens=5, use_cache=use_cache, keep_going=keep_going
+        )
+    finally:
+        hook.remove()
+    assert synced == alone
+    assert calls["asked"].count(False) == 5  # asked once more after the 4 extra steps, then stopped
+    assert calls["llm"] == calls["asked"].count(True) + 4  # one forward per step the group went on
