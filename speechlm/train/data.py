@@ -66,8 +66,9 @@ class StepLoader:
         self.seed = seed
         self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
 
-    def __len__(self) -> int:
-        return self.sampler.remaining() // self.grad_accum
+    # No `__len__`, on purpose: Lightning reads a loader's length once, when fit starts, and ends every
+    # epoch after that many steps. After a mid-epoch resume the first epoch is shorter than the others
+    # (and temperature-mode epochs differ slightly in size), so each epoch ends when its iterator does.
 
     def __iter__(self) -> Iterator[StepBatch]:
         from speechlm.data.dataset import build_dataloader
