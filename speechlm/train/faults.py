@@ -151,6 +151,7 @@ def run_scenario(
     cp_size: int = 1,
     timeout: float = 900,
     log: Any = print,
+    inspect: Any = None,
 ) -> dict[str, Any]:
     """Straight run vs a run interrupted by each fault in turn; returns the launches and differences."""
     run_root.mkdir(parents=True, exist_ok=True)
@@ -168,6 +169,8 @@ def run_scenario(
         last = read_train_metrics(interrupted)
         launches.append({"fault": str(fault), "exit": rc, "last_step": last[-1]["step"] if last else 0})
         log(f"launch {i + 1} with {fault}: exit {rc}, metrics end at step {launches[-1]['last_step']}")
+        if inspect is not None:  # tests look at the run directory between launches
+            inspect(fault, rc, interrupted)
     rc = launch([*cmd, "trainer.resume=auto"], interrupted, [], log_path, timeout)
     launches.append({"fault": None, "exit": rc})
     log(f"final launch (resume=auto): exit {rc}")
