@@ -62,6 +62,7 @@ class StepLoader:
         pin_memory: bool = False,
         seed: int = 0,
         dp_rank: int = 0,
+        max_dropped_fraction: float = 1.0,
     ):
         self.sampler = sampler
         self.dataset = dataset
@@ -71,6 +72,7 @@ class StepLoader:
         self.seed = seed
         self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
         self.consumed = {"epoch": sampler.epoch, "position": sampler.position}
+        self.max_dropped_fraction = max_dropped_fraction
 
     def mark_consumed(self, position: dict[str, int]) -> None:
         """Record the position a trained step leaves behind (what a checkpoint must resume after)."""
@@ -124,6 +126,7 @@ class StepLoader:
         )
         buf: list[Any] = []
         for b in loader:
+            check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
             buf.append(b)
             pos += 1
             if len(buf) == self.grad_accum:
@@ -134,6 +137,25 @@ class StepLoader:
                 yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped)
                 buf = []
         self.sampler.set_epoch(epoch + 1)
+
+
+class DroppedDataError(RuntimeError):
+    """Too much of a micro-batch could not be read: training on the rest would be training on almost nothing."""
+
+
+def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: int) -> None:
+    """Raise DroppedDataError naming the files when more than `limit` of the micro-batch was dropped."""
+    n_dropped = sum(batch.dropped.values())
+    total = n_dropped + len(batch)
+    if n_dropped == 0 or n_dropped <= limit * total:
+        return
+    files = "\n  ".join(batch.dropped_files[:20])
+    more = f"\n  ... and {len(batch.dropped_files) - 20} more" if len(batch.dropped_files) > 20 else ""
+    raise DroppedDataError(
+        f"{n_dropped} of {total} utterances of micro-batch {position} (epoch {epoch}) could not be read, more "
+        f"than data.max_dropped_fraction={limit}:\n  {files}{more}\nRestore or remove these files (then "
+        f"rebuild the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
+    )
 
 
 def build_sampler(

@@ -61,11 +61,15 @@ def run_train_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from parallel.validator import ValidationError
+    from speechlm.train.data import DroppedDataError
 
     try:
         result = train(cfg, dry_run=args.dry_run)
     except ValidationError as e:
         print(str(e), file=sys.stderr)
+        return 1
+    except DroppedDataError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     return 0 if result is not None else 1
 
@@ -169,6 +173,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         pin_memory=torch.cuda.is_available(),
         seed=t.seed,
         dp_rank=dp_rank,
+        max_dropped_fraction=cfg.data.max_dropped_fraction,
     )
     module = SpeechLLMModule(cfg, tok)
     module.dims = dims

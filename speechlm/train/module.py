@@ -126,7 +126,8 @@ class SpeechLLMModule(L.LightningModule):
             "audio_hours": self.audio_seconds_seen / 3600.0,
             "epoch": step_batch.position["epoch"],
             "rows_digest": step_batch.rows_digest(),
-            **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},
+            "dropped_step": sum(step_batch.dropped_global.values()),  # rows of this step not readable
+            **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},  # totals since the start
         }
         self.log("loss", res["loss"], prog_bar=True, on_step=True, batch_size=1, sync_dist=False)
         self.log("lr", self.last_metrics["lr"], prog_bar=True, on_step=True, batch_size=1)
