@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_resume import SMALL_EPOCHS, SMOKE, read_train_metrics, run_train
+from test_resume import SMALL_EPOCHS, SMOKE, build_corpus, read_train_metrics, run_train
 
 from speechlm.train.data import DroppedDataError, check_dropped_fraction
 
@@ -40,31 +40,9 @@ def test_dropped_fraction_limit_names_the_files():
 @pytest.fixture(scope="module")
 def own_corpus(tmp_path_factory) -> dict[str, str]:
     """A private copy of the demo shards (so files can be deleted) with its manifest and tokenizer."""
-    from speechlm.cli import main
-
     root = tmp_path_factory.mktemp("corpus")
     shutil.copytree(REPO / "data/demo/shards", root / "shards")
-    assert main(["manifest", "build", str(root / "shards"), "--out", str(root / "m")]) == 0
-    assert (
-        main(
-            [
-                "tokenizer",
-                "train",
-                "--manifest",
-                str(root / "m/train.parquet"),
-                "--out",
-                str(root / "tok"),
-                "--vocab-size",
-                "300",
-            ]
-        )
-        == 0
-    )
-    return {
-        "train": str(root / "m/train.parquet"),
-        "val": str(root / "m/val.parquet"),
-        "tok": str(root / "tok.model"),
-    }
+    return build_corpus(root / "shards", root / "m")
 
 
 def rows_of_first_micro_batch(args: list[str]) -> list[int]:

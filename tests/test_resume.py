@@ -19,32 +19,23 @@ SMOKE = str(REPO / "configs/smoke.yaml")
 SMALL_EPOCHS = ["sampler.max_batch_duration=60", "trainer.grad_accum=2", "trainer.val_every=0"]
 
 
-@pytest.fixture(scope="session")
-def demo_data(tmp_path_factory) -> dict[str, str]:
+def build_corpus(shards: Path, out: Path) -> dict[str, str]:
+    """Manifest (train/val) and a 300-piece tokenizer for the shards under `shards`."""
     from speechlm.cli import main
 
-    out = tmp_path_factory.mktemp("demo_manifest")
-    assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)]) == 0
-    assert (
-        main(
-            [
-                "tokenizer",
-                "train",
-                "--manifest",
-                str(out / "train.parquet"),
-                "--out",
-                str(out / "tok"),
-                "--vocab-size",
-                "300",
-            ]
-        )
-        == 0
-    )
+    assert main(["manifest", "build", str(shards), "--out", str(out)]) == 0
+    tok = ["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tok")]
+    assert main([*tok, "--vocab-size", "300"]) == 0
     return {
         "train": str(out / "train.parquet"),
         "val": str(out / "val.parquet"),
         "tok": str(out / "tok.model"),
     }
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> dict[str, str]:
+    return build_corpus(REPO / "data/demo/shards", tmp_path_factory.mktemp("demo_manifest"))
 
 
 def base_args(d: dict[str, str]) -> list[str]:
