@@ -128,3 +128,25 @@ def test_faults_command_rejects_a_bad_kill(tmp_path):
         cwd=REPO,
     )
     assert r.returncode == 2 and "KIND@STEP" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kills", "nproc", "cp_size"),
+    [
+        ("sigterm@88", 1, 1),
+        ("sigkill@88", 1, 1),
+        ("sigkill_in_save@75,sigterm@88", 2, 1),
+        ("sigterm@88", 2, 2),
+    ],
+    ids=["sigterm", "sigkill", "dp2", "cp2"],
+)
+def test_demo_scenario_150_steps(demo_data, tmp_path, kills, nproc, cp_size):  # noqa: F811
+    """The issue's scenario: configs/demo.yaml, 150 steps, interrupted at about step 88."""
+    overrides = [f"data.train_manifest={demo_data['train']}", f"data.val_manifest={demo_data['val']}",
+                 f"data.tokenizer={demo_data['tok']}", "trainer.max_steps=150", "trainer.max_minutes=0",
+                 "trainer.final_eval_split=val", "trainer.ckpt_every=25"]  # fmt: skip
+    report = run_scenario(str(REPO / "configs/demo.yaml"), overrides, parse_faults(kills), tmp_path,
+                          nproc=nproc, cp_size=cp_size, timeout=3600, log=lambda _m: None)  # fmt: skip
+    assert_identical(report)
+    assert report["steps"] == 150

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +119,50 @@ def test_data_state_refuses_another_layout_or_seed():
         make_loader(dp_rank=0, dp_size=2).restore(state)
     with pytest.raises(ValueError, match="seed"):
         make_loader(seed=1).restore(state)
+
+
+class FakeStrategy:
+    is_global_zero, global_rank, world_size = True, 0, 1
+
+    def barrier(self, name: str) -> None:
+        pass
+
+
+class FakeTrainer:
+    """What save_checkpoint_atomic needs of a Lightning Trainer; `fail` simulates a full disk."""
+
+    def __init__(self, step: int, fail: bool = False):
+        self.strategy, self.global_step, self.fail = FakeStrategy(), step, fail
+
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        d = Path(path)
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x" * 100)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        torch.save({"global_step": self.global_step}, d / "meta.pt")
+
+
+def test_save_marks_complete_and_keeps_last(tmp_path):
+    from speechlm.train.checkpoint import save_checkpoint_atomic
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save_checkpoint_atomic(
+            FakeTrainer(step), root, f"step_{step:06d}", keep_last=2, data_state={"epoch": 0}
+        )
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000006"]
+    assert verify_checkpoint(root / "step_000006")["step"] == 6
+    assert (root / "latest").read_text() == "step_000006"
+
+
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
+    from speechlm.train.checkpoint import save_checkpoint_atomic
+
+    root = tmp_path / "checkpoints"
+    save_checkpoint_atomic(FakeTrainer(2), root, "step_000002", keep_last=1)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint_atomic(FakeTrainer(4, fail=True), root, "step_000004", keep_last=1)
+    assert not (root / "step_000004").exists() and not (root / ".tmp-step_000004/complete.json").exists()
+    assert (root / "latest").read_text() == "step_000002"
+    assert resolve_resume("auto", tmp_path).name == "step_000002"
