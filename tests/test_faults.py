@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from test_resume import SMALL_EPOCHS, base_args, demo_data, read_train_metrics  # noqa: F401  (fixture)
 
 from speechlm.train.faults import Fault, build_command, launch, parse_faults, run_scenario
@@ -73,6 +74,10 @@ def test_torchrun_dp2_sigterm_and_sigkill(demo_data, tmp_path):  # noqa: F811
     )
     assert_identical(report)
     assert [m["epoch"] for m in read_train_metrics(tmp_path / "straight")] == [0, 0, 1, 1, 2, 2]
+    # the ranks' RNG streams differ (different data, different draws): each rank needs its own state back
+    rng = [torch.load(tmp_path / f"straight/checkpoints/step_000006/speechlm/rng_rank{r:05d}.pt", weights_only=True)
+           for r in (0, 1)]  # fmt: skip
+    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
 
 
 @pytest.mark.multiproc
