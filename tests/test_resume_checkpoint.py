@@ -68,6 +68,13 @@ def test_auto_skips_incomplete_checkpoints_and_says_so(tmp_path):
     assert len(said) == 1 and "step_000004" in said[0] and "incomplete" in said[0]
 
 
+def test_auto_refuses_to_start_over_when_no_checkpoint_verifies(tmp_path):
+    make_checkpoint(tmp_path, 2, complete=False)  # e.g. written by an older version, or altered
+    with pytest.raises(CheckpointError, match=r"none of the 1 checkpoints .* can be resumed from"):
+        resolve_resume("auto", tmp_path, log=lambda _m: None)
+    assert resolve_resume("auto", tmp_path / "fresh") is None  # no checkpoints at all: a fresh start
+
+
 def test_auto_prefers_the_latest_pointer(tmp_path):
     make_checkpoint(tmp_path, 2)
     make_checkpoint(tmp_path, 8)  # left by an earlier run in the same run dir

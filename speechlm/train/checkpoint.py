@@ -67,7 +67,9 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
-    """The `latest` pointer's checkpoint if it verifies, else the newest one that does (skips are logged)."""
+    """The `latest` pointer's checkpoint if it verifies, else the newest one that does (skips are logged).
+
+    None when there is no `step_*` directory; CheckpointError when there are some but none verifies."""
     pointer = ckpt_root / "latest"
     candidates = [p for _, p in reversed(list_checkpoints(ckpt_root))]
     if pointer.is_file():
@@ -75,13 +77,21 @@ def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
         if target in candidates:
             candidates.remove(target)
             candidates.insert(0, target)
+    reasons = []
     for p in candidates:
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
             log(f"resume=auto: skipping {p}: {e}")
+            reasons.append(str(e))
             continue
         return p
+    if reasons:  # starting over would silently throw the run away (and keep_last would delete them)
+        raise CheckpointError(
+            f"resume=auto: none of the {len(reasons)} checkpoints in {ckpt_root} can be resumed from (first: "
+            f"{reasons[0]}); checkpoints written before complete.json existed cannot be loaded safely. Start "
+            f"over in a new trainer.run_dir, or remove {ckpt_root} to start over in this one"
+        )
     return None
 
 

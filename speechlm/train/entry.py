@@ -234,15 +234,16 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     )
 
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
-    ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
-    step = 0
-    if ckpt is not None:
-        try:
+    step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
+    try:
+        ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
+        if ckpt is not None:
             step, pos = restore_training_state(
                 ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
             )
-        except CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    if pos is not None:
         if rank == 0:
             metrics.truncate_after(step)
             print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch']}, "
