@@ -136,6 +136,7 @@ def test_faults_command_rejects_a_bad_kill(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
     ("kills", "nproc", "cp_size"),
     [
