@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "speechlm.data.tokenizer",  # tokenizer train
     "speechlm.data.plan",  # plan
     "speechlm.train.entry",  # train
+    "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)
     "speechlm.validate",  # validate
     "speechlm.demo",  # demo (the Quick start's main job)
     "speechlm.bench",  # bench sampler | packing | ...

@@ -35,6 +35,9 @@ class DataConfig:
     max_tokens: int = 512  # text tokens per utterance after tokenization (truncated beyond)
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
+    # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
+    # dropped stops the run with the file names (1.0: never stop)
+    max_dropped_fraction: float = 0.5
 
 
 @dataclass
@@ -307,6 +310,10 @@ def check_config(cfg: ExperimentConfig) -> None:
     for name in ("cp_size", "tp_size", "dp_replicate"):
         if getattr(cfg.parallel, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    if not 0.0 <= cfg.data.max_dropped_fraction <= 1.0:
+        raise ConfigError(
+            f"data.max_dropped_fraction={cfg.data.max_dropped_fraction}: use a fraction in [0, 1] (1 never stops)"
+        )
     if cfg.trainer.resume_data not in ("exact", "next_epoch"):
         raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
     if cfg.trainer.grad_accum < 1:

@@ -156,7 +156,7 @@ def test_dataset_samples_and_drops(
         assert abs(items[i].audio.numel() - seconds * SR) <= 1
     assert [items[i].lang for i in GOOD] == ["hi", "bn", "ta", "en", "hi"]
     for i, reason in DROPS.items():
-        assert items[i] == DroppedSample(i, reason, items[i].detail)
+        assert items[i] == DroppedSample(i, reason, items[i].detail, items[i].path)
         assert items[i].detail
     with pytest.raises(IndexError, match="out of range"):
         ds[9]

@@ -102,6 +102,7 @@ class DroppedSample:
     index: int
     reason: str
     detail: str = ""
+    path: str = ""
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Batch:
     durations: torch.Tensor  # [B] float32, seconds of decoded audio
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows dropped from this batch
     tokens_truncated: int = 0  # rows whose tokens were cut to max_tokens
+    dropped_files: list[str] = field(default_factory=list)  # "path (reason)" of each dropped row
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -126,7 +128,7 @@ class Batch:
         return len(self.indices) == 0
 
     @classmethod
-    def empty(cls, dropped: Mapping[str, int] | None = None) -> Batch:
+    def empty(cls, dropped: Mapping[str, int] | None = None, dropped_files: Sequence[str] = ()) -> Batch:
         """A batch with no utterances (B = 0), carrying the drop counts."""
         return cls(
             audio=torch.zeros(0, 0, dtype=torch.float32),
@@ -137,6 +139,7 @@ class Batch:
             indices=[],
             durations=torch.zeros(0, dtype=torch.float32),
             dropped=dict(dropped or {}),
+            dropped_files=list(dropped_files),
         )
 
     def _map_tensors(self, fn: Any) -> Batch:
@@ -294,7 +297,7 @@ class SpeechDataset(Dataset):
         if key not in _WARNED_FILES:
             _WARNED_FILES.add(key)
             logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
-        return DroppedSample(index=i, reason=reason, detail=detail)
+        return DroppedSample(index=i, reason=reason, detail=detail, path=key)
 
 
 class Collator:
@@ -309,15 +312,17 @@ class Collator:
     def __call__(self, items: Sequence[Sample | DroppedSample]) -> Batch:
         kept: list[Sample] = []
         dropped: Counter[str] = Counter()
+        dropped_files: list[str] = []
         for item in items:
             if isinstance(item, Sample):
                 kept.append(item)
             elif isinstance(item, DroppedSample):
                 dropped[item.reason] += 1
+                dropped_files.append(f"{item.path or f'row {item.index}'} ({item.reason})")
             else:
                 raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
         if not kept:
-            return Batch.empty(dropped)
+            return Batch.empty(dropped, dropped_files)
         audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
         token_lens_B = torch.tensor([s.tokens.numel() for s in kept], dtype=torch.int64)
         audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
@@ -335,6 +340,7 @@ class Collator:
             durations=torch.tensor([s.duration for s in kept], dtype=torch.float32),
             dropped=dict(dropped),
             tokens_truncated=sum(s.tokens_truncated for s in kept),
+            dropped_files=dropped_files,
         )
 
 

@@ -25,6 +25,12 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def data_state_of(trainer) -> dict[str, Any] | None:
+    """The data pipeline's state of this rank (what the last trained step leaves behind), if any."""
+    pipeline = getattr(trainer.lightning_module, "data_pipeline", None)
+    return pipeline.state_dict() if pipeline is not None else None
+
+
 class MetricsWriter(L.Callback):
     """Appends one JSON object per optimizer step to `RUN_DIR/metrics.jsonl` (rank 0 only).
 
@@ -66,7 +72,13 @@ class CheckpointCallback(L.Callback):
 
     def save(self, trainer) -> Path:
         step = trainer.global_step
-        path = save_checkpoint_atomic(trainer, self.root, step_dir_name(step), keep_last=self.keep_last)
+        path = save_checkpoint_atomic(
+            trainer,
+            self.root,
+            step_dir_name(step),
+            keep_last=self.keep_last,
+            data_state=data_state_of(trainer),
+        )
         self.last_saved_step = step
         return path
 
@@ -128,7 +140,9 @@ class ValidationCallback(L.Callback):
         if self.best is None or value < self.best:
             self.best = value
             self.bad_evals = 0
-            save_checkpoint_atomic(trainer, self.root, "best", update_latest=False)
+            save_checkpoint_atomic(
+                trainer, self.root, "best", update_latest=False, data_state=data_state_of(trainer)
+            )
         else:
             self.bad_evals += 1
             if self.patience > 0 and self.bad_evals >= self.patience:

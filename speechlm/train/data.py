@@ -2,9 +2,14 @@
 
 `StepLoader` groups the sampler's micro-batches into optimizer steps of `grad_accum` micro-batches (the
 sampler guarantees every rank the same count, a multiple of `grad_accum`) and tags each step with the
-sampler position it leaves behind. The LightningModule records the position of the last step it
-*consumed* (the DataLoader prefetches ahead), and that is what a checkpoint stores: resuming restarts
-the sampler at the next unconsumed micro-batch.
+sampler position it leaves behind.
+
+It is the one owner of the data position. The DataLoader (and Lightning's fetcher) read ahead, so the
+sampler's own position runs ahead of training; the module therefore calls `mark_consumed(position)` for
+every step it trains on, and `state_dict()` reports that consumed position together with the layout
+(dp rank and size, grad_accum), the seed, the sampler settings and the manifest fingerprint. A
+checkpoint stores this state per rank as JSON; `restore(state)` continues at the next unconsumed
+micro-batch of the saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class StepLoader:
         pin_memory: bool = False,
         seed: int = 0,
         dp_rank: int = 0,
+        max_dropped_fraction: float = 1.0,
     ):
         self.sampler = sampler
         self.dataset = dataset
@@ -65,9 +71,43 @@ class StepLoader:
         self.pin_memory = pin_memory
         self.seed = seed
         self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
+        self.consumed = {"epoch": sampler.epoch, "position": sampler.position}
+        self.max_dropped_fraction = max_dropped_fraction
 
-    def __len__(self) -> int:
-        return self.sampler.remaining() // self.grad_accum
+    def mark_consumed(self, position: dict[str, int]) -> None:
+        """Record the position a trained step leaves behind (what a checkpoint must resume after)."""
+        self.consumed = {"epoch": int(position["epoch"]), "position": int(position["position"])}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data pipeline's resumable state (JSON-safe): the consumed position and what it depends on."""
+        state = self.sampler.state_dict()
+        state.update(self.consumed)
+        state["dp_rank"] = self.dp_rank
+        state["loader_seed"] = self.seed
+        return state
+
+    def restore(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
+        """Continue after the consumed position of `state` (ValueError if it belongs to another setup).
+
+        With `next_epoch`, only the epoch is taken: the data restarts at position 0 of the epoch after the
+        saved one, in this run's layout (the way to resume into another dp size)."""
+        if next_epoch:
+            self.sampler.set_epoch(int(state["epoch"]) + 1)
+        else:
+            if state.get("dp_rank") != self.dp_rank:
+                raise ValueError(
+                    f"data state of dp rank {state.get('dp_rank')} loaded on dp rank {self.dp_rank}"
+                )
+            if state.get("loader_seed") != self.seed:
+                raise ValueError(
+                    f"data state mismatch in 'loader_seed': saved {state.get('loader_seed')!r}, current {self.seed!r}"
+                )
+            self.sampler.load_state_dict(state)
+        self.consumed = {"epoch": self.sampler.epoch, "position": self.sampler.position}
+
+    # No `__len__`, on purpose: Lightning reads a loader's length once, when fit starts, and ends every
+    # epoch after that many steps. After a mid-epoch resume the first epoch is shorter than the others
+    # (and temperature-mode epochs differ slightly in size), so each epoch ends when its iterator does.
 
     def __iter__(self) -> Iterator[StepBatch]:
         from speechlm.data.dataset import build_dataloader
@@ -86,6 +126,7 @@ class StepLoader:
         )
         buf: list[Any] = []
         for b in loader:
+            check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
             buf.append(b)
             pos += 1
             if len(buf) == self.grad_accum:
@@ -96,6 +137,25 @@ class StepLoader:
                 yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped)
                 buf = []
         self.sampler.set_epoch(epoch + 1)
+
+
+class DroppedDataError(RuntimeError):
+    """Too much of a micro-batch could not be read: training on the rest would be training on almost nothing."""
+
+
+def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: int) -> None:
+    """Raise DroppedDataError naming the files when more than `limit` of the micro-batch was dropped."""
+    n_dropped = sum(batch.dropped.values())
+    total = n_dropped + len(batch)
+    if n_dropped == 0 or n_dropped <= limit * total:
+        return
+    files = "\n  ".join(batch.dropped_files[:20])
+    more = f"\n  ... and {len(batch.dropped_files) - 20} more" if len(batch.dropped_files) > 20 else ""
+    raise DroppedDataError(
+        f"{n_dropped} of {total} utterances of micro-batch {position} (epoch {epoch}) could not be read, more "
+        f"than data.max_dropped_fraction={limit}:\n  {files}{more}\nRestore or remove these files (then "
+        f"rebuild the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
+    )
 
 
 def build_sampler(

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,15 @@ def run_train_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from parallel.validator import ValidationError
+    from speechlm.train.data import DroppedDataError
 
     try:
         result = train(cfg, dry_run=args.dry_run)
     except ValidationError as e:
         print(str(e), file=sys.stderr)
+        return 1
+    except DroppedDataError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     return 0 if result is not None else 1
 
@@ -89,9 +94,10 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         ValidationCallback,
         build_progress_bar,
     )
-    from speechlm.train.checkpoint import resolve_resume
+    from speechlm.train.checkpoint import CheckpointError, resolve_resume, restore_training_state
     from speechlm.train.data import StepLoader, build_sampler
     from speechlm.train.evaluate import Evaluator
+    from speechlm.train.faults import FaultInjector, active_faults
     from speechlm.train.module import SpeechLLMModule, TokenizerInfo
     from speechlm.train.strategy import SpeechParallelStrategy
 
@@ -154,6 +160,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         pin_memory=torch.cuda.is_available(),
         seed=t.seed,
         dp_rank=dp_rank,
+        max_dropped_fraction=cfg.data.max_dropped_fraction,
     )
     module = SpeechLLMModule(cfg, tok)
     module.dims = dims
@@ -169,8 +176,10 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
 
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     metrics = MetricsWriter(run_dir, t.log_every)
+    faults = active_faults()  # the fault-injection harness (speechlm faults); empty in normal runs
     callbacks: list[Any] = [
         metrics,
+        *([FaultInjector(faults)] if faults else []),
         CheckpointCallback(run_dir, t.ckpt_every, t.keep_last),
         build_progress_bar(),
     ]
@@ -211,33 +220,21 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         deterministic=False,
     )
 
-    # 3. resume: the sampler restarts at the next unconsumed micro-batch
-    ckpt = resolve_resume(t.resume, run_dir)
-    step = 0
-    if ckpt is not None:
-        import torch as _t
-
-        meta = _t.load(ckpt / "meta.pt", weights_only=False)
-        extra = meta.get("speechlm", {})
-        pos = extra.get("sampler_position")
-        if t.resume_data == "exact":
-            try:
-                sampler.load_state_dict(extra["sampler_state"])
-            except ValueError as e:
-                raise SystemExit(
-                    f"error: cannot continue the data order of {ckpt}: {e}\nTo resume the model and optimizer "
-                    f"into this layout anyway, add trainer.resume_data=next_epoch (the data restarts at the "
-                    f"next epoch)"
-                ) from None
-            if pos is not None:
-                sampler.seek(pos["epoch"], pos["position"])
-        else:
-            sampler.set_epoch((pos["epoch"] if pos else 0) + 1)
-        module.pending_rng = extra.get("rng")
-        step = meta.get("global_step", 0)
+    # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
+    step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
+    try:
+        ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
+        if ckpt is not None:
+            step, pos = restore_training_state(
+                ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
+            )
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    if pos is not None:
         if rank == 0:
             metrics.truncate_after(step)
-            print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch'] if pos else 0})")
+            print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch']}, "
+                  f"micro-batch {pos['position']} of it; data: {t.resume_data})")  # fmt: skip
     if t.validate_only:
         # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
         trainer.fit_loop.epoch_loop.max_steps = step if ckpt is not None else 0
@@ -249,9 +246,17 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
                 f"note: {old} holds checkpoints of an earlier run; this run starts from scratch (add "
                 f"trainer.resume=auto to continue that run instead); they are replaced as new ones are saved"
             )
-    module.sampler_for_ckpt = sampler
+    module.data_pipeline = loader
     t0 = time.time()
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt is not None else None)
+    with warnings.catch_warnings():
+        # Lightning's "dataloader is not resumable" warning: StepLoader resumes itself (restore_training_state)
+        warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
+        trainer.fit(
+            module,
+            train_dataloaders=loader,
+            ckpt_path=str(ckpt) if ckpt is not None else None,
+            weights_only=True,
+        )
     elapsed = time.time() - t0
 
     # 4. final evaluation: greedy WER per language on the chosen split

@@ -17,14 +17,12 @@ readable place.
 from __future__ import annotations
 
 import math
-import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 
 from speechlm.config import ExperimentConfig
@@ -63,10 +61,11 @@ class SpeechLLMModule(L.LightningModule):
         self.utterances_seen = 0
         self.audio_seconds_seen = 0.0
         self.dropped: dict[str, int] = {}
-        self.consumed_position: dict[str, int] | None = None  # sampler position of the last consumed step
         self._t_last: float | None = None
         self.parallelized = False
-        self.sampler_for_ckpt: Any = None  # set by the entrypoint; its state goes into checkpoints
+        self.data_pipeline: Any = (
+            None  # the StepLoader (set by the entrypoint): told which steps were trained
+        )
         self.pending_rng: dict[str, Any] | None = None
         self.dims: Any = None
 
@@ -127,7 +126,8 @@ class SpeechLLMModule(L.LightningModule):
             "audio_hours": self.audio_seconds_seen / 3600.0,
             "epoch": step_batch.position["epoch"],
             "rows_digest": step_batch.rows_digest(),
-            **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},
+            "dropped_step": sum(step_batch.dropped_global.values()),  # rows of this step not readable
+            **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},  # totals since the start
         }
         self.log("loss", res["loss"], prog_bar=True, on_step=True, batch_size=1, sync_dist=False)
         self.log("lr", self.last_metrics["lr"], prog_bar=True, on_step=True, batch_size=1)
@@ -156,19 +156,17 @@ class SpeechLLMModule(L.LightningModule):
         self.audio_seconds_seen += step_batch.audio_seconds_global
         for k, v in step_batch.dropped_global.items():
             self.dropped[k] = self.dropped.get(k, 0) + v
-        self.consumed_position = dict(step_batch.position)
+        if self.data_pipeline is not None:
+            self.data_pipeline.mark_consumed(step_batch.position)
 
     # --- checkpoint extras ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # plain values only (meta.pt is loaded with weights_only=True); the data position and the RNG
+        # states are per rank and saved next to the shards (train/checkpoint.py)
         checkpoint["speechlm"] = {
-            "utterances_seen": self.utterances_seen,
-            "audio_seconds_seen": self.audio_seconds_seen,
-            "dropped": dict(self.dropped),
-            "sampler_position": self.consumed_position,
-            "sampler_state": self.sampler_for_ckpt.state_dict()
-            if self.sampler_for_ckpt is not None
-            else None,
-            "rng": capture_rng_state(),
+            "utterances_seen": int(self.utterances_seen),
+            "audio_seconds_seen": float(self.audio_seconds_seen),
+            "dropped": {str(k): int(v) for k, v in self.dropped.items()},
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -176,11 +174,11 @@ class SpeechLLMModule(L.LightningModule):
         self.utterances_seen = extra.get("utterances_seen", 0)
         self.audio_seconds_seen = extra.get("audio_seconds_seen", 0.0)
         self.dropped = dict(extra.get("dropped", {}))
-        self.consumed_position = extra.get("sampler_position")
-        self.pending_rng = extra.get("rng")
 
     def on_train_start(self) -> None:
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers
+        from speechlm.train.checkpoint import restore_rng_state
+
         restore_rng_state(self.pending_rng)
         self.pending_rng = None
         # the learning rates come from the *current* schedule at the restored step: a checkpoint stores the
@@ -291,24 +289,3 @@ def clip_model_gradients(model: Any, max_norm: float | None, clip_fn: Any) -> fl
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def capture_rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any] | None) -> None:
-    if not state:
-        return
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

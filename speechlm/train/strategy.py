@@ -51,9 +51,8 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 
         if _has_dtensor_modules(self.model):
-            # meta.pt holds RNG states and sampler state (numpy, tuples): these are the run's own files
-            return super().load_checkpoint(checkpoint_path, weights_only=bool(weights_only))
-        import torch
+            # meta.pt holds plain containers and tensors only (train/checkpoint.py): no code can run on load
+            return super().load_checkpoint(checkpoint_path, weights_only=True)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -78,4 +77,6 @@ class SpeechParallelStrategy(ModelParallelStrategy):
                 optim_state_dict=optim_state[key],
                 options=StateDictOptions(cpu_offload=True),
             )
-        return torch.load(path / "meta.pt", weights_only=False)
+        from speechlm.train.checkpoint import load_metadata
+
+        return load_metadata(path)
