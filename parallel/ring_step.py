@@ -59,19 +59,30 @@ def _halves(local_cu: Sequence[int], which: int) -> tuple[list[int], list[int]]:
 
 
 def plan_ring_step(
-    local_cu: Sequence[int], step: int, rank: int, cp: int, device: torch.device | str = "cpu"
+    local_cu: Sequence[int],
+    step: int,
+    rank: int,
+    cp: int,
+    device: torch.device | str = "cpu",
+    causal: bool = True,
 ) -> RingStepPlan:
-    """The varlen call of ring step `step` on CP rank `rank` (a pure function of host integers)."""
+    """The varlen call of ring step `step` on CP rank `rank` (a pure function of host integers).
+    Without `causal` every step is all local queries over all received K/V."""
     local_cu = [int(x) for x in local_cu]
     if not 0 <= step < cp or not 0 <= rank < cp:
         raise ValueError(f"ring step {step} / rank {rank} out of range for cp={cp}")
-    odd = [b - a for a, b in zip(local_cu, local_cu[1:], strict=False) if (b - a) % 2]
+    lengths = [b - a for a, b in zip(local_cu, local_cu[1:], strict=False)]
+    odd = [(n, length) for n, length in enumerate(lengths) if length % 2 or length < 0]
     if odd:
+        n, length = odd[0]
         raise ValueError(
-            f"local sequence lengths {odd[:4]} are odd: each rank keeps two equal chunks per sequence; "
-            "pad sequences to a multiple of 2*cp (parallel.cp_shard) before sharding"
+            f"local sequence {n} has length {length} ({len(odd)} odd or negative in all): under CP every "
+            "local sequence is two chunks of equal size, so its global length must be a multiple of 2*cp "
+            "(pad with parallel.cp_shard's rounding before sharding)"
         )
     src = (rank - step) % cp
+    if not causal:
+        return RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), causal=False)
     if src == rank:
         return RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), causal=True)
     if src < rank:
