@@ -18,8 +18,8 @@ with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and
 layer, so no layer syncs the device to read lengths.
 
 Kernels: `VARLEN_KERNELS` maps a name to its (fwd, bwd) pair; `select_varlen_kernel` picks one by
-device and dtype among those registered. Only the CPU/any-device reference (per-sequence SDPA
-kernels of `parallel.attention_ops`, exact, used by CI) is registered in this build; `KERNEL_CALLS`
+device and dtype among those registered. Only the any-device reference (SDPA-with-LSE kernels of
+`parallel.attention_ops`, one launch per distinct (Lq, Lk) pair, exact, used by CI) is registered in this build; `KERNEL_CALLS`
 counts calls into the interface (what `speechlm bench attention-calls` is meant to read).
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parallel.attention_ops import attn_bwd, attn_fwd_lse
+from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
 
 __all__ = [
     "VarlenMeta",
@@ -121,31 +121,34 @@ def _check_call(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, c
         )
 
 
-def _spans(meta: VarlenMeta) -> list[tuple[int, int, int, int]]:
+def _index_blocks(meta: VarlenMeta, causal: bool, device: torch.device) -> list[IndexBlock]:
+    """The pack's sequences grouped by (queries, keys) lengths: one gathered batch per distinct pair."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     cq, ck = meta.cu_q, meta.cu_k
-    return [(cq[n], cq[n + 1], ck[n], ck[n + 1]) for n in range(len(cq) - 1)]
-
-
-def _bhld(x_TXD: Tensor) -> Tensor:
-    return x_TXD.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
+    for n in range(len(cq) - 1):
+        lq, lk = cq[n + 1] - cq[n], ck[n + 1] - ck[n]
+        if lq and lk:
+            groups.setdefault((lq, lk), []).append((cq[n], ck[n]))
+    blocks = []
+    for (lq, lk), starts in sorted(groups.items()):
+        s = torch.tensor(starts, dtype=torch.long, device=device)
+        q_rows = s[:, :1] + torch.arange(lq, device=device)
+        k_rows = s[:, 1:] + torch.arange(lk, device=device)
+        blocks.append(IndexBlock(q_rows, k_rows, causal))
+    return blocks
 
 
 def reference_fwd(
     q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Exact reference on any device: the per-sequence LSE kernels, no host syncs."""
+    """Exact reference on any device: one SDPA-with-LSE launch per distinct (Lq, Lk) pair, no syncs."""
     T, H, _ = q_THD.shape
-    out_THD = q_THD.new_zeros(T, H, v_TGD.shape[2])
-    lse_HT = torch.full((H, T), -torch.inf, dtype=torch.float32, device=q_THD.device)
-    for q0, q1, k0, k1 in _spans(meta):
-        if q1 == q0:
-            continue
-        o, lse = attn_fwd_lse(
-            _bhld(q_THD[q0:q1]), _bhld(k_TGD[k0:k1]), _bhld(v_TGD[k0:k1]), causal=causal, scale=scale
-        )
-        out_THD[q0:q1] = o[0].transpose(0, 1)
-        lse_HT[:, q0:q1] = lse[0]
-    return out_THD, lse_HT
+    acc = torch.float32  # merge_partials accumulates in fp32
+    out_THD = torch.zeros(T, H, v_TGD.shape[2], dtype=acc, device=q_THD.device)
+    lse_TH = torch.full((T, H), -torch.inf, dtype=acc, device=q_THD.device)
+    for block in _index_blocks(meta, causal, q_THD.device):
+        block_attn_fwd_(q_THD, k_TGD, v_TGD, block, out_THD, lse_TH, scale=scale)
+    return out_THD.to(q_THD.dtype), lse_TH.float().T
 
 
 def reference_bwd(
@@ -160,24 +163,12 @@ def reference_bwd(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `reference_fwd`; (out, lse) may be merged over several key blocks (see attention_ops)."""
-    dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_TGD), torch.zeros_like(v_TGD)
-    for q0, q1, k0, k1 in _spans(meta):
-        if q1 == q0 or k1 == k0:
-            continue
-        gq, gk, gv = attn_bwd(
-            _bhld(dout_THD[q0:q1]),
-            _bhld(q_THD[q0:q1]),
-            _bhld(k_TGD[k0:k1]),
-            _bhld(v_TGD[k0:k1]),
-            _bhld(out_THD[q0:q1]),
-            lse_HT[:, q0:q1].unsqueeze(0),
-            causal=causal,
-            scale=scale,
-        )
-        dq[q0:q1] += gq[0].transpose(0, 1)
-        dk[k0:k1] += gk[0].transpose(0, 1)
-        dv[k0:k1] += gv[0].transpose(0, 1)
-    return dq, dk, dv
+    acc = torch.float32  # merge_partials accumulates in fp32
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q_THD, k_TGD, v_TGD))
+    lse_TH = lse_HT.T
+    for block in _index_blocks(meta, causal, q_THD.device):
+        block_attn_bwd_(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, block, dq, dk, dv, scale=scale)
+    return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
 
 
 VARLEN_KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]]] = {
