@@ -20,8 +20,11 @@ r-1 while it computes. With the causal mask each step is half a block of work:
     s >  r   the second half of the queries (chunk 2R-1-r) x the whole block, no mask: both
              s and 2R-1-s precede 2R-1-r; neither precedes chunk r (s > r, 2R-1-s >= R > r).
 
-Partials are merged in fp32 with their log-sum-exp. Without ``causal`` every step is all
-queries x all keys.
+Each step is ONE call into the varlen kernel interface (``parallel.varlen``) covering every
+sequence of the pack: the row selections and cu_seqlens of the three cases above are a pure
+function of (local cu_seqlens, step, rank) (``parallel.ring_step.plan_ring_step``), built once per
+call for all steps; the backward makes one varlen backward call per step too. Partials are
+merged in fp32 with their log-sum-exp. Without ``causal`` every step is all queries x all keys.
 
 Backward. dq stays local. The K/V blocks go around the ring again in the same order, and with
 each block travels an fp32 accumulator of its dK/dV: at step j the rank adds its share for block
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
+from parallel.ring_step import RingStepPlan, merge_step, plan_ring_step, ring_step_bwd, ring_step_fwd
 
 __all__ = ["ring_attention_thd", "local_chunk_groups", "check_cp_group"]
 
@@ -118,25 +121,17 @@ def _ring_exchange(
     return dist.batch_isend_irecv(ops)
 
 
-def _ring_blocks(groups: list[tuple[int, Tensor]], causal: bool) -> dict[str, list[IndexBlock]]:
-    """Index blocks for the three kinds of ring step (or one kind, 'full', without causal)."""
-    blocks: dict[str, list[IndexBlock]] = {"diag": [], "earlier": [], "later": [], "full": []}
-    for c, starts in groups:
-        ar = torch.arange(c, device=starts.device)
-        first_BL = starts[:, None] + ar
-        second_BL = first_BL + c
-        both_BL = torch.cat([first_BL, second_BL], dim=1)
-        blocks["full"].append(IndexBlock(both_BL, both_BL, False))
-        blocks["diag"].append(IndexBlock(both_BL, both_BL, True))
-        blocks["earlier"].append(IndexBlock(both_BL, first_BL, False))
-        blocks["later"].append(IndexBlock(second_BL, both_BL, False))
-    return blocks
-
-
-def _step_kind(causal: bool, source: int, cp_rank: int) -> str:
-    if not causal:
-        return "full"
-    return "diag" if source == cp_rank else ("earlier" if source < cp_rank else "later")
+def plan_ring(
+    cu_seqlens_local: Tensor, n_tokens: int, cp_size: int, cp_rank: int, causal: bool
+) -> list[RingStepPlan]:
+    """The cp step plans of this rank (parallel/ring_step.py), from the local boundaries read once."""
+    cu = [int(x) for x in cu_seqlens_local.tolist()]
+    if not cu or cu[0] != 0 or cu[-1] != n_tokens:
+        raise ValueError(
+            f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
+        )
+    device = cu_seqlens_local.device
+    return [plan_ring_step(cu, s, cp_rank, cp_size, device, causal=causal) for s in range(cp_size)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -154,24 +149,24 @@ class _RingAttention(torch.autograd.Function):
         causal: bool,
     ) -> Tensor:
         check_cp_inputs(q, k, v, group, cp_size, cp_rank)
-        blocks = _ring_blocks(local_chunk_groups(cu_seqlens_local, q.shape[0]), causal)
+        plans = plan_ring(cu_seqlens_local, q.shape[0], cp_size, cp_rank, causal)
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        lse_acc = torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float32, device=q.device)  # (H, T)
         kv = torch.stack([k, v])  # one buffer: one message per hop
         for step in range(cp_size):
             nxt_kv = torch.empty_like(kv) if step < cp_size - 1 else None
             works = _ring_exchange(
                 [(kv, nxt_kv, _TAG_KV)] if nxt_kv is not None else [], group, cp_size, cp_rank
             )
-            for block in blocks[_step_kind(causal, (cp_rank - step) % cp_size, cp_rank)]:
-                block_attn_fwd_(q, kv[0], kv[1], block, out_acc, lse_acc, scale=scale)
+            o, lse = ring_step_fwd(q, kv[0], kv[1], plans[step], scale)  # one varlen call per step
+            out_acc, lse_acc = merge_step(out_acc, lse_acc, o.float(), lse, plans[step])
             for w in works:
                 w.wait()
             if nxt_kv is not None:
                 kv = nxt_kv
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.blocks, ctx.group, ctx.cp_size, ctx.cp_rank = blocks, group, cp_size, cp_rank
+        ctx.plans, ctx.group, ctx.cp_size, ctx.cp_rank = plans, group, cp_size, cp_rank
         ctx.scale, ctx.causal = scale, causal
         return out
 
@@ -195,20 +190,10 @@ class _RingAttention(torch.autograd.Function):
                 pairs.append((kv, nxt_kv, _TAG_KV))
             works = _ring_exchange(pairs, group, cp_size, cp_rank)
             dkv_part = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for block in ctx.blocks[_step_kind(ctx.causal, (cp_rank - step) % cp_size, cp_rank)]:
-                block_attn_bwd_(
-                    grad_out,
-                    q,
-                    kv[0],
-                    kv[1],
-                    out,
-                    lse,
-                    block,
-                    dq_acc,
-                    dkv_part[0],
-                    dkv_part[1],
-                    scale=ctx.scale,
-                )
+            dq_s, dk_s, dv_s = ring_step_bwd(grad_out, q, kv[0], kv[1], out, lse, ctx.plans[step], ctx.scale)
+            dq_acc += dq_s.float()
+            dkv_part[0] += dk_s.float()
+            dkv_part[1] += dv_s.float()
             for w in works:
                 w.wait()
             dkv_acc = dkv_part if dkv_in is None else dkv_in + dkv_part

@@ -45,6 +45,8 @@ FUSED_ATTN_BROKEN_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(12, 0)}
 MIN_CAPABILITY: dict[str, tuple[int, int]] = {"flash": (8, 0), "torch_varlen": (8, 0)}
 # backends whose forward runs on CPU although the backward does not (validation-only runs are fine)
 CPU_FORWARD_ONLY: frozenset[str] = frozenset({"flex"})
+# backends whose kernels take only fp16/bf16 q/k/v (te: with THD, which runs only on its fused or flash path)
+HALF_PRECISION_ONLY: frozenset[str] = frozenset({"flash", "torch_varlen", "te"})
 # world size from which the reference backend is flagged as slow on GPUs
 REFERENCE_SCALE_WORLD_SIZE = 8
 # environment variables the rules read (the only ones echoed in the JSON context)
@@ -233,6 +235,7 @@ class ValidationContext:
     manifest: Mapping[str, Any] | None
     encoder_kind: str = "parakeet"  # model.encoder.kind
     encoder_packed: bool | None = None  # model.encoder.packed (None: on where supported)
+    precision: str = "auto"  # trainer.precision
 
     @property
     def on_gpu(self) -> bool:
@@ -371,6 +374,7 @@ def build_context(
         manifest=dict(manifest_summary) if manifest_summary is not None else None,
         encoder_kind=str(getattr(model.encoder, "kind", "parakeet")),
         encoder_packed=getattr(model.encoder, "packed", None),
+        precision=str(getattr(trainer, "precision", "auto")),
     )
 
 
@@ -531,6 +535,12 @@ def _faster_alternatives(ctx: ValidationContext) -> list[str]:
         and (b.thd if ctx.packed else b.bshd)
         and (b.cp or ctx.cp == 1)
     ]
+
+
+def _fp32_into_half_only_kernel(ctx: ValidationContext) -> bool:
+    if ctx.precision != "32" or ctx.backend not in HALF_PRECISION_ONLY:
+        return False
+    return ctx.packed or ctx.backend != "te"  # te's unfused BSHD path takes fp32
 
 
 def _reference_at_scale(ctx: ValidationContext) -> str:
@@ -751,6 +761,19 @@ RULES: tuple[Rule, ...] = (
         fix="upgrade the listed package past the version shown, or pick another backend",
         doc="Each row of the version table below names the backend, the refused range, why, and where "
         "that comes from. 'minimum' rows are the oldest versions supported, not known bugs.",
+    ),
+    Rule(
+        id="fp32-with-half-precision-kernel",
+        level=ERROR,
+        when="trainer.precision=32 with flash, torch_varlen or te-THD (kernels for fp16/bf16 only)",
+        applies=_fp32_into_half_only_kernel,
+        reason="trainer.precision=32 sends fp32 q/k/v into model.attention_backend={backend}, whose "
+        "kernels accept only fp16 and bf16: the first attention call would fail on the GPU",
+        fix="set trainer.precision=bf16 (or auto), or set model.attention_backend=reference (or sdpa, "
+        "flex) to train in fp32",
+        doc="flash-attn's varlen kernels, torch's varlen_attn and transformer-engine's THD paths (cuDNN "
+        "fused attention, flash-attn) are half-precision kernels. The rule checks the configured "
+        "precision; `auto` autocasts to bf16 on GPUs that support it.",
     ),
     Rule(
         id="backend-needs-gpu",

@@ -274,7 +274,7 @@ def test_te_thd_arguments(monkeypatch):
             self.kw = kw
 
         def forward(self, q, k, v, **kw):
-            calls.append(dict(q=q, k=k, v=v, **kw))
+            calls.append(dict(q=q, k=k, v=v, training=self.training, **kw))
             out = varlen_loop(
                 q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_kv"], causal=True, scale=self.kw["softmax_scale"]
             )
@@ -306,6 +306,11 @@ def test_te_thd_arguments(monkeypatch):
     assert c["cu_seqlens_q"].dtype == torch.int32 and torch.equal(c["cu_seqlens_kv"], CU)
     assert (c["max_seqlen_q"], c["max_seqlen_kv"]) == (7, 7)
     torch.testing.assert_close(out, separate_runs(q, k, v))
+    # training mode follows the calling module (dropout is 0 here: TE must still train)
+    layer = torch.nn.Linear(1, 1)
+    attend_te(layer.train(), q, k, v, None, scaling=SCALE, **thd_kwargs())
+    attend_te(layer.eval(), q, k, v, None, scaling=SCALE, **thd_kwargs())
+    assert [c["training"] for c in calls[2:]] == [True, False]
     _CORES.clear()
 
 
@@ -337,7 +342,9 @@ def test_torch_varlen_shim_for_torch_2_10_and_2_11_signature(monkeypatch):
     q, k, v = (t.requires_grad_() for t in qkv_thd(1))
     calls: list = []
 
-    def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    def old_varlen_attn(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+    ):
         calls.append(dict(k=k.shape, window=window_size, scale=scale))
         return varlen_loop(q, k, v, cu_q, cu_k, causal=True, scale=scale)
 
@@ -410,5 +417,16 @@ def test_backends_without_cp_refuse_a_cp_context(name):
     q = torch.randn(1, 2, 8, 4)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="no context-parallel path"):
-        get_backend(name).fn(None, q, q, q, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                             max_length_q=8, max_length_k=8, cp_context=object())
+        get_backend(name).fn(
+            None,
+            q,
+            q,
+            q,
+            None,
+            scaling=0.5,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=8,
+            max_length_k=8,
+            cp_context=object(),
+        )

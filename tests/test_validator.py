@@ -125,6 +125,10 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.attention_backend=torch_varlen",), installed={**INSTALLED, "torch": "2.9.1+cu128"}),
         Case(("model.attention_backend=torch_varlen",), installed={**INSTALLED, "torch": "2.10.0+cu128"}),
     ),
+    "fp32-with-half-precision-kernel": (
+        Case(("model.attention_backend=torch_varlen", "trainer.precision=32")),
+        Case(("model.attention_backend=torch_varlen", "trainer.precision=bf16")),
+    ),
     "backend-needs-gpu": (
         Case(("model.attention_backend=flash",), cap=None),
         Case(("model.attention_backend=flash",), cap=9.0),
@@ -564,3 +568,28 @@ def test_docs_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     stale.write_text("old\n")
     assert gen.main(["--check", "--out", str(stale)]) == 1
     assert gen.main(["--out", str(stale)]) == 0 and gen.main(["--check", "--out", str(stale)]) == 0
+
+
+@pytest.mark.parametrize(
+    "backend,packed,fires",
+    [
+        ("flash", "true", True),
+        ("torch_varlen", "true", True),
+        ("te", "true", True),
+        ("te", "false", False),
+        ("reference", "true", False),
+        ("flex", "true", False),
+    ],
+)
+def test_fp32_with_a_half_precision_kernel_is_an_error_naming_the_fix(
+    backend: str, packed: str, fires: bool
+) -> None:
+    cfg = make_config(
+        f"model.attention_backend={backend}", f"model.packed_sequences={packed}", "trainer.precision=32"
+    )
+    findings = [
+        f for f in validate(cfg, 1, {}, 9.0, INSTALLED) if f.rule_id == "fp32-with-half-precision-kernel"
+    ]
+    assert bool(findings) == fires
+    if fires:
+        assert findings[0].level == ERROR and "trainer.precision=bf16" in findings[0].fix

@@ -7,13 +7,15 @@ One ``DotProductAttention`` per (heads, KV groups, head dim, scale, dropout) is 
 model (it holds no parameters), configured with ``attn_mask_type="padding_causal"`` and GQA
 (``num_gqa_groups=G``). THD streams use the given cu_seqlens; padded batches are unpadded first.
 TE's THD output is ``[T, H * D]``. Install with ``pip install speechlm[te]``; set
-``NVTE_FUSED_ATTN=0`` where the validator says so.
+``NVTE_FUSED_ATTN=0`` where the validator says so. The cached core's training mode follows the
+calling module's (``module.training``; grad mode when called without a module).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from speechlm.model.attention.registry import (
@@ -74,7 +76,9 @@ def attend_te(
     core = get_core_attention(
         te, heads=H, groups=G, head_dim=D, scale=default_scale(query_BHSD, scaling), dropout=dropout
     )
-    core.train(dropout > 0)
+    # TE picks its kernels by training mode too: follow the model, never the dropout rate (dropout=0
+    # in inference mode would let TE choose backends that have no backward)
+    core.train(bool(getattr(module, "training", torch.is_grad_enabled())))
     t = as_thd("te", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
     out = core(
         t.q_THD.contiguous(),

@@ -1,0 +1,224 @@
+"""Varlen kernel interface with log-sum-exp: the one call that ring and all-gather CP attention build on.
+
+Letters: T packed tokens, H query heads, G key/value heads (GQA: H % G == 0), D head dim, N sequences.
+
+    varlen_fwd(q_THD, k_TGD, v_TGD, meta, causal, scale) -> (out_THD, lse_HT)
+    varlen_bwd(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, meta, causal, scale) -> (dq, dk, dv)
+
+One call covers every sequence of a pack: sequence n's queries are rows cu_q[n]:cu_q[n+1] and see
+only keys cu_k[n]:cu_k[n+1]. LSE layout (documented once, used everywhere): fp32, shape (H, T_q),
+natural log, -inf for a query row with no keys (the neutral element of `merge_partials`); this is
+flash-attn's varlen layout and torch 2.13's `varlen_attn(..., return_aux=AuxRequest(lse=True))`.
+K/V keep their G heads (no expansion at the interface; a kernel without native GQA expands inside).
+With ``causal`` every sequence must have as many queries as keys (square blocks), so top-left and
+bottom-right causal alignment agree on every device.
+
+Host-side integers: `VarlenMeta` carries cu_seqlens on the device (int32) *and* as host tuples
+with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and handed to every
+layer, so no layer syncs the device to read lengths.
+
+Kernels: `VARLEN_KERNELS` maps a name to its (fwd, bwd) pair; `select_varlen_kernel` picks one by
+device and dtype among those registered. Only the any-device reference (SDPA-with-LSE kernels of
+`parallel.attention_ops`, one launch per distinct (Lq, Lk) pair, exact, used by CI) is registered in this build; `KERNEL_CALLS`
+counts calls into the interface (what `speechlm bench attention-calls` is meant to read).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
+
+__all__ = [
+    "VarlenMeta",
+    "build_varlen_meta",
+    "varlen_fwd",
+    "varlen_bwd",
+    "select_varlen_kernel",
+    "VARLEN_KERNELS",
+    "KERNEL_CALLS",
+]
+
+KERNEL_CALLS: Counter[str] = Counter()  # "fwd"/"bwd" -> calls into the interface since the last clear()
+
+
+@dataclass(frozen=True)
+class VarlenMeta:
+    """cu_seqlens of one pack on the device and on the host, with the max lengths: built once."""
+
+    cu_seqlens_q: Tensor  # int32 (N+1,) on the attention's device
+    cu_seqlens_k: Tensor
+    cu_q: tuple[int, ...]  # the same boundaries as host integers
+    cu_k: tuple[int, ...]
+    max_q: int
+    max_k: int
+
+
+def _check_boundaries(name: str, cu: Sequence[int]) -> tuple[int, ...]:
+    cu = tuple(int(x) for x in cu)
+    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
+        raise ValueError(
+            f"{name}={list(cu)[:8]}{'...' if len(cu) > 8 else ''} is not a cumulative length list "
+            "(it must start at 0 and never decrease): build it with torch.cumsum over sequence lengths"
+        )
+    return cu
+
+
+def build_varlen_meta(
+    cu_seqlens_q: Sequence[int] | Tensor,
+    cu_seqlens_k: Sequence[int] | Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> VarlenMeta:
+    """Read the boundaries to the host once (one sync per micro-batch) and keep both copies."""
+    host_q = cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, Tensor) else cu_seqlens_q
+    cu_q = _check_boundaries("cu_seqlens_q", host_q)
+    if cu_seqlens_k is None:
+        cu_k = cu_q
+    else:
+        host_k = cu_seqlens_k.tolist() if isinstance(cu_seqlens_k, Tensor) else cu_seqlens_k
+        cu_k = _check_boundaries("cu_seqlens_k", host_k)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q has {len(cu_q) - 1} sequences and cu_seqlens_k {len(cu_k) - 1}: "
+            "pass one boundary list per side for the same sequences"
+        )
+
+    def span(cu: tuple[int, ...]) -> int:
+        return max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
+
+    return VarlenMeta(
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=span(cu_q),
+        max_k=span(cu_k),
+    )
+
+
+def _check_call(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool) -> None:
+    if q_THD.dim() != 3 or k_TGD.dim() != 3 or v_TGD.shape != k_TGD.shape:
+        raise ValueError(
+            f"varlen attention takes q (T, H, D) and k, v (T, G, D) of one shape; got "
+            f"{tuple(q_THD.shape)}, {tuple(k_TGD.shape)}, {tuple(v_TGD.shape)}"
+        )
+    if q_THD.shape[1] % k_TGD.shape[1]:
+        raise ValueError(f"{q_THD.shape[1]} query heads are not a multiple of {k_TGD.shape[1]} K/V heads")
+    if (meta.cu_q[-1], meta.cu_k[-1]) != (q_THD.shape[0], k_TGD.shape[0]):
+        raise ValueError(
+            f"cu_seqlens end at ({meta.cu_q[-1]}, {meta.cu_k[-1]}) tokens but q has {q_THD.shape[0]} "
+            f"and k {k_TGD.shape[0]}: build the VarlenMeta from this pack's boundaries"
+        )
+    if causal and meta.cu_q != meta.cu_k:
+        raise ValueError(
+            "causal varlen attention needs every sequence to have as many queries as keys "
+            "(square blocks); pass causal=False for a rectangular step"
+        )
+
+
+def _index_blocks(meta: VarlenMeta, causal: bool, device: torch.device) -> list[IndexBlock]:
+    """The pack's sequences grouped by (queries, keys) lengths: one gathered batch per distinct pair."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    cq, ck = meta.cu_q, meta.cu_k
+    for n in range(len(cq) - 1):
+        lq, lk = cq[n + 1] - cq[n], ck[n + 1] - ck[n]
+        if lq and lk:
+            groups.setdefault((lq, lk), []).append((cq[n], ck[n]))
+    blocks = []
+    for (lq, lk), starts in sorted(groups.items()):
+        s = torch.tensor(starts, dtype=torch.long, device=device)
+        q_rows = s[:, :1] + torch.arange(lq, device=device)
+        k_rows = s[:, 1:] + torch.arange(lk, device=device)
+        blocks.append(IndexBlock(q_rows, k_rows, causal))
+    return blocks
+
+
+def reference_fwd(
+    q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """Exact reference on any device: one SDPA-with-LSE launch per distinct (Lq, Lk) pair, no syncs."""
+    T, H, _ = q_THD.shape
+    acc = torch.float32  # merge_partials accumulates in fp32
+    out_THD = torch.zeros(T, H, v_TGD.shape[2], dtype=acc, device=q_THD.device)
+    lse_TH = torch.full((T, H), -torch.inf, dtype=acc, device=q_THD.device)
+    for block in _index_blocks(meta, causal, q_THD.device):
+        block_attn_fwd_(q_THD, k_TGD, v_TGD, block, out_THD, lse_TH, scale=scale)
+    return out_THD.to(q_THD.dtype), lse_TH.float().T
+
+
+def reference_bwd(
+    dout_THD: Tensor,
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    out_THD: Tensor,
+    lse_HT: Tensor,
+    meta: VarlenMeta,
+    causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `reference_fwd`; (out, lse) may be merged over several key blocks (see attention_ops)."""
+    acc = torch.float32  # merge_partials accumulates in fp32
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q_THD, k_TGD, v_TGD))
+    lse_TH = lse_HT.T
+    for block in _index_blocks(meta, causal, q_THD.device):
+        block_attn_bwd_(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, block, dq, dk, dv, scale=scale)
+    return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
+
+
+VARLEN_KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]]] = {
+    "reference": (reference_fwd, reference_bwd),
+}
+
+
+def select_varlen_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The kernel for this device and dtype among those registered (half-precision CUDA kernels first)."""
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and dtype in (torch.float16, torch.bfloat16):
+        for name in ("flash", "torch_varlen"):
+            if name in VARLEN_KERNELS:
+                return name
+    return "reference"
+
+
+def varlen_fwd(
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    meta: VarlenMeta,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out_THD in q's dtype, lse_HT fp32) over every sequence of the pack, in one call."""
+    _check_call(q_THD, k_TGD, v_TGD, meta, causal)
+    KERNEL_CALLS["fwd"] += 1
+    fwd, _ = VARLEN_KERNELS[kernel or select_varlen_kernel(q_THD.device, q_THD.dtype)]
+    return fwd(q_THD, k_TGD, v_TGD, meta, causal, scale)
+
+
+def varlen_bwd(
+    dout_THD: Tensor,
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    out_THD: Tensor,
+    lse_HT: Tensor,
+    meta: VarlenMeta,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of `varlen_fwd`; dk/dv keep K/V's G heads."""
+    _check_call(q_THD, k_TGD, v_TGD, meta, causal)
+    KERNEL_CALLS["bwd"] += 1
+    _, bwd = VARLEN_KERNELS[kernel or select_varlen_kernel(q_THD.device, q_THD.dtype)]
+    dq, dk, dv = bwd(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, meta, causal, scale)
+    return dq, dk, dv
