@@ -51,7 +51,7 @@ def test_validation_keeps_best_and_stops_after_patience(tmp_path, monkeypatch):
     wers = iter([0.5, 0.4, 0.45, 0.41, 0.3])
     cb = ValidationCallback(lambda module: {"wer": next(wers)}, MetricsWriter(tmp_path), tmp_path, every=1,
                             best_metric="wer", patience=2)
-    trainer = SimpleNamespace(global_step=0, received_sigterm=False, is_global_zero=True, should_stop=False,
+    trainer = SimpleNamespace(global_step=0, lightning_module=None, received_sigterm=False, is_global_zero=True, should_stop=False,
                               strategy=_FakeStrategy())
     stopped_at = None
     for step in range(1, 6):
