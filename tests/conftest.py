@@ -16,6 +16,23 @@ def demo_data(tmp_path_factory) -> dict[str, str]:
 
     out = tmp_path_factory.mktemp("demo_manifest")
     assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)]) == 0
-    assert main(["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tok"),
-                 "--vocab-size", "300"]) == 0
-    return {"train": str(out / "train.parquet"), "val": str(out / "val.parquet"), "tok": str(out / "tok.model")}
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--manifest",
+                str(out / "train.parquet"),
+                "--out",
+                str(out / "tok"),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
+    return {
+        "train": str(out / "train.parquet"),
+        "val": str(out / "val.parquet"),
+        "tok": str(out / "tok.model"),
+    }
