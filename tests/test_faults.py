@@ -6,6 +6,7 @@ rank's RNG state must be restored too. Equality is exact: `rows_digest`, loss an
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -24,6 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 def scenario_args(d: dict[str, str], steps: int) -> tuple[str, list[str]]:
     config, *overrides = base_args(d)
     return config, [*overrides, f"trainer.max_steps={steps}", "trainer.ckpt_every=2", "model.dropout=0.1"]
+
+
+def read_all_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
 def assert_identical(report: dict) -> None:
@@ -64,6 +69,29 @@ def test_sigterm_sigkill_in_save_and_sigkill_in_one_run(demo_data, tmp_path):  #
     assert "resuming from" in log and "step_000004" in log and "step_000006" in log
     epochs = [m["epoch"] for m in read_train_metrics(tmp_path / "interrupted")]
     assert epochs == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+
+
+def test_sigterm_during_validation_still_saves_a_checkpoint(demo_data, tmp_path):  # noqa: F811
+    """SIGTERM while the step-3 validation decodes: validation ends, step 3 is saved, the run exits 0."""
+    config, overrides = scenario_args(demo_data, 5)
+    overrides = [
+        *overrides,
+        "trainer.val_every=3",
+        "trainer.ckpt_every=4",
+    ]  # step 3: validation, no periodic save
+    seen: dict[str, object] = {}
+
+    def inspect(fault: Fault, rc: int, run_dir: Path) -> None:
+        seen["rc"] = rc
+        seen["latest"] = (run_dir / "checkpoints/latest").read_text()
+        seen["val_steps"] = [r["step"] for r in read_all_metrics(run_dir) if r.get("kind") == "val"]
+
+    report = run_scenario(
+        config, overrides, parse_faults("sigterm_in_val@3"), tmp_path, inspect=inspect, log=lambda _m: None
+    )
+    assert seen == {"rc": 0, "latest": "step_000003", "val_steps": [3]}
+    assert_identical(report)
+    assert "SIGTERM: saved checkpoint" in Path(report["log"]).read_text()
 
 
 @pytest.mark.multiproc

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 
 from speechlm.train.checkpoint import save_checkpoint_atomic, step_dir_name, write_text_atomic
+from speechlm.train.faults import fault_point
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +63,10 @@ class MetricsWriter(L.Callback):
 
 
 class CheckpointCallback(L.Callback):
-    """Every `every` optimizer steps, at the end of training, and on SIGTERM (then training stops)."""
+    """Every `every` optimizer steps, at the end of training, and on SIGTERM (then training stops).
+
+    Must be the last callback of the list: see `on_train_batch_end`.
+    """
 
     def __init__(self, run_dir: Path, every: int, keep_last: int = 2):
         self.root = Path(run_dir) / "checkpoints"
@@ -83,18 +87,20 @@ class CheckpointCallback(L.Callback):
         return path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Runs after every other per-step callback (entry.py puts it last): a SIGTERM that arrives while
+        # they run (validation decoding, most often) is seen here, and Lightning only acts on it
+        # (SIGTERMException) after this hook returns.
         step = trainer.global_step
+        if self.every > 0 and step % self.every == 0:
+            self.save(trainer)
         if trainer.received_sigterm:
-            path = self.save(trainer)
+            path = self.save(trainer) if self.last_saved_step != step else self.root / step_dir_name(step)
             if trainer.is_global_zero:
                 print(
                     f"\nSIGTERM: saved checkpoint {path}; exiting. Resume with trainer.resume=auto",
                     flush=True,
                 )
             trainer.should_stop = True
-            return
-        if self.every > 0 and step % self.every == 0:
-            self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.every > 0 and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
@@ -127,6 +133,7 @@ class ValidationCallback(L.Callback):
         step = trainer.global_step
         if self.every <= 0 or step % self.every != 0 or trainer.received_sigterm:
             return
+        fault_point("val", step)  # the fault-injection harness (speechlm faults); a no-op otherwise
         result = self.evaluate_fn(pl_module)
         if not result:
             return

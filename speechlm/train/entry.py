@@ -180,7 +180,6 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     callbacks: list[Any] = [
         metrics,
         *([FaultInjector(faults)] if faults else []),
-        CheckpointCallback(run_dir, t.ckpt_every, t.keep_last),
         build_progress_bar(),
     ]
     evaluator = Evaluator(cfg, tokenizer, val_table, dims, rank) if val_table is not None else None
@@ -197,6 +196,8 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         )
     if t.max_minutes:
         callbacks.append(TimeLimit(t.max_minutes))
+    # last: it sees a SIGTERM that arrived while the callbacks above ran (validation) and saves first
+    callbacks.append(CheckpointCallback(run_dir, t.ckpt_every, t.keep_last))
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
     strategy = SpeechParallelStrategy(dims, process_group_backend="nccl" if accelerator == "cuda" else "gloo")

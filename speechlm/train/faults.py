@@ -18,7 +18,9 @@ Faults (environment `SPEECHLM_FAULTS`, read by the training process; `KIND@STEP`
   sigkill@N          rank 0 is SIGKILLed after step N, before any checkpoint of step N (no handler
                      runs; under torchrun the other ranks are torn down with it);
   sigkill_in_save@N  rank 0 is SIGKILLed inside the checkpoint save of step N, after every rank
-                     wrote its shards and before the checkpoint is marked complete and renamed.
+                     wrote its shards and before the checkpoint is marked complete and renamed;
+  sigterm_in_val@N   every rank sends itself SIGTERM once the validation of step N has started
+                     (needs `trainer.val_every` to divide N): validation finishes, step N is saved.
 
 After a SIGKILL the next launch resumes from the last complete checkpoint and repeats the steps
 after it; `metrics.jsonl` is truncated to that step first, so the comparison covers every step once.
@@ -40,7 +42,7 @@ from typing import Any
 import lightning as L
 
 ENV = "SPEECHLM_FAULTS"
-KINDS = ("sigterm", "sigkill", "sigkill_in_save")
+KINDS = ("sigterm", "sigkill", "sigkill_in_save", "sigterm_in_val")
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,12 @@ def global_rank() -> int:
 
 
 def fault_point(where: str, step: int) -> None:
-    """Called by the checkpoint writer between the shards and the completion marker."""
+    """Called by the checkpoint writer between the shards and the completion marker (`save`) and by
+    the validation callback as validation starts (`val`)."""
     if where == "save" and global_rank() == 0 and Fault("sigkill_in_save", step) in active_faults():
         os.kill(os.getpid(), signal.SIGKILL)
+    if where == "val" and Fault("sigterm_in_val", step) in active_faults():
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class FaultInjector(L.Callback):
