@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 VOCAB = 256
 
@@ -27,8 +26,16 @@ def make_batch(n_clips: int, seconds: float, seed: int = 0):
     audio = 0.3 * torch.randn(n_clips, n, generator=g)
     lens = torch.full((n_clips,), n)
     tokens = torch.randint(5, VOCAB, (n_clips, 48), generator=g)
-    return Batch(audio=audio, audio_lens=lens, tokens=tokens, token_lens=torch.full((n_clips,), 48),
-                 langs=["xx"] * n_clips, indices=list(range(n_clips)), durations=lens.float() / 16000, dropped={})
+    return Batch(
+        audio=audio,
+        audio_lens=lens,
+        tokens=tokens,
+        token_lens=torch.full((n_clips,), 48),
+        langs=["xx"] * n_clips,
+        indices=list(range(n_clips)),
+        durations=lens.float() / 16000,
+        dropped={},
+    )
 
 
 def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int, seconds: float) -> dict:
@@ -38,20 +45,27 @@ def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int,
     from speechlm.config import load_config
     from speechlm.model.speech_llm import SpeechLLM
     from speechlm.train.distributed import build_distributed_context
-    from speechlm.train.module import TokenizerInfo, build_optimizer, run_optimizer_step
-    from speechlm.train.step import StepContext
+    from speechlm.train.schedule import build_optimizer
+    from speechlm.train.step import StepContext, run_optimizer_step
 
     torch.set_num_threads(max(1, 2 // world))
-    cfg = load_config(None, [f"parallel.cp_size={cp}", f"parallel.cp_attention={kind}", "trainer.precision=32",
-                             "model.dropout=0", "optim.grad_clip=0"])
-    tok = TokenizerInfo(VOCAB, 0, 2, 3, 4)
+    cfg = load_config(
+        None,
+        [
+            f"parallel.cp_size={cp}",
+            f"parallel.cp_attention={kind}",
+            "trainer.precision=32",
+            "model.dropout=0",
+            "optim.grad_clip=0",
+        ],
+    )
     torch.manual_seed(0)
     model = SpeechLLM(cfg.model, vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
-    ctx = StepContext.single(cfg, tok)
+    ctx = StepContext()
     if world > 1:
         dims = ParallelDims(world, 1, -1, cp, 1)
         dims.build_mesh("cpu")
-        ctx = build_distributed_context(SimpleNamespace(cfg=cfg, model=model, device=torch.device("cpu")), dims, ctx)
+        ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     opt, sched = build_optimizer(model, cfg)
     batch = make_batch(clips, seconds)
     times = []
@@ -79,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         if cp == 1:
             res = rank_body(0, 1, 1, args.kind, args.steps, args.clips, args.seconds)
         else:
-            res = run_distributed(rank_body, cp, "gloo", cp, args.kind, args.steps, args.clips, args.seconds,
-                                  timeout_s=1200)[0]
+            res = run_distributed(
+                rank_body, cp, "gloo", cp, args.kind, args.steps, args.clips, args.seconds, timeout_s=1200
+            )[0]
         rows.append((cp, res["median_s"]))
         print(f"cp={cp}: {res['median_s'] * 1000:.0f} ms/step", flush=True)
     base = rows[0][1]
-    print(f"\ndemo-size model, {args.clips} clips x {args.seconds:g} s per global batch, {args.kind} attention, "
-          f"median of {args.steps} steps after one warm-up")
+    print(
+        f"\ndemo-size model, {args.clips} clips x {args.seconds:g} s per global batch, {args.kind} attention, "
+        f"median of {args.steps} steps after one warm-up"
+    )
     print(f"{'cp':>3} {'ms/step':>9} {'vs cp=1':>8}")
     for cp, t in rows:
         print(f"{cp:>3} {t * 1000:>9.0f} {t / base:>7.2f}x")

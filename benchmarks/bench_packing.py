@@ -207,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         packed_decoder, packed_encoder = LAYOUTS[name]
         model.encoder_packed = packed_encoder
         cfg.model.packed_sequences = packed_decoder
-        return StepContext.single(cfg, info)
+        return StepContext()
 
     def time_step(b: Any, ctx: Any) -> tuple[float, float]:
         """(wall seconds, CPU seconds of this process) of one forward + backward."""
         t0, c0 = time.perf_counter(), time.process_time()
-        out = compute_micro_losses(model, b, ctx)
+        out = compute_micro_losses(model, b)
         (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, time.process_time() - c0

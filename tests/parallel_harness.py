@@ -8,31 +8,51 @@ are the same optimisation problem).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from speechlm.config import ExperimentConfig, load_config
 from speechlm.data.dataset import Batch
-from speechlm.train.module import TokenizerInfo, build_optimizer, run_optimizer_step
-from speechlm.train.step import StepContext
+from speechlm.train.module import TokenizerInfo
+from speechlm.train.schedule import build_optimizer
+from speechlm.train.step import StepContext, run_optimizer_step
 
 VOCAB = 64
 TOK = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
 
 
-def tiny_config(cp: int = 1, tp: int = 1, cp_attention: str = "ring", ctc_weight: float = 0.3) -> ExperimentConfig:
-    return load_config(None, [
-        "model.encoder.hidden_size=32", "model.encoder.num_layers=1", "model.encoder.num_heads=2",
-        "model.encoder.intermediate_size=64", "model.encoder.subsampling_conv_channels=8",
-        "model.encoder.num_mel_bins=16",
-        "model.llm.hidden_size=32", "model.llm.num_layers=2", "model.llm.num_heads=4", "model.llm.num_kv_heads=2",
-        "model.llm.intermediate_size=64", "model.projector_hidden=32", "model.projector_stack=2",
-        f"model.ctc_weight={ctc_weight}", "model.dropout=0", "trainer.precision=32",
-        f"parallel.cp_size={cp}", f"parallel.tp_size={tp}", f"parallel.cp_attention={cp_attention}",
-        "optim.lr=0.003", "optim.warmup_steps=0", "optim.grad_clip=0", "trainer.max_steps=10",
-    ])
+def tiny_config(
+    cp: int = 1, tp: int = 1, cp_attention: str = "ring", ctc_weight: float = 0.3
+) -> ExperimentConfig:
+    return load_config(
+        None,
+        [
+            "model.encoder.hidden_size=32",
+            "model.encoder.num_layers=1",
+            "model.encoder.num_heads=2",
+            "model.encoder.intermediate_size=64",
+            "model.encoder.subsampling_conv_channels=8",
+            "model.encoder.num_mel_bins=16",
+            "model.llm.hidden_size=32",
+            "model.llm.num_layers=2",
+            "model.llm.num_heads=4",
+            "model.llm.num_kv_heads=2",
+            "model.llm.intermediate_size=64",
+            "model.projector_hidden=32",
+            "model.projector_stack=2",
+            f"model.ctc_weight={ctc_weight}",
+            "model.dropout=0",
+            "trainer.precision=32",
+            f"parallel.cp_size={cp}",
+            f"parallel.tp_size={tp}",
+            f"parallel.cp_attention={cp_attention}",
+            "optim.lr=0.003",
+            "optim.warmup_steps=0",
+            "optim.grad_clip=0",
+            "trainer.max_steps=10",
+        ],
+    )
 
 
 def make_batch(seed: int, n_clips: int) -> Batch:
@@ -45,8 +65,16 @@ def make_batch(seed: int, n_clips: int) -> Batch:
     tokens = torch.zeros(n_clips, int(tlens.max()), dtype=torch.long)
     for i, n in enumerate(tlens.tolist()):
         tokens[i, :n] = torch.randint(5, VOCAB, (n,), generator=g)
-    return Batch(audio=audio, audio_lens=lens, tokens=tokens, token_lens=tlens, langs=["xx"] * n_clips,
-                 indices=list(range(n_clips)), durations=lens.float() / 16000, dropped={})
+    return Batch(
+        audio=audio,
+        audio_lens=lens,
+        tokens=tokens,
+        token_lens=tlens,
+        langs=["xx"] * n_clips,
+        indices=list(range(n_clips)),
+        durations=lens.float() / 16000,
+        dropped={},
+    )
 
 
 def global_steps(n_steps: int, dp: int, seed: int = 0) -> list[list[Batch]]:
@@ -58,8 +86,14 @@ def build_model(cfg: ExperimentConfig) -> Any:
     from speechlm.model.speech_llm import SpeechLLM
 
     torch.manual_seed(1234)
-    return SpeechLLM(cfg.model, vocab_size=TOK.vocab_size, pad_id=TOK.pad_id, bos_id=TOK.bos_id,
-                     eos_id=TOK.eos_id, audio_id=TOK.audio_id)
+    return SpeechLLM(
+        cfg.model,
+        vocab_size=TOK.vocab_size,
+        pad_id=TOK.pad_id,
+        bos_id=TOK.bos_id,
+        eos_id=TOK.eos_id,
+        audio_id=TOK.audio_id,
+    )
 
 
 def full_grads(model: Any) -> dict[str, torch.Tensor]:
@@ -72,7 +106,9 @@ def full_grads(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_steps(model: Any, ctx: StepContext, cfg: ExperimentConfig, per_step: list[list[Batch]]) -> dict[str, Any]:
+def run_steps(
+    model: Any, ctx: StepContext, cfg: ExperimentConfig, per_step: list[list[Batch]]
+) -> dict[str, Any]:
     opt, sched = build_optimizer(model, cfg)
     losses: list[float] = []
     captured: dict[str, torch.Tensor] = {}
@@ -90,12 +126,13 @@ def run_steps(model: Any, ctx: StepContext, cfg: ExperimentConfig, per_step: lis
 
 def reference_run(cfg: ExperimentConfig, steps: list[list[Batch]]) -> dict[str, Any]:
     model = build_model(cfg)
-    ctx = StepContext.single(cfg, TOK)
+    ctx = StepContext()
     return run_steps(model, ctx, cfg, steps)
 
 
-def rank_run(rank: int, world: int, cp: int, tp: int, cp_attention: str, n_steps: int,
-             ctc_weight: float = 0.3) -> dict[str, Any] | None:
+def rank_run(
+    rank: int, world: int, cp: int, tp: int, cp_attention: str, n_steps: int, ctc_weight: float = 0.3
+) -> dict[str, Any] | None:
     """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share."""
     from parallel.mesh import ParallelDims
     from speechlm.train.distributed import build_distributed_context
@@ -105,8 +142,7 @@ def rank_run(rank: int, world: int, cp: int, tp: int, cp_attention: str, n_steps
     dims.build_mesh("cpu")
     cfg = tiny_config(cp, tp, cp_attention, ctc_weight)
     model = build_model(cfg)
-    module = SimpleNamespace(cfg=cfg, model=model, device=torch.device("cpu"))
-    ctx = build_distributed_context(module, dims, StepContext.single(cfg, TOK))
+    ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     steps = global_steps(n_steps, dims.dp)
     d = dims.dp_rank(rank)
     out = run_steps(model, ctx, cfg, [[s[d]] for s in steps])

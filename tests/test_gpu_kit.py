@@ -244,10 +244,10 @@ def test_three_training_steps_cuda_match_cpu(precision):
     relative 3e-2 per step (bf16 has 8 bits of mantissa; the loss is a mean over ~100 tokens)."""
     from contextlib import nullcontext
 
-    from parallel_harness import TOK, build_model, global_steps, tiny_config
+    from parallel_harness import build_model, global_steps, tiny_config
 
-    from speechlm.train.module import build_optimizer, run_optimizer_step
-    from speechlm.train.step import StepContext
+    from speechlm.train.schedule import build_optimizer
+    from speechlm.train.step import StepContext, run_optimizer_step
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -255,7 +255,7 @@ def test_three_training_steps_cuda_match_cpu(precision):
     def run(device: str, autocast: bool) -> list[float]:
         cfg = tiny_config()
         model = build_model(cfg).to(device)
-        ctx = StepContext.single(cfg, TOK)
+        ctx = StepContext()
         opt, sched = build_optimizer(model, cfg)
         losses = []
         for step, micro in enumerate(global_steps(3, 1)):

@@ -26,7 +26,7 @@ from speechlm.model.features import FeatureSettings, LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
-from speechlm.model.speech_llm import SpeechLLM
+from speechlm.model.speech_llm import ParallelBinding, SpeechLLM
 
 VOCAB, PAD, BOS, EOS, AUDIO, LANG = 48, 0, 2, 3, 4, 5
 
@@ -377,21 +377,28 @@ def test_nemo_missing_gives_install_hint(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def micro_losses(model: SpeechLLM, batch, *, packed: bool, cp: int = 1, tp: int = 1):
+    """The training path (`SpeechLLM.forward`) with the decoder layout and the cp/tp rounding chosen."""
+    model.cfg.packed_sequences = packed
+    model.bind_parallel(ParallelBinding(cp=cp, tp=tp))  # rounding only: one process holds every chunk
+    return model(batch)
+
+
 def test_packed_and_padded_losses_agree_and_gradients_reach_the_encoder():
     model = build_tiny_model()
     model.train()
     batch = make_batch()
-    thd = model.loss_from_batch(batch, packed=True)
-    bshd = model.loss_from_batch(batch, packed=False)
-    thd_cp = model.loss_from_batch(batch, packed=True, cp=2, tp=2)  # rounding pads each sequence
-    assert thd["n_labelled"] == bshd["n_labelled"] == thd_cp["n_labelled"] == 5 + 3 + 7 + 3  # targets + eos
-    torch.testing.assert_close(thd["ce_sum"], bshd["ce_sum"], atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(thd["ce_sum"], thd_cp["ce_sum"], atol=1e-4, rtol=1e-5)
-    assert thd["ctc_count"] == 3 and thd["ctc_sum"] > 0
+    thd = micro_losses(model, batch, packed=True)
+    bshd = micro_losses(model, batch, packed=False)
+    thd_cp = micro_losses(model, batch, packed=True, cp=2, tp=2)  # rounding pads each sequence
+    assert thd.n_labelled == bshd.n_labelled == thd_cp.n_labelled == 5 + 3 + 7 + 3  # targets + eos
+    torch.testing.assert_close(thd.ce_sum, bshd.ce_sum, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(thd.ce_sum, thd_cp.ce_sum, atol=1e-4, rtol=1e-5)
+    assert thd.n_clips == 3 and thd.ctc_sum > 0
     enc = model.encode_audio(batch.audio, batch.audio_lens)
     assert enc.enc_lens is enc.enc_lens_B  # the name the trainer uses
     assert isinstance(enc.enc_hidden, PackedFrames)  # the default parakeet encoder runs padding-free
-    loss = thd["ce_sum"] / thd["n_labelled"] + 0.3 * thd["ctc_sum"] / thd["ctc_count"]
+    loss = thd.ce_sum / thd.n_labelled + 0.3 * thd.ctc_sum / thd.n_clips
     loss.backward()
     for name, module in (("encoder", model.encoder), ("projector", model.projector)):
         grads = [p.grad for p in module.parameters() if p.requires_grad]
@@ -429,16 +436,16 @@ def test_dropout_zero_gives_identical_train_mode_passes():
     model = build_tiny_model()
     model.train()
     batch = make_batch()
-    a = model.loss_from_batch(batch, packed=True)
-    b = model.loss_from_batch(batch, packed=True)
-    assert torch.equal(a["ce_sum"], b["ce_sum"]) and torch.equal(a["ctc_sum"], b["ctc_sum"])
+    a = micro_losses(model, batch, packed=True)
+    b = micro_losses(model, batch, packed=True)
+    assert torch.equal(a.ce_sum, b.ce_sum) and torch.equal(a.ctc_sum, b.ctc_sum)
 
 
 def test_no_ctc_head_when_weight_is_zero():
     model = build_tiny_model(ctc_weight=0.0)
     assert model.ctc_head is None
-    out = model.loss_from_batch(make_batch(), packed=True)
-    assert out["ctc_count"] == 0 and float(out["ctc_sum"]) == 0.0
+    out = micro_losses(model, make_batch(), packed=True)
+    assert out.ctc_sum is None and out.ce_sum > 0
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])

@@ -182,9 +182,10 @@ def test_whole_loss_equal_with_packed_and_padded_encoder():
         tokens=torch.tensor([[5, 6, 7], [5, 8, 0], [5, 6, 9]]),
         token_lens=torch.tensor([3, 2, 3]),
     )
-    a, b = packed.loss_from_batch(batch, packed=True), padded.loss_from_batch(batch, packed=True)
-    torch.testing.assert_close(a["ce_sum"], b["ce_sum"], **TOL)
-    torch.testing.assert_close(a["ctc_sum"], b["ctc_sum"], **TOL)
+    a, b = packed(batch), padded(batch)  # the training path (SpeechLLM.forward), THD decoder
+    assert packed.cfg.packed_sequences and padded.cfg.packed_sequences
+    torch.testing.assert_close(a.ce_sum, b.ce_sum, **TOL)
+    torch.testing.assert_close(a.ctc_sum, b.ctc_sum, **TOL)
 
 
 def test_packed_frames_slice_by_clip_for_distributed_encoding():

@@ -6,10 +6,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from parallel_harness import TOK, build_model, global_steps, tiny_config
+from parallel_harness import build_model, global_steps, tiny_config
 
-from speechlm.train.module import build_optimizer, run_optimizer_step
-from speechlm.train.step import StepContext
+from speechlm.train.schedule import build_optimizer
+from speechlm.train.step import StepContext, run_optimizer_step
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ def test_encoder_frozen_until_unfreeze_step_then_trained():
     cfg = tiny_config()
     cfg.optim.unfreeze_step = 2
     model = build_model(cfg)
-    ctx = StepContext.single(cfg, TOK)
+    ctx = StepContext()
     opt, sched = build_optimizer(model, cfg)
     steps = global_steps(3, 1)
     seen = []
@@ -47,12 +47,26 @@ def test_validation_keeps_best_and_stops_after_patience(tmp_path, monkeypatch):
     from speechlm.train.callbacks import MetricsWriter, ValidationCallback
 
     saved: list[str] = []
-    monkeypatch.setattr(callbacks, "save_checkpoint_atomic", lambda trainer, root, name, **kw: saved.append(name))
+    monkeypatch.setattr(
+        callbacks, "save_checkpoint_atomic", lambda trainer, root, name, **kw: saved.append(name)
+    )
     wers = iter([0.5, 0.4, 0.45, 0.41, 0.3])
-    cb = ValidationCallback(lambda module: {"wer": next(wers)}, MetricsWriter(tmp_path), tmp_path, every=1,
-                            best_metric="wer", patience=2)
-    trainer = SimpleNamespace(global_step=0, lightning_module=None, received_sigterm=False, is_global_zero=True, should_stop=False,
-                              strategy=_FakeStrategy())
+    cb = ValidationCallback(
+        lambda module: {"wer": next(wers)},
+        MetricsWriter(tmp_path),
+        tmp_path,
+        every=1,
+        best_metric="wer",
+        patience=2,
+    )
+    trainer = SimpleNamespace(
+        global_step=0,
+        lightning_module=None,
+        received_sigterm=False,
+        is_global_zero=True,
+        should_stop=False,
+        strategy=_FakeStrategy(),
+    )
     stopped_at = None
     for step in range(1, 6):
         trainer.global_step = step
@@ -73,8 +87,21 @@ def test_bundled_broken_files_are_dropped_and_counted(tmp_path):
     from speechlm.data.tokenizer import Tokenizer
 
     assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(tmp_path)]) == 0
-    assert main(["tokenizer", "train", "--manifest", str(tmp_path / "train.parquet"), "--out",
-                 str(tmp_path / "tok"), "--vocab-size", "300"]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--manifest",
+                str(tmp_path / "train.parquet"),
+                "--out",
+                str(tmp_path / "tok"),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
     rows = []
     counter = DropCounter()
     for split in ("train", "val"):
@@ -89,3 +116,22 @@ def test_bundled_broken_files_are_dropped_and_counted(tmp_path):
     assert counter.as_dict() == {"undecodable": 2}
     assert "en_001_00056" not in rows and "hi_000_00032" not in rows
     assert len(rows) == 231 and len(set(rows)) == 231
+
+
+def test_training_and_decoding_prompts_share_the_instruction():
+    """`data.instruction` reached the training prompts but not greedy decoding (the model had its own,
+    empty, copy): validation WER was measured on prompts the model was not trained on."""
+    import torch
+    from parallel_harness import VOCAB
+
+    from speechlm.train.module import SpeechLLMModule, TokenizerInfo
+
+    tok = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4, instruction_ids=(9, 10))
+    model = SpeechLLMModule(tiny_config(), tok).model
+    ids, _ = model.build_prompts(torch.tensor([[5, 6]]), torch.tensor([2]))[0]
+    assert ids.tolist() == [2, 4, 9, 10, 5, 6, 3]  # bos, <audio>, instruction, target, eos
+    embedded: list[list[int]] = []
+    embed = model.embed_tokens
+    model.embed_tokens = lambda t: (embedded.append(t.tolist()), embed(t))[1]
+    model.generate_greedy(torch.zeros(1, 3200), torch.tensor([3200]), max_new_tokens=1)
+    assert [9, 10] in embedded

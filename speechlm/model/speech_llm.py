@@ -3,13 +3,16 @@
 Letters: B batch, N audio samples, T feature frames, F mel bins, U encoder frames, E encoder width,
 A_i projected audio frames of clip i, H LLM hidden, V vocabulary, L tokens, M labelled positions.
 
-The steps are separate methods so that the training layer can distribute them (under CP each rank
-encodes 1/cp of the clips, gathers them, packs and shards the stream, then decodes):
+`forward(batch)` is the one training entry point: it returns a micro-batch's `MicroLosses` through
 
     encode_audio(audio_BN, audio_lens_B)   -> EncoderOutput(embeds=[A_i x H], enc_hidden, enc_lens_B)
-    speechlm.prompt.build_prompts(...)     -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
-    speechlm.packing.pack_thd(prompts, embeds, model.embed_tokens, ...) -> PackedBatch
-    forward_packed(packed, attn_context=cp_context) -> (ce_sum, n_labelled)
+    build_prompts(tokens, token_lens)      -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
+    speechlm.packing.pack_thd(prompts, embeds, self.embed_tokens, cp, tp) -> PackedBatch (or pack_bshd)
+    forward_packed(packed)                 -> (ce_sum, n_labelled)        (or forward_padded)
+
+Under context parallelism the training layer binds a `ParallelBinding` once when it parallelizes the
+model: each rank then encodes 1/cp of the clips and gathers them, keeps its chunks of the packed
+stream, and attends through the bound CP attention. The model never touches ``torch.distributed``.
 
 Token cross-entropy is a sum over labelled positions (fp32), so the caller divides by the global
 count. Only the labelled positions' logits are computed (``logits_to_keep``): most positions are
@@ -25,15 +28,14 @@ projector and the CTC head run on packed frames (`speechlm.model.packed_encoder`
 then `PackedFrames`), equal per utterance to the padded path. Greedy decoding lives in
 `speechlm.model.generation` (batched KV cache; the prefix-recompute decoder is kept as the oracle).
 
-FSDP2: these methods are not ``forward``; the training layer registers them with
-``torch.distributed.fsdp.register_fsdp_forward_method`` (or shards the submodules) so that the
-root's parameters are gathered. ``forward`` itself is `loss_from_batch`.
+FSDP2 hooks ``forward``; `generate_greedy` is the only other entry point the training layer
+registers (``register_fsdp_forward_method``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,33 @@ from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.packing import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class ParallelBinding:
+    """The model's parallel layout, bound once (`SpeechLLM.bind_parallel`) by the training layer when it
+    parallelizes the model; the model calls these hooks and never touches ``torch.distributed``.
+
+    ``cp``/``tp`` round the packed lengths (`speechlm.packing.pack_thd`); under CP, ``encode_audio``
+    encodes this rank's share of the clips and gathers the embeddings, ``shard_packed`` keeps this
+    rank's chunks of the packed stream and ``cp_attention`` is handed to the attention backend."""
+
+    cp: int = 1
+    tp: int = 1
+    cp_attention: Any = None  # object with .attention(q, k, v, cu_seqlens_local, scale)
+    shard_packed: Callable[[Any], Any] | None = None  # PackedBatch -> this CP rank's PackedBatch
+    encode_audio: Callable[..., Any] | None = None  # (model, audio_BN, lens_B, *, freeze_encoder) -> output
+
+
+@dataclass
+class MicroLosses:
+    """Loss sums of one micro-batch on this rank (the caller divides by the step's global counts)."""
+
+    ce_sum: Tensor  # summed token cross-entropy of this rank's share (fp32)
+    n_labelled: int  # labelled tokens of the whole micro-batch (before CP sharding)
+    ctc_sum: Tensor | None  # summed CTC of the clips this rank encoded (None: CTC off)
+    n_clips: int
+    weight: float = 1.0  # 0 for the training layer's dummy micro-batch
 
 
 @dataclass
@@ -136,6 +165,7 @@ class SpeechLLM(nn.Module):
             dropout=model_cfg.dropout,
         )
         self.ctc_head = nn.Linear(self.encoder.output_dim, vocab_size) if model_cfg.ctc_weight > 0 else None
+        self.parallel = ParallelBinding()  # one process until the training layer binds its layout
 
     # ------------------------------------------------------------------------------------------
     # Audio side
@@ -214,10 +244,9 @@ class SpeechLLM(nn.Module):
     def embed_tokens(self, ids: Tensor) -> Tensor:
         return self.llm.get_input_embeddings()(ids)
 
-    def forward_packed(
-        self, packed: Any, *, attn_context: Any = None, return_logits: bool = False
-    ) -> tuple[Tensor, int] | Tensor:
-        """Decode a THD ``PackedBatch``; ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
+    def forward_packed(self, packed: Any, *, return_logits: bool = False) -> tuple[Tensor, int] | Tensor:
+        """Decode a THD ``PackedBatch`` (this rank's CP shard when CP is bound); ``(ce_sum, n_labelled)``,
+        or the ``[T, V]`` logits."""
         cu = packed.cu_seqlens
         kwargs: dict[str, Any] = dict(
             inputs_embeds=packed.inputs_embeds[None],
@@ -227,8 +256,8 @@ class SpeechLLM(nn.Module):
             max_length_q=int(packed.max_seqlen),
             max_length_k=int(packed.max_seqlen),
         )
-        if attn_context is not None:
-            kwargs["cp_context"] = attn_context
+        if self.parallel.cp_attention is not None:
+            kwargs["cp_context"] = self.parallel.cp_attention
         if return_logits:
             return self.llm(**kwargs).logits[0]
         labels_T = packed.labels
@@ -251,10 +280,11 @@ class SpeechLLM(nn.Module):
         return ce_sum, int(keep_BS.sum())
 
     # ------------------------------------------------------------------------------------------
-    # Single-process convenience path
+    # The training entry point: one micro-batch to its loss sums
     # ------------------------------------------------------------------------------------------
 
     def build_prompts(self, tokens_BL: Tensor, token_lens_B: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """``[(ids_L, target_mask_L)]``: ``[bos, <audio>, *instruction, *target, eos]`` per utterance."""
         from speechlm.prompt import build_prompts
 
         return build_prompts(
@@ -266,36 +296,65 @@ class SpeechLLM(nn.Module):
             instruction_ids=self.instruction_ids,
         )
 
-    def loss_from_batch(self, batch: Any, *, packed: bool, cp: int = 1, tp: int = 1) -> dict[str, Any]:
-        """Encode, build prompts, pack (THD) or pad (BSHD), decode; sums and counts, not means.
+    def bind_parallel(self, binding: ParallelBinding) -> None:
+        """Called once by the training layer when it parallelizes this model (see `ParallelBinding`)."""
+        self.parallel = binding
 
-        ``batch`` has ``audio`` [B, N], ``audio_lens`` [B], ``tokens`` [B, L] (language tag first) and
-        ``token_lens`` [B] (attributes or mapping keys). ``cp``/``tp`` only round the THD lengths.
-        """
-        from speechlm.packing import pack_bshd, pack_thd
+    def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
+        """One micro-batch (``audio`` [B, N], ``audio_lens`` [B], ``tokens`` [B, L] with the language tag
+        first, ``token_lens`` [B]; attributes or mapping keys, already on the model's device) to its
+        loss sums: encode, build prompts, pack (THD, rounded and CP-sharded per `self.parallel`) or pad
+        (BSHD), decode. Training, the teacher-forced validation loss and the tests all run this.
 
+        A frozen encoder runs without autograd inside `encode_audio`; the projector still trains."""
+        lay = self.parallel
         audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
         tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
-        device = next(self.parameters()).device
-        enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
         prompts = self.build_prompts(tokens_BL, token_lens_B)
-        if packed:
-            pb = pack_thd(
-                prompts, enc.embeds, self.embed_tokens, audio_id=self.audio_id, cp=cp, tp=tp, device=device
-            )
-            ce_sum, n_labelled = self.forward_packed(pb)
+        if lay.encode_audio is not None:
+            enc = lay.encode_audio(self, audio_BN, audio_lens_B, freeze_encoder=encoder_frozen)
         else:
-            padded = pack_bshd(prompts, enc.embeds, self.embed_tokens, audio_id=self.audio_id, device=device)
-            ce_sum, n_labelled = self.forward_padded(padded)
+            enc = self.encode_audio(audio_BN, audio_lens_B, freeze_encoder=encoder_frozen)
+        ctc_sum = None
         if self.ctc_head is not None:
-            ctc_sum, ctc_count = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens_BL, token_lens_B)
-        else:
-            ctc_sum, ctc_count = ce_sum.new_zeros(()), 0
-        return dict(ce_sum=ce_sum, n_labelled=n_labelled, ctc_sum=ctc_sum, ctc_count=ctc_count)
+            ctc_slice = getattr(enc, "ctc_slice", slice(None))  # under CP: only the clips this rank encoded
+            if ctc_slice is None:  # this rank encoded only a dummy clip: keep the head in the graph, weight 0
+                n = len(enc.enc_lens)
+                tokens = torch.full((n, 2), self.eos_id, dtype=torch.long, device=tokens_BL.device)
+                lens = torch.full((n,), 2, dtype=torch.long, device=tokens_BL.device)
+            else:
+                tokens, lens = tokens_BL[ctc_slice], token_lens_B[ctc_slice]
+            ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens, tokens, lens)
+            ctc_sum = ctc_sum * getattr(enc, "ctc_weight", 1.0)
+        if self.cfg.packed_sequences:
+            from speechlm.packing import pack_thd
 
-    def forward(self, batch: Any, *, packed: bool | None = None, cp: int = 1, tp: int = 1) -> dict[str, Any]:
-        return self.loss_from_batch(
-            batch, packed=self.cfg.packed_sequences if packed is None else packed, cp=cp, tp=tp
+            packed = pack_thd(
+                prompts,
+                enc.embeds,
+                self.embed_tokens,
+                audio_id=self.audio_id,
+                cp=lay.cp,
+                tp=lay.tp,
+                pad_to_multiple=self.cfg.pad_to_multiple,
+            )
+            n_labelled = packed.num_labelled()
+            if lay.shard_packed is not None:
+                packed = lay.shard_packed(packed)
+            ce_sum, _ = self.forward_packed(packed)
+        else:
+            from speechlm.packing import pack_bshd
+
+            padded = pack_bshd(
+                prompts,
+                enc.embeds,
+                self.embed_tokens,
+                audio_id=self.audio_id,
+                pad_to_multiple=self.cfg.pad_to_multiple or lay.tp,
+            )
+            ce_sum, n_labelled = self.forward_padded(padded)
+        return MicroLosses(
+            ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=len(prompts)
         )
 
     # ------------------------------------------------------------------------------------------

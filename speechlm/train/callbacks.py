@@ -180,23 +180,6 @@ class TimeLimit(L.Callback):
 
 def build_progress_bar() -> L.Callback:
     """Lightning's Rich bar, labelled with the optimizer step (one training_step is one optimizer step)."""
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from speechlm.train.lightning_compat import step_progress_bar
 
-    try:
-        import rich  # noqa: F401
-    except ImportError:
-        return TQDMProgressBar()
-
-    class StepProgressBar(RichProgressBar):
-        def _get_train_description(self, current_epoch: int) -> str:
-            t = self.trainer
-            return f"step {t.global_step}/{t.max_steps} · epoch {current_epoch}"
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if self.progress is not None and self.train_progress_bar_id is not None:
-                self.progress.update(
-                    self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch)
-                )
-
-    return StepProgressBar()
+    return step_progress_bar()

@@ -301,3 +301,47 @@ def restore_rng_state(state: dict[str, Any] | None) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_run(
+    cfg: Any,
+    run_dir: Path,
+    loader: Any,
+    module: Any,
+    trainer: Any,
+    metrics: Any,
+    *,
+    rank: int,
+    world_size: int,
+) -> Path | None:
+    """Resolve `trainer.resume`, restore this rank's data position and RNG state (the weights,
+    optimizer and loops are restored by `trainer.fit(ckpt_path=...)`), and trim `metrics.jsonl` to the
+    restored step. Returns the checkpoint to hand to fit, or None for a fresh start."""
+    from speechlm.train.lightning_compat import set_fit_max_steps
+
+    t = cfg.trainer
+    step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
+    try:
+        ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
+        if ckpt is not None:
+            step, pos = restore_training_state(
+                ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
+            )
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    if pos is not None and rank == 0:
+        metrics.truncate_after(step)
+        print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch']}, "
+              f"micro-batch {pos['position']} of it; data: {t.resume_data})")  # fmt: skip
+    if t.validate_only:
+        # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
+        set_fit_max_steps(trainer, step if ckpt is not None else 0)
+    if ckpt is None and rank == 0:
+        metrics.truncate_after(0)  # a fresh run starts a fresh history
+        old = run_dir / "checkpoints"
+        if any(old.glob("step_*")):
+            print(
+                f"note: {old} holds checkpoints of an earlier run; this run starts from scratch (add "
+                f"trainer.resume=auto to continue that run instead); they are replaced as new ones are saved"
+            )
+    return ckpt

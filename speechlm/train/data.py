@@ -22,7 +22,7 @@ from typing import Any
 from speechlm.config import ExperimentConfig
 
 
-@dataclass
+@dataclass  # not frozen: Lightning's batch transfer (apply_to_collection) rebuilds dataclasses
 class StepBatch:
     micro_batches: list[Any]
     position: dict[str, int]  # {"epoch": e, "position": micro-batches consumed in epoch e after this step}
@@ -42,11 +42,6 @@ class StepBatch:
     @property
     def audio_seconds(self) -> float:
         return float(sum(float(b.durations.sum()) for b in self.micro_batches if len(b)))
-
-    # filled in by the module after summing over data-parallel ranks
-    num_utterances_global: int = 0
-    audio_seconds_global: float = 0.0
-    dropped_global: dict[str, int] = field(default_factory=dict)
 
 
 class StepLoader:

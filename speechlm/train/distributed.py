@@ -8,10 +8,13 @@ Who sums over what (dims from `parallel.mesh.ParallelDims`):
   multiplied by dp*cp (`StepContext.grad_scale`) to turn that average into the sum the objective needs;
 - TP peers compute identical losses; nothing is summed over `tp`.
 
-FSDP2 only hooks `forward()`, and the training step calls the model's pieces directly
-(`encode_audio`, `embed_tokens`, `forward_packed`), so every piece that owns parameters is its own
-FSDP unit: each decoder layer, the token embedding, the rest of the LLM (norm, LM head), the encoder,
-the projector and the CTC head.
+The model's CP hooks (distributed encoding, sharding of the packed stream, CP attention) are bound to
+it once here (`SpeechLLM.bind_parallel`), and the step's collectives go into a frozen `StepContext`.
+
+FSDP2 hooks `forward()`: the training step calls `model(batch)` once per micro-batch, and evaluation
+calls `generate_greedy`, the one other registered entry point. Inside, the model calls its pieces
+directly, so every piece that owns parameters is its own FSDP unit: each decoder layer, the token
+embedding, the rest of the LLM (norm, LM head), the encoder, the projector and the CTC head.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from parallel.dist_encode import encode_distributed
 from parallel.fsdp import clip_grad_norm_
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
+from speechlm.model.speech_llm import ParallelBinding
 from speechlm.packing import PackedBatch
 from speechlm.train.step import StepContext
 
@@ -112,15 +116,8 @@ def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) ->
     return model
 
 
-# SpeechLLM methods the training and evaluation code call directly (each runs FSDP's root hooks)
-FSDP_ENTRY_METHODS = (
-    "encode_audio",
-    "embed_tokens",
-    "forward_packed",
-    "forward_padded",
-    "ctc_loss_sum",
-    "generate_greedy",
-)
+# SpeechLLM methods besides forward() that the training layer calls from outside (evaluation)
+FSDP_ENTRY_METHODS = ("generate_greedy",)
 
 
 def group_sum(group: Any, device: torch.device) -> Any:
@@ -136,33 +133,26 @@ def group_sum(group: Any, device: torch.device) -> Any:
     return sum_
 
 
-def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepContext:
-    cfg = module.cfg
+def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.device) -> StepContext:
+    """Parallelize `model` in place (TP, activation checkpointing, FSDP2), bind its CP hooks, and return
+    the step's frozen context. Called once per layout (`SpeechLLMModule.configure_model`)."""
     rank = dist.get_rank()
     mesh = dims.mesh
-    device = module.device
-    parallelize_speech_llm(module.model, dims, cfg, device.type)
-    module.clip_fn = clip_grad_norm_
+    parallelize_speech_llm(model, dims, cfg, device.type)
 
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     dp_cp_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
     cp_rank = dims.cp_rank(rank)
-
     sum_over_dp = group_sum(dp_group, device)
 
     def sum_counts_over_dp(values: list[float]) -> list[float]:
         return [float(x) for x in sum_over_dp(*torch.tensor(values, dtype=torch.float64))]
 
-    ctx.cp, ctx.tp = dims.cp, dims.tp
-    ctx.grad_scale = float(dims.dp_cp)
-    ctx.sum_counts_over_dp = sum_counts_over_dp
-    ctx.sum_over_data_ranks = group_sum(dp_cp_group, device)
-    ctx.rank = rank
+    binding = ParallelBinding(cp=dims.cp, tp=dims.tp)
+    sum_over_cp = group_sum(None, device)
     if dims.cp > 1:
         cp_group = mesh["cp"].get_group()
-
-        ctx.sum_over_cp = group_sum(cp_group, device)
-        ctx.cp_attention = CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention)
+        sum_over_cp = group_sum(cp_group, device)
 
         def shard_packed(packed: PackedBatch) -> PackedBatch:
             parts, cu_local, max_local = shard_thd(
@@ -187,13 +177,26 @@ def build_distributed_context(module: Any, dims: Any, ctx: StepContext) -> StepC
             )
             return CPEncoderOutput(res)
 
-        ctx.shard_packed = shard_packed
-        ctx.encode_audio = encode_audio
-    return ctx
+        binding = ParallelBinding(
+            cp=dims.cp,
+            tp=dims.tp,
+            cp_attention=CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention),
+            shard_packed=shard_packed,
+            encode_audio=encode_audio,
+        )
+    model.bind_parallel(binding)
+    return StepContext(
+        grad_scale=float(dims.dp_cp),
+        sum_counts_over_dp=sum_counts_over_dp,
+        sum_over_data_ranks=group_sum(dp_cp_group, device),
+        sum_over_cp=sum_over_cp,
+        clip_grad_norm=clip_grad_norm_,
+        rank=rank,
+    )
 
 
 class CPEncoderOutput:
-    """Distributed encoding result in the shape `compute_micro_losses` expects.
+    """Distributed encoding result in the shape `SpeechLLM.forward` expects.
 
     `embeds` holds every clip of the micro-batch (gathered, differentiable); `enc_hidden`/`enc_lens`
     only this rank's clips (for the auxiliary CTC loss, so each clip counts once across CP ranks), and

@@ -1,17 +1,17 @@
 """`speechlm train CONFIG [--cp-size C] [--tp-size T] [overrides]` and `python -m speechlm.train ...`.
 
-Reads top to bottom: config → validator (before any weights load) → layout → data → model → fit →
-final evaluation. Under `torchrun` every process runs this; rank 0 prints and writes the logs.
+`train()` reads top to bottom like a recipe: config → validator (before any weights load) → layout →
+data → model → trainer → resume → fit → final evaluation. Under `torchrun` every process runs this; rank 0 prints and writes the logs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,49 +79,66 @@ def world_from_env() -> tuple[int, int]:
 
 
 def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
+    """The recipe; each step is a function of its own below or in the module that owns it."""
     import lightning as L
-    import torch
 
-    from parallel.mesh import ParallelDims
-    from speechlm.config import to_dict
-    from speechlm.data.dataset import SpeechDataset
-    from speechlm.data.manifest import load_manifest
-    from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.callbacks import (
-        CheckpointCallback,
-        MetricsWriter,
-        TimeLimit,
-        ValidationCallback,
-        build_progress_bar,
-    )
-    from speechlm.train.checkpoint import CheckpointError, resolve_resume, restore_training_state
-    from speechlm.train.data import StepLoader, build_sampler
-    from speechlm.train.evaluate import Evaluator
-    from speechlm.train.faults import FaultInjector, active_faults
-    from speechlm.train.module import SpeechLLMModule, TokenizerInfo
-    from speechlm.train.strategy import SpeechParallelStrategy
+    from speechlm.train.checkpoint import resume_run
+    from speechlm.train.evaluate import final_evaluation
+    from speechlm.train.module import SpeechLLMModule
 
     rank, world_size = world_from_env()
-    t = cfg.trainer
-    run_dir = Path(t.run_dir)
+    run_dir = Path(cfg.trainer.run_dir)
+    # 1. manifests, the validator (before any weights are built), the layout, tokenizer and sampler
+    inputs = prepare_inputs(cfg, rank, world_size)
+    if dry_run:
+        print_resolved_config(cfg, rank)
+        return {}
+    # 2. data pipeline, model, callbacks, trainer
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    loader = build_step_loader(cfg, inputs)
+    module = SpeechLLMModule(cfg, inputs.tok, dims=inputs.dims, data_pipeline=loader)
+    announce_model(cfg, module, run_dir, rank)
+    metrics, trainer = build_trainer(cfg, inputs, run_dir)
+    # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
+    ckpt = resume_run(cfg, run_dir, loader, module, trainer, metrics, rank=rank, world_size=world_size)
+    # 4. fit
+    elapsed = fit(trainer, module, loader, ckpt)
+    # 5. final evaluation: greedy WER per language on the chosen split
+    result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
+    if not trainer.received_sigterm:
+        result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
+    return result
 
-    # 1. data tables (cheap) and the validator, before any weights are built
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What the run reads before it builds anything heavy."""
+
+    train_table: Any
+    val_table: Any
+    dims: Any  # parallel.mesh.ParallelDims
+    rank: int
+    tokenizer: Any
+    tok: Any  # speechlm.train.module.TokenizerInfo
+    sampler: Any
+
+
+def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
+    from parallel.mesh import ParallelDims
+    from speechlm.data.manifest import load_manifest
+    from speechlm.data.tokenizer import Tokenizer
+    from speechlm.train.data import build_sampler
+    from speechlm.train.module import TokenizerInfo
+    from speechlm.validate import validate_at_fit_start
+
     train_table = load_manifest(cfg.data.train_manifest)
     val_table = load_manifest(cfg.data.val_manifest) if cfg.data.val_manifest else None
     durations = train_table.column("duration").to_numpy()
     summary = {"n_rows": len(train_table), "max_duration": float(durations.max()) if len(durations) else 0.0}
-    from speechlm.validate import validate_at_fit_start
-
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
-    dims = ParallelDims(
-        world_size,
-        cfg.parallel.dp_replicate,
-        cfg.parallel.dp_shard,
-        cfg.parallel.cp_size,
-        cfg.parallel.tp_size,
-    )
+    p = cfg.parallel
+    dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
     dp_rank = dims.dp_rank(rank)
-
     tokenizer = Tokenizer(cfg.data.tokenizer)
     instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
     tok = TokenizerInfo(
@@ -138,52 +155,81 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         print(
             f"train manifest: {cfg.data.train_manifest}: {len(train_table)} utterances, "
             f"{float(durations.sum()) / 3600:.2f} h; {len(sampler)} micro-batches per dp rank per epoch, "
-            f"{len(sampler) // t.grad_accum} optimizer steps per epoch"
+            f"{len(sampler) // cfg.trainer.grad_accum} optimizer steps per epoch"
         )
-    if dry_run:
-        if rank == 0:
-            import yaml
+    return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
 
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        return {}
 
-    # 2. model, strategy, callbacks
-    L.seed_everything(t.seed, workers=True, verbose=False)
+def print_resolved_config(cfg: Any, rank: int) -> None:
+    if rank == 0:
+        import yaml
+
+        from speechlm.config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def build_step_loader(cfg: Any, inputs: RunInputs) -> Any:
+    import torch
+
+    from speechlm.data.dataset import SpeechDataset
+    from speechlm.train.data import StepLoader
+
+    t = cfg.trainer
     train_ds = SpeechDataset(
-        train_table, tokenizer, max_tokens=cfg.data.max_tokens, sample_rate=cfg.data.sample_rate
+        inputs.train_table, inputs.tokenizer, max_tokens=cfg.data.max_tokens, sample_rate=cfg.data.sample_rate
     )
-    loader = StepLoader(
-        sampler,
+    return StepLoader(
+        inputs.sampler,
         train_ds,
         grad_accum=t.grad_accum,
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         seed=t.seed,
-        dp_rank=dp_rank,
+        dp_rank=inputs.dims.dp_rank(inputs.rank),
         max_dropped_fraction=cfg.data.max_dropped_fraction,
     )
-    module = SpeechLLMModule(cfg, tok)
-    module.dims = dims
-    if rank == 0:
-        n_params = sum(p.numel() for p in module.model.parameters())
-        print(
-            f"model: {n_params / 1e6:.2f}M parameters; packed_sequences={cfg.model.packed_sequences}, "
-            f"attention={cfg.model.attention_backend}, ctc_weight={cfg.model.ctc_weight}"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        import yaml
 
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+def announce_model(cfg: Any, module: Any, run_dir: Path, rank: int) -> None:
+    """Print the model size and write RUN_DIR/config.yaml (rank 0)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank != 0:
+        return
+    import yaml
+
+    from speechlm.config import to_dict
+
+    n_params = sum(p.numel() for p in module.model.parameters())
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters; packed_sequences={cfg.model.packed_sequences}, "
+        f"attention={cfg.model.attention_backend}, ctc_weight={cfg.model.ctc_weight}"
+    )
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def build_trainer(cfg: Any, inputs: RunInputs, run_dir: Path) -> tuple[Any, Any]:
+    """(metrics writer, Lightning Trainer) with the callbacks in the order they must run."""
+    import lightning as L
+    import torch
+
+    from speechlm.train.callbacks import (
+        CheckpointCallback,
+        MetricsWriter,
+        TimeLimit,
+        ValidationCallback,
+        build_progress_bar,
+    )
+    from speechlm.train.evaluate import Evaluator
+    from speechlm.train.faults import FaultInjector, active_faults
+    from speechlm.train.strategy import SpeechParallelStrategy
+
+    t = cfg.trainer
     metrics = MetricsWriter(run_dir, t.log_every)
     faults = active_faults()  # the fault-injection harness (speechlm faults); empty in normal runs
-    callbacks: list[Any] = [
-        metrics,
-        *([FaultInjector(faults)] if faults else []),
-        build_progress_bar(),
-    ]
-    evaluator = Evaluator(cfg, tokenizer, val_table, dims, rank) if val_table is not None else None
-    if evaluator is not None and t.val_every > 0:
+    callbacks: list[Any] = [metrics, *([FaultInjector(faults)] if faults else []), build_progress_bar()]
+    if inputs.val_table is not None and t.val_every > 0:
+        evaluator = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.dims, inputs.rank)
         callbacks.append(
             ValidationCallback(
                 evaluator,
@@ -198,18 +244,18 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         callbacks.append(TimeLimit(t.max_minutes))
     # last: it sees a SIGTERM that arrived while the callbacks above ran (validation) and saves first
     callbacks.append(CheckpointCallback(run_dir, t.ckpt_every, t.keep_last))
+    world_size = inputs.dims.world_size
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
-    strategy = SpeechParallelStrategy(dims, process_group_backend="nccl" if accelerator == "cuda" else "gloo")
-    loggers = build_loggers(run_dir)
+    backend = "nccl" if accelerator == "cuda" else "gloo"
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,
         num_nodes=max(1, world_size // max(devices, 1)),
-        strategy=strategy,
+        strategy=SpeechParallelStrategy(inputs.dims, process_group_backend=backend),
         max_steps=t.max_steps,
         max_epochs=-1,
-        logger=loggers,
+        logger=build_loggers(run_dir),
         callbacks=callbacks,
         enable_checkpointing=False,
         use_distributed_sampler=False,
@@ -220,34 +266,11 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
         precision="32-true",
         deterministic=False,
     )
+    return metrics, trainer
 
-    # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
-    step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
-    try:
-        ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
-        if ckpt is not None:
-            step, pos = restore_training_state(
-                ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
-            )
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
-    if pos is not None:
-        if rank == 0:
-            metrics.truncate_after(step)
-            print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch']}, "
-                  f"micro-batch {pos['position']} of it; data: {t.resume_data})")  # fmt: skip
-    if t.validate_only:
-        # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
-        trainer.fit_loop.epoch_loop.max_steps = step if ckpt is not None else 0
-    if ckpt is None and rank == 0:
-        metrics.truncate_after(0)  # a fresh run starts a fresh history
-        old = run_dir / "checkpoints"
-        if any(old.glob("step_*")):
-            print(
-                f"note: {old} holds checkpoints of an earlier run; this run starts from scratch (add "
-                f"trainer.resume=auto to continue that run instead); they are replaced as new ones are saved"
-            )
-    module.data_pipeline = loader
+
+def fit(trainer: Any, module: Any, loader: Any, ckpt: Path | None) -> float:
+    """`trainer.fit`, restoring `ckpt` (weights, optimizer, loops); returns the wall seconds."""
     t0 = time.time()
     with warnings.catch_warnings():
         # Lightning's "dataloader is not resumable" warning: StepLoader resumes itself (restore_training_state)
@@ -258,35 +281,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
             ckpt_path=str(ckpt) if ckpt is not None else None,
             weights_only=True,
         )
-    elapsed = time.time() - t0
-
-    # 4. final evaluation: greedy WER per language on the chosen split
-    result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
-    final_table = train_table if t.final_eval_split == "train" else val_table
-    if final_table is not None and not trainer.received_sigterm:
-        final_eval = Evaluator(cfg, tokenizer, final_table, dims, rank, max_batches=None)
-        wer = final_eval(module)
-        result.update(wer)
-        if rank == 0:
-            from speechlm.train.evaluate import format_wer_table
-
-            counts: dict[str, int] = {}
-            for lang in final_table.column("lang").to_pylist():
-                counts[lang] = counts.get(lang, 0) + 1
-            print(
-                f"\nfinal greedy WER on the {t.final_eval_split} split after {trainer.global_step} steps "
-                f"({elapsed / 60:.1f} min):"
-            )
-            print(format_wer_table(wer, counts))
-            (run_dir / "eval.json").write_text(json.dumps({"split": t.final_eval_split, **result}, indent=2))
-            with (run_dir / "eval_decodes.jsonl").open("w") as f:
-                for lang, ref, hyp in final_eval.last_decodes:
-                    f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
-            from speechlm.train.plots import plot_learning_curve
-
-            png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
-            print(f"wrote {run_dir / 'eval.json'}, {png}")
-    return result
+    return time.time() - t0
 
 
 def build_loggers(run_dir: Path) -> list[Any]:

@@ -21,9 +21,11 @@ summed over the CP shards of each sequence and over the dp groups.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jiwer
@@ -252,7 +254,6 @@ class Evaluator:
         """Token cross-entropy per labelled token over the split, sharded like the decoding."""
         from speechlm.train.step import compute_micro_losses, count_targets
 
-        ctx = module.step_ctx
         was_training = module.model.training
         module.model.eval()
         ce = torch.zeros((), dtype=torch.float64)
@@ -260,9 +261,9 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for batch in slots:  # an empty slot runs the weight-0 dummy (same forwards on every rank)
-                    losses = compute_micro_losses(module.model, batch.to(module.device), ctx)
+                    losses = compute_micro_losses(module.model, batch.to(module.device))
                     ce += losses.ce_sum.double().cpu() * losses.weight
-                    n += count_targets(batch, ctx)
+                    n += count_targets(batch, module.model)
         finally:
             module.model.train(was_training)
         (ce,) = comm.sum_over_cp(ce)  # CP ranks each hold a shard of every sequence
@@ -270,3 +271,36 @@ class Evaluator:
         ce_total = sum(c for primary, c, _ in totals if primary)
         n_total = sum(k for primary, _, k in totals if primary)
         return ce_total / max(n_total, 1)
+
+
+def final_evaluation(
+    cfg: Any, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
+) -> dict[str, Any]:
+    """Greedy WER per language on `trainer.final_eval_split` after training; rank 0 prints the table
+    and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics."""
+    t = cfg.trainer
+    table = inputs.train_table if t.final_eval_split == "train" else inputs.val_table
+    if table is None:
+        return {}
+    final_eval = Evaluator(cfg, inputs.tokenizer, table, inputs.dims, rank, max_batches=None)
+    wer = final_eval(module)
+    if rank == 0:
+        counts: dict[str, int] = {}
+        for lang in table.column("lang").to_pylist():
+            counts[lang] = counts.get(lang, 0) + 1
+        print(
+            f"\nfinal greedy WER on the {t.final_eval_split} split after {result['steps']} steps "
+            f"({result['train_minutes']:.1f} min):"
+        )
+        print(format_wer_table(wer, counts))
+        (run_dir / "eval.json").write_text(
+            json.dumps({"split": t.final_eval_split, **result, **wer}, indent=2)
+        )
+        with (run_dir / "eval_decodes.jsonl").open("w") as f:
+            for lang, ref, hyp in final_eval.last_decodes:
+                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+        from speechlm.train.plots import plot_learning_curve
+
+        png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+        print(f"wrote {run_dir / 'eval.json'}, {png}")
+    return wer

@@ -6,11 +6,17 @@ Two parameter groups share one `LambdaLR`:
 - the audio encoder: zero before `unfreeze_step` (the encoder is also run without gradients then),
   then its own linear warmup over `encoder_warmup_steps` from the unfreeze step, then the same cosine
   decay to `max_steps`. With `unfreeze_step=0` both groups follow the same shape.
+
+`build_optimizer` makes the AdamW with those two groups and the `LambdaLR`; `sync_schedule_to_step`
+moves a restored scheduler onto this run's schedule.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import torch
 
 
 def warmup_cosine(
@@ -54,3 +60,37 @@ def encoder_lr_lambda(
 def encoder_frozen(step: int, unfreeze_step: int) -> bool:
     """True while the encoder is frozen (before the optimizer step `unfreeze_step`)."""
     return unfreeze_step > 0 and step < unfreeze_step
+
+
+def build_optimizer(model: Any, cfg: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group."""
+    o, t = cfg.optim, cfg.trainer
+    enc_ids = {id(p) for p in model.encoder_parameters()}
+    enc = [p for p in model.parameters() if id(p) in enc_ids and p.requires_grad]
+    rest = [p for p in model.parameters() if id(p) not in enc_ids and p.requires_grad]
+    groups = [
+        {"params": rest, "lr": o.lr, "name": "decoder"},
+        {"params": enc, "lr": o.encoder_lr if o.encoder_lr is not None else o.lr, "name": "encoder"},
+    ]
+    betas = (float(o.betas[0]), float(o.betas[1]))
+    opt = torch.optim.AdamW(groups, betas=betas, weight_decay=o.weight_decay, eps=1e-8)
+    max_steps, floor = t.max_steps, o.min_lr_ratio
+    lambdas = [
+        lambda s: decoder_lr_lambda(s, warmup_steps=o.warmup_steps, max_steps=max_steps, min_lr_ratio=floor),
+        lambda s: encoder_lr_lambda(
+            s,
+            unfreeze_step=o.unfreeze_step,
+            encoder_warmup_steps=o.encoder_warmup_steps,
+            warmup_steps=o.warmup_steps,
+            max_steps=max_steps,
+            min_lr_ratio=floor,
+        ),
+    ]
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
+
+def sync_schedule_to_step(sched: Any, step: int) -> None:
+    """Set every group's learning rate to base_lr * lambda(step) of this run's LambdaLR."""
+    from speechlm.train.lightning_compat import set_scheduler_lrs
+
+    set_scheduler_lrs(sched, step, [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)])

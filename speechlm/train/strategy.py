@@ -15,6 +15,7 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallel.mesh import ParallelDims
+from speechlm.train.lightning_compat import has_dtensor_modules, set_device_mesh, setup_process_group
 
 
 class SpeechParallelStrategy(ModelParallelStrategy):
@@ -31,15 +32,14 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         self.dims = dims
 
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        setup_process_group(self)
         if self.world_size != self.dims.world_size:
             raise RuntimeError(
                 f"the launcher started {self.world_size} processes but the layout needs {self.dims.world_size} "
                 f"({self.dims.describe()})"
             )
-        self._device_mesh = self.dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self, self.lightning_module, self.dims.build_mesh(self.root_device.type))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -48,9 +48,7 @@ class SpeechParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's DCP loader insists on DTensor parameters; one process has none (no FSDP/TP), so
         the same sharded format is read here with torch's state-dict helpers, which take plain modules."""
-        from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
-
-        if _has_dtensor_modules(self.model):
+        if has_dtensor_modules(self.model):
             # meta.pt holds plain containers and tensors only (train/checkpoint.py): no code can run on load
             return super().load_checkpoint(checkpoint_path, weights_only=True)
         import torch.distributed.checkpoint as dcp

@@ -1,0 +1,71 @@
+"""Every use of a private API of Lightning (and of torch's LR scheduler) in one place.
+
+Lightning has no public hook for what these do; an upgrade that renames one of them breaks here, and
+`tests/test_lightning_compat.py` fails on the installed version before any training run does. Nothing
+else under `speechlm/` touches a private name of Lightning (the same test checks that).
+
+Checked against: lightning 2.4 to 2.6 (the versions pyproject.toml allows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def setup_process_group(strategy: Any) -> None:
+    """`ModelParallelStrategy._setup_distributed`: init the process group (torchrun or Lightning's launcher)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Any, module: Any, mesh: Any) -> None:
+    """Install our mesh where `ModelParallelStrategy` and `LightningModule.device_mesh` look for it."""
+    strategy._device_mesh = mesh
+    module._device_mesh = mesh
+
+
+def has_dtensor_modules(model: Any) -> bool:
+    """Whether `model` holds DTensor parameters (FSDP2/TP), which Lightning's DCP loader requires."""
+    from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
+
+    return bool(_has_dtensor_modules(model))
+
+
+def set_fit_max_steps(trainer: Any, max_steps: int) -> None:
+    """Change `max_steps` of a Trainer already built (evaluation-only runs restore, then train 0 steps)."""
+    trainer.fit_loop.epoch_loop.max_steps = max_steps
+
+
+def set_scheduler_lrs(sched: torch.optim.lr_scheduler.LRScheduler, step: int, lrs: list[float]) -> None:
+    """Put a scheduler at `step` with these rates, as if it had stepped there (`get_last_lr` reads them)."""
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched.last_epoch = step
+    sched._last_lr = list(lrs)  # type: ignore[assignment]
+
+
+def step_progress_bar() -> Any:
+    """Lightning's Rich bar labelled with the optimizer step and epoch; its tqdm bar without `rich`.
+
+    Rich's train description is set by a private method and refreshed through private attributes."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return TQDMProgressBar()
+
+    class StepProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            t = self.trainer
+            return f"step {t.global_step}/{t.max_steps} · epoch {current_epoch}"
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if self.progress is not None and self.train_progress_bar_id is not None:
+                self.progress.update(
+                    self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch)
+                )
+
+    return StepProgressBar()
