@@ -430,3 +430,31 @@ def test_backends_without_cp_refuse_a_cp_context(name):
             max_length_k=8,
             cp_context=object(),
         )
+
+
+def test_attention_backend_decorator_applies_the_shared_checks(monkeypatch):
+    """One place does what every backend opened with: dtypes, scale, CP and dropout refusals."""
+    import torch
+
+    from speechlm.model.attention import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    seen: dict = {}
+
+    @registry.attention_backend("torch_varlen", has_dropout=False)  # its capability row: no CP path
+    def impl(module, q, k, v, mask, *, scale, dropout, **kwargs):
+        seen.update(dtypes={q.dtype, k.dtype, v.dtype}, scale=scale, dropout=dropout, kwargs=sorted(kwargs))
+        return q, None
+
+    q, k64 = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    impl(None, q, k64, k64, None, position_ids=None)
+    assert seen == {"dtypes": {torch.float32}, "scale": 0.5, "dropout": 0.0, "kwargs": ["position_ids"]}
+    impl(None, q, q, q, None, scaling=0.125)
+    assert seen["scale"] == 0.125
+    assert registry.get_backend("torch_varlen").fn is impl
+    with pytest.raises(ValueError, match="no context-parallel path"):
+        impl(None, q, q, q, None, cp_context=object())
+    with pytest.raises(ValueError, match="no attention dropout"):
+        impl(None, q, q, q, None, dropout=0.1)
+    with pytest.raises(KeyError, match="backend_caps"):
+        registry.attention_backend("nonexistent")

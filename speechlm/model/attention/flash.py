@@ -14,13 +14,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import (
-    BackendUnavailableError,
-    as_thd,
-    default_scale,
-    match_dtypes,
-    refuse_cp_context,
-)
+from speechlm.model.attention.layouts import as_thd
+from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
 
 def _import_flash_attn() -> Any:
@@ -34,20 +29,19 @@ def _import_flash_attn() -> Any:
     return flash_attn
 
 
+@attention_backend("flash")
 def attend_flash(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    refuse_cp_context("flash", kwargs)
     flash_attn = _import_flash_attn()
-    scale = default_scale(query_BHSD, scaling)
     t = as_thd("flash", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
     out_THD = flash_attn.flash_attn_varlen_func(
         t.q_THD.contiguous(),

@@ -25,13 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import (
-    check_no_dropout,
-    default_scale,
-    match_dtypes,
-    read_varlen_args,
-    refuse_cp_context,
-)
+from speechlm.model.attention.layouts import read_varlen_args
+from speechlm.model.attention.registry import attention_backend
 
 _MASK_CACHE: OrderedDict[tuple[str, int, tuple[int, ...]], Any] = OrderedDict()
 _MASK_CACHE_SIZE = 16
@@ -103,19 +98,18 @@ def _flex_fn(device: torch.device) -> Any:
     return _COMPILED["cuda"]
 
 
+@attention_backend("flex", has_dropout=False)
 def attend_flex(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    refuse_cp_context("flex", kwargs)
-    check_no_dropout("flex", dropout)
     device = query_BHSD.device
     varlen = read_varlen_args(kwargs, device)
     if varlen is not None:
@@ -136,7 +130,7 @@ def attend_flex(
         key_BGSD,
         value_BGSD,
         block_mask=block_mask,
-        scale=default_scale(query_BHSD, scaling),
+        scale=scale,
         enable_gqa=query_BHSD.shape[1] != key_BGSD.shape[1],
     )
     return out_BHSD.transpose(1, 2), None

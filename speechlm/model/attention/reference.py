@@ -21,15 +21,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from parallel.attention_ops import varlen_attention_reference
-from speechlm.model.attention.registry import (
-    attend_padded_sdpa,
-    check_no_dropout,
-    check_thd_lengths,
-    default_scale,
-    match_dtypes,
-    read_varlen_args,
-    to_thd,
-)
+from speechlm.model.attention.layouts import attend_padded_sdpa, check_thd_lengths, read_varlen_args, to_thd
+from speechlm.model.attention.registry import attention_backend, check_no_dropout
 
 
 def _looks_packed(position_ids: Any) -> bool:
@@ -38,18 +31,18 @@ def _looks_packed(position_ids: Any) -> bool:
     return bool((position_ids[0, 1:] < position_ids[0, :-1]).any())
 
 
+@attention_backend("reference")
 def attend_reference(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    scale = default_scale(query_BHSD, scaling)
     varlen = read_varlen_args(kwargs, query_BHSD.device)
     cp_context = kwargs.get("cp_context")
     if varlen is None:

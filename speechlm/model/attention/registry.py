@@ -1,41 +1,54 @@
-"""The one attention backend registry, and the calling conventions every backend shares.
+"""The one attention backend registry: which backends exist, whether they are installed, and how
+transformers finds them.
 
-Letters: B batch, H query heads, G key/value heads (GQA: H % G == 0), S padded row length,
-T packed tokens, D head dim, N sequences.
+A backend is registered with the `attention_backend` decorator on its implementation::
 
-A backend is a function with transformers' attention signature::
+    @attention_backend("flex", has_dropout=False)
+    def attend_flex(module, query_BHSD, key_BGSD, value_BGSD, attention_mask, *, scale, dropout, **kwargs):
+        ...  # -> (out_BSHD, None)
 
-    fn(module, query_BHSD, key_BGSD, value_BGSD, attention_mask, scaling=None, dropout=0.0, **kwargs)
-        -> (out_BSHD, None)
+The decorator does what every backend would otherwise open with: q/k/v to one dtype
+(`layouts.match_dtypes`), the softmax scale resolved (`layouts.default_scale`), a CP context
+refused when the backend's capability row says it has no CP path, attention dropout refused when
+``dropout=False``. It returns a function with transformers' attention signature
+``fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)`` and adds it
+to the registry. Capabilities (THD, BSHD, CP, CPU, ...) are the row of
+``parallel.backend_caps.BACKENDS``; nothing here repeats them. Layout helpers (THD views,
+unpadding, masks) live in `layouts`.
 
-registered under ``speechlm_<name>`` (``speechlm_fa`` for flash: transformers reserves names holding
-"flash") with transformers' ``AttentionInterface`` when it is first selected (`ensure_registered`).
-Its capabilities (THD, BSHD, CP, CPU, ...) are the row of ``parallel.backend_caps.BACKENDS``;
-nothing here repeats them.
+**transformers' registries are process-wide.** Nothing is registered with transformers at import.
+`ensure_registered(name)`, called when a model is built with that backend, writes the function to
+transformers' global ``AttentionInterface`` and our pass-through mask function
+(`pass_padding_mask`) to its global ``AttentionMaskInterface``, both under ``speechlm_<name>``
+(``speechlm_fa`` for flash: transformers reserves names holding "flash"). The prefix keeps our
+entries apart from transformers' own implementations; registering again replaces the entry with
+the same function, so it is idempotent. Every model in the process built with
+``attn_implementation="speechlm_<name>"`` uses that function.
 
 THD (packed): batch dimension 1, the model's forward received ``cu_seq_lens_q/k`` and
 ``max_length_q/k`` (we always pass them; transformers' own packed-sequence detection from position
 ids is never relied on). BSHD (padded): no cu_seqlens; ``attention_mask`` is the 2-D ``[B, S]``
-padding mask (True = real token), passed through untouched by `pass_padding_mask`, which we register
-as the mask function of every backend; each backend applies causality itself.
+padding mask (True = real token), passed through untouched by `pass_padding_mask`; each backend
+applies causality itself.
 
-Adding a backend: write ``speechlm/model/attention/<name>.py`` with its function (import optional
-packages inside the function), add its row to ``parallel/backend_caps.py``, and add one
-``register_backend("<name>", <module>.<fn>)`` line to ``speechlm/model/attention/__init__.py``.
+Adding a backend: add its row to ``parallel/backend_caps.py``, write
+``speechlm/model/attention/<name>.py`` with its decorated implementation (import optional packages
+inside the function), and import the module in ``speechlm/model/attention/__init__.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from parallel.backend_caps import BACKENDS, BackendCaps
+from speechlm.model.attention.layouts import default_scale, match_dtypes
 
 ATTN_PREFIX = "speechlm_"
 
@@ -76,6 +89,42 @@ def register_backend(name: str, fn: AttentionFn, *, replace: bool = False) -> At
     backend = AttentionBackend(name=name, fn=fn, caps=BACKENDS[name])
     _REGISTRY[name] = backend
     return backend
+
+
+def attention_backend(name: str, *, has_dropout: bool = True) -> Callable[[Callable[..., Any]], AttentionFn]:
+    """Decorator: wrap ``impl(module, q, k, v, attention_mask, *, scale, dropout, **kwargs)`` into a
+    transformers attention function with the shared checks, and register it as `name` (see above)."""
+    if name not in BACKENDS:
+        raise KeyError(
+            f"attention backend {name!r} has no capability row; add one to parallel/backend_caps.py"
+        )
+    caps = BACKENDS[name]
+
+    def wrap(impl: Callable[..., Any]) -> AttentionFn:
+        @functools.wraps(impl)
+        def fn(
+            module: nn.Module,
+            query_BHSD: Tensor,
+            key_BGSD: Tensor,
+            value_BGSD: Tensor,
+            attention_mask: Tensor | None,
+            scaling: float | None = None,
+            dropout: float = 0.0,
+            **kwargs: Any,
+        ) -> tuple[Tensor, Tensor | None]:
+            q, k, v = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
+            if not caps.cp:
+                refuse_cp_context(name, kwargs)
+            if not has_dropout:
+                check_no_dropout(name, dropout)
+            return impl(
+                module, q, k, v, attention_mask, scale=default_scale(q, scaling), dropout=dropout, **kwargs
+            )
+
+        register_backend(name, fn)
+        return fn
+
+    return wrap
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -133,82 +182,6 @@ def ensure_registered(name: str) -> str:
     return backend.attn_implementation
 
 
-# ---------------------------------------------------------------------------------------------
-# Calling conventions shared by the backends
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VarlenArgs:
-    cu_seqlens_q: Tensor  # int32 [N + 1] on the queries' device
-    cu_seqlens_k: Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def _max_len(cu: Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-
-
-@dataclass
-class ThdView:
-    """q/k/v as one THD stream for a varlen kernel, and how to put its output back."""
-
-    q_THD: Tensor
-    k_TGD: Tensor
-    v_TGD: Tensor
-    cu_seqlens_q: Tensor
-    cu_seqlens_k: Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    plan: Any  # UnpadPlan of a padded batch, None for a packed one
-
-    def restore(self, out_THD: Tensor) -> tuple[Tensor, None]:
-        """The kernel's THD output in the layout transformers expects back ([B, S, H, D])."""
-        if self.plan is not None:
-            return scatter_bshd(out_THD, self.plan), None
-        return out_THD.unsqueeze(0), None
-
-
-def as_thd(
-    backend: str,
-    query_BHSD: Tensor,
-    key_BGSD: Tensor,
-    value_BGSD: Tensor,
-    attention_mask: Tensor | None,
-    kwargs: Mapping[str, Any],
-) -> ThdView:
-    """Packed batch (cu_seqlens given): the stream as is. Padded batch: unpad it with its [B, S] mask."""
-    varlen = read_varlen_args(kwargs, query_BHSD.device)
-    if varlen is not None:
-        return ThdView(
-            to_thd(query_BHSD),
-            to_thd(key_BGSD),
-            to_thd(value_BGSD),
-            varlen.cu_seqlens_q,
-            varlen.cu_seqlens_k,
-            varlen.max_seqlen_q,
-            varlen.max_seqlen_k,
-            None,
-        )
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"{backend} takes a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
-    B, _, S, _ = query_BHSD.shape
-    if attention_mask is None:
-        attention_mask = torch.ones(B, S, dtype=torch.bool, device=query_BHSD.device)
-    plan = plan_unpad(attention_mask)
-    return ThdView(
-        gather_thd(query_BHSD, plan),
-        gather_thd(key_BGSD, plan),
-        gather_thd(value_BGSD, plan),
-        plan.cu_seqlens,
-        plan.cu_seqlens,
-        plan.max_seqlen,
-        plan.max_seqlen,
-        plan,
-    )
-
-
 def refuse_cp_context(backend: str, kwargs: Mapping[str, Any]) -> None:
     """Backends without a context-parallel path in this build raise here (the validator says so first)."""
     if kwargs.get("cp_context") is not None:
@@ -218,147 +191,9 @@ def refuse_cp_context(backend: str, kwargs: Mapping[str, Any]) -> None:
         )
 
 
-def read_varlen_args(kwargs: Mapping[str, Any], device: torch.device) -> VarlenArgs | None:
-    """Read ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the forward kwargs; None when absent."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None and cu_k is None:
-        return None
-    if cu_q is None or cu_k is None:
-        raise ValueError("pass both cu_seq_lens_q and cu_seq_lens_k (THD attention), or neither (padded)")
-    cu_q = cu_q.to(device=device, dtype=torch.int32)
-    cu_k = cu_k.to(device=device, dtype=torch.int32)
-    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    return VarlenArgs(
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=int(max_q) if max_q is not None else _max_len(cu_q),
-        max_seqlen_k=int(max_k) if max_k is not None else _max_len(cu_k),
-    )
-
-
-def to_thd(x_1HTD: Tensor) -> Tensor:
-    """``[1, H, T, D]`` (transformers' layout of a packed batch) -> ``[T, H, D]``."""
-    if x_1HTD.dim() != 4 or x_1HTD.shape[0] != 1:
-        raise ValueError(
-            f"THD attention needs batch size 1 (one packed stream), got q/k/v of shape {tuple(x_1HTD.shape)}"
-        )
-    return x_1HTD[0].transpose(0, 1)
-
-
-def check_thd_lengths(varlen: VarlenArgs, t_q: int, t_k: int) -> None:
-    """Cheap shape checks (no device sync beyond reading the last offset)."""
-    if varlen.cu_seqlens_q.dim() != 1 or varlen.cu_seqlens_q.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(varlen.cu_seqlens_q.shape)}"
-        )
-    if int(varlen.cu_seqlens_q[-1]) != t_q or int(varlen.cu_seqlens_k[-1]) != t_k:
-        raise ValueError(
-            f"cu_seqlens end at {int(varlen.cu_seqlens_q[-1])}/{int(varlen.cu_seqlens_k[-1])} but the packed "
-            f"stream has {t_q}/{t_k} tokens (q/k)"
-        )
-
-
 def check_no_dropout(backend: str, dropout: float) -> None:
     if dropout:
         raise ValueError(
             f"attention backend {backend!r} has no attention dropout, got dropout={dropout}; build the LLM "
             "with dropout 0 (the default of SpeechLLM) or use the 'flash', 'te' or 'sdpa' backend"
         )
-
-
-@dataclass
-class Unpadded:
-    """Index plan to turn a right/left-padded ``[B, S]`` batch into a THD stream and back."""
-
-    index_M: Tensor  # int64 positions of real tokens in the flattened B*S
-    cu_seqlens: Tensor  # int32 [B + 1]
-    max_seqlen: int
-    batch: int
-    seqlen: int
-
-
-def plan_unpad(padding_mask_BS: Tensor) -> Unpadded:
-    valid_BS = padding_mask_BS.to(torch.bool)
-    lens_B = valid_BS.sum(dim=1, dtype=torch.int32)
-    cu = torch.zeros(lens_B.numel() + 1, dtype=torch.int32, device=valid_BS.device)
-    cu[1:] = torch.cumsum(lens_B, 0)
-    index_M = torch.nonzero(valid_BS.flatten()).flatten()
-    B, S = valid_BS.shape
-    return Unpadded(index_M, cu, int(lens_B.max()) if B else 0, B, S)
-
-
-def gather_thd(x_BHSD: Tensor, plan: Unpadded) -> Tensor:
-    """``[B, H, S, D]`` -> ``[M, H, D]`` (real tokens only, row-major order)."""
-    B, H, S, D = x_BHSD.shape
-    return x_BHSD.transpose(1, 2).reshape(B * S, H, D).index_select(0, plan.index_M)
-
-
-def scatter_bshd(out_MHD: Tensor, plan: Unpadded) -> Tensor:
-    """``[M, H, D]`` -> ``[B, S, H, D]`` with zeros at padding."""
-    M, H, D = out_MHD.shape
-    full = out_MHD.new_zeros(plan.batch * plan.seqlen, H, D).index_copy(0, plan.index_M, out_MHD)
-    return full.view(plan.batch, plan.seqlen, H, D)
-
-
-def build_padded_causal_mask(padding_mask_BS: Tensor, q_len: int) -> Tensor:
-    """Bool ``[B, 1, Sq, Sk]``: causal (queries aligned to the last keys) and real keys only.
-
-    Each query may always see its own position, so a padded query row is never fully masked (that
-    would give NaN); real queries never see padded keys either way.
-    """
-    k_len = padding_mask_BS.shape[1]
-    device = padding_mask_BS.device
-    q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    causal_QK = k_pos <= q_pos
-    mask_BQK = causal_QK[None] & padding_mask_BS.to(torch.bool)[:, None, :]
-    mask_BQK = mask_BQK | (k_pos == q_pos)[None]
-    return mask_BQK[:, None]
-
-
-def attend_padded_sdpa(
-    query_BHSD: Tensor,
-    key_BGSD: Tensor,
-    value_BGSD: Tensor,
-    attention_mask: Tensor | None,
-    *,
-    scale: float,
-    dropout: float = 0.0,
-) -> Tensor:
-    """Causal attention on a padded batch with torch SDPA; returns ``[B, S, H, D]``."""
-    gqa = query_BHSD.shape[1] != key_BGSD.shape[1]
-    if attention_mask is None:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query_BHSD, key_BGSD, value_BGSD, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa
-        )
-        return out.transpose(1, 2)
-    if attention_mask.dim() == 2:
-        mask = build_padded_causal_mask(attention_mask, query_BHSD.shape[2])
-    elif attention_mask.dim() == 4:
-        mask = attention_mask  # a prepared 4-D mask (bool, or additive float): used as given
-    else:
-        raise ValueError(
-            f"attention_mask must be [B, S] or [B, 1, Sq, Sk], got {tuple(attention_mask.shape)}"
-        )
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query_BHSD, key_BGSD, value_BGSD, attn_mask=mask, scale=scale, dropout_p=dropout, enable_gqa=gqa
-    )
-    return out.transpose(1, 2)
-
-
-def match_dtypes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Bring q/k/v to one dtype, as SDPA's autocast rule would: the autocast dtype when autocast is on.
-
-    Under autocast, transformers' rotary embedding can leave q/k in fp32 (cos/sin follow the fp32
-    input embeddings) while v is bf16; raw attention ops and kernels need a single dtype.
-    """
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = q.dtype
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def default_scale(query: Tensor, scaling: float | None) -> float:
-    return float(scaling) if scaling is not None else query.shape[-1] ** -0.5

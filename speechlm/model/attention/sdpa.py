@@ -12,20 +12,22 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import attend_padded_sdpa, default_scale, match_dtypes
+from speechlm.model.attention.layouts import attend_padded_sdpa
+from speechlm.model.attention.registry import attention_backend
 
 
+@attention_backend("sdpa")
 def attend_sdpa(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
     if (
         kwargs.get("cu_seq_lens_q") is not None
         or kwargs.get("cu_seq_lens_k") is not None
@@ -40,7 +42,7 @@ def attend_sdpa(
         key_BGSD,
         value_BGSD,
         attention_mask,
-        scale=default_scale(query_BHSD, scaling),
+        scale=scale,
         dropout=dropout,
     )
     return out, None

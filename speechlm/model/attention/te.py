@@ -18,13 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import (
-    BackendUnavailableError,
-    as_thd,
-    default_scale,
-    match_dtypes,
-    refuse_cp_context,
-)
+from speechlm.model.attention.layouts import as_thd
+from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
 _CORES: dict[tuple[int, int, int, float, float], Any] = {}
 
@@ -59,23 +54,21 @@ def get_core_attention(
     return core
 
 
+@attention_backend("te")
 def attend_te(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
-    refuse_cp_context("te", kwargs)
     te = _import_te()
     H, G, D = query_BHSD.shape[1], key_BGSD.shape[1], query_BHSD.shape[3]
-    core = get_core_attention(
-        te, heads=H, groups=G, head_dim=D, scale=default_scale(query_BHSD, scaling), dropout=dropout
-    )
+    core = get_core_attention(te, heads=H, groups=G, head_dim=D, scale=scale, dropout=dropout)
     # TE picks its kernels by training mode too: follow the model, never the dropout rate (dropout=0
     # in inference mode would let TE choose backends that have no backward)
     core.train(bool(getattr(module, "training", torch.is_grad_enabled())))

@@ -20,15 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.registry import (
-    BackendUnavailableError,
-    check_no_dropout,
-    default_scale,
-    match_dtypes,
-    read_varlen_args,
-    refuse_cp_context,
-    to_thd,
-)
+from speechlm.model.attention.layouts import read_varlen_args, to_thd
+from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
 
 def _import_varlen_attn() -> Any:
@@ -67,30 +60,29 @@ def check_device(device: torch.device) -> None:
         )
 
 
+@attention_backend("torch_varlen", has_dropout=False)
 def attend_torch_varlen(
     module: nn.Module,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    *,
+    scale: float,
+    dropout: float,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    query_BHSD, key_BGSD, value_BGSD = match_dtypes(query_BHSD, key_BGSD, value_BGSD)
     varlen = read_varlen_args(kwargs, query_BHSD.device)
     if varlen is None:
         raise ValueError(
             "torch_varlen has no padded (BSHD) path; pass cu_seq_lens_q/k (THD) or use sdpa/reference"
         )
-    refuse_cp_context("torch_varlen", kwargs)
-    check_no_dropout("torch_varlen", dropout)
     check_device(query_BHSD.device)
     varlen_attn = _import_varlen_attn()
     q_THD, k_TGD, v_TGD = to_thd(query_BHSD), to_thd(key_BGSD), to_thd(value_BGSD)
     kw, repeat_kv = varlen_call_kwargs(
         varlen_attn,
-        scale=default_scale(query_BHSD, scaling),
+        scale=scale,
         n_heads=q_THD.shape[1],
         n_kv_heads=k_TGD.shape[1],
     )
