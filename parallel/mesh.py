@@ -12,6 +12,7 @@ Flattened sub-meshes the rest of the code asks for:
 - `dp_cp`       = dp_replicate x dp_shard x cp: the ranks the loss normaliser and gradients sum over.
 
 The rank arithmetic is pure (tested without a process group); `build_mesh` creates the DeviceMesh.
+torch is imported only inside `build_mesh`: the validator reads `resolve_dp_shard` from here without torch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,21 @@ from typing import Any
 
 class LayoutError(ValueError):
     """The requested layout does not fit the world size."""
+
+
+def resolve_dp_shard(world_size: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> int | None:
+    """dp_shard as configured, -1 meaning the rest: ``world_size // (dp_replicate * cp * tp)``.
+
+    None when it cannot be resolved: a configured value below 1 (other than -1), or -1 with a product
+    dp_replicate*cp*tp below 1 or not dividing the world size. `ParallelDims` raises `LayoutError` there;
+    the validator reports it as a finding.
+    """
+    if dp_shard != -1:
+        return dp_shard if dp_shard >= 1 else None
+    rest = dp_replicate * cp * tp
+    if rest < 1 or world_size % rest:
+        return None
+    return world_size // rest
 
 
 @dataclass(frozen=True)
@@ -37,15 +53,16 @@ class ParallelDims:
         for name in ("dp_replicate", "cp", "tp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        rest = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
-            if self.world_size % rest:
+            resolved = resolve_dp_shard(self.world_size, self.dp_replicate, -1, self.cp, self.tp)
+            if resolved is None:
+                rest = self.dp_replicate * self.cp * self.tp
                 raise LayoutError(
                     f"world size {self.world_size} is not divisible by dp_replicate*cp*tp = "
                     f"{self.dp_replicate}*{self.cp}*{self.tp} = {rest}; change --cp-size/--tp-size or the "
                     f"number of processes"
                 )
-            object.__setattr__(self, "dp_shard", self.world_size // rest)
+            object.__setattr__(self, "dp_shard", resolved)
         prod = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if prod != self.world_size:
             raise LayoutError(

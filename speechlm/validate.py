@@ -1,7 +1,8 @@
 """`speechlm validate CONFIG`: check a parallel layout in seconds, before a job is submitted.
 
-The rules live in `parallel.validator` (one table, one pure function). This module gathers what the
-function needs from the machine, or from flags when validating for another machine:
+The rules live in `parallel.validator` (the parallelism rules) and `speechlm.validate_rules` (the
+training rules, and `RULES`, the full table run here). This module gathers what the rules need from
+the machine, or from flags when validating for another machine:
 
     speechlm validate configs/validate_example.yaml --world-size 64 --device-capability 12.0 \
         --env NVTE_FUSED_ATTN=0 --assume-installed transformer-engine=2.5 model.attention_backend=te
@@ -43,6 +44,7 @@ from parallel.validator import (
     normalize_installed,
     parse_capability,
 )
+from speechlm.validate_rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
 PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -129,7 +131,7 @@ def validate_at_fit_start(
     ctx = build_context(
         config, world_size, os.environ if env is None else env, device_capability, installed, manifest_summary
     )
-    findings = evaluate(ctx)
+    findings = evaluate(ctx, RULES)
     check_or_raise(findings, log=log, rank=rank)
     return findings
 
@@ -279,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, UsageError) as e:
         print(f"speechlm validate: {e}", file=sys.stderr)
         return 2
-    findings = evaluate(ctx)
+    findings = evaluate(ctx, RULES)
     invalid = has_errors(findings)
     if args.json:
         context = {**ctx.as_dict(), "config": str(args.config), "world_size_source": world_source}

@@ -4,10 +4,12 @@ import itertools
 
 import pytest
 
-from parallel.mesh import LayoutError, ParallelDims
+from parallel.mesh import LayoutError, ParallelDims, resolve_dp_shard
 
 
-@pytest.mark.parametrize("world,rep,cp,tp", [(1, 1, 1, 1), (8, 1, 2, 2), (8, 2, 2, 1), (16, 2, 2, 2), (4, 1, 4, 1)])
+@pytest.mark.parametrize(
+    "world,rep,cp,tp", [(1, 1, 1, 1), (8, 1, 2, 2), (8, 2, 2, 1), (16, 2, 2, 2), (4, 1, 4, 1)]
+)
 def test_coords_cover_every_rank_once(world, rep, cp, tp):
     d = ParallelDims(world, rep, -1, cp, tp)
     assert d.dp_replicate * d.dp_shard * d.cp * d.tp == world
@@ -42,3 +44,27 @@ def test_layout_errors_name_the_numbers():
         ParallelDims(8, 1, 2, 2, 1)
     with pytest.raises(LayoutError, match="cp must be >= 1"):
         ParallelDims(2, 1, -1, 0, 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16])
+@pytest.mark.parametrize("rep,cp,tp", [(1, 1, 1), (1, 2, 1), (2, 1, 2), (1, 4, 1), (2, 2, 2), (3, 1, 1)])
+def test_dp_shard_rest_has_one_owner(world, rep, cp, tp):
+    """ParallelDims and the validator (build_context) resolve dp_shard=-1 with the same function."""
+    from parallel.validator import build_context
+    from speechlm.config import load_config
+
+    resolved = resolve_dp_shard(world, rep, -1, cp, tp)
+    assert resolved == (world // (rep * cp * tp) if world % (rep * cp * tp) == 0 else None)
+    overrides = [f"parallel.dp_replicate={rep}", f"parallel.cp_size={cp}", f"parallel.tp_size={tp}"]
+    assert build_context(load_config(None, overrides), world, {}, None, {}).dp_shard_resolved == resolved
+    if resolved is None:
+        with pytest.raises(LayoutError, match="not divisible"):
+            ParallelDims(world, rep, -1, cp, tp)
+    else:
+        assert ParallelDims(world, rep, -1, cp, tp).dp_shard == resolved
+
+
+def test_resolve_dp_shard_keeps_a_configured_value():
+    assert resolve_dp_shard(8, 1, 2, 2, 1) == 2  # the product is checked by the caller
+    assert resolve_dp_shard(8, 1, 0, 2, 1) is None and resolve_dp_shard(8, 1, -2, 2, 1) is None
+    assert resolve_dp_shard(8, 0, -1, 2, 1) is None

@@ -14,22 +14,26 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 
+import parallel.validator
 from parallel.backend_caps import BACKENDS
 from parallel.validator import (
     ERROR,
-    RULES,
+    PARALLEL_RULES,
     WARNING,
     Finding,
     ValidationError,
     check_or_raise,
     format_findings,
+    in_range,
     normalize_installed,
     parse_capability,
     parse_version,
-    validate,
+    try_parse_version,
 )
 from speechlm.config import ExperimentConfig, apply_override
+from speechlm.validate_rules import RULES, TRAINING_RULES, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = {"torch": "2.13.0", "transformer-engine": "2.5.0", "flash-attn": "2.8.3", "cudnn": "9.10.0"}
@@ -485,7 +489,7 @@ def test_parse_capability() -> None:
 
 
 def test_parse_version_and_installed_names() -> None:
-    assert parse_version("2.13.0+cpu") == (2, 13, 0, 0)
+    assert parse_version("2.13.0+cpu") == Version("2.13.0")
     assert parse_version("2.10") == parse_version("2.10.0") > parse_version("2.9.1")
     assert parse_version("1.11.0.dev0+abc") > parse_version("1.10.99")
     with pytest.raises(ValueError, match="2.6.0"):
@@ -499,6 +503,69 @@ def test_parse_version_and_installed_names() -> None:
         "transformer-engine": "2.5",
         "flash-attn": "2.8",
     }
+
+
+@pytest.mark.parametrize(
+    ("text", "release"),
+    [
+        ("2.13.0+cpu", "2.13.0"),  # local label ignored
+        ("2.9.1+cu128", "2.9.1"),
+        ("2.5.0a0+git1234", "2.5.0"),  # pre-release and local label: its release
+        ("2.10.0a0+gitabc", "2.10.0"),
+        ("2.6.0rc1", "2.6.0"),
+        ("1.11.0.dev0+abc", "1.11.0"),  # dev release
+        ("2.5.0.post1", "2.5.0"),  # post release
+        ("1.7", "1.7.0"),  # short forms compare like their zero-padded release
+        ("2", "2.0.0"),
+        ("v2.5", "2.5"),
+        (" 2.5 ", "2.5"),
+    ],
+)
+def test_versions_compare_on_the_release_number(text: str, release: str) -> None:
+    assert parse_version(text) == Version(release) == try_parse_version(text)
+
+
+def test_pre_releases_and_local_builds_of_a_bound_count_as_that_release() -> None:
+    assert in_range("2.5.0a0+git1234", None, "2.6")
+    assert not in_range("2.6.0a0+git1234", None, "2.6")  # a 2.6 nightly is not below 2.6
+    assert not in_range("2.10.0a0+gitabc", None, "2.10") and in_range("2.9.1+cu128", None, "2.10")
+    assert in_range("2.6.0rc1", "2.6", "2.7") and not in_range("2.7.0.dev0", "2.6", "2.7")
+    assert in_range("1.7", None, "1.11") and in_range("1.7", "1.7.0", None)
+
+
+@pytest.mark.parametrize("text", ["unknown", "latest", "", "none", "2.5-custom", "2.5.0 custom", "2.5.x"])
+def test_unreadable_versions_are_unknown_and_not_judged(text: str) -> None:
+    assert try_parse_version(text) is None
+    if text:
+        with pytest.raises(ValueError, match="write it like 2.6.0"):
+            parse_version(text)
+    if text not in ("", "none"):  # those two mean "not installed", another rule
+        # read as 2.5 it would be below 2.6: unknown, it is not judged
+        assert validate(make_config(), 1, {}, None, {"torch": text}) == []
+
+
+@pytest.mark.parametrize(
+    ("torch", "refused"),
+    [("2.5.0a0+git1234", True), ("2.6.0a0+git1234", False), ("2.13.0+cpu", False), ("1.7", True)],
+)
+def test_version_rule_reads_pre_releases_and_local_builds(torch: str, refused: bool) -> None:
+    ids = [f.rule_id for f in validate(make_config(), 1, {}, None, {"torch": torch})]
+    assert ids == (["backend-version-unsupported"] if refused else [])
+
+
+def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
+    assert RULES == (*PARALLEL_RULES, *TRAINING_RULES)
+    assert [r.id for r in TRAINING_RULES] == [
+        "sampler-budget-invalid",
+        "budget-below-longest-utterance",
+        "encoder-packed-unsupported",
+        "encoder-runs-padded",
+        "grad-accum-exceeds-batches",
+    ]
+    # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
+    cfg = make_config("sampler.max_batch_duration=0")
+    assert parallel.validator.validate(cfg, 1, {}, 9.0, INSTALLED) == []
+    assert [f.rule_id for f in validate(cfg, 1, {}, 9.0, INSTALLED)] == ["sampler-budget-invalid"]
 
 
 def test_bad_world_size_is_an_argument_error() -> None:
@@ -530,7 +597,10 @@ def test_format_findings_shows_level_id_reason_and_fix() -> None:
 
 
 def test_validator_and_cli_module_do_not_import_torch() -> None:
-    code = "import sys, parallel.validator, speechlm.validate; print('torch' in sys.modules)"
+    code = (
+        "import sys, parallel.validator, speechlm.validate_rules, speechlm.validate; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,0 +1,403 @@
+"""The parallel rules: the `Rule` row and `PARALLEL_RULES`, the table of checks on a parallel layout.
+
+A row is (id, level, when, applies, reason, fix, doc). `applies(ctx)` returns a falsy value when the
+rule does not fire, or True / a detail string / a list of detail strings when it does. `reason` and
+`fix` are `str.format` templates over `ctx.template_fields()` plus `{details}` (or callables of
+(ctx, details)). A level that depends on the context is two rows with distinct ids (e.g.
+`te-fused-attn-sm120`, an error, and `te-fused-attn`, a warning), so each id always has one level.
+
+The rows cover the world size and mesh, head counts under TP, the rounding unit, attention backends
+against the layout, CP, the environment, the GPU and the installed packages, and fp32 into
+half-precision kernels. Rules about training rather than parallelism (the sampler's budget, the
+encoder's packed path, gradient accumulation) live in `speechlm.validate_rules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parallel.backend_caps import BACKENDS
+from parallel.validator.context import REFERENCE_SCALE_WORLD_SIZE, ValidationContext, required_packages
+from parallel.validator.report import ERROR, WARNING, Finding, Level
+from parallel.validator.versions import VERSION_TABLE, try_parse_version
+
+# compute capabilities on which transformer-engine's cuDNN fused attention backward amplifies
+# gradients with THD inputs (finite loss first, then divergence); NVTE_FUSED_ATTN=0 is required there
+FUSED_ATTN_BROKEN_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(12, 0)})
+# oldest GPU generation each backend's kernels run on (FlashAttention-2 kernels: Ampere, sm_80, and newer)
+MIN_CAPABILITY: dict[str, tuple[int, int]] = {"flash": (8, 0), "torch_varlen": (8, 0)}
+# backends whose forward runs on CPU although the backward does not (validation-only runs are fine)
+CPU_FORWARD_ONLY: frozenset[str] = frozenset({"flex"})
+# backends whose kernels take only fp16/bf16 q/k/v (te: with THD, which runs only on its fused or flash path)
+HALF_PRECISION_ONLY: frozenset[str] = frozenset({"flash", "torch_varlen", "te"})
+
+
+Applies = Callable[[ValidationContext], bool | str | list[str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str  # stable kebab-case id; an interface (scripts and docs refer to it)
+    level: Level
+    when: str  # the condition in words, for the docs' index
+    applies: Applies
+    reason: str | Callable[[ValidationContext, str], str]  # template over ctx.template_fields() + {details}
+    fix: str | Callable[[ValidationContext, str], str]  # the same; a callable's docstring goes in the docs
+    doc: str  # why the rule exists, for docs/validator.md
+
+    def render(self, ctx: ValidationContext, details: str) -> Finding:
+        fields = {**ctx.template_fields(), "details": details}
+
+        def fill(text: str | Callable[[ValidationContext, str], str]) -> str:
+            return text(ctx, details) if callable(text) else text.format_map(fields)
+
+        return Finding(self.level, self.id, fill(self.reason), fill(self.fix))
+
+
+def _world_size_problems(ctx: ValidationContext) -> list[str]:
+    out = [
+        f"parallel.{name}={value} must be >= 1"
+        for name, value in (("dp_replicate", ctx.dp_replicate), ("cp_size", ctx.cp), ("tp_size", ctx.tp))
+        if value < 1
+    ]
+    if out:
+        return out
+    fixed = ctx.dp_replicate * ctx.cp * ctx.tp
+    if ctx.dp_shard == -1:
+        if ctx.dp_shard_resolved is None:
+            out.append(
+                f"dp_shard=-1 takes the rest of world size {ctx.world_size}, but {ctx.world_size} is not a "
+                f"positive multiple of dp_replicate*cp*tp = {ctx.dp_replicate}*{ctx.cp}*{ctx.tp} = {fixed}"
+            )
+    elif ctx.dp_shard < 1:
+        out.append(f"parallel.dp_shard={ctx.dp_shard} must be -1 (the rest) or >= 1")
+    elif fixed * ctx.dp_shard != ctx.world_size:
+        out.append(
+            f"dp_replicate*dp_shard*cp*tp = {ctx.dp_replicate}*{ctx.dp_shard}*{ctx.cp}*{ctx.tp} = "
+            f"{fixed * ctx.dp_shard}, but the world size is {ctx.world_size}"
+        )
+    return out
+
+
+def _te_fused_attn_on(ctx: ValidationContext) -> bool:
+    return (
+        ctx.packed
+        and ctx.backend == "te"
+        and not ctx.validate_only
+        and not ctx.env_flag_is_zero("NVTE_FUSED_ATTN")
+    )
+
+
+def _te_thd_without_backend(ctx: ValidationContext) -> str:
+    if not (ctx.packed and ctx.backend == "te" and ctx.env_flag_is_zero("NVTE_FUSED_ATTN")):
+        return ""
+    if ctx.env_flag_is_zero("NVTE_FLASH_ATTN"):
+        return "NVTE_FLASH_ATTN=0 turns off its flash-attn path too"
+    if ctx.installed.get("flash-attn") is None:
+        return "flash-attn is not installed"
+    return ""
+
+
+def _heads_problems(ctx: ValidationContext) -> list[str]:
+    if ctx.tp <= 1:
+        return []
+    heads = [("model.llm.num_heads", ctx.llm_heads), ("model.llm.num_kv_heads", ctx.llm_kv_heads)]
+    if ctx.encoder_tp:
+        heads.append(("model.encoder.num_heads", ctx.encoder_heads))
+    return [f"{name}={n} is not divisible by tp={ctx.tp}" for name, n in heads if n % ctx.tp]
+
+
+def _rounding_problem(ctx: ValidationContext) -> str:
+    m = ctx.pad_to_multiple
+    if m is None:
+        return ""
+    if m < 1:
+        return f"model.pad_to_multiple={m} must be >= 1"
+    if ctx.packed and m % ctx.rounding_unit:
+        return (
+            f"model.pad_to_multiple={m} is not a multiple of {ctx.rounding_unit} "
+            f"(lcm(2*cp, cp*tp) for cp>1, tp for cp=1), so a CP rank's share need not divide by tp={ctx.tp}"
+        )
+    if not ctx.packed and ctx.tp > 1 and m % ctx.tp:
+        return (
+            f"model.pad_to_multiple={m} is not a multiple of tp={ctx.tp}, so the padded length "
+            "need not divide across the sequence-parallel ranks"
+        )
+    return ""
+
+
+def _missing_packages(ctx: ValidationContext) -> list[str]:
+    if ctx.caps is None:
+        return []
+    return [f"{p} is not installed" for p in required_packages(ctx.backend) if ctx.installed.get(p) is None]
+
+
+def _install_fix(ctx: ValidationContext, details: str) -> str:
+    """pip install the missing package (`pip install 'speechlm[EXTRA]'` for an accelerator), or pick
+    another backend."""
+    hints = []
+    for package in required_packages(ctx.backend):
+        if ctx.installed.get(package) is not None:
+            continue
+        extra = ctx.caps.pip_extra if ctx.caps is not None and package != "torch" else None
+        hints.append(f"pip install 'speechlm[{extra}]'" if extra else f"pip install {package}")
+    others = ", ".join(n for n in BACKENDS if n != ctx.backend)
+    return f"{'; '.join(hints)} (or set model.attention_backend to another backend: {others})"
+
+
+def _bad_versions(ctx: ValidationContext) -> list[str]:
+    out = []
+    for row in VERSION_TABLE:
+        if row.backend not in ("*", ctx.backend) or ctx.caps is None:
+            continue
+        version = ctx.installed.get(row.package)
+        if version is None or try_parse_version(version) is None:
+            continue  # not installed (another rule) or not a readable version
+        if row.refuses(version):
+            bound = f"< {row.high}" if row.low is None else f"in [{row.low}, {row.high or 'any'})"
+            out.append(f"{row.package} {version} ({bound}: {row.reason})")
+    return out
+
+
+def _needs_gpu(ctx: ValidationContext) -> bool:
+    if ctx.caps is None or ctx.on_gpu or ctx.caps.cpu:
+        return False
+    return not (ctx.validate_only and ctx.backend in CPU_FORWARD_ONLY)
+
+
+def _gpu_too_old(ctx: ValidationContext) -> str:
+    need = MIN_CAPABILITY.get(ctx.backend)
+    cap = ctx.device_capability
+    if need is None or cap is None or cap >= need:
+        return ""
+    return (
+        f"{ctx.backend} needs compute capability {need[0]}.{need[1]} or newer, this GPU has {cap[0]}.{cap[1]}"
+    )
+
+
+def _faster_alternatives(ctx: ValidationContext) -> list[str]:
+    return [
+        n
+        for n, b in BACKENDS.items()
+        if n != ctx.backend
+        and b.gpu
+        and not b.cpu
+        and (b.thd if ctx.packed else b.bshd)
+        and (b.cp or ctx.cp == 1)
+    ]
+
+
+def _fp32_into_half_only_kernel(ctx: ValidationContext) -> bool:
+    if ctx.precision != "32" or ctx.backend not in HALF_PRECISION_ONLY:
+        return False
+    return ctx.packed or ctx.backend != "te"  # te's unfused BSHD path takes fp32
+
+
+def _reference_at_scale(ctx: ValidationContext) -> str:
+    if ctx.backend != "reference" or not ctx.on_gpu or ctx.world_size < REFERENCE_SCALE_WORLD_SIZE:
+        return ""
+    return ", ".join(_faster_alternatives(ctx))
+
+
+PARALLEL_RULES: tuple[Rule, ...] = (
+    Rule(
+        id="world-size-mismatch",
+        level=ERROR,
+        when="dp_replicate * dp_shard * cp * tp differs from the world size",
+        applies=_world_size_problems,
+        reason="the parallel sizes do not multiply to the world size: {details}",
+        fix="make dp_replicate*dp_shard*cp*tp equal the world size {world_size} "
+        "(parallel.dp_shard=-1 takes the rest), or launch that many processes",
+        doc="The device mesh is dp_replicate x dp_shard x cp x tp and must tile the launched processes "
+        "exactly. With dp_shard=-1 the world size must be a multiple of dp_replicate*cp*tp.",
+    ),
+    Rule(
+        id="backend-unknown",
+        level=ERROR,
+        when="model.attention_backend is not in parallel/backend_caps.py",
+        applies=lambda c: c.caps is None,
+        reason="model.attention_backend={backend} is not a known attention backend",
+        fix="set model.attention_backend to one of: {known_backends}",
+        doc="Every other backend rule reads the capability table; a backend missing from it cannot be "
+        "checked.",
+    ),
+    Rule(
+        id="bshd-with-cp",
+        level=ERROR,
+        when="padded (BSHD) layout with cp > 1",
+        applies=lambda c: not c.packed and c.cp > 1,
+        reason="padded (BSHD) layout with cp={cp}: the CP attention path cannot apply a padding mask, so "
+        "padded keys and values leak into real tokens (a finite loss at step 1, then NaN)",
+        fix="set model.packed_sequences=true (THD packing), or parallel.cp_size=1",
+        doc="Context parallelism cuts every sequence into 2*cp chunks and passes keys and values between "
+        "ranks; no padding mask travels with them, so padding positions take part in attention. This "
+        "has been seen as a finite loss at step 1 and NaN from step 2.",
+    ),
+    Rule(
+        id="thd-backend-no-varlen",
+        level=ERROR,
+        when="packed (THD) layout with a backend that has no varlen/THD path",
+        applies=lambda c: c.packed and c.caps is not None and not c.caps.thd,
+        reason="packed (THD) layout with model.attention_backend={backend}, which has no varlen/THD path "
+        "(cu_seqlens), so utterances in one pack would attend to each other",
+        fix="set model.attention_backend to a backend with a THD path ({thd_backends}), "
+        "or model.packed_sequences=false",
+        doc="A THD pack concatenates utterances into one stream; only a backend driven by cu_seqlens keeps "
+        "each utterance's attention inside its own span.",
+    ),
+    Rule(
+        id="bshd-backend-no-padding",
+        level=ERROR,
+        when="padded (BSHD) layout with a backend that only takes THD",
+        applies=lambda c: not c.packed and c.caps is not None and not c.caps.bshd,
+        reason="padded (BSHD) layout with model.attention_backend={backend}, which cannot take a padded "
+        "batch",
+        fix="set model.packed_sequences=true, or use a backend with a BSHD path ({bshd_backends})",
+        doc="Some backends (torch's varlen_attn) accept only a flat token stream with cu_seqlens.",
+    ),
+    Rule(
+        id="backend-no-cp",
+        level=ERROR,
+        when="cp > 1 with a backend that has no context-parallel path",
+        applies=lambda c: c.cp > 1 and c.caps is not None and not c.caps.cp,
+        reason="cp={cp} with model.attention_backend={backend}, which has no context-parallel path in "
+        "this build",
+        fix="set model.attention_backend to a backend with CP support ({cp_backends}), or parallel.cp_size=1",
+        doc="Under CP each rank holds 2 of the 2*cp chunks of every sequence, so the backend must exchange "
+        "keys and values between ranks (ring or all-gather); backend_caps.py says which backends do.",
+    ),
+    Rule(
+        id="te-fused-attn-sm120",
+        level=ERROR,
+        when="THD + transformer-engine + NVTE_FUSED_ATTN not 0, on compute capability 12.0, training",
+        applies=lambda c: _te_fused_attn_on(c) and c.device_capability in FUSED_ATTN_BROKEN_CAPABILITIES,
+        reason="transformer-engine with packed (THD) inputs on {device} and NVTE_FUSED_ATTN "
+        "{nvte_fused_attn}: cuDNN's fused attention backward amplifies gradients on this GPU",
+        fix="export NVTE_FUSED_ATTN=0 on every rank (transformer-engine then runs THD through flash-attn, "
+        "which must be installed)",
+        doc="transformer-engine uses cuDNN fused attention unless NVTE_FUSED_ATTN=0 (unset and empty both "
+        "leave it on). On compute capability 12.0 its backward with THD inputs amplifies gradients and "
+        "training diverges. Validation-only runs (trainer.validate_only, no backward) are not flagged.",
+    ),
+    Rule(
+        id="te-fused-attn",
+        level=WARNING,
+        when="the same as te-fused-attn-sm120, on any other GPU",
+        applies=lambda c: (
+            _te_fused_attn_on(c) and c.on_gpu and c.device_capability not in FUSED_ATTN_BROKEN_CAPABILITIES
+        ),
+        reason="transformer-engine with packed (THD) inputs and NVTE_FUSED_ATTN {nvte_fused_attn} trains "
+        "through cuDNN's fused attention backward, which amplifies gradients on sm_120; on {device} that "
+        "is not known to happen, but this project has not verified it",
+        fix="export NVTE_FUSED_ATTN=0 on every rank, unless you have compared gradients against the "
+        "reference backend",
+        doc="A warning, because the gradient amplification has only been seen on compute capability 12.0. "
+        "Not raised on CPU (te cannot run there; see backend-needs-gpu) nor for validation-only runs.",
+    ),
+    Rule(
+        id="te-thd-needs-flash-attn",
+        level=ERROR,
+        when="THD + transformer-engine + NVTE_FUSED_ATTN=0 without a usable flash-attn",
+        applies=_te_thd_without_backend,
+        reason="transformer-engine with packed (THD) inputs and NVTE_FUSED_ATTN=0 has no attention path "
+        "left: its unfused attention does not take THD and {details}",
+        fix="install flash-attn (pip install 'speechlm[flash]') and leave NVTE_FLASH_ATTN unset, or set "
+        "model.attention_backend=flash",
+        doc="transformer-engine runs THD through cuDNN fused attention or flash-attn; its unfused path "
+        "refuses qkv_format=thd. With fused attention off, flash-attn must be installed and enabled.",
+    ),
+    Rule(
+        id="heads-not-divisible-by-tp",
+        level=ERROR,
+        when="tp > 1 and an attention or KV head count not divisible by tp",
+        applies=_heads_problems,
+        reason="tensor parallelism splits attention heads evenly over tp={tp} ranks: {details}",
+        fix="choose a parallel.tp_size that divides every listed head count",
+        doc="Column-parallel Q/K/V projections give each TP rank num_heads/tp query heads and "
+        "num_kv_heads/tp key/value heads. The encoder's heads count only when "
+        "model.encoder.tensor_parallel is true.",
+    ),
+    Rule(
+        id="rounding-not-divisible",
+        level=ERROR,
+        when="a configured model.pad_to_multiple that does not keep each CP rank's share divisible by tp",
+        applies=_rounding_problem,
+        reason="the configured rounding cannot shard the {layout} layout over cp={cp}, tp={tp}: {details}",
+        fix="remove model.pad_to_multiple (the automatic rounding is always legal) or set it to a "
+        "multiple of {rounding_unit}",
+        doc="Each sequence is cut into 2*cp chunks and each CP rank's share is split again over tp for "
+        "sequence parallelism, so a packed stream must divide by lcm(2*cp, cp*tp), or by tp when cp=1. "
+        "The automatic rounding ensures this; an explicit model.pad_to_multiple must be a multiple of "
+        "that unit (of tp for the BSHD layout).",
+    ),
+    Rule(
+        id="backend-not-installed",
+        level=ERROR,
+        when="a package the backend needs (torch, transformer-engine, flash-attn) is not installed",
+        applies=_missing_packages,
+        reason="model.attention_backend={backend} needs packages that are not installed: {details}",
+        fix=_install_fix,
+        doc="Accelerator packages are imported lazily, so a missing one would otherwise fail only after "
+        "the model is loaded. Pass --assume-installed NAME=VERSION to validate for another machine.",
+    ),
+    Rule(
+        id="backend-version-unsupported",
+        level=ERROR,
+        when="an installed version falls in a refused range of the version table",
+        applies=_bad_versions,
+        reason="model.attention_backend={backend} cannot use the installed versions: {details}",
+        fix="upgrade the listed package past the version shown, or pick another backend",
+        doc="Each row of the version table below names the backend, the refused range, why, and where "
+        "that comes from. 'minimum' rows are the oldest versions supported, not known bugs.",
+    ),
+    Rule(
+        id="fp32-with-half-precision-kernel",
+        level=ERROR,
+        when="trainer.precision=32 with flash, torch_varlen or te-THD (kernels for fp16/bf16 only)",
+        applies=_fp32_into_half_only_kernel,
+        reason="trainer.precision=32 sends fp32 q/k/v into model.attention_backend={backend}, whose "
+        "kernels accept only fp16 and bf16: the first attention call would fail on the GPU",
+        fix="set trainer.precision=bf16 (or auto), or set model.attention_backend=reference (or sdpa, "
+        "flex) to train in fp32",
+        doc="flash-attn's varlen kernels, torch's varlen_attn and transformer-engine's THD paths (cuDNN "
+        "fused attention, flash-attn) are half-precision kernels. The rule checks the configured "
+        "precision; `auto` autocasts to bf16 on GPUs that support it.",
+    ),
+    Rule(
+        id="backend-needs-gpu",
+        level=ERROR,
+        when="a backend without CPU kernels (or without a CPU backward) on a run with no GPU",
+        applies=_needs_gpu,
+        reason="model.attention_backend={backend} needs a CUDA GPU to train (no CPU kernels, or no CPU "
+        "backward), and this run has no GPU",
+        fix="use a CPU-capable backend ({cpu_backends}); to validate a GPU job from a CPU machine pass "
+        "--device-capability (e.g. 9.0)",
+        doc="torch_varlen, flash and te are CUDA-only. FlexAttention has a CPU forward but no CPU backward, "
+        "so it is accepted on CPU for validation-only runs only. This covers CP on a GPU-only backend "
+        "on CPU.",
+    ),
+    Rule(
+        id="gpu-too-old-for-backend",
+        level=ERROR,
+        when="flash or torch_varlen on a GPU older than Ampere (compute capability 8.0)",
+        applies=_gpu_too_old,
+        reason="{details}",
+        fix="use model.attention_backend=reference or sdpa on this GPU, or run on Ampere (sm_80) or newer",
+        doc="FlashAttention-2 kernels, which torch's varlen_attn also calls, need compute capability 8.0 "
+        "or newer.",
+    ),
+    Rule(
+        id="reference-at-scale",
+        level=WARNING,
+        when=f"the reference backend on GPUs with world size >= {REFERENCE_SCALE_WORLD_SIZE}, when a "
+        "fused GPU backend exists for the layout",
+        applies=_reference_at_scale,
+        reason="model.attention_backend=reference on {world_size} GPUs: it is the correctness reference "
+        "built from unfused torch ops, slower than the fused kernels",
+        fix="for speed set model.attention_backend to one of: {details} (after checking it against "
+        "reference)",
+        doc="Only raised when backend_caps offers a GPU backend for this layout (THD or BSHD, and CP when "
+        "cp > 1); while reference is the only backend with CP, CP jobs are not flagged.",
+    ),
+)

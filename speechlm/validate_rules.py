@@ -1,0 +1,157 @@
+"""The validator's training rules and the full rule table that `speechlm validate` and fit start run.
+
+`parallel.validator` owns the parallelism rules (`PARALLEL_RULES`) and knows nothing of speechlm; the
+rules here check the rest of a run that can be judged before launch: the sampler's micro-batch budget
+(against the CP/TP rounding and the manifest's longest utterance), the encoder's padding-free path, and
+gradient accumulation against the utterances per data-parallel rank. `RULES` is the parallel table
+followed by these rows, in that order (findings and docs/validator.md list the rules in table order).
+No torch import.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from parallel.validator import ERROR, PARALLEL_RULES, WARNING, Rule, ValidationContext
+from parallel.validator import validate as _validate_with_rules
+
+# encoder kinds with a padding-free (packed) path; the others compute their padding frames
+PACKED_ENCODER_KINDS: frozenset[str] = frozenset({"parakeet"})
+
+
+def _budget_problems(ctx: ValidationContext) -> list[str]:
+    tokens, seconds = ctx.max_batch_tokens, ctx.max_batch_duration
+    if tokens is not None:
+        if tokens <= 0:
+            return [f"sampler.max_batch_tokens={tokens} must be positive"]
+        if tokens < ctx.rounding_unit:
+            return [
+                f"sampler.max_batch_tokens={tokens} is below one rounded sequence "
+                f"({ctx.rounding_unit} tokens for cp={ctx.cp}, tp={ctx.tp}), so no utterance fits"
+            ]
+        return []
+    if seconds is None:
+        return ["neither sampler.max_batch_duration nor sampler.max_batch_tokens is set"]
+    if seconds <= 0:
+        return [f"sampler.max_batch_duration={seconds} must be positive"]
+    return []
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _longest_over_budget(ctx: ValidationContext) -> list[str]:
+    man = ctx.manifest or {}
+    out = []
+    if ctx.max_batch_tokens is not None and ctx.max_batch_tokens > 0 and man.get("max_tokens") is not None:
+        unit = math.lcm(ctx.rounding_unit, ctx.pad_to_multiple or 1)
+        longest = _round_up(int(man["max_tokens"]), unit)
+        if longest > ctx.max_batch_tokens:
+            out.append(
+                f"the longest utterance has {int(man['max_tokens'])} tokens, {longest} after rounding to a "
+                f"multiple of {unit}, above sampler.max_batch_tokens={ctx.max_batch_tokens}"
+            )
+    elif ctx.max_batch_tokens is None and ctx.max_batch_duration and man.get("max_duration") is not None:
+        if float(man["max_duration"]) > ctx.max_batch_duration:
+            out.append(
+                f"the longest utterance lasts {float(man['max_duration']):g} s, above "
+                f"sampler.max_batch_duration={ctx.max_batch_duration:g} s"
+            )
+    return out
+
+
+def _grad_accum_problem(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    if man.get("n_rows") is None or ctx.dp is None:
+        return ""
+    per_epoch = int(man["n_rows"])
+    if ctx.sampler_mode == "temperature" and ctx.epoch_size:
+        per_epoch = int(ctx.epoch_size)
+    most = per_epoch // ctx.dp
+    if most >= ctx.grad_accum:
+        return ""
+    return (
+        f"{per_epoch} utterances per epoch over dp={ctx.dp} ranks give at most {most} micro-batches per rank "
+        f"(one utterance each), fewer than trainer.grad_accum={ctx.grad_accum}"
+    )
+
+
+TRAINING_RULES: tuple[Rule, ...] = (
+    Rule(
+        id="sampler-budget-invalid",
+        level=ERROR,
+        when="no micro-batch budget, a non-positive one, or a token budget below one rounded sequence",
+        applies=_budget_problems,
+        reason="the micro-batch budget cannot hold any sequence: {details}",
+        fix="set sampler.max_batch_duration (seconds) or sampler.max_batch_tokens to a positive budget "
+        "of at least one rounded sequence ({rounding_unit} tokens)",
+        doc="The sampler packs utterances up to a budget of seconds or tokens (max_batch_tokens wins when "
+        "set) and refuses a missing or non-positive one. A token budget below one rounded sequence "
+        "(lcm(2*cp, cp*tp) tokens) cannot hold even the shortest utterance after CP/TP rounding.",
+    ),
+    Rule(
+        id="budget-below-longest-utterance",
+        level=WARNING,
+        when="the longest utterance (after rounding) exceeds the micro-batch budget; needs manifest_summary",
+        applies=_longest_over_budget,
+        reason="the micro-batch budget is smaller than the longest utterance: {details}; the sampler packs "
+        "such an utterance alone into an over-budget micro-batch",
+        fix="raise the budget above the longest utterance (after rounding), or filter long utterances "
+        "out of the manifest",
+        doc="Checked only when the caller passes manifest_summary: max_tokens is the longest sequence in "
+        "the units the token budget counts (audio + text + prompt tokens), max_duration the longest clip "
+        "in seconds. A warning: training goes on, but memory sized for the budget may not hold that "
+        "micro-batch.",
+    ),
+    Rule(
+        id="encoder-packed-unsupported",
+        level=ERROR,
+        when="model.encoder.packed=true with an encoder kind that has no padding-free path",
+        applies=lambda c: c.encoder_packed is True and c.encoder_kind not in PACKED_ENCODER_KINDS,
+        reason=lambda c, d: (
+            f"model.encoder.packed=true but encoder.kind={c.encoder_kind!r} has no "
+            f"padding-free path (only {', '.join(sorted(PACKED_ENCODER_KINDS))})"
+        ),
+        fix="set model.encoder.packed=false, or leave it unset (padded for this encoder)",
+        doc="The packed encoder path (features, subsampling, conformer layers on real frames only) exists "
+        "for FastConformer/Parakeet. Whisper's encoder takes a fixed 30 s window by design and a NeMo "
+        "module is run as loaded; both compute their padding frames.",
+    ),
+    Rule(
+        id="encoder-runs-padded",
+        level=WARNING,
+        when="model.encoder.packed is unset and the encoder kind has no padding-free path",
+        applies=lambda c: c.encoder_packed is None and c.encoder_kind not in PACKED_ENCODER_KINDS,
+        reason=lambda c, d: (
+            f"encoder.kind={c.encoder_kind!r} runs on padded clips: its cost grows with "
+            "the longest clip of each micro-batch, not with the audio"
+        ),
+        fix="nothing to change for correctness; set model.encoder.packed=false to silence this, or use "
+        "encoder.kind=parakeet for a padding-free encoder",
+        doc="A reminder that the padding-free encoder is Parakeet-only: with Whisper or NeMo encoders the "
+        "encoder, projector input and CTC head compute padding frames, so a wide duration mix wastes "
+        "encoder FLOPs (see docs/benchmarks.md).",
+    ),
+    Rule(
+        id="grad-accum-exceeds-batches",
+        level=ERROR,
+        when="fewer possible micro-batches per data-parallel rank than trainer.grad_accum; needs "
+        "manifest_summary",
+        applies=_grad_accum_problem,
+        reason="the epoch has no complete optimizer step: {details}",
+        fix="lower trainer.grad_accum, use fewer data-parallel ranks, or train on more utterances",
+        doc="Every data-parallel rank gets the same number of micro-batches, trimmed to a multiple of "
+        "grad_accum. A micro-batch holds at least one utterance, so there are at most n_rows // dp per "
+        "rank (sampler.epoch_size replaces n_rows in temperature mode); below grad_accum the trim "
+        "leaves nothing and the sampler raises after the model has loaded. Needs manifest_summary.",
+    ),
+)
+
+
+RULES: tuple[Rule, ...] = (*PARALLEL_RULES, *TRAINING_RULES)
+
+# `parallel.validator.validate` over the full table: validate(config, world_size, env, device_capability,
+# installed, *, manifest_summary=None) -> findings
+validate = functools.partial(_validate_with_rules, rules=RULES)
