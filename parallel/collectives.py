@@ -51,3 +51,33 @@ def gather_dim0(x: Tensor, group: Any) -> Tensor:
 
     Backward sums every rank's gradient for rank r's slice into rank r (a reduce-scatter)."""
     return _GatherDim0.apply(x, group)
+
+
+class _GatherHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n_head: int, pad_to: int, group: Any) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.group, ctx.n_head, ctx.pad_to = group, n_head, pad_to
+        world = dist.get_world_size(group)
+        head = torch.nn.functional.pad(x[:n_head], (0, 0, 0, pad_to - n_head)).contiguous()
+        out = x.new_empty((world * pad_to, *x.shape[1:]))
+        all_gather_into(out, head, group)
+        return out, x[n_head:].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_gathered: Tensor, grad_tail: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        g_head = grad_gathered.new_empty((ctx.pad_to, *grad_gathered.shape[1:]))
+        reduce_scatter_into(g_head, grad_gathered.contiguous(), ctx.group)
+        return torch.cat([g_head[: ctx.n_head], grad_tail]), None, None, None
+
+
+def gather_head_dim0(x: Tensor, n_head: int, pad_to: int, group: Any) -> tuple[Tensor, Tensor]:
+    """Differentiable all-gather of the first ``n_head`` rows of ``x`` (padded to ``pad_to`` rows per
+    rank): returns ``([world * pad_to, ...], x[n_head:])``, the tail passed through by the same
+    autograd node.
+
+    One node for both parts is what keeps ranks in step: every use of ``x`` (the rows every rank
+    needs and the rows only this rank needs) reaches ``x``'s producer through this node's backward,
+    which runs the reduce-scatter. Were the tail used directly, the backward could reach the
+    producer (an FSDP unit, whose hooks issue collectives on another group) before the reduce-scatter
+    on one rank and after it on another, and the two groups' blocking collectives would deadlock."""
+    return _GatherHead.apply(x, n_head, pad_to, group)

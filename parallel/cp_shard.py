@@ -44,6 +44,7 @@ __all__ = [
     "cp_all_rank_indices_thd",
     "inverse_permutation",
     "shard_thd",
+    "shard_placed_thd",
     "unshard_thd",
     "bshd_cp_multiple",
     "pad_bshd_for_cp",
@@ -168,6 +169,35 @@ def shard_thd(
     if isinstance(tensors, Tensor):
         return out["tensor"], cu_local, max_seqlen_local
     return out, cu_local, max_seqlen_local
+
+
+def shard_placed_thd(
+    tensors: Mapping[str, Tensor], cu_seqlens: Tensor, n_split: int, cp_size: int, cp_rank: int
+) -> tuple[dict[str, Tensor], Tensor, int]:
+    """Dynamic CP (`parallel.cp_placement`): the first ``n_split`` sequences of this rank's stream are
+    cut into load-balanced chunk pairs like `shard_thd`; the rest (this rank's whole sequences) are
+    kept as they are. Returns (local tensors, local cu_seqlens, local max_seqlen). With
+    ``n_split = N`` (every sequence split) this is `shard_thd`."""
+    total = int(cu_seqlens[-1])
+    t_split = int(cu_seqlens[n_split])
+    out: dict[str, Tensor] = {}
+    cu_split = cu_seqlens[: n_split + 1]
+    if n_split:
+        split_part, cu_split_local, max_split = shard_thd(
+            {k: v[:t_split] for k, v in tensors.items()}, cu_split, cp_size, cp_rank
+        )
+    else:
+        split_part = {k: v[:0] for k, v in tensors.items()}
+        cu_split_local, max_split = cu_split[:1] * 0, 0
+    for k, v in tensors.items():
+        if v.shape[0] != total:
+            raise ValueError(f"{k} has {v.shape[0]} rows along dim 0 but cu_seqlens[-1] = {total}")
+        out[k] = torch.cat([split_part[k], v[t_split:]])
+    whole_cu = cu_seqlens[n_split + 1 :] - t_split + cu_split_local[-1]
+    cu_local = torch.cat([cu_split_local, whole_cu])
+    lengths = cu_seqlens[n_split + 1 :] - cu_seqlens[n_split:-1]
+    max_local = max(max_split, int(lengths.max()) if lengths.numel() else 0)
+    return out, cu_local, max_local
 
 
 def unshard_thd(local_pieces: Sequence[Tensor], cu_seqlens: Tensor, cp_size: int) -> Tensor:

@@ -171,3 +171,83 @@ def encode_distributed(
         real_counts = rank_counts[: len(rank_share)]
         embeds.extend(torch.split(rank_PH[: sum(real_counts)], real_counts, dim=0))
     return DistEncodeResult(embeds, share, local_extra, dummy_extra)
+
+
+@dataclass
+class PlacedEncodeResult:
+    embeds: list[Tensor | None]  # per clip: gathered clips everywhere, whole ones on their owner, else None
+    local_clips: list[int]  # the clips this rank encoded, in the order of local_extra (gathered ones first)
+    local_extra: Any  # encode_fn's extra for local_clips
+    dummy_extra: Any  # encode_fn's extra for the dummy clip of a rank that owns no clip, else None
+
+
+def encode_placed(
+    encode_fn: EncodeFn,
+    audio_BN: Tensor,
+    audio_lens_B: Tensor,
+    *,
+    owners: list[int],
+    gathered: list[bool],
+    group: Any,
+    cp_rank: int,
+    cp_size: int,
+    dummy_len: int = 1600,
+) -> PlacedEncodeResult:
+    """Dynamic CP: encode the clips this rank owns, in one ``encode_fn`` call, and all-gather only the
+    ``gathered`` ones (the clips of split sequences); a whole sequence's clip stays on its owner.
+
+    ``owners[i]`` is the rank that encodes clip i; ``owners`` and ``gathered`` must be identical on
+    every CP rank (they come from `parallel.cp_placement`, a pure function of the micro-batch). Every
+    rank calls ``encode_fn`` exactly once (a rank that owns no clip encodes a dummy; the placement
+    only leaves a rank without a clip when some clip is gathered), so FSDP2's collectives of the
+    encoder stay in lockstep. When some clip is gathered, all of this rank's outputs (its gathered
+    clips, its whole clips, its dummy) pass through one autograd node (`gather_head_dim0`), so the
+    backward reaches the encoder at the same point on every rank; the dummy's rows are unused there
+    and receive a zero gradient, which keeps the encoder in that rank's backward. The gather is
+    differentiable, as in `encode_distributed`.
+    """
+    from parallel.collectives import gather_head_dim0
+
+    num_clips = audio_BN.shape[0]
+    if len(owners) != num_clips or len(gathered) != num_clips:
+        raise ValueError(f"owners/gathered have {len(owners)}/{len(gathered)} entries for {num_clips} clips")
+    if any(not 0 <= o < cp_size for o in owners):
+        raise ValueError(f"owners must be CP ranks in [0, {cp_size}), got {owners}")
+    any_gathered = cp_size > 1 and any(gathered)
+    sent = [[i for i, o in enumerate(owners) if o == r and gathered[i]] for r in range(cp_size)]
+    kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i]]
+    mine = sent[cp_rank] + kept  # gathered ones first: the head of the exchange below
+    if not mine and not any_gathered:
+        raise ValueError(
+            f"CP rank {cp_rank} owns no clip and none is gathered: it would have nothing in step with "
+            "the other ranks' encoder backward (the placement must give every rank work)"
+        )
+    if mine:
+        idx = torch.tensor(mine, dtype=torch.long, device=audio_BN.device)
+        lens_b = audio_lens_B.index_select(0, idx)
+        audio_bN = audio_BN.index_select(0, idx)[:, : int(lens_b.max())]
+    else:
+        audio_bN = audio_BN.new_zeros((1, dummy_len))
+        lens_b = torch.tensor([dummy_len], dtype=audio_lens_B.dtype, device=audio_lens_B.device)
+    local_embeds, extra = encode_fn(audio_bN, lens_b)
+    embeds: list[Tensor | None] = [None] * num_clips
+    result = PlacedEncodeResult(embeds, mine, extra if mine else None, None if mine else extra)
+    if not any_gathered:
+        for i, e in zip(mine, local_embeds):
+            embeds[i] = e
+        return result
+    counts = [int(e.shape[0]) for e in local_embeds]
+    n_head = sum(counts[: len(sent[cp_rank])])
+    width = max(len(x) for x in sent)
+    head_counts = counts[: len(sent[cp_rank])] + [0] * (width - len(sent[cp_rank]))
+    all_counts = _gather_frame_counts(head_counts, group, cp_size, audio_lens_B.device)
+    pad_to = max(1, max(sum(c) for c in all_counts))
+    flat = torch.cat(list(local_embeds), dim=0)
+    gathered_PH, tail = gather_head_dim0(flat, n_head, pad_to, group)
+    for r, (rank_counts, rank_PH) in enumerate(zip(all_counts, gathered_PH.split(pad_to, dim=0))):
+        real = rank_counts[: len(sent[r])]
+        for i, e in zip(sent[r], torch.split(rank_PH[: sum(real)], real, dim=0)):
+            embeds[i] = e
+    for i, e in zip(kept, torch.split(tail, counts[len(sent[cp_rank]) :], dim=0)):
+        embeds[i] = e
+    return result

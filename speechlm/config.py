@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -105,6 +106,9 @@ class ParallelConfig:
     cp_size: int = 1
     tp_size: int = 1
     cp_attention: str = "ring"  # "ring" or "allgather" (reference backend under CP)
+    # dynamic CP: sequences longer than this many tokens are split over the CP group, shorter ones live
+    # whole on one CP rank; "auto" = half of one rank's share of the micro-batch budget; 0 splits all
+    cp_split_threshold: int | str = "auto"
     activation_checkpointing: bool = False
 
 
@@ -307,6 +311,12 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"sampler.mode={cfg.sampler.mode!r}: use 'temperature' or 'exhaustive'")
     if cfg.parallel.cp_attention not in ("ring", "allgather"):
         raise ConfigError(f"parallel.cp_attention={cfg.parallel.cp_attention!r}: use 'ring' or 'allgather'")
+    t = cfg.parallel.cp_split_threshold
+    if (isinstance(t, str) and t != "auto") or (isinstance(t, int) and t < 0):
+        raise ConfigError(
+            f"parallel.cp_split_threshold={t!r}: use 'auto', 0 (split every sequence over the CP group) or a "
+            "number of tokens above which a sequence is split"
+        )
     for name in ("cp_size", "tp_size", "dp_replicate"):
         if getattr(cfg.parallel, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
@@ -318,6 +328,26 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
     if cfg.trainer.grad_accum < 1:
         raise ConfigError(f"trainer.grad_accum must be >= 1, got {cfg.trainer.grad_accum}")
+
+
+def micro_batch_token_budget(cfg: ExperimentConfig) -> int:
+    """Decoder tokens of a full micro-batch: `sampler.max_batch_tokens`, or the audio positions of
+    `sampler.max_batch_duration` seconds (100 feature frames/s, 8x encoder subsampling, then
+    `model.projector_stack`; text tokens not counted, so the estimate errs low)."""
+    s = cfg.sampler
+    if s.max_batch_tokens:
+        return int(s.max_batch_tokens)
+    return max(1, math.ceil((s.max_batch_duration or 90.0) * 100 / 8 / cfg.model.projector_stack))
+
+
+def cp_split_threshold_tokens(cfg: ExperimentConfig) -> int:
+    """`parallel.cp_split_threshold` in tokens (`parallel.cp_placement.auto_split_threshold` for auto)."""
+    from parallel.cp_placement import auto_split_threshold
+
+    t = cfg.parallel.cp_split_threshold
+    if t == "auto":
+        return auto_split_threshold(micro_batch_token_budget(cfg), cfg.parallel.cp_size)
+    return int(t)
 
 
 def clone(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -177,8 +177,12 @@ def plan_thd(
     cp: int = 1,
     tp: int = 1,
     pad_to_multiple: int | None = None,
+    padded_lengths: Sequence[int] | None = None,
 ) -> PackLayout:
     """Lay out the prompts as one THD stream: expand audio, shift labels, round, build cu_seqlens.
+
+    ``padded_lengths`` (dynamic CP: `parallel.cp_placement`) gives every sequence's padded length
+    instead of the `round_lengths` rule; each must be at least the sequence's length.
 
     Vectorised: the prompts are concatenated, and one end-of-utterance marker per utterance is
     appended to carry its padding. ``repeat_interleave`` then expands each entry by its repeat
@@ -211,7 +215,16 @@ def plan_thd(
 
     seq_lens_t = prompt_lens - 1 + torch.tensor(lens_audio, dtype=torch.long)
     seq_lens = seq_lens_t.tolist()
-    padded = round_lengths(seq_lens, cp=cp, tp=tp, total_multiple=pad_to_multiple)
+    if padded_lengths is None:
+        padded = round_lengths(seq_lens, cp=cp, tp=tp, total_multiple=pad_to_multiple)
+    else:
+        padded = [int(x) for x in padded_lengths]
+        short = [i for i, (p, n) in enumerate(zip(padded, seq_lens)) if p < n]
+        if len(padded) != n or short:
+            raise ValueError(
+                f"padded_lengths {padded} do not cover the sequence lengths {seq_lens} (a placement "
+                "computed from other audio lengths than the encoder produced?)"
+            )
     pad_amounts = torch.tensor(padded, dtype=torch.long) - seq_lens_t
 
     # Extended entries: utterance i's prompt tokens followed by its padding marker, so that entry
@@ -305,6 +318,9 @@ class PackedBatch:
     cu_seqlens: Tensor  # [N + 1] int32
     max_seqlen: int
     seq_lens: list[int]
+    # dynamic CP (after sharding): the first cp_split_seqs sequences are CP-split, the rest whole on
+    # this rank; None: every sequence is split (or there is no CP)
+    cp_split_seqs: int | None = None
 
     def num_labelled(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
@@ -323,6 +339,7 @@ def pack_thd(
     cp: int = 1,
     tp: int = 1,
     pad_to_multiple: int | None = None,
+    padded_lengths: Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
     """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's)."""
@@ -333,6 +350,7 @@ def pack_thd(
         cp=cp,
         tp=tp,
         pad_to_multiple=pad_to_multiple,
+        padded_lengths=padded_lengths,
     )
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     inputs_embeds = splice_embeddings(layout, embed_tokens(layout.input_ids_T.to(dev)), audio_embeds)

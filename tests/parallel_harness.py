@@ -23,7 +23,7 @@ TOK = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
 
 
 def tiny_config(
-    cp: int = 1, tp: int = 1, cp_attention: str = "ring", ctc_weight: float = 0.3
+    cp: int = 1, tp: int = 1, cp_attention: str = "ring", ctc_weight: float = 0.3, split_threshold: int | str = 9
 ) -> ExperimentConfig:
     return load_config(
         None,
@@ -47,6 +47,7 @@ def tiny_config(
             f"parallel.cp_size={cp}",
             f"parallel.tp_size={tp}",
             f"parallel.cp_attention={cp_attention}",
+            f"parallel.cp_split_threshold={split_threshold}",
             "optim.lr=0.003",
             "optim.warmup_steps=0",
             "optim.grad_clip=0",
@@ -131,7 +132,14 @@ def reference_run(cfg: ExperimentConfig, steps: list[list[Batch]]) -> dict[str, 
 
 
 def rank_run(
-    rank: int, world: int, cp: int, tp: int, cp_attention: str, n_steps: int, ctc_weight: float = 0.3
+    rank: int,
+    world: int,
+    cp: int,
+    tp: int,
+    cp_attention: str,
+    n_steps: int,
+    ctc_weight: float = 0.3,
+    split_threshold: int | str = 9,
 ) -> dict[str, Any] | None:
     """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share."""
     from parallel.mesh import ParallelDims
@@ -140,7 +148,7 @@ def rank_run(
     torch.set_num_threads(1)
     dims = ParallelDims(world, 1, -1, cp, tp)
     dims.build_mesh("cpu")
-    cfg = tiny_config(cp, tp, cp_attention, ctc_weight)
+    cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold)
     model = build_model(cfg)
     ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     steps = global_steps(n_steps, dims.dp)

@@ -72,3 +72,43 @@ def test_reference_losses_fall_and_grads_cover_every_part():
     names = set(ref["grads"])
     for prefix in ("encoder.", "projector.", "llm.", "ctc_head."):
         assert any(n.startswith(prefix) for n in names), prefix
+
+
+# Dynamic CP (parallel.cp_placement): the layouts above use the harness' threshold of 9 tokens, which mixes
+# whole and split utterances (the harness' sequences are 6-12 tokens). These pin the two ends and the cases
+# the placement must survive (see test_harness_batches_cover_the_dynamic_cp_cases).
+DYNAMIC = [
+    pytest.param(1, 2, 1, 0, id="cp2-split-all"),
+    pytest.param(1, 2, 1, 1000, id="cp2-all-whole"),
+    pytest.param(1, 4, 1, 0, id="cp4-split-all"),
+    pytest.param(1, 4, 1, 1000, id="cp4-all-whole"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dp,cp,tp,threshold", DYNAMIC)
+def test_dynamic_cp_extremes_match_single_process(dp, cp, tp, threshold):
+    got = run_distributed(
+        rank_run, dp * cp * tp, "gloo", cp, tp, "ring", N_STEPS, split_threshold=threshold, timeout_s=600
+    )
+    assert_matches(reference(dp), got)
+
+
+def test_harness_batches_cover_the_dynamic_cp_cases():
+    """What the multi-process cases above and in LAYOUTS exercise, on the harness' own micro-batches."""
+    from parallel_harness import build_model
+
+    from parallel.cp_placement import place_sequences
+
+    model = build_model(tiny_config())
+    lens = []
+    for step in global_steps(N_STEPS, 1):
+        for b in step:
+            audio = model.audio_embed_lengths(b.audio_lens)
+            lens.append([2 + a + int(t) for a, t in zip(audio, b.token_lens.tolist())])
+    mixed4 = [place_sequences(s, 4, threshold=9) for s in lens]
+    assert any(any(p.split) and not all(p.split) for p in mixed4)  # whole and split in one micro-batch
+    assert any(any(p.split) and not p.whole_indices(r) for p in mixed4 for r in range(4))  # a rank with none whole
+    whole4 = [place_sequences(s, 4, threshold=1000) for s in lens]
+    assert any(not any(p.split) for p in whole4) and any(any(p.split) for p in whole4)  # forced split when < 4
+    assert all(all(p.split) for p in (place_sequences(s, 2, threshold=0) for s in lens))

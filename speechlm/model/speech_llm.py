@@ -57,15 +57,23 @@ class ParallelBinding:
     """The model's parallel layout, bound once (`SpeechLLM.bind_parallel`) by the training layer when it
     parallelizes the model; the model calls these hooks and never touches ``torch.distributed``.
 
-    ``cp``/``tp`` round the packed lengths (`speechlm.packing.pack_thd`); under CP, ``encode_audio``
-    encodes this rank's share of the clips and gathers the embeddings, ``shard_packed`` keeps this
-    rank's chunks of the packed stream and ``cp_attention`` is handed to the attention backend."""
+    ``cp``/``tp`` round the packed lengths (`speechlm.packing.pack_thd`). Under CP (dynamic context
+    parallelism, `parallel.cp_placement`), ``place`` says which sequences of the micro-batch are
+    split over the CP group and which live whole on this rank; ``encode_audio`` encodes this rank's
+    clips and gathers only the split sequences' embeddings; ``shard_packed`` keeps this rank's
+    chunks of the split sequences and its whole ones; ``cp_attention`` is handed to the attention
+    backend (ring/all-gather over the split part, local attention over the whole part)."""
 
     cp: int = 1
     tp: int = 1
-    cp_attention: Any = None  # object with .attention(q, k, v, cu_seqlens_local, scale)
-    shard_packed: Callable[[Any], Any] | None = None  # PackedBatch -> this CP rank's PackedBatch
-    encode_audio: Callable[..., Any] | None = None  # (model, audio_BN, lens_B, *, freeze_encoder) -> output
+    # .attention(q, k, v, cu_seqlens_local, scale) and .for_split_prefix(n) (dynamic CP, see below)
+    cp_attention: Any = None
+    # seq_lens -> this rank's `parallel.cp_placement.LocalPlacement` (which sequences it packs, padded how)
+    place: Callable[[list[int]], Any] | None = None
+    shard_packed: Callable[[Any, Any], Any] | None = None  # (PackedBatch, placement) -> this rank's share
+    # (model, audio_BN, lens_B, placement, *, freeze_encoder) -> an output with embeds (None where a clip
+    # is not on this rank), enc_hidden/enc_lens/ctc_slice/ctc_weight of the clips it encoded
+    encode_audio: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -191,6 +199,17 @@ class SpeechLLM(nn.Module):
         embeds = [proj[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
         return EncoderOutput(embeds, enc_hidden, enc_lens_B)
 
+    def audio_embed_lengths(self, audio_lens_B: Tensor) -> list[int]:
+        """Projected audio frames per clip, from the sample counts alone (host integers): what
+        `encode_audio` will return, known before it runs (dynamic CP places sequences with it)."""
+        from speechlm.model.features import compute_feature_lengths
+        from speechlm.model.projector import compute_stacked_lengths
+
+        feat = compute_feature_lengths(audio_lens_B.cpu(), self.encoder.feature_settings.hop_length)
+        return [
+            int(n) for n in compute_stacked_lengths(self.encoder.output_lengths(feat), self.projector.stack)
+        ]
+
     def ctc_loss_sum(
         self, enc_hidden: PackedFrames | Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
     ) -> tuple[Tensor, int]:
@@ -256,8 +275,10 @@ class SpeechLLM(nn.Module):
             max_length_q=int(packed.max_seqlen),
             max_length_k=int(packed.max_seqlen),
         )
-        if self.parallel.cp_attention is not None:
-            kwargs["cp_context"] = self.parallel.cp_attention
+        cp_attention = self.parallel.cp_attention
+        if cp_attention is not None:
+            split = getattr(packed, "cp_split_seqs", None)
+            kwargs["cp_context"] = cp_attention if split is None else cp_attention.for_split_prefix(split)
         if return_logits:
             return self.llm(**kwargs).logits[0]
         labels_T = packed.labels
@@ -311,8 +332,12 @@ class SpeechLLM(nn.Module):
         audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
         tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
         prompts = self.build_prompts(tokens_BL, token_lens_B)
+        placement = None
+        if lay.place is not None:  # CP: placement first, from lengths known before encoding
+            audio_lens = self.audio_embed_lengths(audio_lens_B)
+            placement = lay.place([int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)])
         if lay.encode_audio is not None:
-            enc = lay.encode_audio(self, audio_BN, audio_lens_B, freeze_encoder=encoder_frozen)
+            enc = lay.encode_audio(self, audio_BN, audio_lens_B, placement, freeze_encoder=encoder_frozen)
         else:
             enc = self.encode_audio(audio_BN, audio_lens_B, freeze_encoder=encoder_frozen)
         ctc_sum = None
@@ -329,18 +354,30 @@ class SpeechLLM(nn.Module):
         if self.cfg.packed_sequences:
             from speechlm.packing import pack_thd
 
-            packed = pack_thd(
-                prompts,
-                enc.embeds,
-                self.embed_tokens,
-                audio_id=self.audio_id,
-                cp=lay.cp,
-                tp=lay.tp,
-                pad_to_multiple=self.cfg.pad_to_multiple,
-            )
-            n_labelled = packed.num_labelled()
-            if lay.shard_packed is not None:
-                packed = lay.shard_packed(packed)
+            if placement is not None:
+                local = placement.indices
+                packed = pack_thd(
+                    [prompts[i] for i in local],
+                    [enc.embeds[i] for i in local],
+                    self.embed_tokens,
+                    audio_id=self.audio_id,
+                    padded_lengths=placement.padded_lengths,
+                    device=audio_BN.device,
+                )
+                n_labelled = sum(int(mask.sum()) for _, mask in prompts)
+                assert lay.shard_packed is not None
+                packed = lay.shard_packed(packed, placement)
+            else:
+                packed = pack_thd(
+                    prompts,
+                    enc.embeds,
+                    self.embed_tokens,
+                    audio_id=self.audio_id,
+                    cp=lay.cp,
+                    tp=lay.tp,
+                    pad_to_multiple=self.cfg.pad_to_multiple,
+                )
+                n_labelled = packed.num_labelled()
             ce_sum, _ = self.forward_packed(packed)
         else:
             from speechlm.packing import pack_bshd

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.cp_shard import shard_thd
-from parallel.dist_encode import encode_distributed
+from parallel.attention_ops import varlen_attention_reference
+from parallel.cp_placement import LocalPlacement, place_sequences
+from parallel.cp_shard import shard_placed_thd
+from parallel.dist_encode import encode_placed
 from parallel.fsdp import clip_grad_norm_
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
@@ -63,6 +65,39 @@ class CPAttention:
             scale=scale,
             causal=True,
         )
+
+    def for_split_prefix(self, n_split: int) -> PlacedCPAttention:
+        return PlacedCPAttention(self, n_split)
+
+
+class PlacedCPAttention:
+    """Dynamic CP: the first ``n_split`` sequences of the local stream are split over the CP group
+    (ring or all-gather attention, their K/V travel); the rest are whole on this rank and attend
+    locally with no communication. The placement is identical on every CP rank, so either all ranks
+    run the collective part or none does."""
+
+    def __init__(self, cp: CPAttention, n_split: int):
+        self.cp, self.n_split = cp, n_split
+
+    def attention(
+        self,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        cu_seqlens_local: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        n = self.n_split
+        t = int(cu_seqlens_local[n])
+        parts = []
+        if n:
+            parts.append(self.cp.attention(q_THD[:t], k_THD[:t], v_THD[:t], cu_seqlens_local[: n + 1], scale))
+        if q_THD.shape[0] > t:
+            cu = cu_seqlens_local[n:] - t
+            parts.append(
+                varlen_attention_reference(q_THD[t:], k_THD[t:], v_THD[t:], cu, cu, causal=True, scale=scale)
+            )
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def mixed_precision_policy(cfg: Any, device_type: str) -> Any:
@@ -153,37 +188,7 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
     if dims.cp > 1:
         cp_group = mesh["cp"].get_group()
         sum_over_cp = group_sum(cp_group, device)
-
-        def shard_packed(packed: PackedBatch) -> PackedBatch:
-            parts, cu_local, max_local = shard_thd(
-                {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
-                packed.cu_seqlens,
-                dims.cp,
-                cp_rank,
-            )
-            return PackedBatch(
-                parts["x"], parts["labels"], parts["pos"], cu_local, int(max_local), packed.seq_lens
-            )
-
-        def encode_audio(
-            model: Any, audio_BN: torch.Tensor, audio_lens_B: torch.Tensor, *, freeze_encoder: bool = False
-        ) -> Any:
-            def encode_fn(a: torch.Tensor, lens: torch.Tensor) -> Any:
-                out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder)
-                return out.embeds, (out.enc_hidden, out.enc_lens)
-
-            res = encode_distributed(
-                encode_fn, audio_BN, audio_lens_B, group=cp_group, cp_rank=cp_rank, cp_size=dims.cp
-            )
-            return CPEncoderOutput(res)
-
-        binding = ParallelBinding(
-            cp=dims.cp,
-            tp=dims.tp,
-            cp_attention=CPAttention(cp_group, dims.cp, cp_rank, cfg.parallel.cp_attention),
-            shard_packed=shard_packed,
-            encode_audio=encode_audio,
-        )
+        binding = cp_binding(cfg, dims.cp, dims.tp, cp_rank, cp_group, model.llm.config.hidden_size)
     model.bind_parallel(binding)
     return StepContext(
         grad_scale=float(dims.dp_cp),
@@ -195,21 +200,80 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
     )
 
 
-class CPEncoderOutput:
-    """Distributed encoding result in the shape `SpeechLLM.forward` expects.
+def cp_binding(cfg: Any, cp: int, tp: int, cp_rank: int, cp_group: Any, hidden: int) -> ParallelBinding:
+    """The model's dynamic-CP hooks for this rank (`parallel.cp_placement`; threshold 0 splits all)."""
+    from speechlm.config import cp_split_threshold_tokens
 
-    `embeds` holds every clip of the micro-batch (gathered, differentiable); `enc_hidden`/`enc_lens`
-    only this rank's clips (for the auxiliary CTC loss, so each clip counts once across CP ranks), and
-    `ctc_slice` says which rows of the batch they are. A rank that owns no real clip gets its dummy's
-    hidden states with `ctc_weight` 0, so the CTC head still takes part in FSDP's reduce-scatter.
+    threshold = cp_split_threshold_tokens(cfg)
+    pad_to = cfg.model.pad_to_multiple
+
+    def place(seq_lens: list[int]) -> LocalPlacement:
+        placement = place_sequences(
+            seq_lens, cp, threshold=threshold, tp=tp, pair_cost=1.0 / (6 * hidden), pad_to_multiple=pad_to
+        )
+        return placement.local(cp_rank)
+
+    def shard_packed(packed: PackedBatch, placement: LocalPlacement) -> PackedBatch:
+        n_split = placement.n_split
+        parts, cu_local, max_local = shard_placed_thd(
+            {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
+            packed.cu_seqlens,
+            n_split,
+            cp,
+            cp_rank,
+        )
+        x, labels, pos = parts["x"], parts["labels"], parts["pos"]
+        return PackedBatch(x, labels, pos, cu_local, int(max_local), packed.seq_lens, cp_split_seqs=n_split)
+
+    def encode_audio(
+        model: Any,
+        audio_BN: torch.Tensor,
+        audio_lens_B: torch.Tensor,
+        placement: LocalPlacement,
+        *,
+        freeze_encoder: bool = False,
+    ) -> Any:
+        def encode_fn(a: torch.Tensor, lens: torch.Tensor) -> Any:
+            out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder)
+            return out.embeds, (out.enc_hidden, out.enc_lens)
+
+        res = encode_placed(
+            encode_fn,
+            audio_BN,
+            audio_lens_B,
+            owners=placement.placement.clip_owners(),
+            gathered=list(placement.placement.split),
+            group=cp_group,
+            cp_rank=cp_rank,
+            cp_size=cp,
+        )
+        return CPEncoderOutput(res)
+
+    return ParallelBinding(
+        cp=cp,
+        tp=tp,
+        cp_attention=CPAttention(cp_group, cp, cp_rank, cfg.parallel.cp_attention),
+        place=place,
+        shard_packed=shard_packed,
+        encode_audio=encode_audio,
+    )
+
+
+class CPEncoderOutput:
+    """Placed encoding (`parallel.dist_encode.encode_placed`) in the shape `SpeechLLM.forward` expects.
+
+    `embeds` holds the clips of the split sequences (gathered, differentiable) and this rank's whole
+    sequences' clips (None elsewhere); `enc_hidden`/`enc_lens` the clips this rank encoded (for the
+    auxiliary CTC loss, so each clip counts once across CP ranks), and `ctc_slice` says which rows of
+    the batch they are. A rank that encoded only a dummy gets its hidden states with `ctc_weight` 0,
+    so the CTC head still takes part in FSDP's reduce-scatter.
     """
 
     def __init__(self, res: Any):
         self.embeds = res.embeds
-        r = res.local_range
-        if len(r) > 0:
+        if res.local_clips:
             self.enc_hidden, self.enc_lens = res.local_extra
-            self.ctc_slice: slice | None = slice(r.start, r.stop)
+            self.ctc_slice: list[int] | None = list(res.local_clips)
             self.ctc_weight = 1.0
         else:
             self.enc_hidden, self.enc_lens = res.dummy_extra
