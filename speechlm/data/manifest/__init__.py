@@ -1,0 +1,69 @@
+"""Training manifests: one parquet row per utterance, built from raw shards, NeMo or Lhotse.
+
+One concern per module:
+- `schema`: `MANIFEST_SCHEMA` (the columns and their types), `ManifestError`, and
+  `build_manifest_table`, which assembles columns into that schema;
+- `load`: `load_manifest` (a parquet manifest checked against the schema, or NeMo JSON),
+  `manifest_arrays` / `ManifestArrays` (per-row numbers as flat numpy arrays), and the checked
+  reading of shard parquet files;
+- `build`: `build_manifest`, raw shards -> ``train.parquet``, ``val.parquet`` and
+  ``build_report.json`` (shard listing and reading, filters, text cleaning);
+- `report`: `BuildReport` and `DROP_REASONS`, what a build kept and dropped;
+- `split`: the stable train/val split by a hash of ``segment_id`` (`hash_uniform`, `split_val`);
+- `nemo`: `read_nemo_manifest`;
+- `stats`: `manifest_stats`, `format_stats`, `plot_stats`.
+
+Imports run one way: nemo uses schema; load uses schema and nemo; split uses schema; build uses
+schema, load, report and split; stats uses load and report. None of them imports torch.
+"""
+
+from speechlm.data.manifest.build import (
+    DEFAULT_MAX_DURATION,
+    DEFAULT_MIN_DURATION,
+    DEFAULT_MIN_QUALITY,
+    DEFAULT_VAL_FRACTION,
+    INDEX_COLUMNS,
+    INDEX_OPTIONAL_COLUMNS,
+    METADATA_COLUMNS,
+    build_manifest,
+    clean_text_column,
+    list_shards,
+    shard_language,
+)
+from speechlm.data.manifest.load import NOT_NULL_COLUMNS, ManifestArrays, load_manifest, manifest_arrays
+from speechlm.data.manifest.nemo import read_nemo_manifest
+from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, Column, ManifestError, build_manifest_table
+from speechlm.data.manifest.split import hash_uniform, split_val
+from speechlm.data.manifest.stats import format_stats, manifest_stats, plot_stats
+
+__all__ = [
+    "DEFAULT_MAX_DURATION",
+    "DEFAULT_MIN_DURATION",
+    "DEFAULT_MIN_QUALITY",
+    "DEFAULT_VAL_FRACTION",
+    "DROP_REASONS",
+    "INDEX_COLUMNS",
+    "INDEX_OPTIONAL_COLUMNS",
+    "MANIFEST_SCHEMA",
+    "METADATA_COLUMNS",
+    "NOT_NULL_COLUMNS",
+    "UNKNOWN_LANG",
+    "BuildReport",
+    "Column",
+    "ManifestArrays",
+    "ManifestError",
+    "build_manifest",
+    "build_manifest_table",
+    "clean_text_column",
+    "format_stats",
+    "hash_uniform",
+    "list_shards",
+    "load_manifest",
+    "manifest_arrays",
+    "manifest_stats",
+    "plot_stats",
+    "read_nemo_manifest",
+    "shard_language",
+    "split_val",
+]

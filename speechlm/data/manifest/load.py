@@ -1,0 +1,166 @@
+"""Reading parquet with checks: a shard file against the columns it must have (`_read_checked`),
+a training manifest against `MANIFEST_SCHEMA` (`load_manifest`; NeMo JSON goes to `nemo`), and the
+per-row numbers a sampler needs as flat arrays (`manifest_arrays`, decoding dictionary columns).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from speechlm.data.manifest.nemo import read_nemo_manifest
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, _encode_sorted
+
+NOT_NULL_COLUMNS = ("segment_id",)
+
+
+def _kind_of(type_: pa.DataType) -> str:
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    if pa.types.is_null(type_):
+        return "null"
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_):
+        return "string"
+    if pa.types.is_floating(type_) or pa.types.is_integer(type_):
+        return "number"
+    return str(type_)
+
+
+def _read_checked(path: Path, required: dict[str, str], optional: dict[str, str]) -> pa.Table:
+    """Read `path`'s required and present optional columns; raise ManifestError naming what is wrong."""
+    if not path.is_file():
+        raise ManifestError(
+            f"{path} is missing: every shard directory needs metadata.parquet and audio_index.parquet; "
+            "restore the file or move the shard out of the shards directory"
+        )
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(
+            f"{path} is not a readable parquet file ({e}); re-export the shard or move it out"
+        ) from None
+    missing = [c for c in required if c not in schema.names]
+    if missing:
+        raise ManifestError(
+            f"{path} has no column {', '.join(repr(c) for c in missing)} (it has {schema.names}); "
+            f"the shard must provide {list(required)}; re-export it with those columns"
+        )
+    wanted = {**required, **{c: k for c, k in optional.items() if c in schema.names}}
+    for name, kind in wanted.items():
+        got = _kind_of(schema.field(name).type)
+        if got != kind and got != "null":  # an all-null column is checked for nulls below
+            expected = "a string" if kind == "string" else "a number (float or int)"
+            raise ManifestError(
+                f"{path} column {name!r} has type {schema.field(name).type}, expected {expected}; "
+                f"re-export the shard with {name!r} as {'string' if kind == 'string' else 'float64'}"
+            )
+    try:
+        table = pq.read_table(path, columns=list(wanted))
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(f"{path} could not be read ({e}); re-export the shard or move it out") from None
+    for name in NOT_NULL_COLUMNS:
+        if name in wanted and table.column(name).null_count:
+            raise ManifestError(
+                f"{path} column {name!r} has {table.column(name).null_count} null values; "
+                "every row needs an id: fix the exporter"
+            )
+    return table
+
+
+def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
+    """Load a training manifest: ``.parquet`` (checked against `MANIFEST_SCHEMA`) or NeMo ``.json(l)``."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        raise ManifestError(f"{path} is a directory; pass one manifest file, e.g. {path / 'train.parquet'}")
+    if suffix in (".json", ".jsonl"):
+        return read_nemo_manifest(path, default_lang=default_lang)
+    if suffix != ".parquet":
+        raise ManifestError(
+            f"{path}: unknown manifest format {suffix!r}; expected .parquet (from "
+            "`speechlm manifest build`) or a NeMo .json/.jsonl"
+        )
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist; build it with `speechlm manifest build`")
+    try:
+        schema = pq.read_schema(path)
+        missing = [f.name for f in MANIFEST_SCHEMA if f.name not in schema.names]
+        if missing:
+            raise ManifestError(
+                f"{path} is missing column {', '.join(map(repr, missing))}; a training manifest "
+                f"has {MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build` or "
+                "`speechlm manifest convert`"
+            )
+        table = pq.read_table(path, columns=MANIFEST_SCHEMA.names)
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
+    columns = []
+    for f in MANIFEST_SCHEMA:
+        col = table.column(f.name)
+        if col.null_count:
+            raise ManifestError(
+                f"{path} column {f.name!r} has {col.null_count} null values; rebuild the manifest"
+            )
+        try:
+            columns.append(col.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ManifestError(
+                f"{path} column {f.name!r} has type {col.type}, expected {f.type} ({e}); rebuild the manifest"
+            ) from None
+    return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)
+
+
+@dataclass(frozen=True)
+class ManifestArrays:
+    """The per-row numbers a sampler needs, as flat numpy arrays (no Python object per row)."""
+
+    durations: np.ndarray  # float32 [N], seconds
+    lang_codes: np.ndarray  # int16 [N], index into lang_names
+    lang_names: list[str]  # sorted
+    text_lengths: np.ndarray  # int32 [N], characters of `text` (tag included)
+
+    def __len__(self) -> int:
+        return int(self.durations.size)
+
+
+def _decode_dictionary_codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+    """Codes into the sorted names of the used values, from each chunk's indices (no strings made)."""
+    dictionaries = [chunk.dictionary.to_pylist() for chunk in col.chunks]
+    names = sorted({v for d in dictionaries for v in d})
+    position = {v: i for i, v in enumerate(names)}
+    codes = np.empty(len(col), np.int64)
+    start = 0
+    for chunk, dictionary in zip(col.chunks, dictionaries):
+        remap = np.array([position[v] for v in dictionary], dtype=np.int64)
+        indices = chunk.indices.to_numpy(zero_copy_only=False)
+        codes[start : start + len(chunk)] = remap[indices] if remap.size else indices
+        start += len(chunk)
+    used = np.unique(codes)
+    if used.size < len(names):  # drop dictionary entries no row uses
+        return np.searchsorted(used, codes), [names[i] for i in used]
+    return codes, names
+
+
+def manifest_arrays(table: pa.Table) -> ManifestArrays:
+    """Extract `ManifestArrays` from a manifest table (dictionary or plain string ``lang``)."""
+    durations = table.column("duration").cast(pa.float32()).to_numpy()
+    lang = table.column("lang")
+    if lang.null_count:
+        raise ManifestError(f"column 'lang' has {lang.null_count} null values; every row needs a language")
+    if pa.types.is_dictionary(lang.type):
+        codes, names = _decode_dictionary_codes(lang)
+    else:
+        codes, names = _encode_sorted(lang, "lang", np.iinfo(np.int16).max)
+    lengths = pc.utf8_length(table.column("text")).to_numpy()
+    return ManifestArrays(
+        durations=np.ascontiguousarray(durations, dtype=np.float32),
+        lang_codes=codes.astype(np.int16),
+        lang_names=names,
+        text_lengths=lengths.astype(np.int32),
+    )

@@ -1,0 +1,89 @@
+"""NeMo JSON-lines manifests: `read_nemo_manifest` reads one into `MANIFEST_SCHEMA`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+
+from speechlm.data.manifest.schema import ManifestError, build_manifest_table
+from speechlm.data.text import clean_text, normalize_lang, split_lang_tag, tag_text
+
+
+def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
+    """Read a NeMo JSON-lines manifest into `MANIFEST_SCHEMA` (source ``nemo``).
+
+    Each line: ``audio_filepath`` (relative paths resolve against the manifest's folder),
+    ``duration`` (s), ``text``, optional ``lang``. The language is ``lang``, else a leading ``<|xx|>``
+    tag of the text, else `default_lang`. The id is ``segment_id``/``utt_id``/``id`` if present,
+    else ``audio_filepath`` as written. Rows are not filtered: the file is taken as curated.
+    """
+    path = Path(path)
+    default = None
+    if default_lang is not None and (default := normalize_lang(default_lang)) is None:
+        raise ManifestError(f"--lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
+    base = path.resolve().parent
+    ids: list[str] = []
+    paths: list[str] = []
+    durations: list[float] = []
+    texts: list[str] = []
+    langs: list[str] = []
+    try:
+        handle = path.open("rb")
+    except OSError as e:
+        raise ManifestError(f"cannot open NeMo manifest {path}: {e.strerror}") from None
+    with handle:
+        for line_no, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ManifestError(f"{where}: not UTF-8 text; re-save the manifest as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ManifestError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line of a "
+                    "NeMo manifest must be one JSON object"
+                ) from None
+            if not isinstance(row, dict):
+                raise ManifestError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            missing = [k for k in ("audio_filepath", "duration", "text") if row.get(k) is None]
+            if missing:
+                raise ManifestError(
+                    f"{where}: missing key {', '.join(map(repr, missing))}; every line needs "
+                    "audio_filepath, duration and text"
+                )
+            audio, duration, text = row["audio_filepath"], row["duration"], row["text"]
+            if not isinstance(audio, str) or not audio:
+                raise ManifestError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio!r}")
+            if isinstance(duration, bool) or not isinstance(duration, int | float):
+                raise ManifestError(f"{where}: 'duration' must be a number of seconds, got {duration!r}")
+            if not isinstance(text, str):
+                raise ManifestError(f"{where}: 'text' must be a string, got {text!r}")
+            if row.get("offset") not in (None, 0, 0.0):
+                raise ManifestError(
+                    f"{where}: 'offset' {row['offset']!r} is not supported; cut the audio into "
+                    "one file per utterance"
+                )
+            tagged, text = split_lang_tag(text)
+            lang = row.get("lang")
+            if lang is not None and (not isinstance(lang, str) or normalize_lang(lang) is None):
+                raise ManifestError(f"{where}: 'lang' {lang!r} is not a language code; use e.g. 'hi' or 'en'")
+            code = normalize_lang(lang) if lang is not None else (tagged or default)
+            if code is None:
+                raise ManifestError(
+                    f"{where}: no language: the line has no 'lang' and its text no <|xx|> "
+                    "tag; add \"lang\" to every line or pass --lang xx (default_lang='xx')"
+                )
+            seg = row.get("segment_id") or row.get("utt_id") or row.get("id") or audio
+            ids.append(str(seg))
+            paths.append(os.path.normpath(os.path.join(base, audio)))
+            durations.append(float(duration))
+            texts.append(tag_text(clean_text(text), code))
+            langs.append(code)
+    return build_manifest_table(ids, paths, durations, texts, langs, shard_ids=path.name, source="nemo")

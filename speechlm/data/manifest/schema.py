@@ -1,0 +1,97 @@
+"""The manifest table: its column schema, `ManifestError`, and `build_manifest_table`, which
+assembles columns into that schema (dictionary-encoding the repeated strings).
+
+Schema (`MANIFEST_SCHEMA`): ``segment_id`` string, ``shard_id`` dictionary<int32,string>,
+``audio_filepath`` string (absolute), ``duration`` float32 seconds, ``text`` string (cleaned by
+`speechlm.data.text.clean_text`, starting with the language tag ``<|xx|>``), ``lang``
+dictionary<int8,string>, ``source`` dictionary<int8,string> (``shards``, ``nemo``, ``lhotse``).
+Repeated strings are dictionary-encoded and every column is a flat Arrow buffer, so ten million rows
+cost about the size of their strings, with no Python object per row (see docs/data.md, memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        pa.field("segment_id", pa.string(), nullable=False),
+        pa.field("shard_id", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        pa.field("audio_filepath", pa.string(), nullable=False),
+        pa.field("duration", pa.float32(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("lang", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("source", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+    ]
+)
+
+
+class ManifestError(ValueError):
+    """A shard, manifest or option that cannot be used; the message says where and what to do."""
+
+
+def _dictionary(codes: np.ndarray, names: Sequence[str], index_type: pa.DataType) -> pa.DictionaryArray:
+    indices = pa.array(codes.astype(index_type.to_pandas_dtype(), copy=False), index_type)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(list(names), pa.string()))
+
+
+def _encode_sorted(values: pa.Array | pa.ChunkedArray, what: str, limit: int) -> tuple[np.ndarray, list[str]]:
+    """Codes (int64) into the sorted distinct values; error if more than `limit` distinct values."""
+    names = sorted(pc.unique(values).to_pylist())
+    if len(names) > limit:
+        raise ManifestError(f"{len(names)} distinct {what} values, the manifest schema holds at most {limit}")
+    codes = pc.index_in(values, value_set=pa.array(names, pa.string()))
+    return np.asarray(codes.to_numpy(zero_copy_only=False), dtype=np.int64), names
+
+
+Column: TypeAlias = Sequence[str] | pa.Array | pa.ChunkedArray
+
+
+def _string_column(values: Column) -> pa.Array | pa.ChunkedArray:
+    return values if isinstance(values, pa.Array | pa.ChunkedArray) else pa.array(list(values), pa.string())
+
+
+def _dict_column(values: Column | str, n: int, index_type: pa.DataType, what: str) -> pa.Array:
+    """A dictionary column: a constant for a str, a cast for a dictionary array, else sorted codes."""
+    if isinstance(values, str):
+        return _dictionary(np.zeros(n, np.int64), [values], index_type)
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.DictionaryArray):
+        return values.cast(pa.dictionary(index_type, pa.string()))
+    limit = int(np.iinfo(index_type.to_pandas_dtype()).max)
+    codes, names = _encode_sorted(_string_column(values), what, limit)
+    return _dictionary(codes, names, index_type)
+
+
+def build_manifest_table(
+    segment_ids: Column,
+    audio_filepaths: Column,
+    durations: Sequence[float] | np.ndarray,
+    texts: Column,
+    langs: Column,
+    *,
+    shard_ids: Column | str,
+    source: str,
+) -> pa.Table:
+    """Assemble a table in `MANIFEST_SCHEMA` from columns (texts already cleaned and tagged).
+
+    `shard_ids` and `langs` may be one string per row, a dictionary array, or (shard_ids) one
+    string for all rows.
+    """
+    n = len(segment_ids)
+    columns = [
+        _string_column(segment_ids),
+        _dict_column(shard_ids, n, pa.int32(), "shard_id"),
+        _string_column(audio_filepaths),
+        pa.array(np.asarray(durations, dtype=np.float32), pa.float32()),
+        _string_column(texts),
+        _dict_column(langs, n, pa.int8(), "lang"),
+        _dict_column(source, n, pa.int8(), "source"),
+    ]
+    return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)

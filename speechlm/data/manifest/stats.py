@@ -1,0 +1,113 @@
+"""Manifest statistics: hours, utterances and a duration histogram per language and in total
+(`manifest_stats`), rendered as text (`format_stats`) or saved as a PNG (`plot_stats`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from speechlm.data.manifest.load import manifest_arrays
+from speechlm.data.manifest.report import _format_table
+
+
+def _count_bins(longest: float, width: float) -> int:
+    """Bins of `width` from 0 s such that `longest` falls inside the last one (not on its top edge)."""
+    return int(np.floor(longest / width + 1e-9)) + 1
+
+
+def manifest_stats(table: pa.Table, *, bin_width: float | None = None) -> dict[str, Any]:
+    """Hours and utterances per language and in total, and a duration histogram per language.
+
+    The histogram bins start at 0 s; `bin_width` defaults to the smallest of 0.1, 0.25, 0.5, 1, 2, 5,
+    10 s that needs at most 40 bins.
+    """
+    arr = manifest_arrays(table)
+    d = arr.durations.astype(np.float64)
+    if bin_width is None:
+        longest = float(d.max(initial=0.0))
+        bin_width = next((w for w in (0.1, 0.25, 0.5, 1.0, 2.0, 5.0) if _count_bins(longest, w) <= 40), 10.0)
+    edges = np.round(np.arange(_count_bins(float(d.max(initial=0.0)), bin_width) + 1) * bin_width, 6)
+    languages: dict[str, Any] = {}
+    for code, name in enumerate(arr.lang_names):
+        dl = d[arr.lang_codes == code]
+        languages[name] = {
+            "utterances": int(dl.size),
+            "hours": round(float(dl.sum()) / 3600.0, 4),
+            "mean_duration_s": round(float(dl.mean()), 3) if dl.size else 0.0,
+            "min_duration_s": round(float(dl.min()), 3) if dl.size else 0.0,
+            "max_duration_s": round(float(dl.max()), 3) if dl.size else 0.0,
+            "histogram": np.histogram(dl, bins=edges)[0].tolist(),
+        }
+    return {
+        "utterances": int(d.size),
+        "hours": round(float(d.sum()) / 3600.0, 4),
+        "mean_duration_s": round(float(d.mean()), 3) if d.size else 0.0,
+        "languages": languages,
+        "histogram": {"bin_edges_s": edges.tolist(), "counts": np.histogram(d, bins=edges)[0].tolist()},
+    }
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """`manifest_stats` as a table plus a text histogram."""
+    rows = [
+        [
+            name,
+            s["utterances"],
+            f"{s['hours']:.2f}",
+            f"{s['mean_duration_s']:.2f}",
+            f"{s['min_duration_s']:.2f}",
+            f"{s['max_duration_s']:.2f}",
+        ]
+        for name, s in stats["languages"].items()
+    ]
+    rows.append(
+        ["total", stats["utterances"], f"{stats['hours']:.2f}", f"{stats['mean_duration_s']:.2f}", "", ""]
+    )
+    lines = _format_table(["lang", "utterances", "hours", "mean s", "min s", "max s"], rows)
+    edges, counts = stats["histogram"]["bin_edges_s"], stats["histogram"]["counts"]
+    peak = max(counts, default=0) or 1
+    first = next((i for i, c in enumerate(counts) if c), 0)  # leading empty bins are not printed
+    lines += ["", "  duration histogram (s):"]
+    for lo, hi, c in zip(edges[first:-1], edges[first + 1 :], counts[first:]):
+        lines.append(f"  {lo:6.2f}-{hi:<6.2f} {c:>9}  {'#' * round(40 * c / peak)}".rstrip())
+    return "\n".join(lines)
+
+
+def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Save a PNG: hours per language (bars) and the duration histogram stacked by language."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib is slow to import
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax_hours, ax_hist = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    names = list(stats["languages"])
+    hours = [stats["languages"][n]["hours"] for n in names]
+    bars = ax_hours.bar(names, hours, color="#4c72b0")
+    for bar, name in zip(bars, names):
+        ax_hours.annotate(
+            f"{stats['languages'][name]['utterances']}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax_hours.set_title(f"hours per language ({stats['hours']:.2f} h, {stats['utterances']} utt.)")
+    ax_hours.set_ylabel("hours")
+    edges = np.asarray(stats["histogram"]["bin_edges_s"])
+    bottom = np.zeros(max(edges.size - 1, 0))
+    for name in names:
+        counts = np.asarray(stats["languages"][name]["histogram"], dtype=float)
+        ax_hist.bar(edges[:-1], counts, width=np.diff(edges), bottom=bottom, align="edge", label=name)
+        bottom += counts
+    ax_hist.set_title("duration histogram")
+    ax_hist.set_xlabel("seconds")
+    ax_hist.set_ylabel("utterances")
+    if names:
+        ax_hist.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=110)
