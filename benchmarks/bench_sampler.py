@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from speechlm.data.sampler import DEFAULT_BUCKET_BOUNDARIES, SECOND_UNITS, build_epoch_plan
+from speechlm.data.sampler import DEFAULT_BUCKET_BOUNDARIES, SECOND_UNITS, SamplerSettings, build_epoch_plan
 
 LANG_SHARES = (0.55, 0.25, 0.10, 0.06, 0.03, 0.01)
 LANG_NAMES = ("en", "de", "fr", "es", "sw", "yo")
@@ -160,7 +160,8 @@ def measure_vectorised(
     durations: np.ndarray, lang_codes: np.ndarray, mode: str, repeats: int, dp_size: int, grad_accum: int
 ) -> dict[str, Any]:
     def plan() -> Any:
-        return build_epoch_plan(durations, lang_codes, dp_size=dp_size, grad_accum=grad_accum, mode=mode)
+        settings = SamplerSettings(dp_size=dp_size, grad_accum=grad_accum, mode=mode)
+        return build_epoch_plan(durations, lang_codes, settings)
 
     wall, cpu = time_call(plan, repeats)
     with PeakRss() as rss:

@@ -11,8 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speechlm.bench import load_benchmark
-from speechlm.data import sampler as S
-from speechlm.data.sampler import DurationBucketBatchSampler, TokenCostModel, build_epoch_plan
+from speechlm.data.sampler import (
+    DurationBucketBatchSampler,
+    SamplerSettings,
+    TokenCostModel,
+    build_epoch_plan,
+)
+from speechlm.data.sampler import epoch_plan as S
 
 bench = load_benchmark("sampler")
 
@@ -177,16 +182,10 @@ def test_trim_keeps_a_multiple_of_grad_accum_and_shuffles_all_ranks_alike():
 )
 def test_exhaustive_mode_equals_the_per_row_reference(n, seed, dp, accum, temperature, epoch):
     durations, langs = skewed(n, seed)
-    plan = build_epoch_plan(
-        durations,
-        langs,
-        dp_size=dp,
-        grad_accum=accum,
-        mode="exhaustive",
-        temperature=temperature,
-        seed=seed,
-        epoch=epoch,
+    settings = SamplerSettings(
+        dp_size=dp, grad_accum=accum, mode="exhaustive", temperature=temperature, seed=seed
     )
+    plan = build_epoch_plan(durations, langs, settings, epoch)
     # replay the plan's own draws: the Exp(1) keys of step 3 and the permutation of step 6
     dur, codes, _, n_langs = S.check_arrays(durations, langs)
     counts = np.bincount(codes, minlength=n_langs)
@@ -217,9 +216,8 @@ def test_exhaustive_mode_equals_the_per_row_reference(n, seed, dp, accum, temper
 def test_temperature_mode_delivers_the_target_mix_within_one_point(budget):
     durations, langs = skewed(100_000, 1)
     tokens = np.random.default_rng(0).integers(5, 80, len(durations))
-    plan = build_epoch_plan(
-        durations, langs, token_lengths=tokens, dp_size=8, grad_accum=4, temperature=0.3, seed=2, **budget
-    )
+    settings = SamplerSettings(dp_size=8, grad_accum=4, temperature=0.3, seed=2, **budget)
+    plan = build_epoch_plan(durations, langs, settings, token_lengths=tokens)
     counts = np.bincount(langs, minlength=6)
     target = S.compute_language_targets(counts, 0.3)
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
@@ -231,7 +229,9 @@ def test_temperature_mode_delivers_the_target_mix_within_one_point(budget):
 
 def test_exhaustive_mode_keeps_the_natural_mix():
     durations, langs = skewed(100_000, 1)
-    plan = build_epoch_plan(durations, langs, dp_size=8, grad_accum=4, mode="exhaustive", temperature=0.3)
+    plan = build_epoch_plan(
+        durations, langs, SamplerSettings(dp_size=8, grad_accum=4, mode="exhaustive", temperature=0.3)
+    )
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     natural = np.bincount(langs, minlength=6) / len(langs)
     assert np.abs(np.bincount(langs[used], minlength=6) / len(used) - natural).max() < 0.01
@@ -239,7 +239,8 @@ def test_exhaustive_mode_keeps_the_natural_mix():
 
 def test_non_positive_temperature_is_uniform_over_languages():
     durations, langs = skewed(60_000, 2)
-    plan = build_epoch_plan(durations, langs, dp_size=2, grad_accum=2, temperature=0.0, epoch_size=30_000)
+    settings = SamplerSettings(dp_size=2, grad_accum=2, temperature=0.0, epoch_size=30_000)
+    plan = build_epoch_plan(durations, langs, settings)
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     assert np.abs(np.bincount(langs[used], minlength=6) / len(used) - 1 / 6).max() < 0.01
 
@@ -261,7 +262,8 @@ def test_temperature_streams_cover_a_language_before_repeating_it():
 def test_plan_invariants(mode):
     durations, langs = skewed(30_000, 4)
     durations[::997] = 120.0  # a few rows longer than the whole budget
-    plan = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=1)
+    settings = SamplerSettings(dp_size=4, grad_accum=3, mode=mode, seed=9)
+    plan = build_epoch_plan(durations, langs, settings, 1)
     counts = [len(list(plan.iter_rank(r))) for r in range(4)]
     assert len(set(counts)) == 1 and counts[0] % 3 == 0 and counts[0] > 0
     rows = []
@@ -276,9 +278,9 @@ def test_plan_invariants(mode):
     if mode == "exhaustive":
         assert len(rows) == len(set(rows))
         assert len(rows) > 0.99 * len(durations)  # only the lockstep trims drop rows
-    same = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=1)
+    same = build_epoch_plan(durations, langs, settings, 1)
     assert all_batches(same) == all_batches(plan)
-    other = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=2)
+    other = build_epoch_plan(durations, langs, settings, 2)
     assert all_batches(other) != all_batches(plan)
 
 
@@ -288,16 +290,10 @@ def test_token_budget_is_respected():
     model = TokenCostModel(
         audio_frames_per_second=100, encoder_subsampling=8, projector_stack=2, prompt_tokens=4
     )
-    plan = build_epoch_plan(
-        durations,
-        langs,
-        token_lengths=tokens,
-        dp_size=2,
-        grad_accum=2,
-        max_batch_tokens=1500,
-        length_penalty=1e-3,
-        token_cost=model,
+    settings = SamplerSettings(
+        dp_size=2, grad_accum=2, max_batch_tokens=1500, length_penalty=1e-3, token_cost=model
     )
+    plan = build_epoch_plan(durations, langs, settings, token_lengths=tokens)
     per_row = np.ceil(np.ceil(np.ceil(durations.astype(np.float64) * 100) / 8) / 2) + tokens + 4
     assert per_row[0] == model.count_tokens(durations[:1], tokens[:1])[0]
     cost = per_row + 1e-3 * per_row**2
@@ -311,14 +307,14 @@ def test_token_budget_is_respected():
 
 def test_too_small_a_manifest_for_the_layout_is_an_error():
     with pytest.raises(ValueError, match="fewer than dp_size"):
-        build_epoch_plan(np.full(10, 5.0), np.zeros(10, np.int32), dp_size=4, grad_accum=4)
+        build_epoch_plan(np.full(10, 5.0), np.zeros(10, np.int32), SamplerSettings(dp_size=4, grad_accum=4))
 
 
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match=r"durations\[2\] = nan"):
         build_epoch_plan(np.array([1.0, 2.0, np.nan]), np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="mode='random'"):
-        build_epoch_plan(np.ones(3), np.zeros(3, np.int32), mode="random")
+        build_epoch_plan(np.ones(3), np.zeros(3, np.int32), SamplerSettings(mode="random"))
     with pytest.raises(ValueError, match="lang_codes span"):
         DurationBucketBatchSampler(np.ones(3), np.array([0, 1, 2]), ["en", "de"])
 
@@ -326,9 +322,10 @@ def test_bad_inputs_name_the_value():
 # --------------------------------------------------------------------------------------------- sampler
 
 
-def make_sampler(durations, langs, **kw):
-    kw = {"dp_size": 4, "grad_accum": 2, "seed": 3, **kw}
-    return DurationBucketBatchSampler(durations, langs, ["en", "de", "fr", "es", "sw", "yo"], **kw)
+def make_sampler(durations, langs, *, dp_rank=0, epoch=0, **kw):
+    settings = SamplerSettings(**{"dp_size": 4, "grad_accum": 2, "seed": 3, **kw})
+    names = ["en", "de", "fr", "es", "sw", "yo"]
+    return DurationBucketBatchSampler(durations, langs, names, settings, dp_rank=dp_rank, epoch=epoch)
 
 
 def test_cp_and_tp_peers_get_identical_batches_and_dp_ranks_disjoint_ones():
@@ -409,13 +406,34 @@ def test_load_state_dict_refuses_another_manifest():
     make_sampler(durations, langs.astype(np.int64)).load_state_dict(state)
 
 
-def test_sampler_from_config_uses_the_config_fields():
+def test_settings_from_config_use_the_config_fields():
     from speechlm.config import SamplerConfig
 
     durations, langs = skewed(20_000, 8)
     cfg = SamplerConfig(mode="exhaustive", max_batch_duration=45.0, seed=11)
-    s = DurationBucketBatchSampler.from_config(cfg, durations, langs, dp_rank=0, dp_size=2, grad_accum=2)
-    plan = build_epoch_plan(
-        durations, langs, dp_size=2, grad_accum=2, mode="exhaustive", max_batch_duration=45.0, seed=11
+    settings = SamplerSettings.from_config(cfg, dp_size=2, grad_accum=2, projector_stack=3)
+    assert settings == SamplerSettings(
+        dp_size=2,
+        grad_accum=2,
+        mode="exhaustive",
+        max_batch_duration=45.0,
+        token_cost=TokenCostModel(projector_stack=3),
+        seed=11,
     )
-    assert list(s) == list(plan.iter_rank(0))
+    s = DurationBucketBatchSampler(durations, langs, None, settings, dp_rank=0)
+    assert list(s) == list(build_epoch_plan(durations, langs, settings).iter_rank(0))
+
+
+def test_settings_are_frozen_and_the_sampler_resolves_them_for_its_manifest():
+    import dataclasses
+
+    settings = SamplerSettings(bucket_boundaries=[2, 4], max_batch_tokens=900, epoch_size=0)
+    assert settings.bucket_boundaries == (2, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 1  # type: ignore[misc]
+    durations, langs = skewed(5_000, 9)
+    s = DurationBucketBatchSampler(durations, langs, None, settings)
+    assert (s.settings.epoch_size, s.settings.max_batch_duration) == (5_000, None)
+    assert s.params["bucket_boundaries"] == [2.0, 4.0] and s.dp_size == 1 and s.seed == 0
+    with pytest.raises(ValueError, match="epoch_size=0 must be >= 1"):
+        build_epoch_plan(durations, langs, settings)  # only the sampler reads 0 as the manifest size

@@ -120,16 +120,111 @@ def quantize_costs(sizes: np.ndarray, budget: float, units: int) -> tuple[np.nda
 
 
 # ---------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """Everything an epoch plan depends on besides the manifest arrays and the epoch number.
+
+    `dp_rank` is not a setting: a plan covers all dp ranks, and the sampler takes its rank as an
+    explicit argument. `max_batch_tokens`, when set, replaces `max_batch_duration`; `epoch_size`
+    (temperature mode only; None: the manifest's row count) is how many utterances an epoch draws.
+    Construction only turns `bucket_boundaries` into a tuple; `check(epoch)` validates.
+    """
+
+    dp_size: int = 1
+    grad_accum: int = 1
+    mode: str = "temperature"
+    temperature: float = 0.3
+    max_batch_duration: float | None = 90.0
+    max_batch_tokens: int | None = None
+    length_penalty: float = 0.0
+    bucket_boundaries: tuple[float, ...] = DEFAULT_BUCKET_BOUNDARIES
+    epoch_size: int | None = None
+    token_cost: TokenCostModel = TokenCostModel()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_boundaries", tuple(self.bucket_boundaries))
+
+    @classmethod
+    def from_config(
+        cls, sampler_cfg: Any, *, dp_size: int, grad_accum: int, projector_stack: int = 2
+    ) -> SamplerSettings:
+        """From a `speechlm.config.SamplerConfig` (duck-typed, so data/ does not import config)."""
+        fields = ("mode", "temperature", "max_batch_duration", "max_batch_tokens", "length_penalty",
+                  "bucket_boundaries", "epoch_size", "seed")  # fmt: skip
+        return cls(
+            dp_size=dp_size, grad_accum=grad_accum, token_cost=TokenCostModel(projector_stack=projector_stack),
+            **{name: getattr(sampler_cfg, name) for name in fields},
+        )  # fmt: skip
+
+    def for_rows(self, n_rows: int) -> SamplerSettings:
+        """The settings as the stateful sampler plans and saves them, for a manifest of `n_rows`.
+
+        The token budget drops the seconds; in temperature mode a missing (or 0) `epoch_size`
+        becomes `n_rows`, exhaustive mode drops it; numbers become floats.
+        """
+        temperature_mode = self.mode == "temperature"
+        return dataclasses.replace(
+            self,
+            temperature=float(self.temperature),
+            max_batch_duration=None if self.max_batch_tokens is not None else self.max_batch_duration,
+            length_penalty=float(self.length_penalty),
+            bucket_boundaries=tuple(float(b) for b in self.bucket_boundaries),
+            epoch_size=(self.epoch_size or n_rows) if temperature_mode else None,
+        )
+
+    def check(self, epoch: int = 0) -> None:
+        """Raise ValueError naming the first invalid setting (or epoch) and saying what to use instead."""
+        if self.mode not in MODES:
+            raise ValueError(
+                f"mode={self.mode!r}: use 'temperature' (delivers the language mix) or 'exhaustive'"
+            )
+        if self.dp_size < 1 or self.grad_accum < 1:
+            raise ValueError(f"dp_size={self.dp_size} and grad_accum={self.grad_accum} must both be >= 1")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature={self.temperature} must be a finite number (T <= 0 means uniform)")
+        duration, tokens = self.max_batch_duration, self.max_batch_tokens
+        if tokens is None and not (duration and duration > 0):
+            raise ValueError(f"max_batch_duration={duration}: give seconds > 0 or set max_batch_tokens")
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"max_batch_tokens={tokens} must be >= 1 (or None for a duration budget)")
+        if self.length_penalty < 0:
+            raise ValueError(f"length_penalty={self.length_penalty} must be >= 0")
+        check_bucket_boundaries(self.bucket_boundaries)
+        if self.epoch_size is not None and self.epoch_size < 1:
+            raise ValueError(
+                f"epoch_size={self.epoch_size} must be >= 1 (or None for the manifest's row count)"
+            )
+        tc = self.token_cost
+        if (
+            min(tc.audio_frames_per_second, tc.encoder_subsampling, tc.projector_stack) <= 0
+            or tc.prompt_tokens < 0
+        ):
+            raise ValueError(f"{tc} must have positive rates and factors and prompt_tokens >= 0")
+        if self.seed < 0 or epoch < 0:
+            raise ValueError(f"seed={self.seed} and epoch={epoch} must be non-negative integers")
+
+
+# ---------------------------------------------------------------------------------------------
 # steps 1-3: buckets, language targets, per-bucket order
 
 
-def assign_buckets(durations: np.ndarray, boundaries: Sequence[float]) -> np.ndarray:
-    """Step 1: bucket id per row (int8); bucket b holds boundaries[b-1] <= d < boundaries[b]."""
+def check_bucket_boundaries(boundaries: Sequence[float]) -> np.ndarray:
+    """The boundaries as float64 edges; ValueError unless strictly increasing and at most 126."""
     edges = np.asarray(boundaries, dtype=np.float64)
     if edges.ndim != 1 or np.any(np.diff(edges) <= 0):
         raise ValueError(f"bucket_boundaries={list(boundaries)} must be strictly increasing seconds")
     if len(edges) > 126:
         raise ValueError(f"bucket_boundaries has {len(edges)} entries; use at most 126")
+    return edges
+
+
+def assign_buckets(durations: np.ndarray, boundaries: Sequence[float]) -> np.ndarray:
+    """Step 1: bucket id per row (int8); bucket b holds boundaries[b-1] <= d < boundaries[b]."""
+    edges = check_bucket_boundaries(boundaries)
     durations = np.asarray(durations, dtype=np.float32)
     buckets = np.zeros(len(durations), dtype=np.int8)
     for edge in edges:  # a few compares beat a binary search per row; float64 edges, exact as bisect
@@ -424,86 +519,68 @@ class EpochPlan:
 def build_epoch_plan(
     durations: np.ndarray,
     lang_codes: np.ndarray,
+    settings: SamplerSettings = SamplerSettings(),
+    epoch: int = 0,
     *,
     token_lengths: np.ndarray | None = None,
-    dp_size: int = 1,
-    grad_accum: int = 1,
-    mode: str = "temperature",
-    temperature: float = 0.3,
-    max_batch_duration: float | None = 90.0,
-    max_batch_tokens: int | None = None,
-    length_penalty: float = 0.0,
-    bucket_boundaries: Sequence[float] = DEFAULT_BUCKET_BOUNDARIES,
-    epoch_size: int | None = None,
-    token_cost: TokenCostModel = TokenCostModel(),
     n_langs: int | None = None,
-    seed: int = 0,
-    epoch: int = 0,
 ) -> EpochPlan:
-    """Plan one epoch for all dp ranks (pure: same inputs -> same plan). See the module docstring.
-
-    `max_batch_tokens`, when set, replaces `max_batch_duration`. `epoch_size` (temperature mode
-    only; default: the manifest's row count) is how many utterances the epoch draws.
-    """
+    """Plan one epoch for all dp ranks (pure: same inputs -> same plan). See the module docstring."""
     durations, lang_codes, token_lengths, n_langs = check_arrays(
         durations, lang_codes, token_lengths, n_langs
     )
-    check_settings(
-        dp_size=dp_size, grad_accum=grad_accum, mode=mode, temperature=temperature,
-        max_batch_duration=max_batch_duration, max_batch_tokens=max_batch_tokens,
-        length_penalty=length_penalty, bucket_boundaries=bucket_boundaries, epoch_size=epoch_size,
-        token_cost=token_cost, seed=seed, epoch=epoch,
-    )  # fmt: skip
+    s = settings
+    s.check(epoch)
     n = len(durations)
     lang_counts = np.bincount(lang_codes, minlength=n_langs)
-    targets = compute_language_targets(lang_counts, temperature)
+    targets = compute_language_targets(lang_counts, s.temperature)
 
-    if mode == "exhaustive":
+    if s.mode == "exhaustive":
         weights = compute_language_weights(lang_counts, targets)
-        buckets = assign_buckets(durations, bucket_boundaries)
-        rng = make_generator(seed, "order", epoch)
+        buckets = assign_buckets(durations, s.bucket_boundaries)
+        rng = make_generator(s.seed, "order", epoch)
         rows, seg_starts, _ = order_by_weighted_keys(buckets, lang_codes, weights, rng)
         del buckets
     else:
-        draw_counts = allocate_counts(targets, n if epoch_size is None else epoch_size)
-        drawn = draw_temperature_rows(lang_codes, lang_counts, draw_counts, seed=seed, epoch=epoch)
-        buckets = assign_buckets(durations[drawn], bucket_boundaries)
-        rng = make_generator(seed, "shuffle", epoch)
+        draw_counts = allocate_counts(targets, n if s.epoch_size is None else s.epoch_size)
+        drawn = draw_temperature_rows(lang_codes, lang_counts, draw_counts, seed=s.seed, epoch=epoch)
+        buckets = assign_buckets(durations[drawn], s.bucket_boundaries)
+        rng = make_generator(s.seed, "shuffle", epoch)
         rows, seg_starts = shuffle_within_buckets(drawn, buckets, rng)
         del drawn, buckets
 
-    if max_batch_tokens is not None:
+    if s.max_batch_tokens is not None:
         sizes = compute_row_sizes(
             durations[rows],
             None if token_lengths is None else token_lengths[rows],
-            max_batch_tokens=max_batch_tokens,
-            length_penalty=length_penalty,
-            token_cost=token_cost,
+            max_batch_tokens=s.max_batch_tokens,
+            length_penalty=s.length_penalty,
+            token_cost=s.token_cost,
         )
-        costs, budget = quantize_costs(sizes, max_batch_tokens, TOKEN_UNITS)
+        costs, budget = quantize_costs(sizes, s.max_batch_tokens, TOKEN_UNITS)
     else:
         sizes = durations[rows]
-        costs, budget = quantize_costs(sizes, float(max_batch_duration or 0.0), SECOND_UNITS)
+        costs, budget = quantize_costs(sizes, float(s.max_batch_duration or 0.0), SECOND_UNITS)
     starts = pack_greedy(costs, budget, seg_starts)
     del costs
     offsets = np.append(starts, len(rows))
     batch_costs = np.diff(offsets) * np.maximum.reduceat(sizes, starts).astype(np.float64)
     del sizes
-    rank_batches = assign_to_ranks(batch_costs, dp_size)
-    rng = make_generator(seed, "ranks", epoch)
-    rank_batches = trim_and_shuffle(rank_batches, grad_accum, rng)
+    rank_batches = assign_to_ranks(batch_costs, s.dp_size)
+    rng = make_generator(s.seed, "ranks", epoch)
+    rank_batches = trim_and_shuffle(rank_batches, s.grad_accum, rng)
     if rank_batches.shape[1] == 0:
         raise ValueError(
             f"the epoch packs into {len(starts)} micro-batches, fewer than dp_size * grad_accum = "
-            f"{dp_size * grad_accum}, so every rank would get none; lower the batch budget, "
+            f"{s.dp_size * s.grad_accum}, so every rank would get none; lower the batch budget, "
             f"grad_accum or dp_size, or use a larger manifest / epoch_size"
         )
     return EpochPlan(
         rows=rows,
         batch_offsets=offsets,
         rank_batches=rank_batches,
-        mode=mode,
-        seed=seed,
+        mode=s.mode,
+        seed=s.seed,
         epoch=epoch,
         manifest_rows=n,
     )
@@ -548,47 +625,6 @@ def check_arrays(
     return dur, codes, tokens, int(n_langs)
 
 
-def check_settings(
-    *,
-    dp_size: int,
-    grad_accum: int,
-    mode: str,
-    temperature: float,
-    max_batch_duration: float | None,
-    max_batch_tokens: int | None,
-    length_penalty: float,
-    bucket_boundaries: Sequence[float],
-    epoch_size: int | None,
-    token_cost: TokenCostModel,
-    seed: int,
-    epoch: int,
-) -> None:
-    """Raise ValueError naming the first invalid sampler setting and saying what to use instead."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}: use 'temperature' (delivers the language mix) or 'exhaustive'")
-    if dp_size < 1 or grad_accum < 1:
-        raise ValueError(f"dp_size={dp_size} and grad_accum={grad_accum} must both be >= 1")
-    if not math.isfinite(temperature):
-        raise ValueError(f"temperature={temperature} must be a finite number (T <= 0 means uniform)")
-    if max_batch_tokens is None and not (max_batch_duration and max_batch_duration > 0):
-        raise ValueError(f"max_batch_duration={max_batch_duration}: give seconds > 0 or set max_batch_tokens")
-    if max_batch_tokens is not None and max_batch_tokens < 1:
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1 (or None for a duration budget)")
-    if length_penalty < 0:
-        raise ValueError(f"length_penalty={length_penalty} must be >= 0")
-    assign_buckets(np.zeros(0, np.float32), bucket_boundaries)  # raises on bad boundaries
-    if epoch_size is not None and epoch_size < 1:
-        raise ValueError(f"epoch_size={epoch_size} must be >= 1 (or None for the manifest's row count)")
-    tc = token_cost
-    if (
-        min(tc.audio_frames_per_second, tc.encoder_subsampling, tc.projector_stack) <= 0
-        or tc.prompt_tokens < 0
-    ):
-        raise ValueError(f"{tc} must have positive rates and factors and prompt_tokens >= 0")
-    if seed < 0 or epoch < 0:
-        raise ValueError(f"seed={seed} and epoch={epoch} must be non-negative integers")
-
-
 def _index_dtype(n: int) -> np.dtype:
     return np.dtype(np.int32 if n < 2**31 else np.int64)
 
@@ -622,9 +658,9 @@ def fingerprint_manifest(
 class DurationBucketBatchSampler:
     """Iterable of micro-batches (lists of manifest row indices) for one data-parallel rank.
 
-    Pass it to a DataLoader as `batch_sampler`. `dp_rank`/`dp_size` are the data-parallel
-    coordinates only: CP and TP peers pass the same dp_rank and get identical batches. Every rank
-    gets the same number of micro-batches per epoch, a multiple of grad_accum.
+    Pass it to a DataLoader as `batch_sampler`. `dp_rank` and `settings.dp_size` are the
+    data-parallel coordinates only: CP and TP peers pass the same dp_rank and get identical batches.
+    Every rank gets the same number of micro-batches per epoch, a multiple of grad_accum.
 
     Position and epochs: `position` counts micro-batches handed out in the current epoch;
     `iter()` yields from there to the end of the epoch. `len()` is the full epoch's count for this
@@ -640,47 +676,36 @@ class DurationBucketBatchSampler:
         durations: np.ndarray,
         lang_codes: np.ndarray,
         lang_names: Sequence[str] | None = None,
+        settings: SamplerSettings = SamplerSettings(),
         *,
         token_lengths: np.ndarray | None = None,
         dp_rank: int = 0,
-        dp_size: int = 1,
-        grad_accum: int = 1,
-        mode: str = "temperature",
-        temperature: float = 0.3,
-        max_batch_duration: float | None = 90.0,
-        max_batch_tokens: int | None = None,
-        length_penalty: float = 0.0,
-        bucket_boundaries: Sequence[float] = DEFAULT_BUCKET_BOUNDARIES,
-        epoch_size: int | None = None,
-        token_cost: TokenCostModel = TokenCostModel(),
-        seed: int = 0,
         epoch: int = 0,
     ) -> None:
         n_langs = len(lang_names) if lang_names is not None else None
         self._durations, self._lang_codes, self._token_lengths, self._n_langs = check_arrays(
             durations, lang_codes, token_lengths, n_langs
         )
-        if max_batch_tokens is not None:
-            max_batch_duration = None  # the token budget replaces the seconds
-        self._settings: dict[str, Any] = dict(
-            grad_accum=grad_accum, mode=mode, temperature=float(temperature),
-            max_batch_duration=max_batch_duration, max_batch_tokens=max_batch_tokens,
-            length_penalty=float(length_penalty), bucket_boundaries=tuple(float(b) for b in bucket_boundaries),
-            epoch_size=(epoch_size or len(self._durations)) if mode == "temperature" else None,
-            token_cost=token_cost,
-        )  # fmt: skip
-        check_settings(dp_size=dp_size, seed=seed, epoch=epoch, **self._settings)
+        self.settings = settings.for_rows(len(self._durations))
+        self.settings.check(epoch)
+        dp_size = self.settings.dp_size
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in 0..{dp_size - 1} (dp_size={dp_size})")
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank = dp_rank
         self.lang_names = list(lang_names) if lang_names is not None else None
-        # the settings as they go into state_dict(): plain lists, dicts and numbers
+        s = self.settings
+        # the settings as they go into state_dict(): plain lists, dicts and numbers. Saved checkpoints
+        # compare these keys one by one, so keep them (and their order, for identical JSON).
         self.params: dict[str, Any] = {
-            **self._settings,
-            "bucket_boundaries": list(self._settings["bucket_boundaries"]),
-            "token_cost": dataclasses.asdict(token_cost),
-        }
-        del self.params["mode"]  # checked at the top level of the state
+            "grad_accum": s.grad_accum,
+            "temperature": s.temperature,
+            "max_batch_duration": s.max_batch_duration,
+            "max_batch_tokens": s.max_batch_tokens,
+            "length_penalty": s.length_penalty,
+            "bucket_boundaries": list(s.bucket_boundaries),
+            "epoch_size": s.epoch_size,
+            "token_cost": dataclasses.asdict(s.token_cost),
+        }  # dp_size, seed and mode are checked at the top level of the state
         self.fingerprint = fingerprint_manifest(
             self._durations, self._lang_codes, self._token_lengths, self.lang_names
         )
@@ -689,40 +714,25 @@ class DurationBucketBatchSampler:
         self._plan: EpochPlan | None = None
         self._generation = 0  # bumped by set_epoch/seek/load_state_dict: stale iterators stop
 
-    @classmethod
-    def from_config(
-        cls,
-        sampler_cfg: Any,
-        durations: np.ndarray,
-        lang_codes: np.ndarray,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        grad_accum: int,
-        lang_names: Sequence[str] | None = None,
-        token_lengths: np.ndarray | None = None,
-        projector_stack: int = 2,
-    ) -> DurationBucketBatchSampler:
-        """Build from a `speechlm.config.SamplerConfig` (duck-typed, so data/ does not import config)."""
-        fields = ("mode", "temperature", "max_batch_duration", "max_batch_tokens", "length_penalty",
-                  "bucket_boundaries", "epoch_size", "seed")  # fmt: skip
-        return cls(
-            durations, lang_codes, lang_names, token_lengths=token_lengths, dp_rank=dp_rank, dp_size=dp_size,
-            grad_accum=grad_accum, token_cost=TokenCostModel(projector_stack=projector_stack),
-            **{name: getattr(sampler_cfg, name) for name in fields},
-        )  # fmt: skip
+    @property
+    def dp_size(self) -> int:
+        return self.settings.dp_size
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
 
     @property
     def grad_accum(self) -> int:
-        return int(self._settings["grad_accum"])
+        return self.settings.grad_accum
 
     @property
     def plan(self) -> EpochPlan:
         """The current epoch's plan (built on first use, cached)."""
         if self._plan is None or self._plan.epoch != self.epoch:
             self._plan = build_epoch_plan(
-                self._durations, self._lang_codes, token_lengths=self._token_lengths, dp_size=self.dp_size,
-                n_langs=self._n_langs, seed=self.seed, epoch=self.epoch, **self._settings,
+                self._durations, self._lang_codes, self.settings, self.epoch,
+                token_lengths=self._token_lengths, n_langs=self._n_langs,
             )  # fmt: skip
         return self._plan
 
@@ -778,7 +788,7 @@ class DurationBucketBatchSampler:
             "position": self.position if position is None else int(position),
             "seed": self.seed,
             "dp_size": self.dp_size,
-            "mode": self._settings["mode"],
+            "mode": self.settings.mode,
             "manifest": dict(self.fingerprint),
             "params": dict(self.params),
         }
