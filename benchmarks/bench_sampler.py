@@ -7,7 +7,7 @@ A synthetic manifest (6 languages with skewed shares, durations 0.5-20 s) is pla
 ranks with grad_accum 4 in both modes. We report the wall and CPU time of each plan (best of
 `--repeats`), the peak extra memory (tracemalloc, which sees numpy's buffers, and the RSS
 sampled every 10 ms), and the same for `reference_epoch_plan`: a faithful row-at-a-time Python version of the inherited exhaustive
-algorithm (steps 1-7 of speechlm/data/sampler.py, one dict per row), which the tests also use as
+algorithm (steps 1-7 of speechlm/data/sampler/epoch_plan.py, one dict per row), which the tests also use as
 the oracle for the vectorised exhaustive mode. Its memory is measured by sampling the process RSS,
 since tracemalloc would slow its millions of small allocations several times over.
 """

@@ -12,12 +12,16 @@ from hypothesis import strategies as st
 
 from speechlm.bench import load_benchmark
 from speechlm.data.sampler import (
+    DEFAULT_BUCKET_BOUNDARIES,
     DurationBucketBatchSampler,
+    EpochPlan,
     SamplerSettings,
     TokenCostModel,
+    batching,
     build_epoch_plan,
+    check_arrays,
+    ordering,
 )
-from speechlm.data.sampler import epoch_plan as S
 
 bench = load_benchmark("sampler")
 
@@ -27,7 +31,7 @@ def skewed(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return durations, lang_codes
 
 
-def all_batches(plan: S.EpochPlan) -> list[list[list[int]]]:
+def all_batches(plan: EpochPlan) -> list[list[list[int]]]:
     return [[plan.batch(r, j).tolist() for j in range(plan.batches_per_rank)] for r in range(plan.dp_size)]
 
 
@@ -49,12 +53,12 @@ def sequential_starts(costs: list[int], budget: int, segment_starts: list[int]) 
 
 def test_buckets_are_half_open_intervals_of_the_boundaries():
     durations = np.array([0.0, 2.99, 3.0, 4.99, 5.0, 15.99, 16.0, 40.0], dtype=np.float32)
-    assert S.assign_buckets(durations, (3, 5, 8, 12, 16)).tolist() == [0, 0, 1, 1, 2, 4, 5, 5]
+    assert ordering.assign_buckets(durations, (3, 5, 8, 12, 16)).tolist() == [0, 0, 1, 1, 2, 4, 5, 5]
 
 
 def test_buckets_reject_unsorted_boundaries():
     with pytest.raises(ValueError, match="strictly increasing"):
-        S.assign_buckets(np.ones(3, np.float32), (5, 3))
+        ordering.assign_buckets(np.ones(3, np.float32), (5, 3))
 
 
 # --------------------------------------------------------------------------------------------- step 2
@@ -62,24 +66,28 @@ def test_buckets_reject_unsorted_boundaries():
 
 def test_language_targets_follow_the_temperature_formula():
     counts = np.array([900, 90, 10, 0])
-    t = S.compute_language_targets(counts, 0.5)
+    t = ordering.compute_language_targets(counts, 0.5)
     expected = np.array([30.0, math.sqrt(90), math.sqrt(10), 0.0])
     np.testing.assert_allclose(t, expected / expected.sum())
-    np.testing.assert_allclose(S.compute_language_targets(counts, 1.0), counts / counts.sum())
+    np.testing.assert_allclose(ordering.compute_language_targets(counts, 1.0), counts / counts.sum())
     for temperature in (0.0, -1.0):
-        np.testing.assert_allclose(S.compute_language_targets(counts, temperature), [1 / 3, 1 / 3, 1 / 3, 0])
+        np.testing.assert_allclose(
+            ordering.compute_language_targets(counts, temperature), [1 / 3, 1 / 3, 1 / 3, 0]
+        )
 
 
 def test_language_weights_are_target_over_actual():
     counts = np.array([900, 100, 0])
-    targets = S.compute_language_targets(counts, 0.0)
-    np.testing.assert_allclose(S.compute_language_weights(counts, targets), [0.5 / 0.9, 0.5 / 0.1, 0.0])
+    targets = ordering.compute_language_targets(counts, 0.0)
+    np.testing.assert_allclose(
+        ordering.compute_language_weights(counts, targets), [0.5 / 0.9, 0.5 / 0.1, 0.0]
+    )
 
 
 def test_counts_sum_exactly_by_largest_remainder():
-    counts = S.allocate_counts(np.array([1 / 3, 1 / 3, 1 / 3]), 100)
+    counts = ordering.allocate_counts(np.array([1 / 3, 1 / 3, 1 / 3]), 100)
     assert counts.tolist() == [34, 33, 33]
-    counts = S.allocate_counts(np.array([0.555, 0.445, 0.0]), 7)
+    counts = ordering.allocate_counts(np.array([0.555, 0.445, 0.0]), 7)
     assert counts.sum() == 7 and counts[2] == 0 and counts.tolist() == [4, 3, 0]
 
 
@@ -92,8 +100,8 @@ def test_order_groups_buckets_and_sorts_by_weighted_key_descending():
     buckets = rng.integers(0, 4, n).astype(np.int8)
     langs = rng.integers(0, 3, n).astype(np.int32)
     weights = np.array([0.5, 1.0, 4.0])
-    order, starts, keys = S.order_by_weighted_keys(
-        buckets, langs, weights, S.make_generator(3, "order", 0), return_keys=True
+    order, starts, keys = ordering.order_by_weighted_keys(
+        buckets, langs, weights, ordering.make_generator(3, "order", 0), return_keys=True
     )
     assert sorted(order.tolist()) == list(range(n))
     assert np.all(np.diff(buckets[order]) >= 0)
@@ -113,7 +121,7 @@ def test_first_of_a_bucket_is_drawn_in_proportion_to_its_weight():
     trials = 3000
     firsts = np.zeros(3)
     for t in range(trials):
-        order, _, _ = S.order_by_weighted_keys(buckets, langs, weights, np.random.default_rng(t))
+        order, _, _ = ordering.order_by_weighted_keys(buckets, langs, weights, np.random.default_rng(t))
         firsts[order[0]] += 1
     expected = weights / weights.sum() * trials
     assert np.all(np.abs(firsts - expected) < 4 * np.sqrt(expected))
@@ -132,7 +140,7 @@ def test_first_of_a_bucket_is_drawn_in_proportion_to_its_weight():
 )
 def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_log2):
     segments = sorted({c for c in cuts if c < len(costs)})
-    got = S.pack_greedy(
+    got = batching.pack_greedy(
         np.array(costs), budget, np.array(segments, dtype=np.int64), block=block, jump_log2=jump_log2
     )
     assert got.tolist() == sequential_starts(costs, budget, segments)
@@ -141,7 +149,7 @@ def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_
 @settings(max_examples=100, deadline=None)
 @given(costs=st.lists(st.integers(0, 200), min_size=1, max_size=200), budget=st.integers(1, 300))
 def test_packed_batches_fit_the_budget_and_are_maximal(costs, budget):
-    starts = S.pack_greedy(np.array(costs), budget).tolist()
+    starts = batching.pack_greedy(np.array(costs), budget).tolist()
     ends = [*starts[1:], len(costs)]
     for a, b in zip(starts, ends):
         total = sum(costs[a:b])
@@ -153,7 +161,7 @@ def test_packed_batches_fit_the_budget_and_are_maximal(costs, budget):
 def test_packing_keeps_equal_costs_exact_and_handles_oversized_rows():
     costs = np.full(10_000, 10)
     costs[[5, 777]] = 1000
-    starts = S.pack_greedy(costs, 90, np.array([0, 4321]), block=64)
+    starts = batching.pack_greedy(costs, 90, np.array([0, 4321]), block=64)
     assert starts.tolist() == sequential_starts(costs.tolist(), 90, [4321])
 
 
@@ -161,13 +169,13 @@ def test_packing_keeps_equal_costs_exact_and_handles_oversized_rows():
 
 
 def test_ranks_take_cost_sorted_batches_round_robin_after_dropping_the_tail():
-    ranks = S.assign_to_ranks(np.array([5.0, 1.0, 4.0, 3.0, 2.0]), dp_size=2)
+    ranks = batching.assign_to_ranks(np.array([5.0, 1.0, 4.0, 3.0, 2.0]), dp_size=2)
     assert ranks.tolist() == [[0, 3], [2, 4]]  # order 0,2,3,4 (1 dropped); rank r takes r, r+2
 
 
 def test_trim_keeps_a_multiple_of_grad_accum_and_shuffles_all_ranks_alike():
     ranks = np.arange(14).reshape(2, 7)
-    out = S.trim_and_shuffle(ranks, 3, np.random.default_rng(0))
+    out = batching.trim_and_shuffle(ranks, 3, np.random.default_rng(0))
     assert out.shape == (2, 6)
     assert sorted(out[0].tolist()) == list(range(6)) and sorted(out[1].tolist()) == list(range(7, 13))
     assert (out[1] - out[0]).tolist() == [7] * 6  # the same permutation on every rank
@@ -187,17 +195,19 @@ def test_exhaustive_mode_equals_the_per_row_reference(n, seed, dp, accum, temper
     )
     plan = build_epoch_plan(durations, langs, settings, epoch)
     # replay the plan's own draws: the Exp(1) keys of step 3 and the permutation of step 6
-    dur, codes, _, n_langs = S.check_arrays(durations, langs)
+    dur, codes, _, n_langs = check_arrays(durations, langs)
     counts = np.bincount(codes, minlength=n_langs)
-    weights = S.compute_language_weights(counts, S.compute_language_targets(counts, temperature))
-    _, _, keys = S.order_by_weighted_keys(
-        S.assign_buckets(dur, S.DEFAULT_BUCKET_BOUNDARIES),
+    weights = ordering.compute_language_weights(
+        counts, ordering.compute_language_targets(counts, temperature)
+    )
+    _, _, keys = ordering.order_by_weighted_keys(
+        ordering.assign_buckets(dur, DEFAULT_BUCKET_BOUNDARIES),
         codes,
         weights,
-        S.make_generator(seed, "order", epoch),
+        ordering.make_generator(seed, "order", epoch),
         return_keys=True,
     )
-    perm = S.make_generator(seed, "ranks", epoch).permutation(plan.batches_per_rank)
+    perm = ordering.make_generator(seed, "ranks", epoch).permutation(plan.batches_per_rank)
     expected = bench.reference_epoch_plan(
         durations.tolist(),
         langs.tolist(),
@@ -219,7 +229,7 @@ def test_temperature_mode_delivers_the_target_mix_within_one_point(budget):
     settings = SamplerSettings(dp_size=8, grad_accum=4, temperature=0.3, seed=2, **budget)
     plan = build_epoch_plan(durations, langs, settings, token_lengths=tokens)
     counts = np.bincount(langs, minlength=6)
-    target = S.compute_language_targets(counts, 0.3)
+    target = ordering.compute_language_targets(counts, 0.3)
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     achieved = np.bincount(langs[used], minlength=6) / len(used)
     assert np.abs(achieved - target).max() < 0.01, (achieved, target)
@@ -249,8 +259,8 @@ def test_temperature_streams_cover_a_language_before_repeating_it():
     """A sub-sampled language is drawn without replacement across epochs; an up-sampled one in full cycles."""
     langs = np.array([0] * 1000 + [1] * 100)
     counts = np.bincount(langs)
-    draw = S.allocate_counts(S.compute_language_targets(counts, 0.0), 400)  # 200 each
-    seen = [S.draw_temperature_rows(langs, counts, draw, seed=5, epoch=e) for e in range(5)]
+    draw = ordering.allocate_counts(ordering.compute_language_targets(counts, 0.0), 400)  # 200 each
+    seen = [ordering.draw_temperature_rows(langs, counts, draw, seed=5, epoch=e) for e in range(5)]
     big = np.concatenate([s[s < 1000] for s in seen])
     assert sorted(big.tolist()) == list(range(1000))  # epochs 0-4 = one full cycle of language 0
     small = seen[0][seen[0] >= 1000]
@@ -271,7 +281,7 @@ def test_plan_invariants(mode):
         for batch in plan.iter_rank(r):
             total = float(np.sum(durations[batch], dtype=np.float64))
             assert total <= 90.0 + 1e-9 or len(batch) == 1
-            buckets = S.assign_buckets(durations[batch], S.DEFAULT_BUCKET_BOUNDARIES)
+            buckets = ordering.assign_buckets(durations[batch], DEFAULT_BUCKET_BOUNDARIES)
             assert len(set(buckets.tolist())) == 1  # a batch never mixes buckets
             rows.extend(batch)
     assert all(0 <= i < len(durations) for i in rows)
