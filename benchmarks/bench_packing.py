@@ -50,7 +50,7 @@ def prepare_demo(out: Path) -> None:
 def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:
     from speechlm.data.dataset import Collator, SpeechDataset
     from speechlm.data.manifest import load_manifest, manifest_arrays
-    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.train.module import TokenizerInfo
 
@@ -59,7 +59,7 @@ def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any]
     table = load_manifest(data / "train.parquet")
     arr = manifest_arrays(table)
     sampler = DurationBucketBatchSampler(
-        arr.durations, arr.lang_codes, arr.lang_names, max_batch_duration=budget, seed=0
+        arr.durations, arr.lang_codes, arr.lang_names, SamplerSettings(max_batch_duration=budget, seed=0)
     )
     ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
     collate = Collator(tok.pad_id)
@@ -88,7 +88,7 @@ def lognormal_batches(n: int, budget: float, sampler_kind: str, seed: int = 0) -
     import torch
 
     from speechlm.data.dataset import Batch
-    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
     from speechlm.train.module import TokenizerInfo
 
     rng = np.random.default_rng(seed)
@@ -99,8 +99,7 @@ def lognormal_batches(n: int, budget: float, sampler_kind: str, seed: int = 0) -
                 durations,
                 np.zeros(len(durations), dtype=np.int16),
                 ["xx"],
-                max_batch_duration=budget,
-                seed=seed,
+                SamplerSettings(max_batch_duration=budget, seed=seed),
             )
         )
     else:

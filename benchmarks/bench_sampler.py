@@ -7,7 +7,7 @@ A synthetic manifest (6 languages with skewed shares, durations 0.5-20 s) is pla
 ranks with grad_accum 4 in both modes. We report the wall and CPU time of each plan (best of
 `--repeats`), the peak extra memory (tracemalloc, which sees numpy's buffers, and the RSS
 sampled every 10 ms), and the same for `reference_epoch_plan`: a faithful row-at-a-time Python version of the inherited exhaustive
-algorithm (steps 1-7 of speechlm/data/sampler.py, one dict per row), which the tests also use as
+algorithm (steps 1-7 of speechlm/data/sampler/epoch_plan.py, one dict per row), which the tests also use as
 the oracle for the vectorised exhaustive mode. Its memory is measured by sampling the process RSS,
 since tracemalloc would slow its millions of small allocations several times over.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from speechlm.data.sampler import DEFAULT_BUCKET_BOUNDARIES, SECOND_UNITS, build_epoch_plan
+from speechlm.data.sampler import DEFAULT_BUCKET_BOUNDARIES, SECOND_UNITS, SamplerSettings, build_epoch_plan
 
 LANG_SHARES = (0.55, 0.25, 0.10, 0.06, 0.03, 0.01)
 LANG_NAMES = ("en", "de", "fr", "es", "sw", "yo")
@@ -160,7 +160,8 @@ def measure_vectorised(
     durations: np.ndarray, lang_codes: np.ndarray, mode: str, repeats: int, dp_size: int, grad_accum: int
 ) -> dict[str, Any]:
     def plan() -> Any:
-        return build_epoch_plan(durations, lang_codes, dp_size=dp_size, grad_accum=grad_accum, mode=mode)
+        settings = SamplerSettings(dp_size=dp_size, grad_accum=grad_accum, mode=mode)
+        return build_epoch_plan(durations, lang_codes, settings)
 
     wall, cpu = time_call(plan, repeats)
     with PeakRss() as rss:

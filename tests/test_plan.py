@@ -11,7 +11,7 @@ import pytest
 
 from speechlm.cli import main
 from speechlm.data.plan import read_plan_inputs, round_thd_total
-from speechlm.data.sampler import DurationBucketBatchSampler, build_epoch_plan
+from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
 
 NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
 
@@ -67,7 +67,8 @@ def test_plan_prints_the_summary_and_writes_every_rank(manifest, tmp_path, capsy
     assert sum(b["utterances"] for b in plan["buckets"]) == len(flat)
     # the same micro-batches the training sampler hands rank 1 (languages coded by sorted name)
     codes = np.searchsorted(sorted(NAMES), langs)
-    sampler = DurationBucketBatchSampler(durations, codes, sorted(NAMES), dp_rank=1, dp_size=2, grad_accum=2)
+    settings = SamplerSettings(dp_size=2, grad_accum=2)
+    sampler = DurationBucketBatchSampler(durations, codes, sorted(NAMES), settings, dp_rank=1)
     assert list(sampler) == plan["ranks"][1]
 
 
@@ -149,7 +150,7 @@ def test_plan_inputs_code_languages_by_sorted_name(manifest):
     assert inputs.lang_names == sorted(NAMES)
     assert [inputs.lang_names[c] for c in inputs.lang_codes[:50]] == langs[:50]
     assert inputs.text_chars is None and inputs.durations.dtype == np.float32
-    plan = build_epoch_plan(inputs.durations, inputs.lang_codes, dp_size=1)
+    plan = build_epoch_plan(inputs.durations, inputs.lang_codes, SamplerSettings(dp_size=1))
     assert plan.manifest_rows == len(durations)
 
 

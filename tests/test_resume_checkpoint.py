@@ -93,15 +93,15 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path):
 
 
 def make_loader(dp_rank=0, dp_size=1, seed=0):
-    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
     from speechlm.train.data import StepLoader
 
     rng = np.random.default_rng(0)
     durations = rng.uniform(1, 10, 200).astype(np.float32)
+    settings = SamplerSettings(dp_size=dp_size, grad_accum=2, max_batch_duration=60.0, seed=seed)
     sampler = DurationBucketBatchSampler(
-        durations, np.zeros(200, np.int32), ["en"], dp_rank=dp_rank, dp_size=dp_size, grad_accum=2,
-        max_batch_duration=60.0, seed=seed,
-    )  # fmt: skip
+        durations, np.zeros(200, np.int32), ["en"], settings, dp_rank=dp_rank
+    )
     return StepLoader(sampler, None, grad_accum=2, seed=seed, dp_rank=dp_rank)
 
 

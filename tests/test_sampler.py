@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speechlm.bench import load_benchmark
-from speechlm.data import sampler as S
-from speechlm.data.sampler import DurationBucketBatchSampler, TokenCostModel, build_epoch_plan
+from speechlm.data.sampler import (
+    DEFAULT_BUCKET_BOUNDARIES,
+    DurationBucketBatchSampler,
+    EpochPlan,
+    SamplerSettings,
+    TokenCostModel,
+    batching,
+    build_epoch_plan,
+    check_arrays,
+    ordering,
+)
 
 bench = load_benchmark("sampler")
 
@@ -22,7 +31,7 @@ def skewed(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return durations, lang_codes
 
 
-def all_batches(plan: S.EpochPlan) -> list[list[list[int]]]:
+def all_batches(plan: EpochPlan) -> list[list[list[int]]]:
     return [[plan.batch(r, j).tolist() for j in range(plan.batches_per_rank)] for r in range(plan.dp_size)]
 
 
@@ -44,12 +53,12 @@ def sequential_starts(costs: list[int], budget: int, segment_starts: list[int]) 
 
 def test_buckets_are_half_open_intervals_of_the_boundaries():
     durations = np.array([0.0, 2.99, 3.0, 4.99, 5.0, 15.99, 16.0, 40.0], dtype=np.float32)
-    assert S.assign_buckets(durations, (3, 5, 8, 12, 16)).tolist() == [0, 0, 1, 1, 2, 4, 5, 5]
+    assert ordering.assign_buckets(durations, (3, 5, 8, 12, 16)).tolist() == [0, 0, 1, 1, 2, 4, 5, 5]
 
 
 def test_buckets_reject_unsorted_boundaries():
     with pytest.raises(ValueError, match="strictly increasing"):
-        S.assign_buckets(np.ones(3, np.float32), (5, 3))
+        ordering.assign_buckets(np.ones(3, np.float32), (5, 3))
 
 
 # --------------------------------------------------------------------------------------------- step 2
@@ -57,24 +66,28 @@ def test_buckets_reject_unsorted_boundaries():
 
 def test_language_targets_follow_the_temperature_formula():
     counts = np.array([900, 90, 10, 0])
-    t = S.compute_language_targets(counts, 0.5)
+    t = ordering.compute_language_targets(counts, 0.5)
     expected = np.array([30.0, math.sqrt(90), math.sqrt(10), 0.0])
     np.testing.assert_allclose(t, expected / expected.sum())
-    np.testing.assert_allclose(S.compute_language_targets(counts, 1.0), counts / counts.sum())
+    np.testing.assert_allclose(ordering.compute_language_targets(counts, 1.0), counts / counts.sum())
     for temperature in (0.0, -1.0):
-        np.testing.assert_allclose(S.compute_language_targets(counts, temperature), [1 / 3, 1 / 3, 1 / 3, 0])
+        np.testing.assert_allclose(
+            ordering.compute_language_targets(counts, temperature), [1 / 3, 1 / 3, 1 / 3, 0]
+        )
 
 
 def test_language_weights_are_target_over_actual():
     counts = np.array([900, 100, 0])
-    targets = S.compute_language_targets(counts, 0.0)
-    np.testing.assert_allclose(S.compute_language_weights(counts, targets), [0.5 / 0.9, 0.5 / 0.1, 0.0])
+    targets = ordering.compute_language_targets(counts, 0.0)
+    np.testing.assert_allclose(
+        ordering.compute_language_weights(counts, targets), [0.5 / 0.9, 0.5 / 0.1, 0.0]
+    )
 
 
 def test_counts_sum_exactly_by_largest_remainder():
-    counts = S.allocate_counts(np.array([1 / 3, 1 / 3, 1 / 3]), 100)
+    counts = ordering.allocate_counts(np.array([1 / 3, 1 / 3, 1 / 3]), 100)
     assert counts.tolist() == [34, 33, 33]
-    counts = S.allocate_counts(np.array([0.555, 0.445, 0.0]), 7)
+    counts = ordering.allocate_counts(np.array([0.555, 0.445, 0.0]), 7)
     assert counts.sum() == 7 and counts[2] == 0 and counts.tolist() == [4, 3, 0]
 
 
@@ -87,8 +100,8 @@ def test_order_groups_buckets_and_sorts_by_weighted_key_descending():
     buckets = rng.integers(0, 4, n).astype(np.int8)
     langs = rng.integers(0, 3, n).astype(np.int32)
     weights = np.array([0.5, 1.0, 4.0])
-    order, starts, keys = S.order_by_weighted_keys(
-        buckets, langs, weights, S.make_generator(3, "order", 0), return_keys=True
+    order, starts, keys = ordering.order_by_weighted_keys(
+        buckets, langs, weights, ordering.make_generator(3, "order", 0), return_keys=True
     )
     assert sorted(order.tolist()) == list(range(n))
     assert np.all(np.diff(buckets[order]) >= 0)
@@ -108,7 +121,7 @@ def test_first_of_a_bucket_is_drawn_in_proportion_to_its_weight():
     trials = 3000
     firsts = np.zeros(3)
     for t in range(trials):
-        order, _, _ = S.order_by_weighted_keys(buckets, langs, weights, np.random.default_rng(t))
+        order, _, _ = ordering.order_by_weighted_keys(buckets, langs, weights, np.random.default_rng(t))
         firsts[order[0]] += 1
     expected = weights / weights.sum() * trials
     assert np.all(np.abs(firsts - expected) < 4 * np.sqrt(expected))
@@ -127,7 +140,7 @@ def test_first_of_a_bucket_is_drawn_in_proportion_to_its_weight():
 )
 def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_log2):
     segments = sorted({c for c in cuts if c < len(costs)})
-    got = S.pack_greedy(
+    got = batching.pack_greedy(
         np.array(costs), budget, np.array(segments, dtype=np.int64), block=block, jump_log2=jump_log2
     )
     assert got.tolist() == sequential_starts(costs, budget, segments)
@@ -136,7 +149,7 @@ def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_
 @settings(max_examples=100, deadline=None)
 @given(costs=st.lists(st.integers(0, 200), min_size=1, max_size=200), budget=st.integers(1, 300))
 def test_packed_batches_fit_the_budget_and_are_maximal(costs, budget):
-    starts = S.pack_greedy(np.array(costs), budget).tolist()
+    starts = batching.pack_greedy(np.array(costs), budget).tolist()
     ends = [*starts[1:], len(costs)]
     for a, b in zip(starts, ends):
         total = sum(costs[a:b])
@@ -148,7 +161,7 @@ def test_packed_batches_fit_the_budget_and_are_maximal(costs, budget):
 def test_packing_keeps_equal_costs_exact_and_handles_oversized_rows():
     costs = np.full(10_000, 10)
     costs[[5, 777]] = 1000
-    starts = S.pack_greedy(costs, 90, np.array([0, 4321]), block=64)
+    starts = batching.pack_greedy(costs, 90, np.array([0, 4321]), block=64)
     assert starts.tolist() == sequential_starts(costs.tolist(), 90, [4321])
 
 
@@ -156,13 +169,13 @@ def test_packing_keeps_equal_costs_exact_and_handles_oversized_rows():
 
 
 def test_ranks_take_cost_sorted_batches_round_robin_after_dropping_the_tail():
-    ranks = S.assign_to_ranks(np.array([5.0, 1.0, 4.0, 3.0, 2.0]), dp_size=2)
+    ranks = batching.assign_to_ranks(np.array([5.0, 1.0, 4.0, 3.0, 2.0]), dp_size=2)
     assert ranks.tolist() == [[0, 3], [2, 4]]  # order 0,2,3,4 (1 dropped); rank r takes r, r+2
 
 
 def test_trim_keeps_a_multiple_of_grad_accum_and_shuffles_all_ranks_alike():
     ranks = np.arange(14).reshape(2, 7)
-    out = S.trim_and_shuffle(ranks, 3, np.random.default_rng(0))
+    out = batching.trim_and_shuffle(ranks, 3, np.random.default_rng(0))
     assert out.shape == (2, 6)
     assert sorted(out[0].tolist()) == list(range(6)) and sorted(out[1].tolist()) == list(range(7, 13))
     assert (out[1] - out[0]).tolist() == [7] * 6  # the same permutation on every rank
@@ -177,28 +190,24 @@ def test_trim_keeps_a_multiple_of_grad_accum_and_shuffles_all_ranks_alike():
 )
 def test_exhaustive_mode_equals_the_per_row_reference(n, seed, dp, accum, temperature, epoch):
     durations, langs = skewed(n, seed)
-    plan = build_epoch_plan(
-        durations,
-        langs,
-        dp_size=dp,
-        grad_accum=accum,
-        mode="exhaustive",
-        temperature=temperature,
-        seed=seed,
-        epoch=epoch,
+    settings = SamplerSettings(
+        dp_size=dp, grad_accum=accum, mode="exhaustive", temperature=temperature, seed=seed
     )
+    plan = build_epoch_plan(durations, langs, settings, epoch)
     # replay the plan's own draws: the Exp(1) keys of step 3 and the permutation of step 6
-    dur, codes, _, n_langs = S.check_arrays(durations, langs)
+    dur, codes, _, n_langs = check_arrays(durations, langs)
     counts = np.bincount(codes, minlength=n_langs)
-    weights = S.compute_language_weights(counts, S.compute_language_targets(counts, temperature))
-    _, _, keys = S.order_by_weighted_keys(
-        S.assign_buckets(dur, S.DEFAULT_BUCKET_BOUNDARIES),
+    weights = ordering.compute_language_weights(
+        counts, ordering.compute_language_targets(counts, temperature)
+    )
+    _, _, keys = ordering.order_by_weighted_keys(
+        ordering.assign_buckets(dur, DEFAULT_BUCKET_BOUNDARIES),
         codes,
         weights,
-        S.make_generator(seed, "order", epoch),
+        ordering.make_generator(seed, "order", epoch),
         return_keys=True,
     )
-    perm = S.make_generator(seed, "ranks", epoch).permutation(plan.batches_per_rank)
+    perm = ordering.make_generator(seed, "ranks", epoch).permutation(plan.batches_per_rank)
     expected = bench.reference_epoch_plan(
         durations.tolist(),
         langs.tolist(),
@@ -217,11 +226,10 @@ def test_exhaustive_mode_equals_the_per_row_reference(n, seed, dp, accum, temper
 def test_temperature_mode_delivers_the_target_mix_within_one_point(budget):
     durations, langs = skewed(100_000, 1)
     tokens = np.random.default_rng(0).integers(5, 80, len(durations))
-    plan = build_epoch_plan(
-        durations, langs, token_lengths=tokens, dp_size=8, grad_accum=4, temperature=0.3, seed=2, **budget
-    )
+    settings = SamplerSettings(dp_size=8, grad_accum=4, temperature=0.3, seed=2, **budget)
+    plan = build_epoch_plan(durations, langs, settings, token_lengths=tokens)
     counts = np.bincount(langs, minlength=6)
-    target = S.compute_language_targets(counts, 0.3)
+    target = ordering.compute_language_targets(counts, 0.3)
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     achieved = np.bincount(langs[used], minlength=6) / len(used)
     assert np.abs(achieved - target).max() < 0.01, (achieved, target)
@@ -231,7 +239,9 @@ def test_temperature_mode_delivers_the_target_mix_within_one_point(budget):
 
 def test_exhaustive_mode_keeps_the_natural_mix():
     durations, langs = skewed(100_000, 1)
-    plan = build_epoch_plan(durations, langs, dp_size=8, grad_accum=4, mode="exhaustive", temperature=0.3)
+    plan = build_epoch_plan(
+        durations, langs, SamplerSettings(dp_size=8, grad_accum=4, mode="exhaustive", temperature=0.3)
+    )
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     natural = np.bincount(langs, minlength=6) / len(langs)
     assert np.abs(np.bincount(langs[used], minlength=6) / len(used) - natural).max() < 0.01
@@ -239,7 +249,8 @@ def test_exhaustive_mode_keeps_the_natural_mix():
 
 def test_non_positive_temperature_is_uniform_over_languages():
     durations, langs = skewed(60_000, 2)
-    plan = build_epoch_plan(durations, langs, dp_size=2, grad_accum=2, temperature=0.0, epoch_size=30_000)
+    settings = SamplerSettings(dp_size=2, grad_accum=2, temperature=0.0, epoch_size=30_000)
+    plan = build_epoch_plan(durations, langs, settings)
     used = np.concatenate([plan.rank_rows(r)[0] for r in range(plan.dp_size)])
     assert np.abs(np.bincount(langs[used], minlength=6) / len(used) - 1 / 6).max() < 0.01
 
@@ -248,8 +259,8 @@ def test_temperature_streams_cover_a_language_before_repeating_it():
     """A sub-sampled language is drawn without replacement across epochs; an up-sampled one in full cycles."""
     langs = np.array([0] * 1000 + [1] * 100)
     counts = np.bincount(langs)
-    draw = S.allocate_counts(S.compute_language_targets(counts, 0.0), 400)  # 200 each
-    seen = [S.draw_temperature_rows(langs, counts, draw, seed=5, epoch=e) for e in range(5)]
+    draw = ordering.allocate_counts(ordering.compute_language_targets(counts, 0.0), 400)  # 200 each
+    seen = [ordering.draw_temperature_rows(langs, counts, draw, seed=5, epoch=e) for e in range(5)]
     big = np.concatenate([s[s < 1000] for s in seen])
     assert sorted(big.tolist()) == list(range(1000))  # epochs 0-4 = one full cycle of language 0
     small = seen[0][seen[0] >= 1000]
@@ -261,7 +272,8 @@ def test_temperature_streams_cover_a_language_before_repeating_it():
 def test_plan_invariants(mode):
     durations, langs = skewed(30_000, 4)
     durations[::997] = 120.0  # a few rows longer than the whole budget
-    plan = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=1)
+    settings = SamplerSettings(dp_size=4, grad_accum=3, mode=mode, seed=9)
+    plan = build_epoch_plan(durations, langs, settings, 1)
     counts = [len(list(plan.iter_rank(r))) for r in range(4)]
     assert len(set(counts)) == 1 and counts[0] % 3 == 0 and counts[0] > 0
     rows = []
@@ -269,16 +281,16 @@ def test_plan_invariants(mode):
         for batch in plan.iter_rank(r):
             total = float(np.sum(durations[batch], dtype=np.float64))
             assert total <= 90.0 + 1e-9 or len(batch) == 1
-            buckets = S.assign_buckets(durations[batch], S.DEFAULT_BUCKET_BOUNDARIES)
+            buckets = ordering.assign_buckets(durations[batch], DEFAULT_BUCKET_BOUNDARIES)
             assert len(set(buckets.tolist())) == 1  # a batch never mixes buckets
             rows.extend(batch)
     assert all(0 <= i < len(durations) for i in rows)
     if mode == "exhaustive":
         assert len(rows) == len(set(rows))
         assert len(rows) > 0.99 * len(durations)  # only the lockstep trims drop rows
-    same = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=1)
+    same = build_epoch_plan(durations, langs, settings, 1)
     assert all_batches(same) == all_batches(plan)
-    other = build_epoch_plan(durations, langs, dp_size=4, grad_accum=3, mode=mode, seed=9, epoch=2)
+    other = build_epoch_plan(durations, langs, settings, 2)
     assert all_batches(other) != all_batches(plan)
 
 
@@ -288,16 +300,10 @@ def test_token_budget_is_respected():
     model = TokenCostModel(
         audio_frames_per_second=100, encoder_subsampling=8, projector_stack=2, prompt_tokens=4
     )
-    plan = build_epoch_plan(
-        durations,
-        langs,
-        token_lengths=tokens,
-        dp_size=2,
-        grad_accum=2,
-        max_batch_tokens=1500,
-        length_penalty=1e-3,
-        token_cost=model,
+    settings = SamplerSettings(
+        dp_size=2, grad_accum=2, max_batch_tokens=1500, length_penalty=1e-3, token_cost=model
     )
+    plan = build_epoch_plan(durations, langs, settings, token_lengths=tokens)
     per_row = np.ceil(np.ceil(np.ceil(durations.astype(np.float64) * 100) / 8) / 2) + tokens + 4
     assert per_row[0] == model.count_tokens(durations[:1], tokens[:1])[0]
     cost = per_row + 1e-3 * per_row**2
@@ -311,14 +317,14 @@ def test_token_budget_is_respected():
 
 def test_too_small_a_manifest_for_the_layout_is_an_error():
     with pytest.raises(ValueError, match="fewer than dp_size"):
-        build_epoch_plan(np.full(10, 5.0), np.zeros(10, np.int32), dp_size=4, grad_accum=4)
+        build_epoch_plan(np.full(10, 5.0), np.zeros(10, np.int32), SamplerSettings(dp_size=4, grad_accum=4))
 
 
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match=r"durations\[2\] = nan"):
         build_epoch_plan(np.array([1.0, 2.0, np.nan]), np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="mode='random'"):
-        build_epoch_plan(np.ones(3), np.zeros(3, np.int32), mode="random")
+        build_epoch_plan(np.ones(3), np.zeros(3, np.int32), SamplerSettings(mode="random"))
     with pytest.raises(ValueError, match="lang_codes span"):
         DurationBucketBatchSampler(np.ones(3), np.array([0, 1, 2]), ["en", "de"])
 
@@ -326,9 +332,10 @@ def test_bad_inputs_name_the_value():
 # --------------------------------------------------------------------------------------------- sampler
 
 
-def make_sampler(durations, langs, **kw):
-    kw = {"dp_size": 4, "grad_accum": 2, "seed": 3, **kw}
-    return DurationBucketBatchSampler(durations, langs, ["en", "de", "fr", "es", "sw", "yo"], **kw)
+def make_sampler(durations, langs, *, dp_rank=0, epoch=0, **kw):
+    settings = SamplerSettings(**{"dp_size": 4, "grad_accum": 2, "seed": 3, **kw})
+    names = ["en", "de", "fr", "es", "sw", "yo"]
+    return DurationBucketBatchSampler(durations, langs, names, settings, dp_rank=dp_rank, epoch=epoch)
 
 
 def test_cp_and_tp_peers_get_identical_batches_and_dp_ranks_disjoint_ones():
@@ -409,13 +416,34 @@ def test_load_state_dict_refuses_another_manifest():
     make_sampler(durations, langs.astype(np.int64)).load_state_dict(state)
 
 
-def test_sampler_from_config_uses_the_config_fields():
+def test_settings_from_config_use_the_config_fields():
     from speechlm.config import SamplerConfig
 
     durations, langs = skewed(20_000, 8)
     cfg = SamplerConfig(mode="exhaustive", max_batch_duration=45.0, seed=11)
-    s = DurationBucketBatchSampler.from_config(cfg, durations, langs, dp_rank=0, dp_size=2, grad_accum=2)
-    plan = build_epoch_plan(
-        durations, langs, dp_size=2, grad_accum=2, mode="exhaustive", max_batch_duration=45.0, seed=11
+    settings = SamplerSettings.from_config(cfg, dp_size=2, grad_accum=2, projector_stack=3)
+    assert settings == SamplerSettings(
+        dp_size=2,
+        grad_accum=2,
+        mode="exhaustive",
+        max_batch_duration=45.0,
+        token_cost=TokenCostModel(projector_stack=3),
+        seed=11,
     )
-    assert list(s) == list(plan.iter_rank(0))
+    s = DurationBucketBatchSampler(durations, langs, None, settings, dp_rank=0)
+    assert list(s) == list(build_epoch_plan(durations, langs, settings).iter_rank(0))
+
+
+def test_settings_are_frozen_and_the_sampler_resolves_them_for_its_manifest():
+    import dataclasses
+
+    settings = SamplerSettings(bucket_boundaries=[2, 4], max_batch_tokens=900, epoch_size=0)
+    assert settings.bucket_boundaries == (2, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 1  # type: ignore[misc]
+    durations, langs = skewed(5_000, 9)
+    s = DurationBucketBatchSampler(durations, langs, None, settings)
+    assert (s.settings.epoch_size, s.settings.max_batch_duration) == (5_000, None)
+    assert s.params["bucket_boundaries"] == [2.0, 4.0] and s.dp_size == 1 and s.seed == 0
+    with pytest.raises(ValueError, match="epoch_size=0 must be >= 1"):
+        build_epoch_plan(durations, langs, settings)  # only the sampler reads 0 as the manifest size

@@ -24,7 +24,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 from parallel.rounding import rounding_unit, sequence_multiple  # stdlib only: the planner stays light
 from speechlm.data.sampler import (
     EpochPlan,
-    TokenCostModel,
+    SamplerSettings,
     assign_buckets,
     build_epoch_plan,
     compute_language_targets,
@@ -109,17 +109,10 @@ def round_thd_total(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp:
 
 
 def summarize_plan(
-    plan: EpochPlan,
-    inputs: PlanInputs,
-    *,
-    grad_accum: int,
-    temperature: float,
-    bucket_boundaries: tuple[float, ...],
-    token_cost: TokenCostModel,
-    cp_size: int = 1,
-    tp_size: int = 1,
+    plan: EpochPlan, inputs: PlanInputs, settings: SamplerSettings, *, cp_size: int = 1, tp_size: int = 1
 ) -> dict[str, Any]:
     """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`)."""
+    grad_accum, bucket_boundaries = settings.grad_accum, settings.bucket_boundaries
     used = plan.rank_batches.reshape(-1)
     lengths = plan.batch_offsets[used + 1] - plan.batch_offsets[used]
     offsets = np.concatenate(([0], np.cumsum(lengths)))
@@ -130,7 +123,7 @@ def summarize_plan(
     steps = plan.batches_per_rank // grad_accum
 
     natural = np.bincount(inputs.lang_codes, minlength=n_langs)
-    targets = compute_language_targets(natural, temperature)
+    targets = compute_language_targets(natural, settings.temperature)
     utt = np.bincount(codes, minlength=n_langs)
     hours = np.bincount(codes, weights=dur, minlength=n_langs) / 3600
     languages = [
@@ -168,7 +161,7 @@ def summarize_plan(
     text = None
     if inputs.text_chars is not None:
         text = np.ceil(inputs.text_chars[rows] / CHARS_PER_TOKEN).astype(np.int64)
-    tokens = token_cost.count_tokens(inputs.durations[rows], text)
+    tokens = settings.token_cost.count_tokens(inputs.durations[rows], text)
     real = int(tokens.sum())
     longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
     bshd = int((lengths * longest).sum())
@@ -239,103 +232,87 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
     return "\n".join(lines)
 
 
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Sampler settings: defaults, then the config file (if any), then the flags."""
+@dataclass(frozen=True)
+class PlanRequest:
+    """What `speechlm plan` plans: the sampler settings, and the manifest, epoch and cp/tp around them."""
+
+    settings: SamplerSettings
+    manifest: Any
+    epoch: int
+    cp_size: int
+    tp_size: int
+
+    def as_json(self) -> dict[str, Any]:
+        """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
+        values = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}
+        values["bucket_boundaries"] = list(self.settings.bucket_boundaries)
+        del values["token_cost"]  # its projector_stack comes last, as a flag of its own
+        return {
+            "manifest": self.manifest,
+            **values,
+            "epoch": self.epoch,
+            "cp_size": self.cp_size,
+            "tp_size": self.tp_size,
+            "projector_stack": self.settings.token_cost.projector_stack,
+        }
+
+
+def resolve_request(args: argparse.Namespace) -> PlanRequest:
+    """Defaults, then the config file (if any), then the flags."""
     from speechlm.config import load_config
 
     cfg = load_config(args.config)
-    s = cfg.sampler
     dp = cfg.parallel.dp_replicate * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
-    out: dict[str, Any] = {
-        "manifest": cfg.data.train_manifest,
-        "dp_size": dp,
-        "grad_accum": cfg.trainer.grad_accum,
-        "mode": s.mode,
-        "temperature": s.temperature,
-        "max_batch_duration": s.max_batch_duration,
-        "max_batch_tokens": s.max_batch_tokens,
-        "length_penalty": s.length_penalty,
-        "bucket_boundaries": tuple(s.bucket_boundaries),
-        "epoch_size": s.epoch_size,
-        "seed": s.seed,
-        "epoch": 0,
-        "cp_size": cfg.parallel.cp_size,
-        "tp_size": cfg.parallel.tp_size,
-        "projector_stack": cfg.model.projector_stack,
+    settings = SamplerSettings.from_config(
+        cfg.sampler, dp_size=dp, grad_accum=cfg.trainer.grad_accum, projector_stack=cfg.model.projector_stack
+    )
+    flags = {
+        key: getattr(args, key)
+        for key in ("dp_size", "grad_accum", "mode", "temperature", "seed", "epoch_size")
+        if getattr(args, key) is not None
     }
-    for key in (
-        "manifest",
-        "dp_size",
-        "grad_accum",
-        "mode",
-        "temperature",
-        "seed",
-        "epoch",
-        "epoch_size",
-        "cp_size",
-        "tp_size",
-    ):
-        if getattr(args, key) is not None:
-            out[key] = getattr(args, key)
     if args.max_batch_tokens is not None:
-        out["max_batch_tokens"] = args.max_batch_tokens
+        flags["max_batch_tokens"] = args.max_batch_tokens
     elif args.max_batch_duration is not None:
-        out["max_batch_duration"], out["max_batch_tokens"] = args.max_batch_duration, None
-    return out
+        flags["max_batch_duration"], flags["max_batch_tokens"] = args.max_batch_duration, None
+    return PlanRequest(
+        settings=replace(settings, **flags),
+        manifest=args.manifest if args.manifest is not None else cfg.data.train_manifest,
+        epoch=args.epoch if args.epoch is not None else 0,
+        cp_size=args.cp_size if args.cp_size is not None else cfg.parallel.cp_size,
+        tp_size=args.tp_size if args.tp_size is not None else cfg.parallel.tp_size,
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        st = resolve_settings(args)
+        req = resolve_request(args)
     except ValueError as e:  # ConfigError is a ValueError
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     try:
-        inputs = read_plan_inputs(st["manifest"])
+        inputs = read_plan_inputs(req.manifest)
     except (OSError, ValueError) as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
-    token_cost = TokenCostModel(projector_stack=st["projector_stack"])
+    settings = req.settings
     try:
         plan = build_epoch_plan(
-            inputs.durations,
-            inputs.lang_codes,
-            dp_size=st["dp_size"],
-            grad_accum=st["grad_accum"],
-            mode=st["mode"],
-            temperature=st["temperature"],
-            max_batch_duration=st["max_batch_duration"],
-            max_batch_tokens=st["max_batch_tokens"],
-            length_penalty=st["length_penalty"],
-            bucket_boundaries=st["bucket_boundaries"],
-            epoch_size=st["epoch_size"],
-            token_cost=token_cost,
-            n_langs=len(inputs.lang_names),
-            seed=st["seed"],
-            epoch=st["epoch"],
+            inputs.durations, inputs.lang_codes, settings, req.epoch, n_langs=len(inputs.lang_names)
         )
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
-    summary = summarize_plan(
-        plan,
-        inputs,
-        grad_accum=st["grad_accum"],
-        temperature=st["temperature"],
-        bucket_boundaries=st["bucket_boundaries"],
-        token_cost=token_cost,
-        cp_size=st["cp_size"],
-        tp_size=st["tp_size"],
-    )
+    summary = summarize_plan(plan, inputs, settings, cp_size=req.cp_size, tp_size=req.tp_size)
     budget = (
-        f"{st['max_batch_tokens']} tokens (length penalty {st['length_penalty']:g})"
-        if st["max_batch_tokens"] is not None
-        else f"{st['max_batch_duration']:g} s"
+        f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"
+        if settings.max_batch_tokens is not None
+        else f"{settings.max_batch_duration:g} s"
     )
-    print(format_summary(summary, str(st["manifest"]), budget))
+    print(format_summary(summary, str(req.manifest), budget))
     if args.json:
-        summary["manifest"] = str(st["manifest"])
-        summary["settings"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in st.items()}
+        summary["manifest"] = str(req.manifest)
+        summary["settings"] = req.as_json()
         summary["ranks"] = [
             [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
         ]

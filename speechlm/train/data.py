@@ -158,19 +158,22 @@ def build_sampler(
 ) -> Any:
     """The epoch plan of one data-parallel rank, built exactly as `speechlm plan` builds it."""
     from speechlm.data.manifest import manifest_arrays
-    from speechlm.data.sampler import DurationBucketBatchSampler
+    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
 
     arr = manifest_arrays(table)
-    return DurationBucketBatchSampler.from_config(
+    settings = SamplerSettings.from_config(
         cfg.sampler,
-        arr.durations,
-        arr.lang_codes,
-        dp_rank=dp_rank,
         dp_size=dp_size,
         grad_accum=cfg.trainer.grad_accum,
-        lang_names=arr.lang_names,
-        token_lengths=token_lengths,
         projector_stack=cfg.model.projector_stack,
+    )
+    return DurationBucketBatchSampler(
+        arr.durations,
+        arr.lang_codes,
+        arr.lang_names,
+        settings,
+        token_lengths=token_lengths,
+        dp_rank=dp_rank,
     )
 
 

@@ -1,0 +1,33 @@
+"""The training sampler: duration-bucketed, language-balanced micro-batches per data-parallel rank.
+
+One concern per module:
+
+- `settings`: the frozen `SamplerSettings` (built from the config in one place) and `check_arrays`;
+- `cost`: the token cost model and the integer costs the packer compares;
+- `ordering`: steps 1-3 of the plan (duration buckets, language targets, per-bucket order / draws);
+- `batching`: steps 4-6 (greedy packing, dealing to dp ranks, lockstep trim);
+- `epoch_plan`: `EpochPlan` and the pure `build_epoch_plan` (the algorithm is described there);
+- `stateful`: `DurationBucketBatchSampler`, the resumable per-rank wrapper used by the trainer.
+"""
+
+from speechlm.data.sampler.cost import SECOND_UNITS, TOKEN_UNITS, TokenCostModel
+from speechlm.data.sampler.epoch_plan import EpochPlan, build_epoch_plan
+from speechlm.data.sampler.ordering import assign_buckets, compute_language_targets
+from speechlm.data.sampler.settings import DEFAULT_BUCKET_BOUNDARIES, MODES, SamplerSettings, check_arrays
+from speechlm.data.sampler.stateful import DurationBucketBatchSampler, fingerprint_manifest
+
+__all__ = [
+    "DEFAULT_BUCKET_BOUNDARIES",
+    "MODES",
+    "SECOND_UNITS",
+    "TOKEN_UNITS",
+    "DurationBucketBatchSampler",
+    "EpochPlan",
+    "SamplerSettings",
+    "TokenCostModel",
+    "assign_buckets",
+    "build_epoch_plan",
+    "check_arrays",
+    "compute_language_targets",
+    "fingerprint_manifest",
+]

@@ -1,0 +1,63 @@
+"""Token cost model: what one row costs against the batch budget, as exact integers.
+
+A row costs its duration in seconds, or with a token budget (`max_batch_tokens`) its LLM tokens:
+audio tokens = ceil(ceil(d * fps / subsampling) / projector_stack), plus text tokens, plus
+`prompt_tokens`; cost = tokens + length_penalty * tokens^2 (the quadratic term charges long rows
+for attention, whose work grows with length squared). The packer compares integers: costs in
+microseconds or thousandths of a token, rounded up, against the budget rounded down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+SECOND_UNITS = 1_000_000  # duration costs are integer microseconds
+TOKEN_UNITS = 1_000  # token costs are integer thousandths of a token
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCostModel:
+    """Tokens one utterance puts into the LLM: audio after encoder + projector, text, prompt."""
+
+    audio_frames_per_second: float = 100.0
+    encoder_subsampling: int = 8
+    projector_stack: int = 2
+    prompt_tokens: int = 4
+
+    def count_tokens(self, durations: np.ndarray, text_tokens: np.ndarray | None = None) -> np.ndarray:
+        """Tokens per row (int64): ceil(ceil(d * fps / subsampling) / stack) + text + prompt."""
+        frames = np.ceil(np.asarray(durations, dtype=np.float64) * self.audio_frames_per_second)
+        encoded = np.ceil(frames / self.encoder_subsampling)
+        tokens = np.ceil(encoded / self.projector_stack).astype(np.int64)
+        tokens += self.prompt_tokens
+        if text_tokens is not None:
+            tokens += np.asarray(text_tokens, dtype=np.int64)
+        return tokens
+
+
+def compute_row_sizes(
+    durations: np.ndarray,
+    token_lengths: np.ndarray | None,
+    *,
+    max_batch_tokens: int | None,
+    length_penalty: float,
+    token_cost: TokenCostModel,
+) -> np.ndarray:
+    """What the budget counts per row (float64): seconds, or tokens + penalty * tokens^2."""
+    if max_batch_tokens is None:
+        return np.asarray(durations, dtype=np.float64)
+    tokens = token_cost.count_tokens(durations, token_lengths).astype(np.float64)
+    if length_penalty:
+        tokens += length_penalty * tokens * tokens
+    return tokens
+
+
+def quantize_costs(sizes: np.ndarray, budget: float, units: int) -> tuple[np.ndarray, int]:
+    """Integer costs (rounded up) and budget (rounded down), so sums are exact and never exceed."""
+    scaled = np.array(sizes, dtype=np.float64)
+    scaled *= units
+    np.ceil(scaled, out=scaled)
+    return scaled.astype(np.int64), int(math.floor(budget * units))
