@@ -13,7 +13,7 @@ What it proves on the device, each against an fp64 reference computed on the sam
   full below it, skipped above) and the partial results merged by LSE; forward and backward equal one
   unsplit causal call, for cp = 2, 4, 8;
 - 3 optimizer steps of a small speech LLM on CUDA (fp32, and bf16 autocast) against the same steps on CPU.
-NCCL ring attention across processes needs >= 2 GPUs: `tests/test_torchrun_smoke.py` (marked `gpu`)
+NCCL ring attention across processes needs >= 2 GPUs: `tests/train/test_torchrun_smoke.py` (marked `gpu`)
 covers it where they exist.
 """
 

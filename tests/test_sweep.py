@@ -23,7 +23,7 @@ import yaml
 from speechlm.config import load_config
 from speechlm.sweep.spec import SpecError, load_spec, write_sweep
 from speechlm.sweep.store import StatusError, StatusStore, claim_next
-from tests.test_training import SMOKE, data_overrides
+from tests.train.test_training import SMOKE, data_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = f"{sys.executable} {REPO / 'tests/sweep_fake_trainer.py'} {{config}}"

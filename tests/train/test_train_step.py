@@ -11,7 +11,7 @@ from parallel_harness import build_model, global_steps, tiny_config
 from speechlm.train.schedule import build_optimizer
 from speechlm.train.step import StepContext, run_optimizer_step
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_encoder_frozen_until_unfreeze_step_then_trained():

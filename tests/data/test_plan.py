@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from speechlm.cli import main
-from speechlm.data.plan import read_plan_inputs, round_thd_total
+from speechlm.data.plan import cp_padding, read_plan_inputs
 from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
 
 NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
@@ -131,8 +131,11 @@ def test_plan_with_text_estimates_tokens_and_thd_rounding(tmp_path, capsys):
     )
     pad = json.loads(out.read_text())["padding"]
     assert pad["text_tokens_estimated"] and pad["cp_size"] == 2
-    assert pad["bshd_efficiency"] < pad["thd_efficiency"] < 1.0
-    assert "text ~ chars/3" in capsys.readouterr().out
+    assert pad["bshd_efficiency"] < pad["thd_efficiency"] <= 1.0
+    assert pad["thd_efficiency_split_all"] <= pad["thd_efficiency"] and pad["cp_max_over_mean"] >= 1.0
+    assert 0.0 <= pad["cp_ring_token_share"] <= 1.0 and pad["cp_split_threshold"] > 0  # auto
+    out_text = capsys.readouterr().out
+    assert "text ~ chars/3" in out_text and "CP placement (split above" in out_text
 
 
 def test_thd_rounding_matches_the_packing_module():
@@ -141,7 +144,7 @@ def test_thd_rounding_matches_the_packing_module():
     offsets = np.array([0, 2, 6])
     for cp, tp in [(1, 1), (1, 4), (2, 1), (2, 2), (4, 2)]:
         expected = sum(sum(packing.round_lengths(lengths[a:b].tolist(), cp, tp)) for a, b in [(0, 2), (2, 6)])
-        assert round_thd_total(lengths, offsets, cp, tp) == expected
+        assert cp_padding(lengths, offsets, cp, tp, 0, 0.0)["computed"] == expected  # threshold 0: split all
 
 
 def test_plan_inputs_code_languages_by_sorted_name(manifest):

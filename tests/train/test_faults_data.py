@@ -15,7 +15,7 @@ from test_resume import SMALL_EPOCHS, SMOKE, build_corpus, read_train_metrics, r
 
 from speechlm.train.data import DroppedDataError, check_dropped_fraction
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeBatch:

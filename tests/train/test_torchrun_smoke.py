@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_training import SMOKE, data_overrides
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:

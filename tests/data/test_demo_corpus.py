@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 
-SHARD_ROOT = Path(__file__).resolve().parents[1] / "data" / "demo" / "shards"
+SHARD_ROOT = Path(__file__).resolve().parents[2] / "data" / "demo" / "shards"
 
 META_COLUMNS = {
     "segment_id": pa.string(),

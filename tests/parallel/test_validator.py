@@ -35,7 +35,7 @@ from parallel.validator import (
 from speechlm.config import ExperimentConfig, apply_override
 from speechlm.validate_rules import RULES, TRAINING_RULES, validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = {"torch": "2.13.0", "transformer-engine": "2.5.0", "flash-attn": "2.8.3", "cudnn": "9.10.0"}
 
 
@@ -120,6 +120,10 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
     "rounding-not-divisible": (
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 4}),
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 16}),
+    ),
+    "cp-split-threshold": (
+        Case(("parallel.cp_size=4", "parallel.cp_split_threshold=5"), world=4),
+        Case(("parallel.cp_size=4", "parallel.cp_split_threshold=200"), world=4),
     ),
     "backend-not-installed": (
         Case(("model.attention_backend=flash",), installed=_without("flash-attn")),
@@ -663,3 +667,12 @@ def test_fp32_with_a_half_precision_kernel_is_an_error_naming_the_fix(
     assert bool(findings) == fires
     if fires:
         assert findings[0].level == ERROR and "trainer.precision=bf16" in findings[0].fix
+
+
+@pytest.mark.parametrize(
+    ("cp", "threshold", "fires"),
+    [(1, 100, True), (1, "auto", False), (2, 3, True), (2, 4, False), (4, 0, False), (4, "auto", False)],
+)
+def test_cp_split_threshold_rule(cp: int, threshold: Any, fires: bool) -> None:
+    ids = Case((f"parallel.cp_size={cp}", f"parallel.cp_split_threshold={threshold}"), world=cp).ids()
+    assert ("cp-split-threshold" in ids) == fires

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel.cp_placement import auto_split_threshold, place_sequences, sequence_cost
+from parallel.cp_placement import place_auto, place_sequences, sequence_cost
 from parallel.cp_shard import shard_placed_thd, shard_thd
 from parallel.rounding import rounding_unit
 from speechlm.packing import round_lengths
@@ -95,7 +95,6 @@ def test_all_split_sharding_is_shard_thd():
 def test_speech_mix_wastes_under_one_percent_and_balances(cp, hi_s):
     lengths = lognormal_lengths(4000, seed=cp, hi_s=hi_s)
     budget = 4096
-    threshold = auto_split_threshold(budget, cp)
     batches, cur = [], []  # greedy micro-batches of at most `budget` tokens (one long one alone)
     for n in lengths:
         if cur and sum(cur) + n > budget:
@@ -106,7 +105,7 @@ def test_speech_mix_wastes_under_one_percent_and_balances(cp, hi_s):
     real = computed = 0
     worst = mean = 0.0
     for b in batches:
-        p = place_sequences(b, cp, threshold=threshold, pair_cost=1 / (6 * 1024))
+        p = place_sequences(b, cp, threshold="auto", pair_cost=1 / (6 * 1024))
         real += p.real_tokens()
         computed += p.computed_tokens()
         worst += max(p.loads)
@@ -124,4 +123,19 @@ def test_bad_arguments_are_refused():
         place_sequences([3, 0], 2, threshold=5)
     with pytest.raises(ValueError, match="pad_to_multiple"):
         place_sequences([3], 2, threshold=0, pad_to_multiple=6)
-    assert auto_split_threshold(4096, 4) == 512 and auto_split_threshold(4096, 1) == 0
+    with pytest.raises(ValueError, match="threshold"):
+        place_sequences([3], 2, threshold="sometimes")
+
+
+def test_auto_splits_the_fewest_longest_sequences_within_the_tolerance():
+    lengths = [400, 30, 35, 28, 33, 31, 29, 300, 27, 34]
+    p = place_auto(lengths, 4, pair_cost=1e-3)
+    assert p.max_over_mean() <= 1.05
+    k = sum(p.split)
+    assert set(p.split_indices) == {0, 7}  # the two long ones, nothing else
+    assert k == 2 and place_sequences(lengths, 4, threshold=100, pair_cost=1e-3).split == p.split
+    # one fewer split (only the longest) is out of balance, which is why auto split the second one
+    only_longest = place_sequences(lengths, 4, threshold=350, pair_cost=1e-3)
+    assert only_longest.max_over_mean() > 1.05
+    assert place_auto([30, 30, 30, 30], 4).split == (False,) * 4  # one each, balanced: nothing to split
+    assert all(place_auto([30, 31, 29, 33], 4).split)  # 33 / 30.75 > 1.05: only splitting balances

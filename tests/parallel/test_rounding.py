@@ -15,7 +15,7 @@ from parallel.cp_shard import bshd_cp_multiple
 from parallel.rounding import rounding_unit, sequence_multiple
 from parallel.validator import build_context
 from speechlm.config import ATTENTION_BACKENDS, load_config
-from speechlm.data.plan import round_thd_total
+from speechlm.data.plan import cp_padding
 from speechlm.packing import round_lengths
 
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (2, 8)]
@@ -31,7 +31,7 @@ def test_packing_planner_sharding_and_validator_share_one_rounding_rule(cp, tp):
     # the planner's token count is exactly what packing computes, batch by batch
     offsets = np.array([0, 5, 11, 17])
     expected = sum(sum(round_lengths(lengths[a:b].tolist(), cp, tp)) for a, b in zip(offsets[:-1], offsets[1:]))
-    assert round_thd_total(lengths, offsets, cp, tp) == expected
+    assert cp_padding(lengths, offsets, cp, tp, 0, 0.0)["computed"] == expected  # threshold 0: split all
     if cp > 1:
         assert bshd_cp_multiple(cp, tp) == unit
     cfg = load_config(None, [f"parallel.cp_size={cp}", f"parallel.tp_size={tp}"])

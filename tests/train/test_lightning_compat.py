@@ -11,7 +11,7 @@ import torch
 
 from speechlm.train import lightning_compat as compat
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PRIVATE = re.compile(
     r"\b(_setup_distributed|_device_mesh|_has_dtensor_modules|_last_lr|_get_train_description|"
     r"train_progress_bar_id)\b|\.fit_loop\b|lightning\.\w+(\.\w+)*\s+import\s+_"

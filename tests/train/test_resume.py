@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs/smoke.yaml")
 # 8 micro-batches per epoch, grad_accum 2: 4 optimizer steps per epoch
 SMALL_EPOCHS = ["sampler.max_batch_duration=60", "trainer.grad_accum=2", "trainer.val_every=0"]

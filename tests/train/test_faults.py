@@ -19,7 +19,7 @@ from test_resume import SMALL_EPOCHS, base_args, demo_data, read_train_metrics  
 
 from speechlm.train.faults import Fault, build_command, launch, parse_faults, run_scenario
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def scenario_args(d: dict[str, str], steps: int) -> tuple[str, list[str]]:
