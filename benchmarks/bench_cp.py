@@ -4,7 +4,10 @@ Each layout runs the real training step (`run_optimizer_step`: distributed audio
 with CP rounding, load-balanced sharding, ring or all-gather attention, FSDP2 over the CP ranks) on
 one long-sequence micro-batch, a warm-up step then `--steps` timed steps; rank 0 reports the median.
 On 2 CPU cores, cp = 4 oversubscribes the cores: the figures show overheads, not speed-ups.
-Usage: `speechlm bench cp [--steps N] [--clips B] [--seconds S] [--kind ring|allgather]`.
+`--mix` uses one micro-batch of speech-like clips (one long among short ones) and
+`--split-threshold auto,0` compares dynamic CP with splitting every utterance on the same batch.
+Usage: `speechlm bench cp [--steps N] [--clips B] [--seconds S] [--kind ring|allgather] [--mix]
+[--split-threshold auto,0]`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,20 @@ import time
 VOCAB = 256
 
 
-def make_batch(n_clips: int, seconds: float, seed: int = 0):
+SPEECH_MIX = (16.0, 6.0, 5.0, 4.0, 3.5, 3.0, 2.5, 2.0)  # seconds: one long utterance among short ones
+
+
+def make_batch(n_clips: int, seconds: float, seed: int = 0, mix: bool = False):
     import torch
 
     from speechlm.data.dataset import Batch
 
     g = torch.Generator().manual_seed(seed)
-    n = int(seconds * 16000)
+    secs = list(SPEECH_MIX) if mix else [seconds] * n_clips
+    n_clips = len(secs)
+    n = int(max(secs) * 16000)
     audio = 0.3 * torch.randn(n_clips, n, generator=g)
-    lens = torch.full((n_clips,), n)
+    lens = torch.tensor([int(x * 16000) for x in secs])
     tokens = torch.randint(5, VOCAB, (n_clips, 48), generator=g)
     return Batch(
         audio=audio,
@@ -38,7 +46,17 @@ def make_batch(n_clips: int, seconds: float, seed: int = 0):
     )
 
 
-def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int, seconds: float) -> dict:
+def rank_body(
+    rank: int,
+    world: int,
+    cp: int,
+    kind: str,
+    steps: int,
+    clips: int,
+    seconds: float,
+    threshold: str = "auto",
+    mix: bool = False,
+) -> dict:
     import torch
 
     from parallel.mesh import ParallelDims
@@ -54,6 +72,7 @@ def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int,
         [
             f"parallel.cp_size={cp}",
             f"parallel.cp_attention={kind}",
+            f"parallel.cp_split_threshold={threshold}",
             "trainer.precision=32",
             "model.dropout=0",
             "optim.grad_clip=0",
@@ -67,7 +86,7 @@ def rank_body(rank: int, world: int, cp: int, kind: str, steps: int, clips: int,
         dims.build_mesh("cpu")
         ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     opt, sched = build_optimizer(model, cfg)
-    batch = make_batch(clips, seconds)
+    batch = make_batch(clips, seconds, mix=mix)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -84,28 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="seconds of audio per clip")
     ap.add_argument("--kind", default="ring", choices=("ring", "allgather"))
     ap.add_argument("--cp", default="1,2,4")
+    ap.add_argument(
+        "--mix", action="store_true", help=f"one micro-batch of {len(SPEECH_MIX)} clips of {SPEECH_MIX} s instead"
+    )
+    ap.add_argument(
+        "--split-threshold",
+        default="auto",
+        help="parallel.cp_split_threshold values to compare, comma-separated (e.g. auto,0)",
+    )
     args = ap.parse_args(argv)
 
     from parallel.testing import run_distributed
 
     rows = []
+    thresholds = args.split_threshold.split(",")
     for cp in [int(x) for x in args.cp.split(",")]:
-        if cp == 1:
-            res = rank_body(0, 1, 1, args.kind, args.steps, args.clips, args.seconds)
-        else:
-            res = run_distributed(
-                rank_body, cp, "gloo", cp, args.kind, args.steps, args.clips, args.seconds, timeout_s=1200
-            )[0]
-        rows.append((cp, res["median_s"]))
-        print(f"cp={cp}: {res['median_s'] * 1000:.0f} ms/step", flush=True)
-    base = rows[0][1]
+        for th in thresholds if cp > 1 else thresholds[:1]:
+            body_args = (cp, args.kind, args.steps, args.clips, args.seconds, th, args.mix)
+            if cp == 1:
+                res = rank_body(0, 1, *body_args)
+            else:
+                res = run_distributed(rank_body, cp, "gloo", *body_args, timeout_s=1200)[0]
+            rows.append((cp, th if cp > 1 else "-", res["median_s"]))
+            print(f"cp={cp} threshold={rows[-1][1]}: {res['median_s'] * 1000:.0f} ms/step", flush=True)
+    base = rows[0][2]
+    batch = f"clips of {SPEECH_MIX} s" if args.mix else f"{args.clips} clips x {args.seconds:g} s"
     print(
-        f"\ndemo-size model, {args.clips} clips x {args.seconds:g} s per global batch, {args.kind} attention, "
+        f"\ndemo-size model, {batch} per global batch, {args.kind} attention, "
         f"median of {args.steps} steps after one warm-up"
     )
-    print(f"{'cp':>3} {'ms/step':>9} {'vs cp=1':>8}")
-    for cp, t in rows:
-        print(f"{cp:>3} {t * 1000:>9.0f} {t / base:>7.2f}x")
+    print(f"{'cp':>3} {'threshold':>10} {'ms/step':>9} {'vs cp=1':>8}")
+    for cp, th, t in rows:
+        print(f"{cp:>3} {th:>10} {t * 1000:>9.0f} {t / base:>7.2f}x")
     return 0
 
 

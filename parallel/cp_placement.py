@@ -36,32 +36,37 @@ the longest sequence is split. (With something split every rank holds its chunks
 least cp whole sequences the greedy deal gives every rank one.) A rank with no token of its own
 would run the layers on nothing, and its backward would fall out of step with the others'.
 
-``threshold = 0`` splits every sequence: today's behaviour, kept for comparison.
+``threshold = 0`` splits every sequence: the layout before dynamic CP, kept for comparison.
+``threshold = "auto"`` (the default of ``parallel.cp_split_threshold``) decides per micro-batch: the
+fewest sequences are split, longest first, such that the busiest rank's modelled cost is within 5%
+of the mean (`place_auto`). A fixed token threshold cannot do this for every micro-batch: whether a
+120-token utterance must be split depends on how much else the micro-batch holds.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from parallel.rounding import rounding_unit, sequence_multiple
 
-__all__ = ["CPPlacement", "LocalPlacement", "auto_split_threshold", "place_sequences", "sequence_cost"]
+__all__ = [
+    "CPPlacement",
+    "LocalPlacement",
+    "AUTO_TOLERANCE",
+    "place_auto",
+    "place_sequences",
+    "sequence_cost",
+]
+
+
+AUTO_TOLERANCE = 1.05  # threshold="auto": the busiest rank's modelled cost may exceed the mean by 5%
 
 
 def sequence_cost(length: int, pair_cost: float) -> float:
     """Modelled cost of one causal sequence of ``length`` tokens (see the module docstring)."""
     return length + length * (length + 1) / 2 * pair_cost
-
-
-def auto_split_threshold(budget_tokens: int, cp: int) -> int:
-    """``parallel.cp_split_threshold=auto``: split a sequence when it is longer than half of one CP
-    rank's share of a full micro-batch (``budget_tokens / (2·cp)``). Whole sequences are then at most
-    half of a rank's mean load, which lets the greedy deal balance them; longer ones would leave one
-    rank with more than its share."""
-    if budget_tokens < 1 or cp < 1:
-        raise ValueError(f"need budget_tokens >= 1 and cp >= 1, got {budget_tokens}, {cp}")
-    return max(1, budget_tokens // (2 * cp)) if cp > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -112,12 +117,18 @@ class CPPlacement:
 
     def clip_owners(self) -> list[int]:
         """The rank that encodes each sequence's audio clip: a whole sequence's owner; the split
-        sequences' clips in contiguous shares over the ranks (as `parallel.dist_encode` deals them)."""
+        sequences' clips, longest first, each to the rank with the least encoding work so far (the
+        lengths of the sequences whose clips it encodes; ties to the lower rank), so that the long
+        clips do not pile up on one rank's encoder."""
         owners = list(self.owner)
-        split = self.split_indices
-        per = -(-len(split) // self.cp) if split else 1
-        for k, i in enumerate(split):
-            owners[i] = k // per
+        work = [0] * self.cp
+        for i, o in enumerate(self.owner):
+            if o >= 0:
+                work[o] += self.lengths[i]
+        for i in sorted(self.split_indices, key=lambda i: (-self.lengths[i], i)):
+            r = min(range(self.cp), key=lambda r: (work[r], r))
+            owners[i] = r
+            work[r] += self.lengths[i]
         return owners
 
     def local(self, rank: int) -> LocalPlacement:
@@ -148,17 +159,19 @@ def place_sequences(
     lengths: Sequence[int],
     cp: int,
     *,
-    threshold: int,
+    threshold: int | str,
     tp: int = 1,
     pair_cost: float = 0.0,
     pad_to_multiple: int | None = None,
+    tolerance: float = AUTO_TOLERANCE,
 ) -> CPPlacement:
-    """Split the sequences longer than ``threshold`` over all ``cp`` ranks, deal the others whole by
-    longest-processing-time first (module docstring). ``threshold=0`` splits every sequence."""
+    """Place one micro-batch's sequences on ``cp`` ranks (module docstring).
+
+    ``threshold``: sequences longer than this many tokens are split (0: every sequence); ``"auto"``:
+    the fewest sequences are split, longest first, such that the busiest rank's modelled cost is within
+    ``tolerance`` of the mean (`place_auto`)."""
     if cp < 1 or tp < 1:
         raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
-    if threshold < 0:
-        raise ValueError(f"threshold must be >= 0 tokens (0: split every sequence), got {threshold}")
     lens = [int(n) for n in lengths]
     for i, n in enumerate(lens):
         if n < 1:
@@ -166,7 +179,54 @@ def place_sequences(
     unit = rounding_unit(cp, tp)
     if pad_to_multiple is not None and (pad_to_multiple < 1 or pad_to_multiple % unit):
         raise ValueError(f"pad_to_multiple={pad_to_multiple} is not a multiple of {unit} (cp={cp}, tp={tp})")
+    if threshold == "auto":
+        return place_auto(
+            lens, cp, tp=tp, pair_cost=pair_cost, pad_to_multiple=pad_to_multiple, tolerance=tolerance
+        )
+    if not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(
+            f"threshold must be 'auto' or >= 0 tokens (0: split every sequence), got {threshold!r}"
+        )
     split = [cp > 1 and (threshold == 0 or n > threshold) for n in lens]
+    return _place(lens, split, cp, tp, pair_cost, pad_to_multiple)
+
+
+def place_auto(
+    lengths: Sequence[int],
+    cp: int,
+    *,
+    tp: int = 1,
+    pair_cost: float = 0.0,
+    pad_to_multiple: int | None = None,
+    tolerance: float = AUTO_TOLERANCE,
+) -> CPPlacement:
+    """``threshold="auto"``: split the k longest sequences for the smallest k whose placement keeps the
+    busiest rank within ``tolerance`` of the mean modelled cost (k = 0, 1, 2, ... in turn: the balance
+    is not monotone in k, since splitting a short sequence takes away a piece the greedy deal could
+    have used). Splitting every sequence balances exactly, so a k always exists; fewer splits mean
+    less padding and less ring traffic. Ties in length are broken by index, so every rank finds the
+    same k."""
+    lens = [int(n) for n in lengths]
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+
+    def with_k(k: int) -> CPPlacement:
+        chosen = set(order[:k])
+        return _place(
+            lens, [cp > 1 and i in chosen for i in range(len(lens))], cp, tp, pair_cost, pad_to_multiple
+        )
+
+    for k in range(len(lens)):
+        placement = with_k(k)
+        if placement.max_over_mean() <= tolerance:
+            return placement
+    return with_k(len(lens))
+
+
+def _place(
+    lens: list[int], split: list[bool], cp: int, tp: int, pair_cost: float, pad_to_multiple: int | None
+) -> CPPlacement:
+    split = list(split)
+    unit = rounding_unit(cp, tp)
     while cp > 1 and not any(split) and 0 < len(lens) < cp:
         # fewer whole sequences than ranks and nothing split would leave a rank with no token: split the
         # longest (every rank then computes its chunks; see the module docstring)
@@ -180,15 +240,16 @@ def place_sequences(
         total = sum(padded[i] for i in split_idx)
         padded[split_idx[-1]] += -total % (pad_to_multiple or unit)
 
-    loads = [0.0] * cp
     split_cost = sum(sequence_cost(padded[i], pair_cost) for i in split_idx)
     loads = [split_cost / cp] * cp
     owner = [-1] * len(lens)
     whole = [i for i, s in enumerate(split) if not s]
+    heap = [(loads[r], r) for r in range(cp)]  # least loaded first, ties by rank
     for i in sorted(whole, key=lambda i: (-sequence_cost(lens[i], pair_cost), i)):
-        r = min(range(cp), key=lambda r: (loads[r], r))
+        load, r = heapq.heappop(heap)
         owner[i] = r
-        loads[r] += sequence_cost(lens[i], pair_cost)
+        loads[r] = load + sequence_cost(lens[i], pair_cost)
+        heapq.heappush(heap, (loads[r], r))
     if tp > 1:  # each rank's whole part ends on a multiple of tp: pad its last whole sequence
         for r in range(cp):
             mine = [i for i in whole if owner[i] == r]

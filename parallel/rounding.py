@@ -6,7 +6,7 @@ Load-balanced CP cuts every sequence into ``2 * cp`` equal chunks (rank r keeps 
 is a multiple of ``lcm(2 * cp, cp * tp)``; without CP only ``tp`` must divide it.
 
 Packing (`speechlm.packing.round_lengths`), CP sharding (`parallel.cp_shard`), the validator and
-`speechlm plan` all ask these two functions; `tests/test_rounding.py` checks that they agree.
+`speechlm plan` all ask these two functions; `tests/parallel/test_rounding.py` checks that they agree.
 It has no torch import so that the validator and the planner stay light.
 """
 

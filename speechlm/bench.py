@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "packing": "benchmarks/bench_packing.py",  # BSHD / THD + padded encoder / THD end to end
     "eval": "benchmarks/bench_eval.py",  # greedy decoding: KV cache vs prefix recompute
     "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
+    "cp-placement": "benchmarks/bench_cp_placement.py",  # dynamic CP: padding, balance, ring traffic
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
 }
 

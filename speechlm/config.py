@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -107,7 +106,8 @@ class ParallelConfig:
     tp_size: int = 1
     cp_attention: str = "ring"  # "ring" or "allgather" (reference backend under CP)
     # dynamic CP: sequences longer than this many tokens are split over the CP group, shorter ones live
-    # whole on one CP rank; "auto" = half of one rank's share of the micro-batch budget; 0 splits all
+    # whole on one CP rank; "auto": per micro-batch, split the fewest longest ones that keep the CP
+    # ranks' modelled cost within 5% of the mean; 0 splits all (the layout before dynamic CP)
     cp_split_threshold: int | str = "auto"
     activation_checkpointing: bool = False
 
@@ -328,26 +328,6 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
     if cfg.trainer.grad_accum < 1:
         raise ConfigError(f"trainer.grad_accum must be >= 1, got {cfg.trainer.grad_accum}")
-
-
-def micro_batch_token_budget(cfg: ExperimentConfig) -> int:
-    """Decoder tokens of a full micro-batch: `sampler.max_batch_tokens`, or the audio positions of
-    `sampler.max_batch_duration` seconds (100 feature frames/s, 8x encoder subsampling, then
-    `model.projector_stack`; text tokens not counted, so the estimate errs low)."""
-    s = cfg.sampler
-    if s.max_batch_tokens:
-        return int(s.max_batch_tokens)
-    return max(1, math.ceil((s.max_batch_duration or 90.0) * 100 / 8 / cfg.model.projector_stack))
-
-
-def cp_split_threshold_tokens(cfg: ExperimentConfig) -> int:
-    """`parallel.cp_split_threshold` in tokens (`parallel.cp_placement.auto_split_threshold` for auto)."""
-    from parallel.cp_placement import auto_split_threshold
-
-    t = cfg.parallel.cp_split_threshold
-    if t == "auto":
-        return auto_split_threshold(micro_batch_token_budget(cfg), cfg.parallel.cp_size)
-    return int(t)
 
 
 def clone(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -94,6 +94,7 @@ class ValidationContext:
     encoder_heads: int
     encoder_tp: bool
     pad_to_multiple: int | None  # configured rounding (model.pad_to_multiple); None: automatic
+    cp_split_threshold: int | str  # parallel.cp_split_threshold: "auto" or tokens (0: split all)
     sampler_mode: str
     max_batch_duration: float | None
     max_batch_tokens: int | None
@@ -152,6 +153,7 @@ class ValidationContext:
             "grad_accum": self.grad_accum,
             "rounding_unit": self.rounding_unit,
             "pad_to_multiple": self.pad_to_multiple,
+            "cp_split_threshold": self.cp_split_threshold,
             "thd_backends": ", ".join(thd_backends()),
             "bshd_backends": ", ".join(n for n, b in BACKENDS.items() if b.bshd),
             "cp_backends": ", ".join(n for n, b in BACKENDS.items() if b.cp),
@@ -224,6 +226,7 @@ def build_context(
         encoder_heads=int(model.encoder.num_heads),
         encoder_tp=bool(getattr(model.encoder, "tensor_parallel", False)),
         pad_to_multiple=None if pad is None else int(pad),
+        cp_split_threshold=getattr(par, "cp_split_threshold", "auto"),
         sampler_mode=str(getattr(sampler, "mode", "temperature")),
         max_batch_duration=getattr(sampler, "max_batch_duration", None),
         max_batch_tokens=getattr(sampler, "max_batch_tokens", None),

@@ -200,6 +200,22 @@ def _reference_at_scale(ctx: ValidationContext) -> str:
     return ", ".join(_faster_alternatives(ctx))
 
 
+def _split_threshold_problem(ctx: ValidationContext) -> str:
+    t = ctx.cp_split_threshold
+    if t == "auto" or t == 0:
+        return ""
+    if not isinstance(t, int) or t < 0:
+        return f"parallel.cp_split_threshold={t!r} is neither 'auto' nor a number of tokens >= 0"
+    if ctx.cp == 1:
+        return f"parallel.cp_split_threshold={t} has no effect without context parallelism (cp=1)"
+    if t < 2 * ctx.cp:
+        return (
+            f"parallel.cp_split_threshold={t} splits sequences shorter than 2*cp={2 * ctx.cp} tokens, "
+            "each padded to 2*cp"
+        )
+    return ""
+
+
 PARALLEL_RULES: tuple[Rule, ...] = (
     Rule(
         id="world-size-mismatch",
@@ -399,5 +415,17 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         "reference)",
         doc="Only raised when backend_caps offers a GPU backend for this layout (THD or BSHD, and CP when "
         "cp > 1); while reference is the only backend with CP, CP jobs are not flagged.",
+    ),
+    Rule(
+        id="cp-split-threshold",
+        level=WARNING,
+        when="parallel.cp_split_threshold is set to a token count that cannot help",
+        applies=_split_threshold_problem,
+        reason="{details}",
+        fix="use parallel.cp_split_threshold=auto (split the fewest longest sequences that keep the CP "
+        "ranks balanced), 0 (split all), or a threshold well above 2*cp tokens",
+        doc="Dynamic CP (parallel/cp_placement.py) splits only sequences longer than the threshold over the "
+        "CP group and keeps the others whole on one rank. A threshold below 2*cp tokens splits sequences "
+        "into chunks of under one token plus padding; with cp=1 nothing is ever split.",
     ),
 )

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from parallel.rounding import rounding_unit, sequence_multiple  # stdlib only: the planner stays light
+from parallel.cp_placement import (  # stdlib only
+    place_sequences,
+)
 from speechlm.data.sampler import (
     EpochPlan,
     SamplerSettings,
@@ -99,17 +101,44 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
     )
 
 
-def round_thd_total(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
-    """Tokens a THD micro-batch computes: lengths rounded as `speechlm.packing.round_lengths` does."""
-    chunk = sequence_multiple(cp)
-    lengths = -(-lengths // chunk) * chunk
-    multiple = rounding_unit(cp, tp)
-    per_batch = np.add.reduceat(lengths, batch_offsets[:-1]) if len(lengths) else np.zeros(0, np.int64)
-    return int((-(-per_batch // multiple) * multiple).sum())
+def cp_padding(
+    lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int, threshold: int | str, pair_cost: float
+) -> dict[str, Any]:
+    """THD figures of every micro-batch under the CP placement of `parallel.cp_placement` (threshold 0:
+    every sequence split, the `speechlm.packing.round_lengths` rule): computed tokens with this
+    threshold and with 0, the busiest rank's modelled cost over the mean (summed over micro-batches,
+    so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring."""
+    computed = computed_all = ring = 0
+    worst = mean = 0.0
+    for lo, hi in zip(batch_offsets[:-1], batch_offsets[1:]):
+        seqs = [int(n) for n in lengths[lo:hi]]
+        if not seqs:
+            continue
+        p = place_sequences(seqs, cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
+        computed += p.computed_tokens()
+        ring += p.ring_tokens()
+        worst += max(p.loads)
+        mean += sum(p.loads) / cp
+        computed_all += (
+            place_sequences(seqs, cp, threshold=0, tp=tp).computed_tokens() if cp > 1 else p.computed_tokens()
+        )
+    return {
+        "computed": computed,
+        "computed_split_all": computed_all,
+        "max_over_mean": worst / mean if mean else 1.0,
+        "ring_tokens": ring,
+    }
 
 
 def summarize_plan(
-    plan: EpochPlan, inputs: PlanInputs, settings: SamplerSettings, *, cp_size: int = 1, tp_size: int = 1
+    plan: EpochPlan,
+    inputs: PlanInputs,
+    settings: SamplerSettings,
+    *,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    cp_split_threshold: int | str = 0,
+    pair_cost: float = 0.0,
 ) -> dict[str, Any]:
     """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`)."""
     grad_accum, bucket_boundaries = settings.grad_accum, settings.bucket_boundaries
@@ -165,7 +194,8 @@ def summarize_plan(
     real = int(tokens.sum())
     longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
     bshd = int((lengths * longest).sum())
-    thd = round_thd_total(tokens, offsets, cp_size, tp_size)
+    cp = cp_padding(tokens, offsets, cp_size, tp_size, cp_split_threshold, pair_cost)
+    thd = cp["computed"]
     total_hours = float(dur.sum()) / 3600
     return {
         "mode": plan.mode,
@@ -190,6 +220,10 @@ def summarize_plan(
             "thd_efficiency": real / max(thd, 1),
             "cp_size": cp_size,
             "tp_size": tp_size,
+            "cp_split_threshold": cp_split_threshold,
+            "thd_efficiency_split_all": real / max(cp["computed_split_all"], 1),
+            "cp_max_over_mean": cp["max_over_mean"],
+            "cp_ring_token_share": cp["ring_tokens"] / max(thd, 1),
             "text_tokens_estimated": text is not None,
             "chars_per_token": CHARS_PER_TOKEN,
         },
@@ -229,6 +263,12 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
         f"padding efficiency (real / computed tokens; {text}; cp {p['cp_size']}, tp {p['tp_size']}):",
         f"  BSHD (B x max_len): {100 * p['bshd_efficiency']:.1f}%   THD (packed): {100 * p['thd_efficiency']:.1f}%",
     ]
+    if p["cp_size"] > 1:
+        lines += [
+            f"  CP placement (cp_split_threshold={p['cp_split_threshold']}): busiest rank / mean "
+            f"{p['cp_max_over_mean']:.3f}; {100 * p['cp_ring_token_share']:.1f}% of the tokens on the ring; "
+            f"splitting every utterance: THD {100 * p['thd_efficiency_split_all']:.1f}%",
+        ]
     return "\n".join(lines)
 
 
@@ -241,6 +281,8 @@ class PlanRequest:
     epoch: int
     cp_size: int
     tp_size: int
+    cp_split_threshold: int | str = 0  # tokens, or "auto"
+    pair_cost: float = 0.0  # attention pair cost in token units: 1 / (6 * LLM hidden size)
 
     def as_json(self) -> dict[str, Any]:
         """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
@@ -253,6 +295,7 @@ class PlanRequest:
             "epoch": self.epoch,
             "cp_size": self.cp_size,
             "tp_size": self.tp_size,
+            "cp_split_threshold": self.cp_split_threshold,
             "projector_stack": self.settings.token_cost.projector_stack,
         }
 
@@ -275,12 +318,19 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
         flags["max_batch_tokens"] = args.max_batch_tokens
     elif args.max_batch_duration is not None:
         flags["max_batch_duration"], flags["max_batch_tokens"] = args.max_batch_duration, None
+    settings = replace(settings, **flags)
+    cp = args.cp_size if args.cp_size is not None else cfg.parallel.cp_size
+    threshold = (
+        args.cp_split_threshold if args.cp_split_threshold is not None else cfg.parallel.cp_split_threshold
+    )
     return PlanRequest(
-        settings=replace(settings, **flags),
+        settings=settings,
         manifest=args.manifest if args.manifest is not None else cfg.data.train_manifest,
         epoch=args.epoch if args.epoch is not None else 0,
-        cp_size=args.cp_size if args.cp_size is not None else cfg.parallel.cp_size,
+        cp_size=cp,
         tp_size=args.tp_size if args.tp_size is not None else cfg.parallel.tp_size,
+        cp_split_threshold=threshold,
+        pair_cost=1.0 / (6 * cfg.model.llm.hidden_size),
     )
 
 
@@ -303,7 +353,15 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
-    summary = summarize_plan(plan, inputs, settings, cp_size=req.cp_size, tp_size=req.tp_size)
+    summary = summarize_plan(
+        plan,
+        inputs,
+        settings,
+        cp_size=req.cp_size,
+        tp_size=req.tp_size,
+        cp_split_threshold=req.cp_split_threshold,
+        pair_cost=req.pair_cost,
+    )
     budget = (
         f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"
         if settings.max_batch_tokens is not None
@@ -324,6 +382,15 @@ def run_plan(args: argparse.Namespace) -> int:
             return 1
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _threshold(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: use auto, 0 or a number of tokens")
+    return value
 
 
 def _split_batches(rows: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
@@ -356,5 +423,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--epoch", type=int)
     p.add_argument("--cp-size", type=int, help="context-parallel degree for the THD rounding")
     p.add_argument("--tp-size", type=int, help="tensor-parallel degree for the THD rounding")
+    p.add_argument(
+        "--cp-split-threshold",
+        type=_threshold,
+        metavar="auto|N",
+        help="dynamic CP: split utterances longer than N tokens (0: all; default parallel.cp_split_threshold)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the summary and every rank's micro-batches")
     p.set_defaults(func=run_plan)

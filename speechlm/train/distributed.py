@@ -202,9 +202,7 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
 
 def cp_binding(cfg: Any, cp: int, tp: int, cp_rank: int, cp_group: Any, hidden: int) -> ParallelBinding:
     """The model's dynamic-CP hooks for this rank (`parallel.cp_placement`; threshold 0 splits all)."""
-    from speechlm.config import cp_split_threshold_tokens
-
-    threshold = cp_split_threshold_tokens(cfg)
+    threshold = cfg.parallel.cp_split_threshold  # "auto" or tokens
     pad_to = cfg.model.pad_to_multiple
 
     def place(seq_lens: list[int]) -> LocalPlacement:

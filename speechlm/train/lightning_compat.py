@@ -1,7 +1,7 @@
 """Every use of a private API of Lightning (and of torch's LR scheduler) in one place.
 
 Lightning has no public hook for what these do; an upgrade that renames one of them breaks here, and
-`tests/test_lightning_compat.py` fails on the installed version before any training run does. Nothing
+`tests/train/test_lightning_compat.py` fails on the installed version before any training run does. Nothing
 else under `speechlm/` touches a private name of Lightning (the same test checks that).
 
 Checked against: lightning 2.4 to 2.6 (the versions pyproject.toml allows).
