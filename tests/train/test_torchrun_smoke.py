@@ -88,3 +88,27 @@ def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):
     assert c.returncode == 0, c.stderr[-4000:]
     train = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in train if m["kind"] == "train"] == [1, 2, 3]
+
+
+def demo_losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [m["loss"] for m in lines if m["kind"] == "train"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_demo_config_under_dynamic_cp_matches_one_process(demo_data, tmp_path, cp):
+    """configs/demo.yaml (dynamic CP, cp_split_threshold=auto) on torchrun gives one process's losses."""
+    common = ["configs/demo.yaml", *data_overrides(demo_data), "trainer.max_steps=3", "trainer.max_minutes=0",
+              "trainer.val_every=0", "trainer.final_eval_split=val", "trainer.log_every=1"]  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "-m", "speechlm.train", *common, f"trainer.run_dir={tmp_path / 'one'}"],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    r = torchrun(cp, [*common, "--cp-size", str(cp), f"trainer.run_dir={tmp_path / 'cp'}"])
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    assert f"cp={cp}" in r.stdout
+    ref, got = demo_losses(tmp_path / "one"), demo_losses(tmp_path / "cp")
+    assert len(ref) == len(got) == 3
+    assert got == pytest.approx(ref, rel=1e-5)
