@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ __all__ = [
     "varlen_fwd",
     "varlen_bwd",
     "select_varlen_kernel",
+    "varlen_attention",
     "VARLEN_KERNELS",
     "KERNEL_CALLS",
 ]
@@ -222,3 +224,37 @@ def varlen_bwd(
     _, bwd = VARLEN_KERNELS[kernel or select_varlen_kernel(q_THD.device, q_THD.dtype)]
     dq, dk, dv = bwd(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_HT, meta, causal, scale)
     return dq, dk, dv
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_THD: Tensor,
+        k_TGD: Tensor,
+        v_TGD: Tensor,
+        meta: VarlenMeta,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensor:
+        out, lse = varlen_fwd(q_THD, k_TGD, v_TGD, meta, causal=causal, scale=scale)
+        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out, lse)
+        ctx.meta, ctx.causal, ctx.scale = meta, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout_THD: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = varlen_bwd(
+            dout_THD.contiguous(), q, k, v, out, lse, ctx.meta, causal=ctx.causal, scale=ctx.scale
+        )
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention(
+    q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, *, causal: bool, scale: float | None = None
+) -> Tensor:
+    """Differentiable packed attention over every sequence of the pack: one `varlen_fwd` call forward
+    and one `varlen_bwd` call backward (the local attention of one process, and of dynamic CP's whole
+    sequences)."""
+    return _VarlenAttention.apply(q_THD, k_TGD, v_TGD, meta, causal, scale)

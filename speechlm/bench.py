@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
     "cp-placement": "benchmarks/bench_cp_placement.py",  # dynamic CP: padding, balance, ring traffic
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
+    "attention-calls": "benchmarks/bench_attention_calls.py",  # varlen kernel calls per layer (CPU/gloo)
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -275,10 +275,18 @@ class SpeechLLM(nn.Module):
             max_length_q=int(packed.max_seqlen),
             max_length_k=int(packed.max_seqlen),
         )
+        from parallel.varlen import build_varlen_meta
+
+        # the pack's boundaries as host integers, read once here for every layer (one sync per micro-batch)
+        meta = build_varlen_meta(cu, device=cu.device)
         cp_attention = self.parallel.cp_attention
         if cp_attention is not None:
             split = getattr(packed, "cp_split_seqs", None)
-            kwargs["cp_context"] = cp_attention if split is None else cp_attention.for_split_prefix(split)
+            kwargs["cp_context"] = (
+                cp_attention if split is None else cp_attention.for_split_prefix(split, meta)
+            )
+        else:
+            kwargs["varlen_meta"] = meta
         if return_logits:
             return self.llm(**kwargs).logits[0]
         labels_T = packed.labels

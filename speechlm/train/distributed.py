@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.attention_ops import varlen_attention_reference
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
 from parallel.dist_encode import encode_placed
 from parallel.fsdp import clip_grad_norm_
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
+from parallel.varlen import VarlenMeta, build_varlen_meta, varlen_attention
 from speechlm.model.speech_llm import ParallelBinding
 from speechlm.packing import PackedBatch
 from speechlm.train.step import StepContext
@@ -66,8 +66,8 @@ class CPAttention:
             causal=True,
         )
 
-    def for_split_prefix(self, n_split: int) -> PlacedCPAttention:
-        return PlacedCPAttention(self, n_split)
+    def for_split_prefix(self, n_split: int, meta: VarlenMeta) -> PlacedCPAttention:
+        return PlacedCPAttention(self, n_split, meta)
 
 
 class PlacedCPAttention:
@@ -76,8 +76,12 @@ class PlacedCPAttention:
     locally with no communication. The placement is identical on every CP rank, so either all ranks
     run the collective part or none does."""
 
-    def __init__(self, cp: CPAttention, n_split: int):
+    def __init__(self, cp: CPAttention, n_split: int, meta: VarlenMeta):
         self.cp, self.n_split = cp, n_split
+        # the whole part's boundaries, from the micro-batch's host integers: no device sync per layer
+        t = meta.cu_q[n_split]
+        self.t_split = t
+        self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=meta.cu_seqlens_q.device)
 
     def attention(
         self,
@@ -87,15 +91,13 @@ class PlacedCPAttention:
         cu_seqlens_local: torch.Tensor,
         scale: float | None,
     ) -> torch.Tensor:
-        n = self.n_split
-        t = int(cu_seqlens_local[n])
+        n, t = self.n_split, self.t_split
         parts = []
         if n:
             parts.append(self.cp.attention(q_THD[:t], k_THD[:t], v_THD[:t], cu_seqlens_local[: n + 1], scale))
-        if q_THD.shape[0] > t:
-            cu = cu_seqlens_local[n:] - t
+        if q_THD.shape[0] > t:  # one varlen call over every whole sequence of this rank
             parts.append(
-                varlen_attention_reference(q_THD[t:], k_THD[t:], v_THD[t:], cu, cu, causal=True, scale=scale)
+                varlen_attention(q_THD[t:], k_THD[t:], v_THD[t:], self.whole, causal=True, scale=scale)
             )
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 

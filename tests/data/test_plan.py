@@ -133,9 +133,9 @@ def test_plan_with_text_estimates_tokens_and_thd_rounding(tmp_path, capsys):
     assert pad["text_tokens_estimated"] and pad["cp_size"] == 2
     assert pad["bshd_efficiency"] < pad["thd_efficiency"] <= 1.0
     assert pad["thd_efficiency_split_all"] <= pad["thd_efficiency"] and pad["cp_max_over_mean"] >= 1.0
-    assert 0.0 <= pad["cp_ring_token_share"] <= 1.0 and pad["cp_split_threshold"] > 0  # auto
+    assert 0.0 <= pad["cp_ring_token_share"] <= 1.0 and pad["cp_split_threshold"] == "auto"
     out_text = capsys.readouterr().out
-    assert "text ~ chars/3" in out_text and "CP placement (split above" in out_text
+    assert "text ~ chars/3" in out_text and "CP placement (cp_split_threshold=auto)" in out_text
 
 
 def test_thd_rounding_matches_the_packing_module():

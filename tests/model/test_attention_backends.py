@@ -158,20 +158,29 @@ def test_reference_bshd_matches_rows_and_left_padding_has_no_nan():
     torch.testing.assert_close(out_left[:1, 2:], alone)
 
 
-def test_reference_uses_parallel_attention_ops(monkeypatch):
+def test_reference_uses_one_varlen_call_with_the_micro_batch_meta(monkeypatch):
+    """The one-process THD path is one call into parallel.varlen (not one per sequence length), and it
+    takes the boundaries SpeechLLM.forward_packed read once per micro-batch instead of reading them."""
     import speechlm.model.attention.reference as reference_mod
+    from parallel.varlen import KERNEL_CALLS, build_varlen_meta, varlen_attention
 
     calls = []
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return varlen_loop(*args, **kwargs)
+    def spy(q, k, v, meta, **kwargs):
+        calls.append((meta, kwargs))
+        return varlen_attention(q, k, v, meta, **kwargs)
 
-    monkeypatch.setattr(reference_mod, "varlen_attention_reference", spy)
+    monkeypatch.setattr(reference_mod, "varlen_attention", spy)
     q, k, v = qkv_thd()
-    out, _ = attend_reference(None, q, k, v, None, scaling=SCALE, **thd_kwargs())
-    assert calls == [dict(causal=True, scale=SCALE)]
+    kw = thd_kwargs()
+    KERNEL_CALLS.clear()
+    out, _ = attend_reference(None, q, k, v, None, scaling=SCALE, **kw)
+    assert len(calls) == 1 and calls[0][1] == dict(causal=True, scale=SCALE) and KERNEL_CALLS["fwd"] == 1
+    assert list(calls[0][0].cu_q) == kw["cu_seq_lens_q"].tolist()
     torch.testing.assert_close(out, separate_runs(q, k, v))
+    given = build_varlen_meta(kw["cu_seq_lens_q"])
+    attend_reference(None, q, k, v, None, scaling=SCALE, varlen_meta=given, **kw)
+    assert calls[1][0] is given
 
 
 def test_sdpa_rejects_thd_and_matches_reference_on_padded():

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from parallel.attention_ops import varlen_attention_reference
+from parallel.varlen import build_varlen_meta, varlen_attention
 from speechlm.model.attention.layouts import attend_padded_sdpa, check_thd_lengths, read_varlen_args, to_thd
 from speechlm.model.attention.registry import attention_backend, check_no_dropout
 
@@ -65,7 +65,10 @@ def attend_reference(
         out_THD = cp_context.attention(q_THD, k_TGD, v_TGD, varlen.cu_seqlens_q, scale)
     else:
         check_thd_lengths(varlen, q_THD.shape[0], k_TGD.shape[0])
-        out_THD = varlen_attention_reference(
-            q_THD, k_TGD, v_TGD, varlen.cu_seqlens_q, varlen.cu_seqlens_k, causal=True, scale=scale
-        )
+        meta = kwargs.get(
+            "varlen_meta"
+        )  # host boundaries read once per micro-batch (SpeechLLM.forward_packed)
+        if meta is None:
+            meta = build_varlen_meta(varlen.cu_seqlens_q, varlen.cu_seqlens_k, device=q_THD.device)
+        out_THD = varlen_attention(q_THD, k_TGD, v_TGD, meta, causal=True, scale=scale)
     return out_THD.unsqueeze(0), None
