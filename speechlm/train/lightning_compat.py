@@ -69,3 +69,26 @@ def step_progress_bar() -> Any:
                 )
 
     return StepProgressBar()
+
+
+def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
+    """Write what `ModelParallelStrategy.save_checkpoint` writes (DCP shards of the model and optimizer
+    states, the rest in `meta.pt`) for a one-process run, with DCP's ``no_dist=True``.
+
+    A DCP save of the model's tensors through a process group left every later CPU step of the demo
+    model 1.5-2x slower for the rest of the process (scripts/repro_dcp_step_slowdown.py; a fresh
+    tensor or ``no_dist`` does not); one process needs no collective to write its checkpoint.
+    The files are the same, so loading does not change."""
+    from pathlib import Path
+
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint import save
+
+    path = Path(path)
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    converted = {"state_dict": checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    save(converted, checkpoint_id=path, no_dist=True)
+    torch.save(checkpoint, path / _METADATA_FILENAME)

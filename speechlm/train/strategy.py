@@ -15,7 +15,12 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallel.mesh import ParallelDims
-from speechlm.train.lightning_compat import has_dtensor_modules, set_device_mesh, setup_process_group
+from speechlm.train.lightning_compat import (
+    has_dtensor_modules,
+    save_checkpoint_one_process,
+    set_device_mesh,
+    setup_process_group,
+)
 
 
 class SpeechParallelStrategy(ModelParallelStrategy):
@@ -44,6 +49,14 @@ class SpeechParallelStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank(self.global_rank)}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """One process writes the same sharded checkpoint without DCP's collectives (see
+        `lightning_compat.save_checkpoint_one_process`); several processes go through Lightning."""
+        if self.world_size == 1 and storage_options is None:
+            save_checkpoint_one_process(checkpoint, filepath)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's DCP loader insists on DTensor parameters; one process has none (no FSDP/TP), so
