@@ -3,9 +3,13 @@ of the demo model run about 1.5-2x slower for the rest of the process (2026-11-2
 2-core CPU). `speechlm demo` meets it at its first checkpoint (step 200): 0.31 s/step before,
 0.6 s/step after.
 
-Ruled out so far: torch thread counts, CPU affinity, anomaly mode, deterministic algorithms, grad
-mode, glibc malloc trim/mmap thresholds, the optimizer and model state dicts on their own (only the
-DCP save with a process group triggers it). Run: `python scripts/repro_dcp_step_slowdown.py`.
+What triggers it: a DCP save of the model's own tensors through the process group. A DCP save of a
+fresh tensor, a save with ``no_dist=True``, and ``torch.save`` do not; neither do the state-dict calls
+alone. Ruled out: torch thread counts, CPU affinity, anomaly mode, deterministic algorithms, grad mode,
+glibc malloc trim/mmap thresholds, shared memory. The root cause is not known. One-process training
+now saves with ``no_dist=True`` (`speechlm.train.lightning_compat.save_checkpoint_one_process`), which
+removes the slowdown there; whether multi-process CPU/gloo runs slow down the same way after a save is
+not measured. Run: `python scripts/repro_dcp_step_slowdown.py`.
 """
 
 from __future__ import annotations
