@@ -20,6 +20,8 @@ def test_one_process_makes_one_call_each_way(n):
 @pytest.mark.parametrize("threshold", [0, "auto"])
 def test_cp2_stays_within_two_cp_calls_for_20_and_200_utterances(threshold):
     for n in (20, 200):
-        per_rank = run_distributed(bench.one_layer, 2, "gloo", bench.pack_lengths(n), threshold, timeout_s=300)
+        per_rank = run_distributed(
+            bench.one_layer, 2, "gloo", bench.pack_lengths(n), threshold, timeout_s=300
+        )
         for counts in per_rank:
             assert 1 <= counts["fwd"] <= 4 and 1 <= counts["bwd"] <= 4, (n, counts)
