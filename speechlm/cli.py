@@ -14,6 +14,7 @@ import sys
 # subcommand modules, in the order `--help` lists them
 SUBCOMMAND_MODULES = (
     "speechlm.data.manifest_cli",  # manifest build | stats
+    "speechlm.data.shards_cli",  # shards write
     "speechlm.data.tokenizer",  # tokenizer train
     "speechlm.data.plan",  # plan
     "speechlm.train.entry",  # train

@@ -21,6 +21,7 @@ workers do not touch millions of Python objects and slowly copy the parent's mem
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import random
@@ -39,10 +40,21 @@ import soxr
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from speechlm.data.sources.members import MemberError, MemberReader
+
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("audio_filepath", "text", "lang")
-DROP_REASONS = ("missing_file", "undecodable", "empty_audio")
+# the last three are tar members (`speechlm.data.sources`): the shard is gone or cut short, or the
+# offset index no longer matches the tar's headers (the clip is refused, never decoded unpaired)
+DROP_REASONS = (
+    "missing_file",
+    "undecodable",
+    "empty_audio",
+    "missing_shard",
+    "truncated_shard",
+    "stale_index",
+)
 _WARNED_FILES: set[str] = set()  # files already reported as dropped by this process
 
 
@@ -185,6 +197,57 @@ def _read_table(path: Path) -> pa.Table:
     return pq.read_table(path, columns=[c for c in (*REQUIRED_COLUMNS, "segment_id") if c in names])
 
 
+class _Locators:
+    """The optional locator columns of a table (`LOCATOR_SCHEMA`) as flat arrays, for per-row reads."""
+
+    def __init__(self, table: pa.Table) -> None:
+        names = table.column_names
+        self.reader = MemberReader()
+        self._tar_codes: np.ndarray | None = None
+        self._tars: list[str] = []
+        if "tar_path" in names:
+            col = table.column("tar_path")
+            if not pa.types.is_dictionary(col.type):
+                col = pc.dictionary_encode(col)
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            self._tars = col.dictionary.to_pylist()
+            codes = col.indices.fill_null(-1) if col.null_count else col.indices
+            self._tar_codes = codes.to_numpy(zero_copy_only=False).astype(np.int32)
+            self.offset = _int_column(table, "offset")
+            self.nbytes = _int_column(table, "nbytes")
+            self.header_bytes = _int_column(table, "header_bytes")
+        self._start: np.ndarray | None = None
+        if "start" in names:
+            self._start = table.column("start").fill_null(float("nan")).to_numpy().astype(np.float64)
+            self._duration = table.column("duration").to_numpy().astype(np.float64)
+
+    @classmethod
+    def of(cls, table: pa.Table) -> _Locators:
+        return cls(table)
+
+    def tar(self, i: int) -> str | None:
+        if self._tar_codes is None or self._tar_codes[i] < 0:
+            return None
+        return self._tars[int(self._tar_codes[i])]
+
+    def start_of(self, i: int) -> float | None:
+        if self._start is None or np.isnan(self._start[i]):
+            return None
+        return float(self._start[i])
+
+    def duration_of(self, i: int) -> float:
+        return float(self._duration[i])
+
+    def sort_key(self, i: int) -> tuple[int, int]:
+        if self._tar_codes is None:
+            return (0, 0)
+        return (int(self._tar_codes[i]), int(self.offset[i]))
+
+
+def _int_column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).fill_null(0).to_numpy().astype(np.int64)
+
+
 class SpeechDataset(Dataset):
     """Map-style dataset over a training manifest: row index -> Sample | DroppedSample.
 
@@ -227,6 +290,7 @@ class SpeechDataset(Dataset):
             if "segment_id" in table.column_names
             else None
         )
+        self._locators = _Locators.of(table)
         langs = pc.dictionary_encode(table.column("lang").cast(pa.string()).combine_chunks())
         self._lang_codes = langs.indices.to_numpy(zero_copy_only=False)
         self._lang_names: list[str] = langs.dictionary.to_pylist()
@@ -253,11 +317,42 @@ class SpeechDataset(Dataset):
         return f"row {i}"
 
     def resolve_path(self, i: int) -> Path:
-        """Absolute (or base-dir relative) audio path of row `i`."""
+        """Absolute (or base-dir relative) audio path of row `i` (``TAR:MEMBER`` for a tar member)."""
+        tar = self._locators.tar(i)
+        if tar is not None:
+            return Path(f"{tar}:{self._paths[i].as_py()}")
         path = Path(self._paths[i].as_py())
         if not path.is_absolute() and self.base_dir is not None:
             path = self.base_dir / path
         return path
+
+    def _load(self, i: int) -> np.ndarray:
+        """Row `i`'s audio: a whole file, a segment of one, or a tar member read by position."""
+        loc = self._locators
+        tar = loc.tar(i)
+        if tar is not None:
+            from speechlm.data.sources.members import decode_audio
+
+            member = self._paths[i].as_py()
+            data = loc.reader.read(tar, member, loc.offset[i], loc.nbytes[i], loc.header_bytes[i])
+            return decode_audio(io.BytesIO(data), f"{tar}:{member}", self.sample_rate)
+        start = loc.start_of(i)
+        if start is None:
+            return load_audio(self.resolve_path(i), self.sample_rate)
+        from speechlm.data.sources.members import decode_audio
+
+        path = self.resolve_path(i)
+        if not path.is_file():
+            raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
+        return decode_audio(str(path), str(path), self.sample_rate, start=start, duration=loc.duration_of(i))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample | DroppedSample]:
+        """A micro-batch's rows, read grouped by tar and offset (sequential within a shard), in order."""
+        order = sorted(range(len(indices)), key=lambda k: self._locators.sort_key(int(indices[k])))
+        out: list[Sample | DroppedSample | None] = [None] * len(indices)
+        for k in order:
+            out[k] = self[indices[k]]
+        return [x for x in out if x is not None]
 
     def lang(self, i: int) -> str:
         return self._lang_names[int(self._lang_codes[i])]
@@ -268,11 +363,13 @@ class SpeechDataset(Dataset):
             raise IndexError(f"row {index} is out of range for manifest {self.source} with {len(self)} rows")
         path = self.resolve_path(i)
         try:
-            audio_N = load_audio(path, self.sample_rate)
+            audio_N = self._load(i)
         except FileNotFoundError as e:
             return self._drop(i, "missing_file", str(e))
         except AudioDecodeError as e:
             return self._drop(i, "undecodable", str(e))
+        except MemberError as e:
+            return self._drop(i, e.reason, str(e))
         if audio_N.size == 0:
             return self._drop(i, "empty_audio", f"{path} decodes to no samples")
         text = self._texts[i].as_py()

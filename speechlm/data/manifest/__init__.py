@@ -33,7 +33,13 @@ from speechlm.data.manifest.build import (
 from speechlm.data.manifest.load import NOT_NULL_COLUMNS, ManifestArrays, load_manifest, manifest_arrays
 from speechlm.data.manifest.nemo import read_nemo_manifest
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
-from speechlm.data.manifest.schema import MANIFEST_SCHEMA, Column, ManifestError, build_manifest_table
+from speechlm.data.manifest.schema import (
+    LOCATOR_SCHEMA,
+    MANIFEST_SCHEMA,
+    Column,
+    ManifestError,
+    build_manifest_table,
+)
 from speechlm.data.manifest.split import hash_uniform, split_val
 from speechlm.data.manifest.stats import format_stats, manifest_stats, plot_stats
 
@@ -45,6 +51,7 @@ __all__ = [
     "DROP_REASONS",
     "INDEX_COLUMNS",
     "INDEX_OPTIONAL_COLUMNS",
+    "LOCATOR_SCHEMA",
     "MANIFEST_SCHEMA",
     "METADATA_COLUMNS",
     "NOT_NULL_COLUMNS",

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from speechlm.data.manifest.nemo import read_nemo_manifest
-from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, _encode_sorted
+from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError, _encode_sorted
 
 NOT_NULL_COLUMNS = ("segment_id",)
 
@@ -77,8 +77,11 @@ def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = No
     """Load a training manifest: ``.parquet`` (checked against `MANIFEST_SCHEMA`) or NeMo ``.json(l)``."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if path.is_dir():
-        raise ManifestError(f"{path} is a directory; pass one manifest file, e.g. {path / 'train.parquet'}")
+    from speechlm.data.sources.detect import detect_source_type, load_source
+
+    kind = detect_source_type(path)
+    if kind not in ("parquet", "nemo"):
+        return load_source(path, kind, default_lang=default_lang)
     if suffix in (".json", ".jsonl"):
         return read_nemo_manifest(path, default_lang=default_lang)
     if suffix != ".parquet":
@@ -97,7 +100,8 @@ def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = No
                 f"has {MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build` or "
                 "`speechlm manifest convert`"
             )
-        table = pq.read_table(path, columns=MANIFEST_SCHEMA.names)
+        extra = [f.name for f in LOCATOR_SCHEMA if f.name in schema.names]
+        table = pq.read_table(path, columns=MANIFEST_SCHEMA.names + extra)
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
     columns = []
@@ -113,7 +117,12 @@ def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = No
             raise ManifestError(
                 f"{path} column {f.name!r} has type {col.type}, expected {f.type} ({e}); rebuild the manifest"
             ) from None
-    return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)
+    fields = list(MANIFEST_SCHEMA)
+    for f in LOCATOR_SCHEMA:
+        if f.name in table.column_names:
+            columns.append(table.column(f.name).cast(f.type))
+            fields.append(f)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 @dataclass(frozen=True)

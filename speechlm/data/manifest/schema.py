@@ -30,6 +30,23 @@ MANIFEST_SCHEMA = pa.schema(
     ]
 )
 
+# Optional columns that say where a row's audio bytes are when they are not a whole file of their own
+# (`speechlm.data.sources`): a member of an uncompressed tar (``tar_path`` absolute, ``offset`` of
+# the data, ``nbytes``, ``header_bytes`` of its tar headers; ``audio_filepath`` is then the member
+# name, checked against the tar header at read time), or a segment of a longer file (``start``
+# seconds into ``audio_filepath``, for ``duration`` seconds). ``dataset`` names the input of a
+# weighted mix (`data.input_cfg`). A null ``tar_path`` means a plain file.
+LOCATOR_SCHEMA = pa.schema(
+    [
+        pa.field("tar_path", pa.dictionary(pa.int32(), pa.string()), nullable=True),
+        pa.field("offset", pa.int64(), nullable=True),
+        pa.field("nbytes", pa.int64(), nullable=True),
+        pa.field("header_bytes", pa.uint16(), nullable=True),
+        pa.field("start", pa.float64(), nullable=True),
+        pa.field("dataset", pa.dictionary(pa.int16(), pa.string()), nullable=True),
+    ]
+)
+
 
 class ManifestError(ValueError):
     """A shard, manifest or option that cannot be used; the message says where and what to do."""

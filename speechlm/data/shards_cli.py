@@ -1,0 +1,56 @@
+"""`speechlm shards write`: pack a manifest's audio into tar shards (ours or a NeMo tarred dataset).
+
+    speechlm shards write MANIFEST --out DIR [--shard-size N] [--format speechlm|nemo]
+
+The result can be passed wherever a manifest is accepted (`data.train_manifest=DIR`,
+`speechlm plan --manifest DIR`). Returns 0, or 1 with a one-paragraph error naming the row or file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("shards", help="pack a manifest's audio into tar shards")
+    parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
+    sub = parser.add_subparsers(dest="shards_command", metavar="SUBCOMMAND")
+    write = sub.add_parser("write", help="MANIFEST -> tar shards + index (speechlm or NeMo tarred format)")
+    write.add_argument("manifest", metavar="MANIFEST", help="a training manifest (.parquet or NeMo .json)")
+    write.add_argument("--out", required=True, metavar="DIR", help="folder for the tars and their index")
+    write.add_argument(
+        "--shard-size", type=int, default=1000, metavar="N", help="utterances per tar (default 1000)"
+    )
+    write.add_argument(
+        "--format",
+        choices=("speechlm", "nemo"),
+        default="speechlm",
+        help="speechlm: index.parquet + shard-NNNNNN.tar; nemo: a NeMo tarred dataset (default speechlm)",
+    )
+    write.set_defaults(func=run_write)
+
+
+def run_write(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speechlm.data.manifest import ManifestError, load_manifest
+
+    try:
+        table = load_manifest(args.manifest)
+        base = Path(args.manifest).resolve().parent
+        if args.format == "nemo":
+            from speechlm.data.sources.nemo_tarred import write_nemo_tarred
+
+            where = write_nemo_tarred(table, args.out, shard_size=args.shard_size, base_dir=base)
+        else:
+            from speechlm.data.sources.shards import write_shards
+
+            where = write_shards(table, args.out, shard_size=args.shard_size, base_dir=base)
+    except ManifestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {len(table)} utterances to {args.out} ({where.name}); train from it with data.train_manifest={args.out}"
+    )
+    return 0

@@ -1,0 +1,143 @@
+"""Which kind of data a path is, and the one entry that turns any of them into a manifest table.
+
+Every source becomes the same in-memory index the sampler and the dataset use: a table in
+`MANIFEST_SCHEMA` plus, where the bytes are not a whole file of their own, the locator columns of
+`LOCATOR_SCHEMA` (tar member or file segment). Kinds, detected from the path's contents:
+
+========================  ==============================================================
+``parquet``               a training manifest (``speechlm manifest build``)
+``nemo``                  a NeMo JSON-lines manifest of extracted files
+``speechlm_shards``       a folder from ``speechlm shards write`` (``index.parquet`` + tars)
+``nemo_tarred``           a NeMo tarred dataset folder (``tarred_audio_manifest.json`` + tars)
+``lhotse_shar``           a Lhotse Shar folder (``cuts.NNNNNN.jsonl.gz`` + ``recording.NNNNNN.tar``)
+``lhotse_cuts``           a Lhotse cuts file (``.jsonl.gz`` / ``.jsonl``), with offsets allowed
+``wenet``                 a WeNet ``data.list`` (raw: one JSON per line; shard: one tar per line)
+========================  ==============================================================
+
+Readers register themselves in `SOURCE_READERS`; an explicit ``type`` (`data.input_cfg`) skips
+detection.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from speechlm.data.manifest.schema import ManifestError
+from speechlm.data.sources.shards import SourceReport, is_shard_dir, read_shards
+
+logger = logging.getLogger(__name__)
+
+SourceReader = Callable[..., pa.Table]  # (path, *, report, default_lang, **options) -> table
+
+SOURCE_READERS: dict[str, SourceReader] = {}
+SOURCE_TYPES = ("parquet", "nemo", "speechlm_shards", "nemo_tarred", "lhotse_shar", "lhotse_cuts", "wenet")
+
+
+def register_source(kind: str) -> Callable[[SourceReader], SourceReader]:
+    def wrap(fn: SourceReader) -> SourceReader:
+        SOURCE_READERS[kind] = fn
+        return fn
+
+    return wrap
+
+
+@register_source("speechlm_shards")
+def _read_speechlm_shards(
+    path: Path, *, report: SourceReport, default_lang: str | None = None, **_: Any
+) -> pa.Table:
+    return read_shards(path, report)
+
+
+def _first_json_line(path: Path) -> dict[str, Any] | None:
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    value = json.loads(line)
+                    return value if isinstance(value, dict) else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def detect_source_type(path: str | Path) -> str:
+    """The kind of `path` (see the module docstring); ManifestError when it is none of them."""
+    path = Path(path)
+    if path.is_dir():
+        if is_shard_dir(path):
+            return "speechlm_shards"
+        if (path / "tarred_audio_manifest.json").is_file() or any(
+            path.glob("sharded_manifests/manifest_*.json")
+        ):
+            return "nemo_tarred"
+        if any(path.glob("cuts.*.jsonl*")):
+            return "lhotse_shar"
+        raise ManifestError(
+            f"{path} is a folder but not a known dataset: expected index.parquet + shard-*.tar (speechlm "
+            "shards), tarred_audio_manifest.json + audio_*.tar (NeMo tarred), or cuts.NNNNNN.jsonl.gz "
+            "(Lhotse Shar); for a manifest file pass the file, e.g. "
+            f"{path / 'train.parquet'}"
+        )
+    if path.name == "index.parquet" and is_shard_dir(path.parent):
+        return "speechlm_shards"
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    if path.suffix.lower() == ".parquet":
+        return "parquet"
+    if path.suffix.lower() == ".list" or path.name == "data.list":
+        return "wenet"
+    if suffixes.endswith(".jsonl.gz"):
+        return "lhotse_cuts"
+    if path.suffix.lower() in (".json", ".jsonl"):
+        first = _first_json_line(path) if path.is_file() else None
+        if first is not None and "supervisions" in first and "recording" in first:
+            return "lhotse_cuts"
+        return "nemo"
+    raise ManifestError(
+        f"{path}: unknown manifest format; expected a .parquet manifest, a NeMo .json(l), a Lhotse "
+        "cuts .jsonl.gz, a WeNet data.list, or a shard folder (speechlm, NeMo tarred, Lhotse Shar); "
+        f"or name the type explicitly in data.input_cfg ({', '.join(SOURCE_TYPES)})"
+    )
+
+
+def load_source(
+    path: str | Path, kind: str | None = None, *, default_lang: str | None = None, **options: Any
+) -> pa.Table:
+    """Read `path` as `kind` (detected when None) into a manifest table; drops are logged per shard."""
+    path = Path(path)
+    kind = kind or detect_source_type(path)
+    if kind in ("parquet", "nemo"):
+        from speechlm.data.manifest.load import load_manifest
+
+        return load_manifest(path, default_lang=default_lang)
+    if kind not in SOURCE_READERS:
+        _import_readers()
+    reader = SOURCE_READERS.get(kind)
+    if reader is None:
+        raise ManifestError(f"{path}: data type {kind!r} is not known; use one of {', '.join(SOURCE_TYPES)}")
+    report = SourceReport()
+    table = reader(path, report=report, default_lang=default_lang, **options)
+    if report.total:
+        logger.warning(
+            "%s: %d utterances dropped while indexing:\n  %s", path, report.total, "\n  ".join(report.lines())
+        )
+    return table
+
+
+def _import_readers() -> None:
+    """Import the reader modules so that they register (each imports its optional dependency lazily)."""
+    import importlib
+
+    for module in ("nemo_tarred", "lhotse_shar", "wenet", "lhotse_cuts"):
+        try:
+            importlib.import_module(f"speechlm.data.sources.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"speechlm.data.sources.{module}":
+                raise
