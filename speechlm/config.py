@@ -38,6 +38,12 @@ class DataConfig:
     # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
     # dropped stops the run with the file names (1.0: never stop)
     max_dropped_fraction: float = 0.5
+    # "indexed": the sampler's epoch plan, each clip read by position (tar member or file); "streaming":
+    # tar shards read front to back per DataLoader worker, for filesystems where random reads are slow
+    # (speechlm.data.sampler.streaming); buffers in utterances
+    read_mode: str = "indexed"
+    shuffle_buffer: int = 2000
+    sort_buffer: int = 500
 
 
 @dataclass

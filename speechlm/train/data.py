@@ -161,6 +161,7 @@ def build_sampler(
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
 
     arr = manifest_arrays(table)
+    streaming = streaming_layout(cfg, table)
     settings = SamplerSettings.from_config(
         cfg.sampler,
         dp_size=dp_size,
@@ -174,6 +175,42 @@ def build_sampler(
         settings,
         token_lengths=token_lengths,
         dp_rank=dp_rank,
+        streaming=streaming,
+    )
+
+
+def streaming_layout(cfg: ExperimentConfig, table: Any) -> Any:
+    """The rows' places in their tar shards when `data.read_mode` is streaming (None when indexed).
+
+    Rows of a tar shard share its code and are ordered by byte offset; rows that are plain files
+    (no tar) get a shard of their own (-1), so they are spread like indexed-mode reads.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from speechlm.data.sampler import StreamingLayout
+
+    d = cfg.data
+    if d.read_mode == "indexed":
+        return None
+    if d.read_mode != "streaming":
+        raise ValueError(f"data.read_mode={d.read_mode!r}: use 'indexed' (default) or 'streaming'")
+    n = len(table)
+    codes = np.full(n, -1, np.int64)
+    positions = np.zeros(n, np.int64)
+    if "tar_path" in table.column_names:
+        col = table.column("tar_path").combine_chunks()
+        if not pa.types.is_dictionary(col.type):
+            col = pc.dictionary_encode(col)
+        codes = col.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        positions = table.column("offset").fill_null(0).to_numpy().astype(np.int64)
+    return StreamingLayout(
+        codes,
+        positions,
+        streams_per_rank=max(1, d.num_workers),
+        shuffle_buffer=d.shuffle_buffer,
+        sort_buffer=d.sort_buffer,
     )
 
 

@@ -7,14 +7,17 @@ One concern per module:
 - `ordering`: steps 1-3 of the plan (duration buckets, language targets, per-bucket order / draws);
 - `batching`: steps 4-6 (greedy packing, dealing to dp ranks, lockstep trim);
 - `epoch_plan`: `EpochPlan` and the pure `build_epoch_plan` (the algorithm is described there);
-- `stateful`: `DurationBucketBatchSampler`, the resumable per-rank wrapper used by the trainer.
+- `streaming`: the pure `build_streaming_plan` (shards read front to back; the streaming read mode);
+- `stateful`: `DurationBucketBatchSampler`, the resumable per-rank wrapper used by the trainer
+  (`StreamingLayout` switches it to the streaming plan).
 """
 
 from speechlm.data.sampler.cost import SECOND_UNITS, TOKEN_UNITS, TokenCostModel
 from speechlm.data.sampler.epoch_plan import EpochPlan, build_epoch_plan
 from speechlm.data.sampler.ordering import assign_buckets, compute_language_targets
 from speechlm.data.sampler.settings import DEFAULT_BUCKET_BOUNDARIES, MODES, SamplerSettings, check_arrays
-from speechlm.data.sampler.stateful import DurationBucketBatchSampler, fingerprint_manifest
+from speechlm.data.sampler.stateful import DurationBucketBatchSampler, StreamingLayout, fingerprint_manifest
+from speechlm.data.sampler.streaming import build_streaming_plan
 
 __all__ = [
     "DEFAULT_BUCKET_BOUNDARIES",
@@ -24,9 +27,11 @@ __all__ = [
     "DurationBucketBatchSampler",
     "EpochPlan",
     "SamplerSettings",
+    "StreamingLayout",
     "TokenCostModel",
     "assign_buckets",
     "build_epoch_plan",
+    "build_streaming_plan",
     "check_arrays",
     "compute_language_targets",
     "fingerprint_manifest",

@@ -16,7 +16,10 @@ import numpy as np
 from speechlm.data.sampler.settings import check_bucket_boundaries
 
 # independent random streams, each seeded by SeedSequence([seed, stream id, epoch or language, cycle])
-RANDOM_STREAMS = {"order": 1, "shuffle": 2, "ranks": 3, "cycle": 4}
+RANDOM_STREAMS = {
+    "order": 1, "shuffle": 2, "ranks": 3, "cycle": 4,
+    "stream-shards": 5, "stream-buffer": 6, "stream-batches": 7,
+}  # fmt: skip
 
 
 def make_generator(seed: int, stream: str, a: int, b: int = 0) -> np.random.Generator:

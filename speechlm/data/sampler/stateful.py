@@ -16,6 +16,30 @@ import numpy as np
 
 from speechlm.data.sampler.epoch_plan import EpochPlan, build_epoch_plan
 from speechlm.data.sampler.settings import DEFAULT_SETTINGS, SamplerSettings, check_arrays
+from speechlm.data.sampler.streaming import build_streaming_plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamingLayout:
+    """Where each row sits in the shards, for the streaming read mode (`sampler.streaming`)."""
+
+    shard_codes: np.ndarray  # int [N], -1: a row with no shard of its own
+    shard_positions: np.ndarray  # int64 [N], byte offset (or row number) inside the shard
+    streams_per_rank: int = 1  # one per DataLoader worker
+    shuffle_buffer: int = 2000
+    sort_buffer: int = 500
+
+    def params(self) -> dict[str, Any]:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.ascontiguousarray(self.shard_codes, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.shard_positions, dtype=np.int64).tobytes())
+        return {
+            "streams_per_rank": self.streams_per_rank,
+            "shuffle_buffer": self.shuffle_buffer,
+            "sort_buffer": self.sort_buffer,
+            "shards_digest": h.hexdigest(),
+        }
+
 
 STATE_VERSION = 1
 
@@ -63,6 +87,7 @@ class DurationBucketBatchSampler:
         token_lengths: np.ndarray | None = None,
         dp_rank: int = 0,
         epoch: int = 0,
+        streaming: StreamingLayout | None = None,
     ) -> None:
         n_langs = len(lang_names) if lang_names is not None else None
         self._durations, self._lang_codes, self._token_lengths, self._n_langs = check_arrays(
@@ -88,6 +113,13 @@ class DurationBucketBatchSampler:
             "epoch_size": s.epoch_size,
             "token_cost": dataclasses.asdict(s.token_cost),
         }  # dp_size, seed and mode are checked at the top level of the state
+        self.streaming = streaming
+        if streaming is not None:  # only then: checkpoints of indexed runs keep their keys
+            if len(streaming.shard_codes) != len(self._durations):
+                raise ValueError(
+                    f"streaming layout has {len(streaming.shard_codes)} rows, the manifest {len(self._durations)}"
+                )
+            self.params["streaming"] = streaming.params()
         self.fingerprint = fingerprint_manifest(
             self._durations, self._lang_codes, self._token_lengths, self.lang_names
         )
@@ -111,7 +143,14 @@ class DurationBucketBatchSampler:
     @property
     def plan(self) -> EpochPlan:
         """The current epoch's plan (built on first use, cached)."""
-        if self._plan is None or self._plan.epoch != self.epoch:
+        if (self._plan is None or self._plan.epoch != self.epoch) and self.streaming is not None:
+            st = self.streaming
+            self._plan = build_streaming_plan(
+                self._durations, self._lang_codes, st.shard_codes, st.shard_positions, self.settings,
+                self.epoch, token_lengths=self._token_lengths, n_langs=self._n_langs,
+                streams_per_rank=st.streams_per_rank, shuffle_buffer=st.shuffle_buffer, sort_buffer=st.sort_buffer,
+            )  # fmt: skip
+        elif self._plan is None or self._plan.epoch != self.epoch:
             self._plan = build_epoch_plan(
                 self._durations, self._lang_codes, self.settings, self.epoch,
                 token_lengths=self._token_lengths, n_langs=self._n_langs,
