@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _index_cache(tmp_path_factory) -> None:
+    """Index caches (tar offsets, memory-mapped manifests) go to a temp folder, not ~/.cache."""
+    os.environ["SPEECHLM_CACHE"] = str(tmp_path_factory.mktemp("speechlm_cache"))
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,8 @@ import soxr
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speechlm.data.sources.members import MemberError, MemberReader
+from speechlm.data.sources.locators import RowLocators
+from speechlm.data.sources.members import MemberError
 
 logger = logging.getLogger(__name__)
 
@@ -197,55 +198,8 @@ def _read_table(path: Path) -> pa.Table:
     return pq.read_table(path, columns=[c for c in (*REQUIRED_COLUMNS, "segment_id") if c in names])
 
 
-class _Locators:
-    """The optional locator columns of a table (`LOCATOR_SCHEMA`) as flat arrays, for per-row reads."""
-
-    def __init__(self, table: pa.Table) -> None:
-        names = table.column_names
-        self.reader = MemberReader()
-        self._tar_codes: np.ndarray | None = None
-        self._tars: list[str] = []
-        if "tar_path" in names:
-            col = table.column("tar_path")
-            if not pa.types.is_dictionary(col.type):
-                col = pc.dictionary_encode(col)
-            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-            self._tars = col.dictionary.to_pylist()
-            codes = col.indices.fill_null(-1) if col.null_count else col.indices
-            self._tar_codes = codes.to_numpy(zero_copy_only=False).astype(np.int32)
-            self.offset = _int_column(table, "offset")
-            self.nbytes = _int_column(table, "nbytes")
-            self.header_bytes = _int_column(table, "header_bytes")
-        self._start: np.ndarray | None = None
-        if "start" in names:
-            self._start = table.column("start").fill_null(float("nan")).to_numpy().astype(np.float64)
-            self._duration = table.column("duration").to_numpy().astype(np.float64)
-
-    @classmethod
-    def of(cls, table: pa.Table) -> _Locators:
-        return cls(table)
-
-    def tar(self, i: int) -> str | None:
-        if self._tar_codes is None or self._tar_codes[i] < 0:
-            return None
-        return self._tars[int(self._tar_codes[i])]
-
-    def start_of(self, i: int) -> float | None:
-        if self._start is None or np.isnan(self._start[i]):
-            return None
-        return float(self._start[i])
-
-    def duration_of(self, i: int) -> float:
-        return float(self._duration[i])
-
-    def sort_key(self, i: int) -> tuple[int, int]:
-        if self._tar_codes is None:
-            return (0, 0)
-        return (int(self._tar_codes[i]), int(self.offset[i]))
-
-
-def _int_column(table: pa.Table, name: str) -> np.ndarray:
-    return table.column(name).fill_null(0).to_numpy().astype(np.int64)
+def _strings(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    return col if pa.types.is_string(col.type) else col.cast(pa.string())
 
 
 class SpeechDataset(Dataset):
@@ -283,18 +237,25 @@ class SpeechDataset(Dataset):
         self.max_tokens = int(max_tokens)
         self.sample_rate = int(sample_rate)
         self.base_dir = Path(base_dir) if base_dir is not None else None
-        self._paths = table.column("audio_filepath").cast(pa.string()).combine_chunks()
-        self._texts = table.column("text").cast(pa.string()).combine_chunks()
+        # string columns stay as they are (chunked, maybe memory-mapped: `sources.mmap_cache`), so a
+        # row's text and path are read from disk when its clip is loaded, not held per row in RAM
+        self._paths = _strings(table.column("audio_filepath"))
+        self._texts = _strings(table.column("text"))
         self._segment_ids = (
-            table.column("segment_id").cast(pa.string()).combine_chunks()
-            if "segment_id" in table.column_names
-            else None
+            _strings(table.column("segment_id")) if "segment_id" in table.column_names else None
         )
-        self._locators = _Locators.of(table)
-        langs = pc.dictionary_encode(table.column("lang").cast(pa.string()).combine_chunks())
-        self._lang_codes = langs.indices.to_numpy(zero_copy_only=False)
-        self._lang_names: list[str] = langs.dictionary.to_pylist()
-        for name, col in (("audio_filepath", self._paths), ("text", self._texts), ("lang", langs)):
+        self._locators = RowLocators(table)
+        lang_col = table.column("lang")
+        if pa.types.is_dictionary(lang_col.type) and not lang_col.null_count:
+            from speechlm.data.manifest.load import dictionary_codes
+
+            codes, self._lang_names = dictionary_codes(lang_col)
+            self._lang_codes = codes.astype(np.int16)
+        else:
+            langs = pc.dictionary_encode(lang_col.cast(pa.string()).combine_chunks())
+            self._lang_codes = langs.indices.to_numpy(zero_copy_only=False)
+            self._lang_names = langs.dictionary.to_pylist()
+        for name, col in (("audio_filepath", self._paths), ("text", self._texts), ("lang", lang_col)):
             if col.null_count:
                 row = pc.index(pc.is_null(col), True).as_py()
                 raise ValueError(
@@ -334,7 +295,9 @@ class SpeechDataset(Dataset):
             from speechlm.data.sources.members import decode_audio
 
             member = self._paths[i].as_py()
-            data = loc.reader.read(tar, member, loc.offset[i], loc.nbytes[i], loc.header_bytes[i])
+            data = loc.reader.read(
+                tar, member, int(loc.offset[i]), int(loc.nbytes[i]), int(loc.header_bytes[i])
+            )
             return decode_audio(io.BytesIO(data), f"{tar}:{member}", self.sample_rate)
         start = loc.start_of(i)
         if start is None:

@@ -125,14 +125,16 @@ class RunInputs:
 
 def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     from parallel.mesh import ParallelDims
-    from speechlm.data.manifest import load_manifest
+    from speechlm.data.sources.mmap_cache import open_index
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.train.data import build_sampler
     from speechlm.train.module import TokenizerInfo
     from speechlm.validate import validate_at_fit_start
 
-    train_table = load_manifest(cfg.data.train_manifest)
-    val_table = load_manifest(cfg.data.val_manifest) if cfg.data.val_manifest else None
+    # any source (parquet, NeMo, tar shards, ...), memory-mapped from the index cache: texts and paths
+    # stay on disk until a clip is loaded (speechlm/data/sources/mmap_cache.py)
+    train_table = open_index(cfg.data.train_manifest)
+    val_table = open_index(cfg.data.val_manifest) if cfg.data.val_manifest else None
     durations = train_table.column("duration").to_numpy()
     summary = {"n_rows": len(train_table), "max_duration": float(durations.max()) if len(durations) else 0.0}
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load

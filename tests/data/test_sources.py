@@ -259,3 +259,47 @@ def _write_tar(path: Path, members: dict[str, bytes]) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
+
+
+def test_index_is_memory_mapped_and_keyed_by_the_source(demo_data, shards, tmp_path):
+    from speechlm.data.sources.mmap_cache import open_index
+
+    cache = tmp_path / "cache"
+    before = pa.total_allocated_bytes()
+    table = open_index(demo_data["train"], cache_dir=cache)
+    ds = SpeechDataset(table, Tokenizer(demo_data["tok"]))
+    # texts, ids and paths are not copied into arrow's memory pool: they are pages of the cache file
+    texts = sum(len(t.encode()) for t in table.column("text").to_pylist())
+    assert pa.total_allocated_bytes() - before < texts // 4
+    assert table.drop_columns(["text_chars"]) == load_manifest(demo_data["train"])
+    assert table.column("text_chars").to_pylist() == [len(t) for t in table.column("text").to_pylist()]
+    assert isinstance(ds[0], Sample)
+    assert len(list(cache.glob("train.parquet.*.arrow"))) == 1
+    assert open_index(demo_data["train"], cache_dir=cache) == table  # reused
+    assert len(list(cache.glob("*.arrow"))) == 1
+    sharded = open_index(shards, cache_dir=cache)
+    assert sharded.drop_columns(["text_chars"]) == load_manifest(shards) and len(list(cache.glob("*.arrow"))) == 2
+
+
+def test_index_cache_follows_a_changed_manifest_and_survives_a_full_disk(demo_data, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from speechlm.data.sources import mmap_cache
+
+    src = tmp_path / "m.parquet"
+    table = load_manifest(demo_data["train"])
+    pq.write_table(table, src)
+    cache = tmp_path / "cache"
+    assert len(mmap_cache.open_index(src, cache_dir=cache)) == 221
+    pq.write_table(table.slice(0, 100), src)  # edited: a new fingerprint, a new cache file
+    os.utime(src, ns=(1, 1))
+    assert len(mmap_cache.open_index(src, cache_dir=cache)) == 100
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mmap_cache, "_write_ipc", full)
+    pq.write_table(table.slice(0, 50), src)
+    os.utime(src, ns=(2, 2))
+    assert len(mmap_cache.open_index(src, cache_dir=cache)) == 50  # from memory, with a warning
+    assert not list(cache.glob(".*.tmp"))

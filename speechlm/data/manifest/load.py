@@ -138,7 +138,7 @@ class ManifestArrays:
         return int(self.durations.size)
 
 
-def _decode_dictionary_codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+def dictionary_codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     """Codes into the sorted names of the used values, from each chunk's indices (no strings made)."""
     dictionaries = [chunk.dictionary.to_pylist() for chunk in col.chunks]
     names = sorted({v for d in dictionaries for v in d})
@@ -163,10 +163,13 @@ def manifest_arrays(table: pa.Table) -> ManifestArrays:
     if lang.null_count:
         raise ManifestError(f"column 'lang' has {lang.null_count} null values; every row needs a language")
     if pa.types.is_dictionary(lang.type):
-        codes, names = _decode_dictionary_codes(lang)
+        codes, names = dictionary_codes(lang)
     else:
         codes, names = _encode_sorted(lang, "lang", np.iinfo(np.int16).max)
-    lengths = pc.utf8_length(table.column("text")).to_numpy()
+    if "text_chars" in table.column_names:  # the index cache stores them (sources/mmap_cache.py)
+        lengths = table.column("text_chars").to_numpy()
+    else:
+        lengths = pc.utf8_length(table.column("text")).to_numpy()
     return ManifestArrays(
         durations=np.ascontiguousarray(durations, dtype=np.float32),
         lang_codes=codes.astype(np.int16),

@@ -32,7 +32,11 @@ import pyarrow.parquet as pq
 
 INDEX_SUFFIX = ".idx.parquet"
 FINGERPRINT_KEY = b"speechlm.tar_fingerprint"
-DEFAULT_CACHE_DIR = Path(os.environ.get("SPEECHLM_CACHE", Path.home() / ".cache" / "speechlm")) / "tar_index"
+
+
+def default_cache_dir() -> Path:
+    """``$SPEECHLM_CACHE/tar_index``, by default under ``~/.cache/speechlm``."""
+    return Path(os.environ.get("SPEECHLM_CACHE", Path.home() / ".cache" / "speechlm")) / "tar_index"
 
 
 class TarIndexError(ValueError):
@@ -185,7 +189,7 @@ def tar_member_index(
     fingerprint = TarFingerprint.of(tar) if tar.is_file() else None
     if fingerprint is None:
         raise TarIndexError(f"tar shard {tar} does not exist: restore it, or remove its rows from the index")
-    fallback = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    fallback = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     for candidate in (_cache_path(tar, None), _cache_path(tar, fallback)):
         if candidate.is_file():
             cached = _read_cached(candidate, fingerprint)
