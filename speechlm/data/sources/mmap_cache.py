@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -125,4 +126,14 @@ def open_index(
             # its own error from the plain reader below
             logger.warning("cannot write the index cache %s (%s); using %s from memory", target, e, path)
             return load_source(path, kind, default_lang=default_lang)
-    return ipc.open_file(pa.memory_map(str(target))).read_all()
+    return _map(target)
+
+
+def _map(path: Path) -> pa.Table:
+    """The IPC file mapped read-only, with the kernel told that reads are random: a clip's text is a
+    few bytes, and the default readahead would page in ~100 KiB around each one."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return ipc.open_file(pa.BufferReader(pa.py_buffer(mapped))).read_all()
