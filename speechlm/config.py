@@ -330,6 +330,16 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"data.max_dropped_fraction={cfg.data.max_dropped_fraction}: use a fraction in [0, 1] (1 never stops)"
         )
+    if cfg.data.read_mode not in ("indexed", "streaming"):
+        raise ConfigError(
+            f"data.read_mode={cfg.data.read_mode!r}: use 'indexed' (any order, reads by position) or "
+            "'streaming' (tar shards read front to back, for slow random reads)"
+        )
+    if cfg.data.shuffle_buffer < 1 or cfg.data.sort_buffer < 1:
+        raise ConfigError(
+            f"data.shuffle_buffer={cfg.data.shuffle_buffer} and data.sort_buffer={cfg.data.sort_buffer} "
+            "must be >= 1 utterance"
+        )
     if cfg.trainer.resume_data not in ("exact", "next_epoch"):
         raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
     if cfg.trainer.grad_accum < 1:

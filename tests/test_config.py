@@ -48,6 +48,10 @@ def test_unknown_override_key_and_bad_type():
 def test_invalid_choice_rejected():
     with pytest.raises(ConfigError, match="attention_backend"):
         load_config(None, ["model.attention_backend=magic"])
+    with pytest.raises(ConfigError, match="data.read_mode='random'.*'streaming'"):
+        load_config(None, ["data.read_mode=random"])
+    with pytest.raises(ConfigError, match="data.shuffle_buffer=0"):
+        load_config(None, ["data.read_mode=streaming", "data.shuffle_buffer=0"])
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
