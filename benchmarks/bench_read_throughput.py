@@ -62,6 +62,7 @@ def evict(paths: list[Path]) -> None:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a corpus just written) cannot be evicted
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
