@@ -298,6 +298,10 @@ def test_index_cache_follows_a_changed_manifest_and_survives_a_full_disk(demo_da
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
+    cached = max(cache.glob("m.parquet.*.arrow"), key=lambda p: p.stat().st_mtime_ns)
+    cached.write_bytes(cached.read_bytes()[:1000])  # damaged on disk (not by us: writes are atomic)
+    assert len(mmap_cache.open_index(src, cache_dir=cache)) == 100  # rebuilt
+
     monkeypatch.setattr(mmap_cache, "_write_ipc", full)
     pq.write_table(table.slice(0, 50), src)
     os.utime(src, ns=(2, 2))

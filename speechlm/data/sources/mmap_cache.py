@@ -112,6 +112,12 @@ def open_index(
         raise ManifestError(f"manifest {path} does not exist; build it with `speechlm manifest build`")
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = folder / f"{path.name}.{source_fingerprint(path)}.arrow"
+    if target.is_file():
+        try:
+            return _map(target)
+        except (pa.ArrowInvalid, OSError, ValueError) as e:  # damaged on disk: rebuild it
+            logger.warning("index cache %s is unreadable (%s); rebuilding it from %s", target, e, path)
+            target.unlink(missing_ok=True)
     if not target.is_file():
         try:
             folder.mkdir(parents=True, exist_ok=True)
