@@ -35,11 +35,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import soundfile as sf
-import soxr
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from speechlm.data.audio import AudioDecodeError, decode_audio
 from speechlm.data.sources.locators import RowLocators
 from speechlm.data.sources.members import MemberError
 
@@ -57,10 +56,6 @@ DROP_REASONS = (
     "stale_index",
 )
 _WARNED_FILES: set[str] = set()  # files already reported as dropped by this process
-
-
-class AudioDecodeError(RuntimeError):
-    """An audio file exists but cannot be decoded into finite samples."""
 
 
 class TextTokenizer(Protocol):
@@ -84,16 +79,7 @@ def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
-    try:
-        x_NC, sr = sf.read(path, dtype="float32", always_2d=True)
-    except (sf.SoundFileError, RuntimeError, OSError, EOFError, ValueError) as e:
-        raise AudioDecodeError(f"cannot decode {path}: {e}") from e
-    x_N = x_NC.mean(axis=1, dtype=np.float32) if x_NC.shape[1] > 1 else x_NC[:, 0]
-    if x_N.size and not np.isfinite(x_N).all():
-        raise AudioDecodeError(f"{path} contains NaN or infinite samples: re-encode or drop the file")
-    if sr != target_sr and x_N.size:
-        x_N = soxr.resample(x_N, sr, target_sr, quality="HQ")
-    return np.ascontiguousarray(x_N, dtype=np.float32)
+    return decode_audio(path, path, target_sr)
 
 
 @dataclass(frozen=True)
@@ -292,8 +278,6 @@ class SpeechDataset(Dataset):
         loc = self._locators
         tar = loc.tar(i)
         if tar is not None:
-            from speechlm.data.sources.members import decode_audio
-
             member = self._paths[i].as_py()
             data = loc.reader.read(
                 tar, member, int(loc.offset[i]), int(loc.nbytes[i]), int(loc.header_bytes[i])
@@ -302,8 +286,6 @@ class SpeechDataset(Dataset):
         start = loc.start_of(i)
         if start is None:
             return load_audio(self.resolve_path(i), self.sample_rate)
-        from speechlm.data.sources.members import decode_audio
-
         path = self.resolve_path(i)
         if not path.is_file():
             raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")

@@ -113,6 +113,26 @@ class EpochPlan:
         return self.rows[take], offsets
 
 
+def row_costs(
+    durations: np.ndarray, token_lengths: np.ndarray | None, rows: np.ndarray, s: SamplerSettings
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Sizes of `rows` in the budget's unit (seconds, or tokens with the length penalty), their
+    integer costs and the integer budget that `pack_greedy` compares them with."""
+    if s.max_batch_tokens is not None:
+        sizes = compute_row_sizes(
+            durations[rows],
+            None if token_lengths is None else token_lengths[rows],
+            max_batch_tokens=s.max_batch_tokens,
+            length_penalty=s.length_penalty,
+            token_cost=s.token_cost,
+        )
+        costs, budget = quantize_costs(sizes, s.max_batch_tokens, TOKEN_UNITS)
+    else:
+        sizes = durations[rows]
+        costs, budget = quantize_costs(sizes, float(s.max_batch_duration or 0.0), SECOND_UNITS)
+    return sizes, costs, budget
+
+
 def build_epoch_plan(
     durations: np.ndarray,
     lang_codes: np.ndarray,
@@ -146,18 +166,7 @@ def build_epoch_plan(
         rows, seg_starts = shuffle_within_buckets(drawn, buckets, rng)
         del drawn, buckets
 
-    if s.max_batch_tokens is not None:
-        sizes = compute_row_sizes(
-            durations[rows],
-            None if token_lengths is None else token_lengths[rows],
-            max_batch_tokens=s.max_batch_tokens,
-            length_penalty=s.length_penalty,
-            token_cost=s.token_cost,
-        )
-        costs, budget = quantize_costs(sizes, s.max_batch_tokens, TOKEN_UNITS)
-    else:
-        sizes = durations[rows]
-        costs, budget = quantize_costs(sizes, float(s.max_batch_duration or 0.0), SECOND_UNITS)
+    sizes, costs, budget = row_costs(durations, token_lengths, rows, s)
     starts = pack_greedy(costs, budget, seg_starts)
     del costs
     offsets = np.append(starts, len(rows))

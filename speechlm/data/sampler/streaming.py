@@ -37,8 +37,7 @@ import heapq
 import numpy as np
 
 from speechlm.data.sampler.batching import pack_greedy
-from speechlm.data.sampler.cost import SECOND_UNITS, TOKEN_UNITS, compute_row_sizes, quantize_costs
-from speechlm.data.sampler.epoch_plan import EpochPlan
+from speechlm.data.sampler.epoch_plan import EpochPlan, row_costs
 from speechlm.data.sampler.ordering import (
     allocate_counts,
     compute_language_targets,
@@ -148,17 +147,7 @@ def build_streaming_plan(
     order = np.lexsort((durations[rows], window, stream))
     rows, window = rows[order], window[order]
     seg = np.flatnonzero(np.diff(stream * (window.max(initial=0) + 1) + window, prepend=-1))
-    if s.max_batch_tokens is not None:
-        sizes = compute_row_sizes(
-            durations[rows],
-            None if token_lengths is None else token_lengths[rows],
-            max_batch_tokens=s.max_batch_tokens,
-            length_penalty=s.length_penalty,
-            token_cost=s.token_cost,
-        )
-        costs, budget = quantize_costs(sizes, s.max_batch_tokens, TOKEN_UNITS)
-    else:
-        costs, budget = quantize_costs(durations[rows], float(s.max_batch_duration or 0.0), SECOND_UNITS)
+    _, costs, budget = row_costs(durations, token_lengths, rows, s)
     batch_starts = pack_greedy(costs, budget, seg)
     offsets = np.append(batch_starts, len(rows))
     batch_stream = stream[batch_starts]

@@ -1,4 +1,4 @@
-"""Reading one clip's bytes by (tar, offset, size), and decoding audio from bytes or from part of a file.
+"""Reading one clip's bytes by (tar, offset, size); `speechlm.data.audio.decode_audio` decodes them.
 
 `MemberReader` keeps one open file descriptor per tar (least recently used closed beyond
 `max_open`), owned by the process that opened it: a DataLoader worker forked from a parent with open
@@ -16,10 +16,6 @@ import io
 import os
 import tarfile
 from collections import OrderedDict
-
-import numpy as np
-import soundfile as sf
-import soxr
 
 
 class MemberError(RuntimeError):
@@ -111,30 +107,3 @@ class MemberReader:
             self.close()
         except Exception:  # interpreter shutdown
             pass
-
-
-def decode_audio(
-    source: str | io.BytesIO, what: str, target_sr: int, *, start: float = 0.0, duration: float | None = None
-) -> np.ndarray:
-    """Decode to float32 mono at `target_sr`; `start`/`duration` (seconds) cut a segment of the file.
-
-    Raises `AudioDecodeError` (from `speechlm.data.dataset`) for undecodable or non-finite audio.
-    """
-    from speechlm.data.dataset import AudioDecodeError
-
-    try:
-        with sf.SoundFile(source) as f:
-            sr = f.samplerate
-            first = round(start * sr)
-            if first:
-                f.seek(min(first, f.frames))
-            frames = -1 if duration is None else round(duration * sr)
-            x_NC = f.read(frames, dtype="float32", always_2d=True)
-    except (sf.SoundFileError, RuntimeError, OSError, EOFError, ValueError) as e:
-        raise AudioDecodeError(f"cannot decode {what}: {e}") from e
-    x_N = x_NC.mean(axis=1, dtype=np.float32) if x_NC.shape[1] > 1 else x_NC[:, 0]
-    if x_N.size and not np.isfinite(x_N).all():
-        raise AudioDecodeError(f"{what} contains NaN or infinite samples: re-encode or drop the file")
-    if sr != target_sr and x_N.size:
-        x_N = soxr.resample(x_N, sr, target_sr, quality="HQ")
-    return np.ascontiguousarray(x_N, dtype=np.float32)
