@@ -126,9 +126,14 @@ def _index_tar(
 
     rows: list[tuple[str, int, float, str, str]] = []
     orphan = "truncated_shard" if scan.truncated_bytes else "missing_member"
+    # a truncated tar: the utterance at the cut may have lost a member (audio, text or lang), so it is
+    # dropped too; utterances wholly past the cut leave no trace to count
+    cut_at = next(reversed(keys), None) if scan.truncated_bytes else None
+    if scan.truncated_bytes and cut_at is None:
+        report.drop(str(tar), "truncated_shard")
     for key, parts in keys.items():
         audio = next((parts[s] for s in AUDIO_SUFFIXES if s in parts), None)
-        if audio is None or "txt" not in parts:
+        if audio is None or "txt" not in parts or key == cut_at:
             report.drop(str(tar), orphan)
             continue
         try:
