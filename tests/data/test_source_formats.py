@@ -393,3 +393,73 @@ def test_missing_or_unreadable_tar_is_an_error_naming_it(kind, formats, tmp_path
     tar.unlink()
     with pytest.raises(ManifestError, match=f"{tar.name}.*does not exist"):
         _read(path, kind)
+
+
+# ------------------------------------------------------------------------------------- training
+def _training_helpers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_training_helpers", REPO / "tests/train/test_training.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_eight_training_steps_from_tars_give_the_extracted_manifests_losses(formats, demo_data, tmp_path):
+    import pyarrow.parquet as pq
+
+    helpers = _training_helpers()
+    full = load_manifest(demo_data["train"])
+    shar_ids = load_source(formats["lhotse_shar"]).column("segment_id")
+    pq.write_table(
+        full.filter(pc.is_in(full.column("segment_id"), shar_ids)), tmp_path / "without_broken.parquet"
+    )
+    common = [
+        helpers.SMOKE,
+        f"data.val_manifest={demo_data['val']}",
+        f"data.tokenizer={demo_data['tok']}",
+        "trainer.max_steps=8",
+        "trainer.grad_accum=1",
+        "model.dropout=0",
+    ]
+    runs = {
+        "extracted": demo_data["train"],
+        "nemo_tarred": formats["nemo_tarred"],
+        "extracted_without_broken": tmp_path / "without_broken.parquet",
+        "lhotse_shar": formats["lhotse_shar"],
+    }
+    metrics = {}
+    for name, manifest in runs.items():
+        done = helpers.run_train(
+            [*common, f"data.train_manifest={manifest}", f"trainer.run_dir={tmp_path / name}"]
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics[name] = helpers.read_metrics(tmp_path / name)
+        print(name, [m["loss"] for m in metrics[name]])
+    for tars, reference in (("nemo_tarred", "extracted"), ("lhotse_shar", "extracted_without_broken")):
+        assert [m["step"] for m in metrics[tars]] == list(range(1, 9))
+        assert [m["rows_digest"] for m in metrics[tars]] == [m["rows_digest"] for m in metrics[reference]]
+        assert [m["loss"] for m in metrics[tars]] == [m["loss"] for m in metrics[reference]]  # exactly
+
+
+def test_wenet_raw_drops_missing_files_needs_a_language_and_caches(formats, tmp_path):
+    src = formats["wenet_raw"]
+    lines = src.read_text(encoding="utf-8").splitlines()[:6]
+    gone = json.loads(lines[2]) | {"wav": str(tmp_path / "gone.flac")}
+    lst = tmp_path / "data.list"
+    lst.write_text("\n".join([*lines[:2], json.dumps(gone), *lines[3:]]) + "\n", encoding="utf-8")
+    table, report = _read(lst, "wenet")
+    assert len(table) == 5 and report.dropped == {str(lst): {"missing_file": 1}}
+    assert (tmp_path / "data.list.speechlm.parquet").is_file()
+    cached, again = _read(lst, "wenet")  # from the sidecar: same table, same drops reported
+    assert cached.equals(table) and again.dropped == report.dropped
+    no_lang = {k: v for k, v in json.loads(lines[0]).items() if k != "lang"}
+    lst.write_text(json.dumps(no_lang) + "\n", encoding="utf-8")  # the changed list is indexed again
+    with pytest.raises(ManifestError, match="no language"):
+        _read(lst, "wenet")
+    _import_readers()
+    assert SOURCE_READERS["wenet"](lst, report=SourceReport(), default_lang="EN").column(
+        "lang"
+    ).to_pylist() == ["en"]
