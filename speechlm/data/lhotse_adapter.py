@@ -1,17 +1,21 @@
 """Convert a Lhotse CutSet into a training manifest (`MANIFEST_SCHEMA`, source ``lhotse``).
 
-Our manifest has one audio file per row and no offsets, so only the simple, common kind of cut is
-accepted: a cut over a whole single-file mono recording, with exactly one supervision. Per cut:
+A cut over a single-file mono recording with exactly one supervision is accepted, whether it covers
+the whole file or a part of it (several cuts may share one recording). Per cut:
 
 - ``segment_id`` = the cut id; ``audio_filepath`` = the recording's file source, made absolute
   against the working directory, as Lhotse itself resolves it; ``duration`` = the cut duration;
+- ``start`` (only for a cut over part of its file) = the cut's start in the file, in seconds: the
+  dataset reads ``duration`` seconds from there;
 - ``text`` = the supervision text, cleaned and tagged with the supervision's ``language`` (lower-cased;
   use ISO codes such as ``hi`` in Lhotse, or pass `default_lang` for cuts without one);
 - ``shard_id`` = the cuts file's name, or ``cutset`` for an in-memory CutSet.
 
-Anything else (several supervisions, multi-channel, URL/memory/command sources, a cut that covers
-part of its recording) raises `ManifestError` naming the cut, since silently picking one supervision
-or the whole file would train on the wrong audio/text pairs. Lhotse is imported only when called.
+Anything else (several supervisions, multi-channel, URL/memory/command sources) raises
+`ManifestError` naming the cut, since silently picking one supervision or channel would train on the
+wrong audio/text pairs. `check_cut` holds these checks for every Lhotse reader (cuts files here and
+in `speechlm.data.sources.lhotse_cuts`, Shar in `speechlm.data.sources.lhotse_shar`). Lhotse is
+imported only when called.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from speechlm.data.manifest import ManifestError, build_manifest_table
+from speechlm.data.manifest import LOCATOR_SCHEMA, ManifestError, build_manifest_table
 from speechlm.data.text import clean_text, normalize_lang, tag_text
 
 _TOLERANCE_S = 1e-3  # a cut "covers" its recording if start and end match within a millisecond
@@ -38,19 +42,69 @@ def _import_cutset() -> Any:
     return CutSet
 
 
-def cuts_to_manifest(cuts_or_path: Any, *, default_lang: str | None = None) -> pa.Table:
-    """Convert a Lhotse ``CutSet`` (or a path to a cuts ``.jsonl(.gz)``) to a manifest table."""
-    cut_set = _import_cutset()
+def check_cut(
+    cut: Any, where: str, default_lang: str | None, *, source_types: tuple[str, ...] = ("file",)
+) -> tuple[Any, Any, str]:
+    """The checks every Lhotse reader applies to one cut: (audio source, supervision, language code).
+
+    Raises ManifestError, naming the cut (`where`), for several or no supervisions, no recording, a
+    multi-channel or multi-file recording, a source type outside `source_types`, or no language.
+    """
+    if len(cut.supervisions) != 1:
+        raise ManifestError(
+            f"{where} has {len(cut.supervisions)} supervisions, expected exactly 1; "
+            "split it with cuts.trim_to_supervisions() first"
+        )
+    recording = getattr(cut, "recording", None)
+    if recording is None:
+        raise ManifestError(f"{where} has no recording; only cuts over audio recordings are supported")
+    if recording.num_channels != 1 or len(recording.sources) != 1:
+        raise ManifestError(
+            f"{where}: recording {recording.id!r} has {recording.num_channels} channels and "
+            f"{len(recording.sources)} sources; only mono single-file recordings are supported"
+        )
+    source = recording.sources[0]
+    if source.type not in source_types:
+        raise ManifestError(
+            f"{where}: audio source type {source.type!r} is not supported; save the audio "
+            "to files (for example with cuts.save_audios()) and point the recordings there"
+        )
+    sup = cut.supervisions[0]
+    lang = normalize_lang(sup.language) if sup.language else default_lang
+    if lang is None:
+        raise ManifestError(
+            f"{where}: supervision language {sup.language!r} is missing or not a code; set "
+            "supervision.language (e.g. 'hi') or pass default_lang"
+        )
+    return source, sup, lang
+
+
+def checked_default_lang(default_lang: str | None) -> str | None:
     default = normalize_lang(default_lang) if default_lang is not None else None
     if default_lang is not None and default is None:
         raise ManifestError(f"default_lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
+    return default
+
+
+def load_cuts(path: Path) -> Any:
+    """The CutSet in cuts file `path` (ManifestError when it does not exist)."""
+    if not path.is_file():
+        raise ManifestError(f"Lhotse cuts file {path} does not exist")
+    return _import_cutset().from_file(path)
+
+
+def cuts_to_manifest(cuts_or_path: Any, *, default_lang: str | None = None) -> pa.Table:
+    """Convert a Lhotse ``CutSet`` (or a path to a cuts ``.jsonl(.gz)``) to a manifest table.
+
+    A cut over part of its recording gets a ``start`` (seconds into the file; `LOCATOR_SCHEMA`) and
+    is read as that segment; the column is present only when some cut needs it.
+    """
+    default = checked_default_lang(default_lang)
     if isinstance(cuts_or_path, str | os.PathLike):
         path = Path(cuts_or_path)
-        if not path.is_file():
-            raise ManifestError(f"Lhotse cuts file {path} does not exist")
-        cuts = cut_set.from_file(path)
-        shard_id = path.name
+        cuts, shard_id = load_cuts(path), path.name
     else:
+        _import_cutset()
         cuts, shard_id = cuts_or_path, "cutset"
 
     ids: list[str] = []
@@ -58,42 +112,17 @@ def cuts_to_manifest(cuts_or_path: Any, *, default_lang: str | None = None) -> p
     durations: list[float] = []
     texts: list[str] = []
     langs: list[str] = []
+    starts: list[float | None] = []
     for cut in cuts:
-        where = f"cut {cut.id!r} ({shard_id})"
-        if len(cut.supervisions) != 1:
-            raise ManifestError(
-                f"{where} has {len(cut.supervisions)} supervisions, expected exactly 1; "
-                "split it with cuts.trim_to_supervisions() first"
-            )
-        recording = getattr(cut, "recording", None)
-        if recording is None:
-            raise ManifestError(f"{where} has no recording; only cuts over audio recordings are supported")
-        if recording.num_channels != 1 or len(recording.sources) != 1:
-            raise ManifestError(
-                f"{where}: recording {recording.id!r} has {recording.num_channels} channels and "
-                f"{len(recording.sources)} sources; only mono single-file recordings are supported"
-            )
-        source = recording.sources[0]
-        if source.type != "file":
-            raise ManifestError(
-                f"{where}: audio source type {source.type!r} is not supported; save the audio "
-                "to files (for example with cuts.save_audios()) and point the recordings there"
-            )
-        if abs(cut.start) > _TOLERANCE_S or abs(cut.duration - recording.duration) > _TOLERANCE_S:
-            raise ManifestError(
-                f"{where} covers {cut.start:.3f}-{cut.end:.3f} s of a {recording.duration:.3f} s "
-                "recording; the manifest has no offsets: save each cut's audio to its own file"
-            )
-        sup = cut.supervisions[0]
-        lang = normalize_lang(sup.language) if sup.language else default
-        if lang is None:
-            raise ManifestError(
-                f"{where}: supervision language {sup.language!r} is missing or not a code; set "
-                "supervision.language (e.g. 'hi') or pass default_lang"
-            )
+        source, sup, lang = check_cut(cut, f"cut {cut.id!r} ({shard_id})", default)
+        whole = abs(cut.start) <= _TOLERANCE_S and abs(cut.duration - cut.recording.duration) <= _TOLERANCE_S
         ids.append(cut.id)
         paths.append(os.path.abspath(source.source))
         durations.append(float(cut.duration))
         texts.append(tag_text(clean_text(sup.text or ""), lang))
         langs.append(lang)
-    return build_manifest_table(ids, paths, durations, texts, langs, shard_ids=shard_id, source="lhotse")
+        starts.append(None if whole else float(cut.start))
+    table = build_manifest_table(ids, paths, durations, texts, langs, shard_ids=shard_id, source="lhotse")
+    if any(s is not None for s in starts):
+        table = table.append_column(LOCATOR_SCHEMA.field("start"), pa.array(starts, pa.float64()))
+    return table

@@ -195,7 +195,7 @@ def test_missing_shard_stops_with_its_name(shards, tmp_path):
 def test_interrupted_write_is_refused(demo_data, tmp_path, monkeypatch):
     out = tmp_path / "half"
     calls = {"n": 0}
-    real = __import__("speechlm.data.sources.shards", fromlist=["_write_one_tar"])._write_one_tar
+    real = __import__("speechlm.data.sources.shards", fromlist=["write_one_tar"]).write_one_tar
 
     def dies_on_third(path, members):
         calls["n"] += 1
@@ -203,7 +203,7 @@ def test_interrupted_write_is_refused(demo_data, tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(path, members)
 
-    monkeypatch.setattr("speechlm.data.sources.shards._write_one_tar", dies_on_third)
+    monkeypatch.setattr("speechlm.data.sources.shards.write_one_tar", dies_on_third)
     with pytest.raises(OSError, match="No space"):
         write_shards(load_manifest(demo_data["train"]), out, shard_size=40)
     assert not (out / "index.parquet").exists()

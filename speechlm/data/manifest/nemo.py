@@ -1,10 +1,13 @@
-"""NeMo JSON-lines manifests: `read_nemo_manifest` reads one into `MANIFEST_SCHEMA`."""
+"""NeMo JSON-lines manifests: `read_nemo_manifest` reads one into `MANIFEST_SCHEMA`; `iter_nemo_lines`
+checks the lines (shared with the NeMo tarred reader, `speechlm.data.sources.nemo_tarred`)."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -12,24 +15,22 @@ from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.text import clean_text, normalize_lang, split_lang_tag, tag_text
 
 
-def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
-    """Read a NeMo JSON-lines manifest into `MANIFEST_SCHEMA` (source ``nemo``).
+class NemoLine(NamedTuple):
+    """One checked line of a NeMo manifest: the raw row, and its fields as the manifest stores them."""
 
-    Each line: ``audio_filepath`` (relative paths resolve against the manifest's folder),
-    ``duration`` (s), ``text``, optional ``lang``. The language is ``lang``, else a leading ``<|xx|>``
-    tag of the text, else `default_lang`. The id is ``segment_id``/``utt_id``/``id`` if present,
-    else ``audio_filepath`` as written. Rows are not filtered: the file is taken as curated.
-    """
-    path = Path(path)
+    where: str  # "PATH:LINE" for error messages
+    row: dict[str, Any]
+    audio: str  # audio_filepath as written
+    duration: float
+    text: str  # cleaned and tagged with `lang`
+    lang: str
+
+
+def iter_nemo_lines(path: Path, default_lang: str | None) -> Iterator[NemoLine]:
+    """Parse and check every line of NeMo manifest `path` (language rules of `read_nemo_manifest`)."""
     default = None
     if default_lang is not None and (default := normalize_lang(default_lang)) is None:
         raise ManifestError(f"--lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
-    base = path.resolve().parent
-    ids: list[str] = []
-    paths: list[str] = []
-    durations: list[float] = []
-    texts: list[str] = []
-    langs: list[str] = []
     try:
         handle = path.open("rb")
     except OSError as e:
@@ -80,10 +81,29 @@ def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None
                     f"{where}: no language: the line has no 'lang' and its text no <|xx|> "
                     "tag; add \"lang\" to every line or pass --lang xx (default_lang='xx')"
                 )
-            seg = row.get("segment_id") or row.get("utt_id") or row.get("id") or audio
-            ids.append(str(seg))
-            paths.append(os.path.normpath(os.path.join(base, audio)))
-            durations.append(float(duration))
-            texts.append(tag_text(clean_text(text), code))
-            langs.append(code)
+            yield NemoLine(where, row, audio, float(duration), tag_text(clean_text(text), code), code)
+
+
+def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
+    """Read a NeMo JSON-lines manifest into `MANIFEST_SCHEMA` (source ``nemo``).
+
+    Each line: ``audio_filepath`` (relative paths resolve against the manifest's folder),
+    ``duration`` (s), ``text``, optional ``lang``. The language is ``lang``, else a leading ``<|xx|>``
+    tag of the text, else `default_lang`. The id is ``segment_id``/``utt_id``/``id`` if present,
+    else ``audio_filepath`` as written. Rows are not filtered: the file is taken as curated.
+    """
+    path = Path(path)
+    base = path.resolve().parent
+    ids: list[str] = []
+    paths: list[str] = []
+    durations: list[float] = []
+    texts: list[str] = []
+    langs: list[str] = []
+    for line in iter_nemo_lines(path, default_lang):
+        row = line.row
+        ids.append(str(row.get("segment_id") or row.get("utt_id") or row.get("id") or line.audio))
+        paths.append(os.path.normpath(os.path.join(base, line.audio)))
+        durations.append(line.duration)
+        texts.append(line.text)
+        langs.append(line.lang)
     return build_manifest_table(ids, paths, durations, texts, langs, shard_ids=path.name, source="nemo")

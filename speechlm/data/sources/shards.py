@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError
-from speechlm.data.sources.tar_index import TarIndexError, tar_member_index
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError
+from speechlm.data.sources.join import locate_members, with_tar_locators
 
 INDEX_NAME = "index.parquet"
 SHARDS_KEY = b"speechlm.shards"
@@ -69,11 +69,43 @@ def member_name(segment_id: str, suffix: str) -> str:
     return segment_id.replace("/", "__") + suffix
 
 
+def plan_members(table: pa.Table, base_dir: Path | None) -> tuple[list[str], list[str]]:
+    """(member name, audio file) of every row of an extracted-file manifest about to be packed.
+
+    Raises ManifestError naming the row when a file is missing (a shard set with holes would
+    silently shrink the corpus) or when two rows would get the same member name.
+    """
+    if "tar_path" in table.column_names:
+        raise ManifestError("the manifest already points into tar shards; pass an extracted-file manifest")
+    ids = table.column("segment_id").to_pylist()
+    paths = table.column("audio_filepath").to_pylist()
+    resolved = [str(Path(p) if Path(p).is_absolute() or base_dir is None else base_dir / p) for p in paths]
+    for row, p in enumerate(resolved):
+        if not os.path.isfile(p):
+            raise ManifestError(
+                f"row {row} (segment {ids[row]}): audio file {p} does not exist; fix the manifest first "
+                "(`speechlm manifest build` drops missing files)"
+            )
+    names = [member_name(s, Path(p).suffix) for s, p in zip(ids, resolved)]
+    if len(set(names)) != len(names):
+        raise ManifestError("segment_id values are not unique; tar members must be: deduplicate the manifest")
+    return names, resolved
+
+
+def print_progress(k: int, n_shards: int, done: int, n: int, t0: float) -> None:
+    print(
+        f"\rshards: {k + 1}/{n_shards} written ({done}/{n} utterances, {time.monotonic() - t0:.0f} s)",
+        end="" if k + 1 < n_shards else "\n",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _tar_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
 
 
-def _write_one_tar(path: Path, members: list[tuple[str, str]]) -> list[tuple[int, int, int]]:
+def write_one_tar(path: Path, members: list[tuple[str, str]]) -> list[tuple[int, int, int]]:
     """Write (member name, source file) pairs to `path` atomically; (offset, nbytes, header_bytes) each."""
     tmp = path.with_name(f".{path.name}.tmp")
     out: list[tuple[int, int, int]] = []
@@ -105,24 +137,11 @@ def write_shards(
     """
     if shard_size < 1:
         raise ManifestError(f"--shard-size {shard_size} must be at least 1")
-    if "tar_path" in table.column_names:
-        raise ManifestError("the manifest already points into tar shards; pass an extracted-file manifest")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_NAME).unlink(missing_ok=True)  # the index appears again only when every tar is whole
-    ids = table.column("segment_id").to_pylist()
-    paths = table.column("audio_filepath").to_pylist()
-    resolved = [str(Path(p) if Path(p).is_absolute() or base_dir is None else base_dir / p) for p in paths]
-    for row, p in enumerate(resolved):
-        if not os.path.isfile(p):
-            raise ManifestError(
-                f"row {row} (segment {ids[row]}): audio file {p} does not exist; fix the manifest first "
-                "(`speechlm manifest build` drops missing files)"
-            )
-    names = [member_name(s, Path(p).suffix) for s, p in zip(ids, resolved)]
-    if len(set(names)) != len(names):
-        raise ManifestError("segment_id values are not unique; tar members must be: deduplicate the manifest")
-    n = len(ids)
+    names, resolved = plan_members(table, base_dir)
+    n = len(names)
     offsets = np.zeros(n, np.int64)
     sizes = np.zeros(n, np.int64)
     headers = np.zeros(n, np.uint16)
@@ -134,18 +153,13 @@ def write_shards(
     for k, lo in enumerate(range(0, n, shard_size)):
         hi = min(n, lo + shard_size)
         tar = _tar_name(k)
-        placed = _write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
         for j, (off, size, hdr) in enumerate(placed):
             offsets[lo + j], sizes[lo + j], headers[lo + j] = off, size, hdr
         tars.append(tar)
         tar_of_row[lo:hi] = k
         shard_sizes[tar] = (out / tar).stat().st_size
-        print(
-            f"\rshards: {k + 1}/{n_shards} written ({hi}/{n} utterances, {time.monotonic() - t0:.0f} s)",
-            end="" if k + 1 < n_shards else "\n",
-            file=sys.stderr,
-            flush=True,
-        )
+        print_progress(k, n_shards, hi, n, t0)
     columns = {f.name: table.column(f.name) for f in MANIFEST_SCHEMA}
     columns["audio_filepath"] = pa.chunked_array([pa.array(names, pa.string())])
     index = pa.table(
@@ -194,42 +208,19 @@ def read_shards(path: str | os.PathLike[str], report: SourceReport | None = None
     sizes = index.column("nbytes").to_numpy().astype(np.int64)
     headers = index.column("header_bytes").to_numpy().astype(np.uint16)
     keep = np.ones(len(index), bool)
-    members = index.column("audio_filepath").combine_chunks()
-    for k, tar in enumerate(tar_names):
-        tar_path = folder / tar
+    tars = [folder / t for t in tar_names]
+    changed = []
+    for k, (tar, tar_path) in enumerate(zip(tar_names, tars)):
         if not tar_path.is_file():
             raise ManifestError(f"shard {tar_path} (listed in {index_path}) does not exist: restore it")
-        expected = int(meta["tar_sizes"].get(tar, -1))
-        if tar_path.stat().st_size == expected:
-            continue
-        # the tar changed since the index was written: trust only what its headers say now
-        rows = np.flatnonzero(codes == k)
-        try:
-            scan = tar_member_index(tar_path)
-        except TarIndexError as e:
-            raise ManifestError(str(e)) from None
-        where = {name: j for j, name in enumerate(scan.names)}
-        for r in rows.tolist():
-            j = where.get(members[r].as_py())
-            if j is None:
-                keep[r] = False
-                report.drop(str(tar_path), "truncated_shard" if scan.truncated_bytes else "missing_member")
-            else:
-                offsets[r], sizes[r], headers[r] = scan.offsets[j], scan.sizes[j], scan.header_bytes[j]
-    abs_tars = pa.array([str((folder / t).resolve()) for t in tar_names], pa.string())
-    table = pa.Table.from_arrays(
-        [index.column(f.name).cast(f.type) for f in MANIFEST_SCHEMA]
-        + [
-            pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), abs_tars),
-            pa.array(offsets, pa.int64()),
-            pa.array(sizes, pa.int64()),
-            pa.array(headers, pa.uint16()),
-        ],
-        schema=pa.schema(list(MANIFEST_SCHEMA) + [LOCATOR_SCHEMA.field(c) for c in LOCATOR_COLUMNS]),
-    )
-    if not keep.all():
-        table = table.filter(pa.array(keep))
-    return table
+        if tar_path.stat().st_size != int(meta["tar_sizes"].get(tar, -1)):
+            changed.append(k)
+    if changed:  # a tar changed since the index was written: trust only what its headers say now
+        rows = np.flatnonzero(np.isin(codes, changed))
+        members = index.column("audio_filepath").take(pa.array(rows)).to_pylist()
+        loc = locate_members(tars, codes[rows], members, report, what=str(index_path))
+        offsets[rows], sizes[rows], headers[rows], keep[rows] = loc.offsets, loc.sizes, loc.headers, loc.keep
+    return with_tar_locators(index, codes, tars, offsets, sizes, headers, keep)
 
 
 LOCATOR_COLUMNS = ("tar_path", "offset", "nbytes", "header_bytes")

@@ -135,11 +135,12 @@ def scan_tar(path: str | os.PathLike[str]) -> TarScan:
     )
 
 
-def _cache_path(tar: Path, cache_dir: Path | None) -> Path:
+def sidecar_path(data: Path, cache_dir: Path | None, suffix: str = INDEX_SUFFIX) -> Path:
+    """Where a cache derived from file `data` lives: next to it, or in `cache_dir` keyed by its path."""
     if cache_dir is None:
-        return tar.with_name(tar.name + INDEX_SUFFIX)
-    key = hashlib.sha1(str(tar.resolve()).encode()).hexdigest()[:16]
-    return cache_dir / f"{tar.name}.{key}{INDEX_SUFFIX}"
+        return data.with_name(data.name + suffix)
+    key = hashlib.sha1(str(data.resolve()).encode()).hexdigest()[:16]
+    return cache_dir / f"{data.name}.{key}{suffix}"
 
 
 def _read_cached(path: Path, fingerprint: TarFingerprint) -> TarScan | None:
@@ -165,6 +166,11 @@ def _write_cache(path: Path, scan: TarScan, fingerprint: TarFingerprint) -> bool
     table = scan.to_table().replace_schema_metadata(
         {FINGERPRINT_KEY: fingerprint.to_json(), b"speechlm.truncated_bytes": str(scan.truncated_bytes)}
     )
+    return write_parquet_atomic(path, table)
+
+
+def write_parquet_atomic(path: Path, table: pa.Table) -> bool:
+    """Write `table` to `path` via a temporary file and a rename; False (nothing left) when that fails."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,12 +196,12 @@ def tar_member_index(
     if fingerprint is None:
         raise TarIndexError(f"tar shard {tar} does not exist: restore it, or remove its rows from the index")
     fallback = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    for candidate in (_cache_path(tar, None), _cache_path(tar, fallback)):
+    for candidate in (sidecar_path(tar, None), sidecar_path(tar, fallback)):
         if candidate.is_file():
             cached = _read_cached(candidate, fingerprint)
             if cached is not None:
                 return cached
     scan = scan_tar(tar)
-    if not _write_cache(_cache_path(tar, None), scan, fingerprint):
-        _write_cache(_cache_path(tar, fallback), scan, fingerprint)
+    if not _write_cache(sidecar_path(tar, None), scan, fingerprint):
+        _write_cache(sidecar_path(tar, fallback), scan, fingerprint)
     return scan

@@ -1,0 +1,187 @@
+"""NeMo tarred datasets: write one from a manifest, and read one into the in-memory index.
+
+Layout (as the NeMo ASR docs describe it, and as `write_nemo_tarred` writes it)::
+
+    DIR/audio_0.tar, audio_1.tar, ...          the audio files' bytes unchanged, one member per
+                                               utterance, named SEGMENT_ID + suffix ('/' -> '__')
+    DIR/tarred_audio_manifest.json             one JSON object per line: audio_filepath (= the member
+                                               name), duration, text (cleaned, no language tag),
+                                               lang, shard_id (k of audio_k.tar)
+    DIR/sharded_manifests/manifest_0.json ...  the lines of shard k only
+
+Reading takes a folder like that, or NeMo's own options: ``manifest_filepath`` (one JSON file, or a
+brace pattern over sharded manifests) and ``tarred_audio_filepaths`` (a brace pattern or list; NeMo
+writes ``audio__OP_0..N_CL_.tar`` for ``audio_{0..N}.tar``). Line k of the expanded tar list is
+shard_id k. Rows are joined to their tar's members by name (`speechlm.data.sources.join`): the
+offsets come from the tar headers, scanned once and cached, so a rewritten tar cannot be read at a
+stale offset. A member missing from its tar is dropped and counted against that tar; a missing or
+unreadable tar stops the load with a `ManifestError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from speechlm.data.manifest.nemo import iter_nemo_lines
+from speechlm.data.manifest.schema import ManifestError, build_manifest_table
+from speechlm.data.sources.detect import register_source
+from speechlm.data.sources.join import locate_members, with_tar_locators
+from speechlm.data.sources.shards import SourceReport, plan_members, print_progress, write_one_tar
+from speechlm.data.text import split_lang_tag
+
+MANIFEST_NAME = "tarred_audio_manifest.json"
+SHARDED_DIR = "sharded_manifests"
+
+_NEMO_BRACE = re.compile(r"_OP_(.*?)_CL_")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand ``{a..b}`` ranges, ``{x,y}`` lists and NeMo's ``_OP_a..b_CL_`` in `pattern`, left to right.
+
+    A range keeps the zero padding of its bounds (``{00..02}`` -> 00, 01, 02), as a shell does; a
+    brace with neither ``..`` nor ``,`` is kept as written.
+    """
+    pattern = _NEMO_BRACE.sub(r"{\1}", pattern)
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[: m.start()], m.group(1), expand_braces(pattern[m.end() :])
+    r = _RANGE.fullmatch(body)
+    if r is not None:
+        lo, hi = r.group(1), r.group(2)
+        padded = any(len(b.lstrip("-")) > 1 and b.lstrip("-").startswith("0") for b in (lo, hi))
+        width = max(len(lo), len(hi)) if padded else 0
+        step = 1 if int(hi) >= int(lo) else -1
+        items = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
+    elif "," in body:
+        items = body.split(",")
+    else:
+        items = [m.group(0)]
+    return [head + item + rest for item in items for rest in tail]
+
+
+def _write_json_lines(path: Path, lines: Sequence[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def write_nemo_tarred(
+    table: pa.Table, out_dir: str | os.PathLike[str], *, shard_size: int = 1000, base_dir: Path | None = None
+) -> Path:
+    """Write manifest `table` as a NeMo tarred dataset under `out_dir`; returns the manifest path.
+
+    Each tar and each manifest is written to a temporary name and renamed when whole; the combined
+    manifest is written last, so a folder that has it is complete.
+    """
+    if shard_size < 1:
+        raise ManifestError(f"--shard-size {shard_size} must be at least 1")
+    out = Path(out_dir)
+    (out / SHARDED_DIR).mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    names, resolved = plan_members(table, base_dir)
+    durations = table.column("duration").to_pylist()
+    texts = [split_lang_tag(t)[1] for t in table.column("text").to_pylist()]
+    langs = table.column("lang").cast(pa.string()).to_pylist()
+    n = len(names)
+    n_shards = (n + shard_size - 1) // shard_size
+    every: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    for k, lo in enumerate(range(0, n, shard_size)):
+        hi = min(n, lo + shard_size)
+        write_one_tar(out / f"audio_{k}.tar", list(zip(names[lo:hi], resolved[lo:hi])))
+        lines = [
+            {
+                "audio_filepath": names[i],
+                "duration": durations[i],
+                "text": texts[i],
+                "lang": langs[i],
+                "shard_id": k,
+            }
+            for i in range(lo, hi)
+        ]
+        _write_json_lines(out / SHARDED_DIR / f"manifest_{k}.json", lines)
+        every.extend(lines)
+        print_progress(k, n_shards, hi, n, t0)
+    _write_json_lines(out / MANIFEST_NAME, every)
+    return out / MANIFEST_NAME
+
+
+def _manifests_of(folder: Path) -> list[Path]:
+    if (folder / MANIFEST_NAME).is_file():
+        return [folder / MANIFEST_NAME]
+    shards = list((folder / SHARDED_DIR).glob("manifest_*.json"))
+    if not shards:
+        raise ManifestError(f"{folder} has no {MANIFEST_NAME} and no {SHARDED_DIR}/manifest_*.json")
+    return sorted(shards, key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+
+
+@register_source("nemo_tarred")
+def read_nemo_tarred(
+    path: str | os.PathLike[str],
+    *,
+    report: SourceReport,
+    default_lang: str | None = None,
+    manifest_filepath: str | None = None,
+    tarred_audio_filepaths: str | Sequence[str] | None = None,
+    **_: Any,
+) -> pa.Table:
+    """The manifest table of a NeMo tarred dataset (folder, or NeMo's two options; module docstring)."""
+    path = Path(path)
+    if tarred_audio_filepaths is not None:
+        patterns = (
+            [tarred_audio_filepaths] if isinstance(tarred_audio_filepaths, str) else tarred_audio_filepaths
+        )
+        tar_list = [Path(t) for p in patterns for t in expand_braces(str(p))]
+        manifests = [Path(m) for m in expand_braces(str(manifest_filepath or path))]
+    else:
+        folder = path if path.is_dir() else path.parent
+        manifests = [path] if path.is_file() else _manifests_of(folder)
+        tar_list = []
+    where = ", ".join(map(str, manifests))
+    ids: list[str] = []
+    members: list[str] = []
+    durations: list[float] = []
+    texts: list[str] = []
+    langs: list[str] = []
+    shard_ids: list[int] = []
+    for manifest in manifests:
+        for line in iter_nemo_lines(manifest, default_lang):
+            shard = line.row.get("shard_id")
+            if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+                raise ManifestError(
+                    f"{line.where}: 'shard_id' {shard!r} is not a shard number; every line of a tarred "
+                    "manifest needs the k of its audio_k.tar"
+                )
+            if tar_list and shard >= len(tar_list):
+                raise ManifestError(
+                    f"{line.where}: shard_id {shard} but tarred_audio_filepaths expands to {len(tar_list)} "
+                    "tars; pass the whole range"
+                )
+            ids.append(str(line.row.get("segment_id") or Path(line.audio).stem))
+            members.append(line.audio)
+            durations.append(line.duration)
+            texts.append(line.text)
+            langs.append(line.lang)
+            shard_ids.append(shard)
+    used = sorted(set(shard_ids))
+    tars = [tar_list[k] if tar_list else folder / f"audio_{k}.tar" for k in used]
+    codes = np.searchsorted(np.asarray(used, np.int64), np.asarray(shard_ids, np.int64))
+    loc = locate_members(tars, codes, members, report, what=where)
+    manifest_table = build_manifest_table(
+        ids, members, durations, texts, langs, shard_ids=[tars[c].name for c in codes], source="nemo"
+    )
+    return with_tar_locators(manifest_table, codes, tars, loc.offsets, loc.sizes, loc.headers, loc.keep)
