@@ -42,6 +42,10 @@ class DataConfig:
     # tar shards read front to back per DataLoader worker, for filesystems where random reads are slow
     # (speechlm.data.sampler.streaming); buffers in utterances
     read_mode: str = "indexed"
+    # several datasets weighted against each other (speechlm/data/sources/input_cfg.py): a list of
+    # {path, type?, weight?, lang?, name?, tags?} or {group, weight?, inputs: [...]}, or a YAML file of
+    # one; replaces train_manifest
+    input_cfg: list[Any] | str | None = None
     shuffle_buffer: int = 2000
     sort_buffer: int = 500
 
@@ -329,6 +333,11 @@ def check_config(cfg: ExperimentConfig) -> None:
     if not 0.0 <= cfg.data.max_dropped_fraction <= 1.0:
         raise ConfigError(
             f"data.max_dropped_fraction={cfg.data.max_dropped_fraction}: use a fraction in [0, 1] (1 never stops)"
+        )
+    if cfg.data.input_cfg is not None and cfg.data.train_manifest != DataConfig.train_manifest:
+        raise ConfigError(
+            f"data.input_cfg and data.train_manifest={cfg.data.train_manifest!r} are both set: give the "
+            "training data one way (a single dataset can be one entry of data.input_cfg)"
         )
     if cfg.data.read_mode not in ("indexed", "streaming"):
         raise ConfigError(

@@ -159,6 +159,7 @@ def build_sampler(
     """The epoch plan of one data-parallel rank, built exactly as `speechlm plan` builds it."""
     from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
+    from speechlm.data.sources.input_cfg import mix_of_table
 
     arr = manifest_arrays(table)
     streaming = streaming_layout(cfg, table)
@@ -176,6 +177,7 @@ def build_sampler(
         token_lengths=token_lengths,
         dp_rank=dp_rank,
         streaming=streaming,
+        mix=mix_of_table(table),
     )
 
 

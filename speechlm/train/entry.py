@@ -133,7 +133,12 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
 
     # any source (parquet, NeMo, tar shards, ...), memory-mapped from the index cache: texts and paths
     # stay on disk until a clip is loaded (speechlm/data/sources/mmap_cache.py)
-    train_table = open_index(cfg.data.train_manifest)
+    if cfg.data.input_cfg is not None:  # several weighted datasets (sources/input_cfg.py)
+        from speechlm.data.sources.input_cfg import load_input_cfg
+
+        train_table = load_input_cfg(cfg.data.input_cfg)
+    else:
+        train_table = open_index(cfg.data.train_manifest)
     val_table = open_index(cfg.data.val_manifest) if cfg.data.val_manifest else None
     durations = train_table.column("duration").to_numpy()
     summary = {"n_rows": len(train_table), "max_duration": float(durations.max()) if len(durations) else 0.0}
@@ -155,7 +160,8 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     if rank == 0:
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
         print(
-            f"train manifest: {cfg.data.train_manifest}: {len(train_table)} utterances, "
+            f"train data: {cfg.data.train_manifest if cfg.data.input_cfg is None else 'data.input_cfg'}: "
+            f"{len(train_table)} utterances, "
             f"{float(durations.sum()) / 3600:.2f} h; {len(sampler)} micro-batches per dp rank per epoch, "
             f"{len(sampler) // cfg.trainer.grad_accum} optimizer steps per epoch"
         )

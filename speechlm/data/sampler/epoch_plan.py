@@ -56,6 +56,7 @@ import numpy as np
 
 from speechlm.data.sampler.batching import assign_to_ranks, pack_greedy, trim_and_shuffle
 from speechlm.data.sampler.cost import SECOND_UNITS, TOKEN_UNITS, compute_row_sizes, quantize_costs
+from speechlm.data.sampler.mix import DatasetMix, mix_groups
 from speechlm.data.sampler.ordering import (
     allocate_counts,
     assign_buckets,
@@ -113,6 +114,27 @@ class EpochPlan:
         return self.rows[take], offsets
 
 
+def draw_epoch_rows(
+    lang_codes: np.ndarray,
+    lang_counts: np.ndarray,
+    n_langs: int,
+    s: SamplerSettings,
+    epoch: int,
+    mix: DatasetMix | None = None,
+) -> np.ndarray:
+    """T1-T2: this epoch's rows, per language (or per dataset and language with a mix)."""
+    total = len(lang_codes) if s.epoch_size is None else s.epoch_size
+    if mix is None:
+        targets = compute_language_targets(lang_counts, s.temperature)
+        counts = allocate_counts(targets, total)
+        return draw_temperature_rows(lang_codes, lang_counts, counts, seed=s.seed, epoch=epoch)
+    if len(mix.dataset_codes) != len(lang_codes):
+        raise ValueError(f"the dataset mix has {len(mix.dataset_codes)} rows, the manifest {len(lang_codes)}")
+    groups, group_counts, targets = mix_groups(lang_codes, n_langs, mix, s.temperature)
+    counts = allocate_counts(targets, total)
+    return draw_temperature_rows(groups, group_counts, counts, seed=s.seed, epoch=epoch)
+
+
 def row_costs(
     durations: np.ndarray, token_lengths: np.ndarray | None, rows: np.ndarray, s: SamplerSettings
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -141,8 +163,11 @@ def build_epoch_plan(
     *,
     token_lengths: np.ndarray | None = None,
     n_langs: int | None = None,
+    mix: DatasetMix | None = None,
 ) -> EpochPlan:
-    """Plan one epoch for all dp ranks (pure: same inputs -> same plan). See the module docstring."""
+    """Plan one epoch for all dp ranks (pure: same inputs -> same plan). See the module docstring.
+
+    `mix` (temperature mode only) weights datasets against each other (`sampler.mix`)."""
     durations, lang_codes, token_lengths, n_langs = check_arrays(
         durations, lang_codes, token_lengths, n_langs
     )
@@ -150,17 +175,20 @@ def build_epoch_plan(
     s.check(epoch)
     n = len(durations)
     lang_counts = np.bincount(lang_codes, minlength=n_langs)
-    targets = compute_language_targets(lang_counts, s.temperature)
 
     if s.mode == "exhaustive":
+        if mix is not None:
+            raise ValueError(
+                "dataset weights (data.input_cfg) need sampler.mode=temperature: exhaustive uses every row once"
+            )
+        targets = compute_language_targets(lang_counts, s.temperature)
         weights = compute_language_weights(lang_counts, targets)
         buckets = assign_buckets(durations, s.bucket_boundaries)
         rng = make_generator(s.seed, "order", epoch)
         rows, seg_starts, _ = order_by_weighted_keys(buckets, lang_codes, weights, rng)
         del buckets
     else:
-        draw_counts = allocate_counts(targets, n if s.epoch_size is None else s.epoch_size)
-        drawn = draw_temperature_rows(lang_codes, lang_counts, draw_counts, seed=s.seed, epoch=epoch)
+        drawn = draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix)
         buckets = assign_buckets(durations[drawn], s.bucket_boundaries)
         rng = make_generator(s.seed, "shuffle", epoch)
         rows, seg_starts = shuffle_within_buckets(drawn, buckets, rng)

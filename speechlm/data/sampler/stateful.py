@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from speechlm.data.sampler.epoch_plan import EpochPlan, build_epoch_plan
+from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.settings import DEFAULT_SETTINGS, SamplerSettings, check_arrays
 from speechlm.data.sampler.streaming import build_streaming_plan
 
@@ -88,6 +89,7 @@ class DurationBucketBatchSampler:
         dp_rank: int = 0,
         epoch: int = 0,
         streaming: StreamingLayout | None = None,
+        mix: DatasetMix | None = None,
     ) -> None:
         n_langs = len(lang_names) if lang_names is not None else None
         self._durations, self._lang_codes, self._token_lengths, self._n_langs = check_arrays(
@@ -120,6 +122,9 @@ class DurationBucketBatchSampler:
                     f"streaming layout has {len(streaming.shard_codes)} rows, the manifest {len(self._durations)}"
                 )
             self.params["streaming"] = streaming.params()
+        self.mix = mix
+        if mix is not None:
+            self.params["mix"] = mix.params()
         self.fingerprint = fingerprint_manifest(
             self._durations, self._lang_codes, self._token_lengths, self.lang_names
         )
@@ -149,11 +154,12 @@ class DurationBucketBatchSampler:
                 self._durations, self._lang_codes, st.shard_codes, st.shard_positions, self.settings,
                 self.epoch, token_lengths=self._token_lengths, n_langs=self._n_langs,
                 streams_per_rank=st.streams_per_rank, shuffle_buffer=st.shuffle_buffer, sort_buffer=st.sort_buffer,
+                mix=self.mix,
             )  # fmt: skip
         elif self._plan is None or self._plan.epoch != self.epoch:
             self._plan = build_epoch_plan(
                 self._durations, self._lang_codes, self.settings, self.epoch,
-                token_lengths=self._token_lengths, n_langs=self._n_langs,
+                token_lengths=self._token_lengths, n_langs=self._n_langs, mix=self.mix,
             )  # fmt: skip
         return self._plan
 

@@ -5,8 +5,8 @@ position; on a network filesystem that is one random read per clip. Streaming mo
 so that every reader walks its shards sequentially, the WeNet/webdataset way, but still as a pure
 function of the index (no I/O), so it keeps lockstep and exact resume:
 
-1. Rows: temperature mode draws this epoch's rows per language exactly as indexed mode does
-   (`draw_temperature_rows`), so the language mix of an epoch is the same; exhaustive mode takes
+1. Rows: temperature mode draws this epoch's rows per language (and dataset, with a mix) exactly as
+   indexed mode does (`draw_epoch_rows`), so the mix of an epoch is the same; exhaustive mode takes
    every row once.
 2. Streams: the shards (one code per tar; rows with no shard of their own get one each) are
    shuffled per epoch and dealt to dp_size x streams_per_rank streams, each next shard to the
@@ -37,13 +37,9 @@ import heapq
 import numpy as np
 
 from speechlm.data.sampler.batching import pack_greedy
-from speechlm.data.sampler.epoch_plan import EpochPlan, row_costs
-from speechlm.data.sampler.ordering import (
-    allocate_counts,
-    compute_language_targets,
-    draw_temperature_rows,
-    make_generator,
-)
+from speechlm.data.sampler.epoch_plan import EpochPlan, draw_epoch_rows, row_costs
+from speechlm.data.sampler.mix import DatasetMix
+from speechlm.data.sampler.ordering import make_generator
 from speechlm.data.sampler.settings import SamplerSettings, check_arrays
 
 
@@ -87,6 +83,7 @@ def build_streaming_plan(
     streams_per_rank: int = 1,
     shuffle_buffer: int = 2000,
     sort_buffer: int = 500,
+    mix: DatasetMix | None = None,
 ) -> EpochPlan:
     """Plan one streaming epoch for all dp ranks (pure; see the module docstring).
 
@@ -113,10 +110,10 @@ def build_streaming_plan(
 
     lang_counts = np.bincount(lang_codes, minlength=n_langs)
     if s.mode == "temperature":
-        targets = compute_language_targets(lang_counts, s.temperature)
-        draw_counts = allocate_counts(targets, n if s.epoch_size is None else s.epoch_size)
-        rows = draw_temperature_rows(lang_codes, lang_counts, draw_counts, seed=s.seed, epoch=epoch).astype(
-            np.int64
+        rows = draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix).astype(np.int64)
+    elif mix is not None:
+        raise ValueError(
+            "dataset weights (data.input_cfg) need sampler.mode=temperature: exhaustive uses every row once"
         )
     else:
         rows = np.arange(n, dtype=np.int64)

@@ -1,0 +1,249 @@
+"""`data.input_cfg`: several datasets of any kind, weighted against each other, as one training index.
+
+An entry is a dataset or a group::
+
+    - path: /data/cv_hi            # any kind `detect.load_source` knows; `type` names it explicitly
+      type: nemo_tarred            # optional
+      weight: 2.0                  # optional; > 0
+      lang: hi                     # optional: the language of rows that carry none
+      name: cv_hi                  # optional: how plans and logs call it (default: the path)
+      tags: [read, clean]          # optional, free-form, shown by `speechlm plan`
+    - group: indic_asr             # a group splits its weight over its inputs
+      weight: 1.0
+      inputs: [ ... entries ... ]
+
+Shares: at each level the entries' weights are normalised among siblings, so a dataset's share of
+an epoch is the product of its normalised weights down the tree. Siblings of which none gives a
+weight share in proportion to their utterance counts (the natural mix); siblings must either all
+give a weight or none. The language temperature then applies inside each dataset
+(`speechlm.data.sampler.mix`). A weight that is not > 0, an unknown key, a group without inputs or
+a path that does not exist is an error naming the entry (``data.input_cfg[1].inputs[0]``).
+
+`load_input_cfg` opens every dataset through the memory-mapped index cache, concatenates them
+(zero-copy: one chunk per dataset), adds the ``dataset`` column and records the names and shares in
+the table's metadata, from which `mix_of_table` rebuilds the `DatasetMix` anywhere (trainer,
+`speechlm plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import yaml
+
+from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError
+from speechlm.data.sources.detect import SOURCE_TYPES
+
+MIX_KEY = b"speechlm.input_cfg"
+LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags"}
+GROUP_KEYS = {"group", "weight", "inputs", "tags"}
+
+
+@dataclass(frozen=True)
+class InputLeaf:
+    where: str  # data.input_cfg[i]... for errors
+    path: str
+    type: str | None
+    weight: float | None
+    lang: str | None
+    name: str
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InputGroup:
+    where: str
+    name: str
+    weight: float | None
+    inputs: tuple[InputLeaf | InputGroup, ...] = field(default_factory=tuple)
+    tags: tuple[str, ...] = ()
+
+
+def _weight(entry: dict[str, Any], where: str) -> float | None:
+    if "weight" not in entry or entry["weight"] is None:
+        return None
+    w = entry["weight"]
+    if isinstance(w, bool) or not isinstance(w, int | float) or not np.isfinite(w) or w <= 0:
+        raise ManifestError(
+            f"{where}.weight={w!r}: a weight must be a number > 0 (leave the entry out to skip it)"
+        )
+    return float(w)
+
+
+def _tags(entry: dict[str, Any], where: str) -> tuple[str, ...]:
+    tags = entry.get("tags") or []
+    if isinstance(tags, str) or not isinstance(tags, list):
+        raise ManifestError(f"{where}.tags={tags!r}: give a list of strings")
+    return tuple(str(t) for t in tags)
+
+
+def parse_input_cfg(entries: Any, where: str = "data.input_cfg", base: Path | None = None) -> InputGroup:
+    """The entries (a list, or a YAML file holding one) as a tree; ManifestError naming a bad entry."""
+    if isinstance(entries, str | os.PathLike):
+        path = Path(entries)
+        try:
+            entries = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ManifestError(f"{where}: cannot read {path} ({e})") from None
+        base = path.resolve().parent
+        where = str(path)
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(f"{where} must be a non-empty list of datasets or groups, got {entries!r}")
+    return InputGroup(
+        where, "<all>", None, tuple(_entry(e, f"{where}[{i}]", base) for i, e in enumerate(entries))
+    )
+
+
+def _entry(entry: Any, where: str, base: Path | None) -> InputLeaf | InputGroup:
+    if not isinstance(entry, dict):
+        raise ManifestError(
+            f"{where} must be a mapping with 'path' (a dataset) or 'group' (a group), got {entry!r}"
+        )
+    if "group" in entry:
+        unknown = sorted(set(entry) - GROUP_KEYS)
+        if unknown:
+            raise ManifestError(
+                f"{where}: unknown key {unknown[0]!r}; a group takes {', '.join(sorted(GROUP_KEYS))}"
+            )
+        inputs = entry.get("inputs")
+        if not isinstance(inputs, list) or not inputs:
+            raise ManifestError(f"{where} (group {entry['group']!r}) needs a non-empty list 'inputs'")
+        return InputGroup(
+            where,
+            str(entry["group"]),
+            _weight(entry, where),
+            tuple(_entry(e, f"{where}.inputs[{i}]", base) for i, e in enumerate(inputs)),
+            _tags(entry, where),
+        )
+    unknown = sorted(set(entry) - LEAF_KEYS)
+    if unknown:
+        raise ManifestError(
+            f"{where}: unknown key {unknown[0]!r}; a dataset takes {', '.join(sorted(LEAF_KEYS))}"
+        )
+    if "path" not in entry:
+        raise ManifestError(f"{where} has neither 'path' (a dataset) nor 'group' (a group of datasets)")
+    path = Path(str(entry["path"]))
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    if not path.exists():
+        raise ManifestError(f"{where}: path {path} does not exist")
+    kind = entry.get("type")
+    if kind is not None and kind not in SOURCE_TYPES:
+        raise ManifestError(f"{where}.type={kind!r}: use one of {', '.join(SOURCE_TYPES)} (or leave it out)")
+    return InputLeaf(
+        where,
+        str(path),
+        kind,
+        _weight(entry, where),
+        str(entry["lang"]) if entry.get("lang") else None,
+        str(entry.get("name") or path),
+        _tags(entry, where),
+    )
+
+
+def leaves(tree: InputGroup | InputLeaf) -> list[InputLeaf]:
+    if isinstance(tree, InputLeaf):
+        return [tree]
+    return [leaf for child in tree.inputs for leaf in leaves(child)]
+
+
+def compute_shares(tree: InputGroup, rows: dict[str, int]) -> dict[str, float]:
+    """Each leaf's share of an epoch (by name), from the weights down the tree (see the docstring)."""
+    out: dict[str, float] = {}
+
+    def size(node: InputGroup | InputLeaf) -> int:
+        return rows[node.name] if isinstance(node, InputLeaf) else sum(size(c) for c in node.inputs)
+
+    def walk(node: InputGroup | InputLeaf, share: float) -> None:
+        if isinstance(node, InputLeaf):
+            out[node.name] = share
+            return
+        given = [c.weight is not None for c in node.inputs]
+        if any(given) and not all(given):
+            missing = next(c for c in node.inputs if c.weight is None)
+            raise ManifestError(
+                f"{missing.where} has no weight while its siblings in {node.where} have one: give every entry of "
+                "a level a weight, or none (then they share by utterance count)"
+            )
+        raw = np.array([c.weight if c.weight is not None else size(c) for c in node.inputs], dtype=np.float64)
+        if raw.sum() <= 0:
+            raise ManifestError(f"{node.where}: the entries have no utterances to share")
+        for child, w in zip(node.inputs, raw / raw.sum()):
+            walk(child, share * float(w))
+
+    walk(tree, 1.0)
+    return out
+
+
+def _with_columns(table: pa.Table, dataset_code: int, names: list[str]) -> pa.Table:
+    """`table` in the common schema: every locator column present (null where absent), the dataset."""
+    n = len(table)
+    columns = [table.column(f.name) for f in MANIFEST_SCHEMA]
+    fields = list(MANIFEST_SCHEMA)
+    for f in LOCATOR_SCHEMA:
+        if f.name == "dataset":
+            codes = pa.array(np.full(n, dataset_code, np.int16), pa.int16())
+            columns.append(
+                pa.chunked_array([pa.DictionaryArray.from_arrays(codes, pa.array(names, pa.string()))])
+            )
+        elif f.name in table.column_names:
+            columns.append(table.column(f.name).cast(f.type))
+        else:
+            columns.append(pa.chunked_array([pa.nulls(n, f.type)]))
+        fields.append(f)
+    if "text_chars" in table.column_names:
+        chars = table.column("text_chars")
+    else:
+        chars = pc.utf8_length(table.column("text")).cast(pa.int32())
+    columns.append(chars)
+    fields.append(pa.field("text_chars", pa.int32(), nullable=False))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = None) -> pa.Table:
+    """One training table over every dataset of `entries`, with the mix in its metadata."""
+    from speechlm.data.sources.mmap_cache import open_index
+
+    tree = parse_input_cfg(entries)
+    items = leaves(tree)
+    names = [leaf.name for leaf in items]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise ManifestError(f"data.input_cfg names two datasets {duplicate!r}: give them distinct 'name's")
+    tables = []
+    for code, leaf in enumerate(items):
+        table = open_index(leaf.path, leaf.type, cache_dir=cache_dir, default_lang=leaf.lang)
+        if len(table) == 0:
+            raise ManifestError(f"{leaf.where}: {leaf.path} has no utterances")
+        tables.append(_with_columns(table, code, names))
+    shares = compute_shares(tree, {leaf.name: len(t) for leaf, t in zip(items, tables)})
+    meta = {
+        "names": names,
+        "shares": [shares[n] for n in names],
+        "paths": [leaf.path for leaf in items],
+        "tags": [list(leaf.tags) for leaf in items],
+    }
+    combined = pa.concat_tables(tables)
+    return combined.replace_schema_metadata({**(combined.schema.metadata or {}), MIX_KEY: json.dumps(meta)})
+
+
+def mix_of_table(table: pa.Table) -> Any:
+    """The `DatasetMix` recorded by `load_input_cfg` (None for a table of one dataset)."""
+    from speechlm.data.manifest.load import dictionary_codes
+    from speechlm.data.sampler import DatasetMix
+
+    meta = (table.schema.metadata or {}).get(MIX_KEY)
+    if meta is None:
+        return None
+    info = json.loads(meta)
+    codes, present = dictionary_codes(table.column("dataset"))
+    order = {name: i for i, name in enumerate(info["names"])}
+    remap = np.array([order[name] for name in present], dtype=np.int16)
+    return DatasetMix(remap[codes], tuple(info["names"]), tuple(info["shares"]))
