@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "sampler": "benchmarks/bench_sampler.py",  # epoch plan: vectorised vs per-row Python
     "manifest-memory": "benchmarks/bench_manifest_memory.py",  # 10M-row manifest resident memory
     "index-memory": "benchmarks/bench_index_memory.py",  # a rank's index: in RAM vs memory-mapped
+    "plan-memory": "benchmarks/bench_plan_memory.py",  # speechlm plan on 10M rows: peak RSS
     "read-throughput": "benchmarks/bench_read_throughput.py",  # extracted files vs tar indexed/streaming
     "packing": "benchmarks/bench_packing.py",  # BSHD / THD + padded encoder / THD end to end
     "eval": "benchmarks/bench_eval.py",  # greedy decoding: KV cache vs prefix recompute

@@ -97,3 +97,17 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     bad.write_text("def f():\n    from speechlm.model import speech_llm\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert violations("parallel", lambda f: ["torch", "parallel"]) == ["parallel/x.py:2 imports speechlm.model"]
+
+
+def test_the_command_line_does_not_import_torch_or_lightning():
+    """`speechlm plan`, `validate`, `manifest` ... start without torch (~0.4 GB and seconds); only the
+    commands that train or bench import it, inside their handlers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from speechlm.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

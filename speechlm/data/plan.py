@@ -50,55 +50,89 @@ class PlanInputs:
     lang_codes: np.ndarray  # int32 [N], index into lang_names
     lang_names: list[str]  # sorted
     text_chars: np.ndarray | None  # int64 [N] characters of `text`, when the manifest has it
+    mix: Any = None  # speechlm.data.sampler.DatasetMix of a data.input_cfg
 
 
 def read_plan_inputs(path: str | Path) -> PlanInputs:
-    """Read `duration`, `lang` (and `text` if present) from a parquet manifest or a NeMo JSON one."""
+    """Durations, languages and text lengths of any source `speechlm train` accepts.
+
+    A parquet manifest is read row group by row group, three columns only, the texts reduced to their
+    lengths batch by batch: planning 10M utterances never holds the texts, ids or paths. Other kinds
+    (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index cache, which stores the text
+    lengths. A YAML file is read as a `data.input_cfg` list of weighted datasets.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     path = Path(path)
-    if path.suffix.lower() in (".json", ".jsonl"):
-        from speechlm.data.manifest import load_manifest  # NeMo manifests go through the converter
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return plan_inputs_of_input_cfg(str(path))
+    if not path.exists():
+        raise FileNotFoundError(f"manifest {path} does not exist; pass --manifest or set data.train_manifest")
+    from speechlm.data.sources.detect import detect_source_type
 
-        table = load_manifest(path)
-    else:
-        if not path.exists():
-            raise FileNotFoundError(
-                f"manifest {path} does not exist; pass --manifest or set data.train_manifest"
-            )
-        try:
-            names = pq.read_schema(path).names if path.is_file() else pq.ParquetDataset(path).schema.names
-            missing = [c for c in ("duration", "lang") if c not in names]
-            if missing:
-                raise ValueError(
-                    f"manifest {path} has no column {', '.join(map(repr, missing))}; "
-                    f"it has {names}. Build it with `speechlm manifest build`"
-                )
-            table = pq.read_table(path, columns=["duration", "lang"] + (["text"] if "text" in names else []))
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"manifest {path} is not a readable parquet file ({e})") from None
-    for column in ("duration", "lang"):
-        if table.column(column).null_count:
+    if path.is_dir() or detect_source_type(path) != "parquet":
+        from speechlm.data.sources.mmap_cache import open_index
+
+        return _plan_inputs_of_table(open_index(path))
+    try:
+        f = pq.ParquetFile(path)
+        names = f.schema_arrow.names
+        missing = [c for c in ("duration", "lang") if c not in names]
+        if missing:
             raise ValueError(
-                f"manifest {path}: column {column!r} has {table.column(column).null_count} empty "
-                "values; every row needs a duration and a language"
+                f"manifest {path} has no column {', '.join(map(repr, missing))}; "
+                f"it has {names}. Build it with `speechlm manifest build`"
             )
-    lang = table.column("lang")
-    if pa.types.is_dictionary(lang.type):
-        lang = lang.cast(lang.type.value_type)
-    lang_names = sorted(pc.unique(lang).to_pylist())
-    codes = pc.index_in(lang, value_set=pa.array(lang_names, type=lang.type)).to_numpy()
-    text_chars = None
-    if "text" in table.column_names:
-        text_chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
+        columns = ["duration", "lang"] + (["text"] if "text" in names else [])
+        durations, langs, chars = [], [], []
+        for batch in f.iter_batches(batch_size=1 << 18, columns=columns):
+            for column in ("duration", "lang"):
+                if batch.column(column).null_count:
+                    raise ValueError(
+                        f"manifest {path}: column {column!r} has {batch.column(column).null_count} empty "
+                        "values; every row needs a duration and a language"
+                    )
+            durations.append(batch.column("duration").cast(pa.float32()).to_numpy(zero_copy_only=False))
+            lang = batch.column("lang")
+            langs.append(lang if pa.types.is_dictionary(lang.type) else pc.dictionary_encode(lang))
+            if "text" in columns:
+                chars.append(
+                    pc.utf8_length(batch.column("text")).to_numpy(zero_copy_only=False).astype(np.int32)
+                )
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"manifest {path} is not a readable parquet file ({e})") from None
+    from speechlm.data.manifest.load import dictionary_codes
+
+    codes, lang_names = dictionary_codes(pa.chunked_array(langs))
     return PlanInputs(
-        durations=table.column("duration").cast(pa.float32()).to_numpy().astype(np.float32, copy=False),
+        durations=np.concatenate(durations) if durations else np.zeros(0, np.float32),
         lang_codes=codes.astype(np.int32),
         lang_names=[str(n) for n in lang_names],
-        text_chars=text_chars,
+        text_chars=np.concatenate(chars).astype(np.int64) if chars else None,
     )
+
+
+def _plan_inputs_of_table(table: Any) -> PlanInputs:
+    from speechlm.data.manifest import manifest_arrays
+    from speechlm.data.sources.input_cfg import mix_of_table
+
+    arr = manifest_arrays(table)
+    return PlanInputs(
+        durations=arr.durations,
+        lang_codes=arr.lang_codes.astype(np.int32),
+        lang_names=list(arr.lang_names),
+        text_chars=arr.text_lengths.astype(np.int64),
+        mix=mix_of_table(table),
+    )
+
+
+def plan_inputs_of_input_cfg(entries: Any) -> PlanInputs:
+    """The plan inputs of a `data.input_cfg` (a list of entries or a YAML file of one)."""
+    from speechlm.data.sources.input_cfg import load_input_cfg
+
+    return _plan_inputs_of_table(load_input_cfg(entries))
 
 
 def cp_padding(
@@ -153,6 +187,29 @@ def summarize_plan(
 
     natural = np.bincount(inputs.lang_codes, minlength=n_langs)
     targets = compute_language_targets(natural, settings.temperature)
+    datasets = []
+    if inputs.mix is not None:  # the targets are per (dataset, language) cell: add them up both ways
+        from speechlm.data.sampler.mix import mix_groups
+
+        _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, settings.temperature)
+        cells = cells.reshape(len(inputs.mix.names), n_langs)
+        targets = cells.sum(axis=0)
+        set_codes = np.asarray(inputs.mix.dataset_codes)
+        set_rows = np.bincount(set_codes, minlength=len(inputs.mix.names))
+        set_utt = np.bincount(set_codes[rows], minlength=len(inputs.mix.names))
+        set_hours = np.bincount(set_codes[rows], weights=dur, minlength=len(inputs.mix.names)) / 3600
+        datasets = [
+            {
+                "dataset": name,
+                "rows": int(set_rows[d]),
+                "natural_share": set_rows[d] / max(set_rows.sum(), 1),
+                "target_share": float(inputs.mix.shares[d]),
+                "planned_utterances": int(set_utt[d]),
+                "planned_share": set_utt[d] / max(set_utt.sum(), 1),
+                "planned_hours": float(set_hours[d]),
+            }
+            for d, name in enumerate(inputs.mix.names)
+        ]
     utt = np.bincount(codes, minlength=n_langs)
     hours = np.bincount(codes, weights=dur, minlength=n_langs) / 3600
     languages = [
@@ -211,6 +268,7 @@ def summarize_plan(
         "dropped_utterances": int(len(plan.rows) - len(rows)),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
+        "datasets": datasets,
         "buckets": buckets,
         "padding": {
             "real_tokens": real,
@@ -248,6 +306,16 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
             f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}"
             f"{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
         )
+    if s.get("datasets"):
+        lines += [
+            "",
+            f"{'dataset':<24}{'rows':>10}{'natural':>9}{'target':>9}{'planned':>9}{'utterances':>12}{'hours':>10}",
+        ]
+        for r in s["datasets"]:
+            lines.append(
+                f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
+                f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
+            )
     lines += ["", f"{'bucket':<14}{'utterances':>12}{'micro-batches':>15}{'hours':>10}"]
     for b in s["buckets"]:
         span = f"{b['from_s']:g}-{b['to_s']:g} s" if b["to_s"] is not None else f">= {b['from_s']:g} s"
@@ -283,6 +351,7 @@ class PlanRequest:
     tp_size: int
     cp_split_threshold: int | str = 0  # tokens, or "auto"
     pair_cost: float = 0.0  # attention pair cost in token units: 1 / (6 * LLM hidden size)
+    input_cfg: Any = None  # data.input_cfg entries (or a YAML file of them) instead of one manifest
 
     def as_json(self) -> dict[str, Any]:
         """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
@@ -331,6 +400,9 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
         tp_size=args.tp_size if args.tp_size is not None else cfg.parallel.tp_size,
         cp_split_threshold=threshold,
         pair_cost=1.0 / (6 * cfg.model.llm.hidden_size),
+        input_cfg=args.input_cfg
+        if args.input_cfg is not None
+        else (None if args.manifest else cfg.data.input_cfg),
     )
 
 
@@ -341,14 +413,23 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     try:
-        inputs = read_plan_inputs(req.manifest)
+        inputs = (
+            plan_inputs_of_input_cfg(req.input_cfg)
+            if req.input_cfg is not None
+            else read_plan_inputs(req.manifest)
+        )
     except (OSError, ValueError) as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     settings = req.settings
     try:
         plan = build_epoch_plan(
-            inputs.durations, inputs.lang_codes, settings, req.epoch, n_langs=len(inputs.lang_names)
+            inputs.durations,
+            inputs.lang_codes,
+            settings,
+            req.epoch,
+            n_langs=len(inputs.lang_names),
+            mix=inputs.mix,
         )
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
@@ -367,9 +448,10 @@ def run_plan(args: argparse.Namespace) -> int:
         if settings.max_batch_tokens is not None
         else f"{settings.max_batch_duration:g} s"
     )
-    print(format_summary(summary, str(req.manifest), budget))
+    source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
+    print(format_summary(summary, source, budget))
     if args.json:
-        summary["manifest"] = str(req.manifest)
+        summary["manifest"] = source
         summary["settings"] = req.as_json()
         summary["ranks"] = [
             [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
@@ -406,7 +488,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--config", help="experiment YAML; its data/sampler/trainer/parallel fields are the defaults"
     )
-    p.add_argument("--manifest", help="training manifest (default: data.train_manifest)")
+    p.add_argument(
+        "--manifest",
+        help="training data of any kind: manifest, shard folder, ... (default: data.train_manifest)",
+    )
+    p.add_argument(
+        "--input-cfg", metavar="FILE.yaml", help="a data.input_cfg list of weighted datasets instead"
+    )
     p.add_argument(
         "--dp-size", type=int, help="data-parallel ranks (default: parallel.dp_replicate * dp_shard)"
     )

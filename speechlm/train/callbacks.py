@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import lightning as L
 
 from speechlm.train.checkpoint import save_checkpoint_atomic, step_dir_name, write_text_atomic
-from speechlm.train.faults import fault_point
+from speechlm.train.faults import Fault, fault_point, global_rank
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -183,3 +185,17 @@ def build_progress_bar() -> L.Callback:
     from speechlm.train.lightning_compat import step_progress_bar
 
     return step_progress_bar()
+
+
+class FaultInjector(L.Callback):
+    """Acts on `sigterm@N` and `sigkill@N`; must come before the checkpoint callback."""
+
+    def __init__(self, faults: list[Fault]):
+        self.faults = faults
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if Fault("sigkill", step) in self.faults and global_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if Fault("sigterm", step) in self.faults:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler sets trainer.received_sigterm at once

@@ -223,13 +223,14 @@ def build_trainer(cfg: Any, inputs: RunInputs, run_dir: Path) -> tuple[Any, Any]
 
     from speechlm.train.callbacks import (
         CheckpointCallback,
+        FaultInjector,
         MetricsWriter,
         TimeLimit,
         ValidationCallback,
         build_progress_bar,
     )
     from speechlm.train.evaluate import Evaluator
-    from speechlm.train.faults import FaultInjector, active_faults
+    from speechlm.train.faults import active_faults
     from speechlm.train.strategy import SpeechParallelStrategy
 
     t = cfg.trainer

@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-
 ENV = "SPEECHLM_FAULTS"
 KINDS = ("sigterm", "sigkill", "sigkill_in_save", "sigterm_in_val")
 
@@ -81,20 +79,6 @@ def fault_point(where: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if where == "val" and Fault("sigterm_in_val", step) in active_faults():
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-class FaultInjector(L.Callback):
-    """Acts on `sigterm@N` and `sigkill@N`; must come before the checkpoint callback."""
-
-    def __init__(self, faults: list[Fault]):
-        self.faults = faults
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if Fault("sigkill", step) in self.faults and global_rank() == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if Fault("sigterm", step) in self.faults:
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler sets trainer.received_sigterm at once
 
 
 # --- the harness -------------------------------------------------------------------------------------

@@ -166,3 +166,48 @@ def test_plan_errors_name_the_manifest(tmp_path, capsys):
     assert main(["plan", "--manifest", str(bad)]) == 1
     err = capsys.readouterr().err
     assert str(bad) in err and "'lang'" in err
+
+
+def test_parquet_plan_inputs_are_read_batch_by_batch(tmp_path, monkeypatch):
+    """The texts are reduced to lengths batch by batch: `read_table` (all columns at once) is never used."""
+    rng = np.random.default_rng(1)
+    n = 700_000  # several batches
+    texts = pa.array([f"<|en|> {'x' * int(k)}" for k in rng.integers(1, 40, n)])
+    langs = pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 3, n).astype(np.int8)), pa.array(NAMES))
+    durations = rng.uniform(0.5, 20, n).astype(np.float32)
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"duration": durations, "lang": langs, "text": texts}), path, row_group_size=100_000)
+
+    def refuse(*a, **k):
+        raise AssertionError("read_table would hold every text at once")
+
+    monkeypatch.setattr(pq, "read_table", refuse)
+    got = read_plan_inputs(path)
+    assert got.lang_names == sorted(NAMES)
+    np.testing.assert_array_equal(got.durations, durations)
+    np.testing.assert_array_equal(got.text_chars, pa.compute.utf8_length(texts).to_numpy())
+    codes = langs.indices.to_numpy()
+    np.testing.assert_array_equal(np.array(got.lang_names)[got.lang_codes], np.array(NAMES)[codes])
+
+
+def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_path, capsys):
+    import yaml
+
+    tars = tmp_path / "tars"
+    assert main(["shards", "write", demo_data["train"], "--out", str(tars)]) == 0
+    assert main(["plan", "--manifest", str(tars), "--max-batch-duration", "30"]) == 0
+    assert "221 utterances" in capsys.readouterr().out
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump([
+        {"path": demo_data["train"], "name": "files", "weight": 1},
+        {"path": str(tars), "name": "tars", "weight": 3},
+    ]))  # fmt: skip
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--input-cfg", str(mix), "--max-batch-duration", "30", "--epoch-size", "2000",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "dataset" in text and "tars" in text
+    shares = {d["dataset"]: d for d in json.loads(out.read_text())["datasets"]}
+    assert shares["files"]["target_share"] == pytest.approx(0.25)
+    assert shares["tars"]["planned_share"] == pytest.approx(0.75, abs=0.01)
