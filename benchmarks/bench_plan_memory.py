@@ -9,7 +9,8 @@ What it does:
      text lengths (kept here as the baseline, patched in for the run);
    - `batches`: today's `read_plan_inputs`, which reads row groups in batches of 256k rows and keeps
      only each text's length.
-   The plan, its summary and the padding figures are computed the same way in both.
+   The plan, its summary and the padding figures are computed the same way in both; Arrow uses its
+   default memory pool, as in a user's run.
 
 Run: ``speechlm bench plan-memory [--rows N]`` (= ``python benchmarks/bench_plan_memory.py``).
 """
@@ -85,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"synthetic manifest: {args.rows:,} rows, {path.stat().st_size / 2**20:,.0f} MiB", flush=True)
         results = {}
         for mode in ("columns", "batches"):
-            env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system"}
             out = subprocess.run(
-                [sys.executable, __file__, "--child", mode, str(path)], capture_output=True, text=True, env=env
+                [sys.executable, __file__, "--child", mode, str(path)], capture_output=True, text=True
             )
             if out.returncode != 0:
                 print(out.stderr[-2000:], file=sys.stderr)

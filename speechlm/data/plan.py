@@ -47,9 +47,9 @@ CHARS_PER_TOKEN = 3.0  # text-token estimate for the padding figures only (a sma
 @dataclass
 class PlanInputs:
     durations: np.ndarray  # float32 [N] seconds
-    lang_codes: np.ndarray  # int32 [N], index into lang_names
+    lang_codes: np.ndarray  # int16 or int32 [N], index into lang_names
     lang_names: list[str]  # sorted
-    text_chars: np.ndarray | None  # int64 [N] characters of `text`, when the manifest has it
+    text_chars: np.ndarray | None  # int32 [N] characters of `text`, when the manifest has it
     mix: Any = None  # speechlm.data.sampler.DatasetMix of a data.input_cfg
 
 
@@ -57,7 +57,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
     """Durations, languages and text lengths of any source `speechlm train` accepts.
 
     A parquet manifest is read row group by row group, three columns only, the texts reduced to their
-    lengths batch by batch: planning 10M utterances never holds the texts, ids or paths. Other kinds
+    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. Other kinds
     (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index cache, which stores the text
     lengths. A YAML file is read as a `data.input_cfg` list of weighted datasets.
     """
@@ -85,33 +85,54 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
                 f"manifest {path} has no column {', '.join(map(repr, missing))}; "
                 f"it has {names}. Build it with `speechlm manifest build`"
             )
-        columns = ["duration", "lang"] + (["text"] if "text" in names else [])
-        durations, langs, chars = [], [], []
-        for batch in f.iter_batches(batch_size=1 << 18, columns=columns):
+        has_text = "text" in names
+        n = f.metadata.num_rows
+        durations = np.empty(n, np.float32)  # filled in place: no lists of pieces, no concatenation
+        codes = np.empty(n, np.int16)
+        chars = np.empty(n, np.int32) if has_text else None
+        seen: dict[str, int] = {}  # language -> code in order of appearance (sorted at the end)
+        pool = pa.default_memory_pool()
+        lo = 0
+        for group in range(f.num_row_groups):
+            batch = f.read_row_group(group, columns=["duration", "lang"])
             for column in ("duration", "lang"):
                 if batch.column(column).null_count:
                     raise ValueError(
                         f"manifest {path}: column {column!r} has {batch.column(column).null_count} empty "
                         "values; every row needs a duration and a language"
                     )
-            durations.append(batch.column("duration").cast(pa.float32()).to_numpy(zero_copy_only=False))
+            hi = lo + batch.num_rows
+            durations[lo:hi] = batch.column("duration").cast(pa.float32()).to_numpy()
             lang = batch.column("lang")
-            langs.append(lang if pa.types.is_dictionary(lang.type) else pc.dictionary_encode(lang))
-            if "text" in columns:
-                chars.append(
-                    pc.utf8_length(batch.column("text")).to_numpy(zero_copy_only=False).astype(np.int32)
+            lang = lang if pa.types.is_dictionary(lang.type) else pc.dictionary_encode(lang)
+            at = lo
+            for chunk in lang.chunks:
+                remap = np.array(
+                    [seen.setdefault(str(v), len(seen)) for v in chunk.dictionary.to_pylist()], np.int16
                 )
+                codes[at : at + len(chunk)] = remap[chunk.indices.to_numpy(zero_copy_only=False)]
+                at += len(chunk)
+            if chars is not None:  # alone, in small pieces: a row group's texts are never held whole
+                at = lo
+                for piece in f.iter_batches(batch_size=1 << 16, row_groups=[group], columns=["text"]):
+                    chars[at : at + piece.num_rows] = pc.utf8_length(piece.column(0)).to_numpy(
+                        zero_copy_only=False
+                    )
+                    at += piece.num_rows
+            lo = hi
+            del batch, lang
+            pool.release_unused()
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"manifest {path} is not a readable parquet file ({e})") from None
-    from speechlm.data.manifest.load import dictionary_codes
-
-    codes, lang_names = dictionary_codes(pa.chunked_array(langs))
-    return PlanInputs(
-        durations=np.concatenate(durations) if durations else np.zeros(0, np.float32),
-        lang_codes=codes.astype(np.int32),
-        lang_names=[str(n) for n in lang_names],
-        text_chars=np.concatenate(chars).astype(np.int64) if chars else None,
+    lang_names = sorted(seen)
+    order = np.array([lang_names.index(name) for name in seen], np.int16)
+    inputs = PlanInputs(
+        durations=durations,
+        lang_codes=order[codes] if len(order) else codes,
+        lang_names=lang_names,
+        text_chars=chars,
     )
+    return inputs
 
 
 def _plan_inputs_of_table(table: Any) -> PlanInputs:
@@ -123,7 +144,7 @@ def _plan_inputs_of_table(table: Any) -> PlanInputs:
         durations=arr.durations,
         lang_codes=arr.lang_codes.astype(np.int32),
         lang_names=list(arr.lang_names),
-        text_chars=arr.text_lengths.astype(np.int64),
+        text_chars=arr.text_lengths.astype(np.int32),
         mix=mix_of_table(table),
     )
 
@@ -164,6 +185,22 @@ def cp_padding(
     }
 
 
+CHUNK = 1 << 20  # rows per piece where the summary needs wide temporaries
+
+
+def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The rows of the micro-batches `used` (back to back), gathered a million at a time."""
+    rows = np.empty(int(offsets[-1]), plan.rows.dtype)
+    starts = plan.batch_offsets[used]
+    step = max(1, CHUNK // max(1, int(lengths.mean()) if len(lengths) else 1))
+    for b0 in range(0, len(used), step):
+        b1 = min(len(used), b0 + step)
+        lo, hi = int(offsets[b0]), int(offsets[b1])
+        take = np.repeat(starts[b0:b1] - offsets[b0:b1], lengths[b0:b1]) + np.arange(lo, hi)
+        rows[lo:hi] = plan.rows[take]
+    return rows
+
+
 def summarize_plan(
     plan: EpochPlan,
     inputs: PlanInputs,
@@ -179,8 +216,8 @@ def summarize_plan(
     used = plan.rank_batches.reshape(-1)
     lengths = plan.batch_offsets[used + 1] - plan.batch_offsets[used]
     offsets = np.concatenate(([0], np.cumsum(lengths)))
-    rows = plan.rows[np.repeat(plan.batch_offsets[used] - offsets[:-1], lengths) + np.arange(offsets[-1])]
-    dur = inputs.durations[rows].astype(np.float64)
+    rows = _used_rows(plan, used, lengths, offsets)
+    dur = inputs.durations[rows]  # float32: 10M rows stay small (the sums below run in float64)
     codes = inputs.lang_codes[rows]
     n_langs = len(inputs.lang_names)
     steps = plan.batches_per_rank // grad_accum
@@ -244,16 +281,20 @@ def summarize_plan(
         for b in range(n_buckets)
     ]
 
-    text = None
-    if inputs.text_chars is not None:
-        text = np.ceil(inputs.text_chars[rows] / CHARS_PER_TOKEN).astype(np.int64)
-    tokens = settings.token_cost.count_tokens(inputs.durations[rows], text)
-    real = int(tokens.sum())
+    tokens = np.empty(len(rows), np.int32)
+    for lo in range(0, len(rows), CHUNK):  # in pieces: the float64 temporaries stay small
+        piece = rows[lo : lo + CHUNK]
+        text = None
+        if inputs.text_chars is not None:
+            text = np.ceil(inputs.text_chars[piece] / CHARS_PER_TOKEN).astype(np.int64)
+        tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(inputs.durations[piece], text)
+    text = inputs.text_chars
+    real = int(tokens.sum(dtype=np.int64))
     longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
-    bshd = int((lengths * longest).sum())
+    bshd = int((lengths * longest.astype(np.int64)).sum())
     cp = cp_padding(tokens, offsets, cp_size, tp_size, cp_split_threshold, pair_cost)
     thd = cp["computed"]
-    total_hours = float(dur.sum()) / 3600
+    total_hours = float(dur.sum(dtype=np.float64)) / 3600
     return {
         "mode": plan.mode,
         "epoch": plan.epoch,

@@ -56,3 +56,19 @@ def test_streaming_mode_resumes_exactly(demo_data, shard_dir, tmp_path):
     indexed = run_train(_args(str(shard_dir), demo_data, tmp_path / "indexed", "trainer.max_steps=2"))
     assert indexed.returncode == 0
     assert read_metrics(tmp_path / "indexed")[0]["rows_digest"] != a[0]["rows_digest"]  # another plan
+
+
+def test_training_from_a_weighted_input_cfg(demo_data, shard_dir, tmp_path):
+    import yaml
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump([
+        {"path": demo_data["train"], "name": "files", "weight": 1},
+        {"path": str(shard_dir), "name": "tars", "weight": 3},
+    ]))  # fmt: skip
+    args = [SMOKE, f"data.input_cfg={mix}", f"data.val_manifest={demo_data['val']}",
+            f"data.tokenizer={demo_data['tok']}", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    r = run_train(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train data: data.input_cfg: 442 utterances" in r.stdout
+    assert len(read_metrics(tmp_path / "run")) == 2

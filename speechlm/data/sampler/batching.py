@@ -32,7 +32,9 @@ def pack_greedy(
     pointer doubling gives next^(2^jump_log2), a Python walk visits every 2^jump_log2-th start,
     and jump_log2 vectorised gathers fill in the starts between.
     """
-    costs = np.asarray(costs, dtype=np.int64)
+    costs = np.asarray(costs)
+    if not np.issubdtype(costs.dtype, np.integer):
+        costs = costs.astype(np.int64)  # prefix sums below are int64 whatever the input width
     n = len(costs)
     if n == 0:
         return np.zeros(0, dtype=np.int64)

@@ -56,8 +56,11 @@ def compute_row_sizes(
 
 
 def quantize_costs(sizes: np.ndarray, budget: float, units: int) -> tuple[np.ndarray, int]:
-    """Integer costs (rounded up) and budget (rounded down), so sums are exact and never exceed."""
+    """Integer costs (rounded up; int32 where they fit) and budget (rounded down), so sums are exact and
+    never exceed the budget."""
     scaled = np.array(sizes, dtype=np.float64)
     scaled *= units
     np.ceil(scaled, out=scaled)
-    return scaled.astype(np.int64), int(math.floor(budget * units))
+    # int32 where every cost fits (half the memory of 10M rows; pack_greedy sums in int64)
+    small = scaled.size == 0 or float(scaled.max()) < 2**31
+    return scaled.astype(np.int32 if small else np.int64), int(math.floor(budget * units))
