@@ -185,19 +185,23 @@ def streaming_layout(cfg: ExperimentConfig, table: Any) -> Any:
     """The rows' places in their tar shards when `data.read_mode` is streaming (None when indexed).
 
     Rows of a tar shard share its code and are ordered by byte offset; rows that are plain files
-    (no tar) get a shard of their own (-1), so they are spread like indexed-mode reads.
+    (no tar), and rows of `data.input_cfg` datasets whose own `read_mode` is indexed, get a shard of
+    their own (-1), so they are spread like indexed-mode reads. The streaming plan is used when the
+    run's or any dataset's read mode is streaming.
     """
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from speechlm.data.sampler import StreamingLayout
+    from speechlm.data.sources.input_cfg import mix_of_table, read_modes_of_table
 
     d = cfg.data
-    if d.read_mode == "indexed":
-        return None
-    if d.read_mode != "streaming":
+    if d.read_mode not in ("indexed", "streaming"):
         raise ValueError(f"data.read_mode={d.read_mode!r}: use 'indexed' (default) or 'streaming'")
+    per_dataset = [m or d.read_mode for m in (read_modes_of_table(table) or [])]
+    if "streaming" not in (per_dataset or [d.read_mode]):
+        return None
     n = len(table)
     codes = np.full(n, -1, np.int64)
     positions = np.zeros(n, np.int64)
@@ -207,6 +211,9 @@ def streaming_layout(cfg: ExperimentConfig, table: Any) -> Any:
             col = pc.dictionary_encode(col)
         codes = col.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
         positions = table.column("offset").fill_null(0).to_numpy().astype(np.int64)
+    if per_dataset and "indexed" in per_dataset:  # those datasets' rows are spread like indexed reads
+        indexed = np.flatnonzero(np.array([m == "indexed" for m in per_dataset]))
+        codes[np.isin(mix_of_table(table).dataset_codes, indexed)] = -1
     return StreamingLayout(
         codes,
         positions,

@@ -122,3 +122,26 @@ def test_input_cfg_from_a_yaml_file_and_exclusive_with_train_manifest(sources, t
     assert mix_of_table(load_input_cfg(str(f))).names == ("files", "tars", "val")
     with pytest.raises(ConfigError, match="are both set"):
         load_config(None, [f"data.input_cfg={f}", "data.train_manifest=x.parquet"])
+
+
+def test_read_mode_per_dataset(sources):
+    from speechlm.config import ExperimentConfig
+    from speechlm.train.data import streaming_layout
+
+    cfg = ExperimentConfig()
+    entries = [{"path": sources["files"], "name": "files"}, {"path": sources["tars"], "name": "tars"}]
+    table = load_input_cfg(entries)
+    assert streaming_layout(cfg, table) is None  # every dataset indexed
+    entries[1]["read_mode"] = "streaming"
+    table = load_input_cfg(entries)
+    layout = streaming_layout(cfg, table)
+    codes = mix_of_table(table).dataset_codes
+    assert np.all(layout.shard_codes[codes == 0] == -1)  # plain files: spread
+    assert len(np.unique(layout.shard_codes[codes == 1])) == 4  # 221 rows in tars of 60: read front to back
+    cfg.data.read_mode = "streaming"
+    entries[1]["read_mode"], entries[0]["read_mode"] = "indexed", "streaming"
+    table = load_input_cfg(entries)
+    layout = streaming_layout(cfg, table)
+    assert np.all(layout.shard_codes[mix_of_table(table).dataset_codes == 1] == -1)  # the tars, indexed
+    with pytest.raises(ManifestError, match="read_mode='random'"):
+        parse_input_cfg([{"path": sources["files"], "read_mode": "random"}])

@@ -7,6 +7,7 @@ An entry is a dataset or a group::
       weight: 2.0                  # optional; > 0
       lang: hi                     # optional: the language of rows that carry none
       name: cv_hi                  # optional: how plans and logs call it (default: the path)
+      read_mode: streaming         # optional: this dataset's read mode (default data.read_mode)
       tags: [read, clean]          # optional, free-form, shown by `speechlm plan`
     - group: indic_asr             # a group splits its weight over its inputs
       weight: 1.0
@@ -42,7 +43,7 @@ from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, Manif
 from speechlm.data.sources.detect import SOURCE_TYPES
 
 MIX_KEY = b"speechlm.input_cfg"
-LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags"}
+LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags", "read_mode"}
 GROUP_KEYS = {"group", "weight", "inputs", "tags"}
 
 
@@ -55,6 +56,7 @@ class InputLeaf:
     lang: str | None
     name: str
     tags: tuple[str, ...] = ()
+    read_mode: str | None = None  # "indexed" | "streaming"; None: data.read_mode
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,9 @@ def _entry(entry: Any, where: str, base: Path | None) -> InputLeaf | InputGroup:
         path = base / path
     if not path.exists():
         raise ManifestError(f"{where}: path {path} does not exist")
+    mode = entry.get("read_mode")
+    if mode is not None and mode not in ("indexed", "streaming"):
+        raise ManifestError(f"{where}.read_mode={mode!r}: use 'indexed' or 'streaming' (or leave it out)")
     kind = entry.get("type")
     if kind is not None and kind not in SOURCE_TYPES:
         raise ManifestError(f"{where}.type={kind!r}: use one of {', '.join(SOURCE_TYPES)} (or leave it out)")
@@ -145,6 +150,7 @@ def _entry(entry: Any, where: str, base: Path | None) -> InputLeaf | InputGroup:
         str(entry["lang"]) if entry.get("lang") else None,
         str(entry.get("name") or path),
         _tags(entry, where),
+        mode,
     )
 
 
@@ -229,9 +235,16 @@ def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = N
         "shares": [shares[n] for n in names],
         "paths": [leaf.path for leaf in items],
         "tags": [list(leaf.tags) for leaf in items],
+        "read_modes": [leaf.read_mode for leaf in items],
     }
     combined = pa.concat_tables(tables)
     return combined.replace_schema_metadata({**(combined.schema.metadata or {}), MIX_KEY: json.dumps(meta)})
+
+
+def read_modes_of_table(table: pa.Table) -> list[str | None] | None:
+    """Each dataset's own `read_mode` (None: the run's), in dataset-code order; None without a mix."""
+    meta = (table.schema.metadata or {}).get(MIX_KEY)
+    return None if meta is None else list(json.loads(meta).get("read_modes") or [])
 
 
 def mix_of_table(table: pa.Table) -> Any:
