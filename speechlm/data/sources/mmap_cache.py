@@ -21,6 +21,8 @@ import hashlib
 import logging
 import mmap
 import os
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -119,6 +121,10 @@ def open_index(
             logger.warning("index cache %s is unreadable (%s); rebuilding it from %s", target, e, path)
             target.unlink(missing_ok=True)
     if not target.is_file():
+        t0 = time.monotonic()
+        print(
+            f"indexing {path} ({kind}) into {target} (once; later runs map it)", file=sys.stderr, flush=True
+        )
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if kind == "parquet":
@@ -132,6 +138,7 @@ def open_index(
             # its own error from the plain reader below
             logger.warning("cannot write the index cache %s (%s); using %s from memory", target, e, path)
             return load_source(path, kind, default_lang=default_lang)
+        print(f"indexed {path} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return _map(target)
 
 
