@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-duration",
         type=float,
         default=None,
-        help="seconds of audio per decoding batch (default: the config's sampler.max_batch_duration, as validation)",
+        help="seconds of audio per decoding batch (default: trainer.eval_batch_duration, as validation)",
     )
     ap.add_argument("--splits", default="val,train", help="comma-separated: val, train")
     ap.add_argument("--json", default=None, help="write the results to this file")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from bench_packing import prepare_demo
 
-    from speechlm.config import load_config
+    from speechlm.config import eval_batch_duration, load_config
     from speechlm.data.dataset import SpeechDataset, build_dataloader
     from speechlm.data.manifest import load_manifest
     from speechlm.data.tokenizer import Tokenizer
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for split in args.splits.split(","):
         table = load_manifest(data / f"{split}.parquet")
         ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
-        budget = args.batch_duration or cfg.sampler.max_batch_duration or 60.0
+        budget = args.batch_duration or eval_batch_duration(cfg)
         plan = build_eval_batches(table, max_batch_duration=budget)
         batches += list(build_dataloader(ds, plan, num_workers=0))
     n_utts = sum(len(b) for b in batches)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "splits": args.splits,
             "run": args.run,
             "max_new_tokens": args.max_new_tokens,
-            "batch_duration": args.batch_duration or cfg.sampler.max_batch_duration,
+            "batch_duration": args.batch_duration or eval_batch_duration(cfg),
             "threads": torch.get_num_threads(),
             **results,
         }

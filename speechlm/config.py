@@ -146,6 +146,10 @@ class TrainerConfig:
     log_every: int = 1
     val_every: int = 0  # optimizer steps; 0 disables periodic validation
     val_max_batches: int | None = None
+    # seconds of audio per greedy-decoding batch (validation, final WER); None: 4x sampler.max_batch_duration.
+    # Decoding keeps no activations for backward, so its batches can be larger than training's, and the
+    # KV-cache decoder gains most from wide batches (docs/benchmarks.md, greedy decoding)
+    eval_batch_duration: float | None = None
     ckpt_every: int = 0  # optimizer steps; 0 disables periodic checkpoints
     keep_last: int = 2
     best_metric: str = "wer"
@@ -351,8 +355,19 @@ def check_config(cfg: ExperimentConfig) -> None:
         )
     if cfg.trainer.resume_data not in ("exact", "next_epoch"):
         raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
+    if cfg.trainer.eval_batch_duration is not None and cfg.trainer.eval_batch_duration <= 0:
+        raise ConfigError(
+            f"trainer.eval_batch_duration={cfg.trainer.eval_batch_duration}: give seconds > 0 (or null)"
+        )
     if cfg.trainer.grad_accum < 1:
         raise ConfigError(f"trainer.grad_accum must be >= 1, got {cfg.trainer.grad_accum}")
+
+
+def eval_batch_duration(cfg: ExperimentConfig) -> float:
+    """Seconds of audio per greedy-decoding batch: `trainer.eval_batch_duration`, else 4x the training budget."""
+    if cfg.trainer.eval_batch_duration is not None:
+        return float(cfg.trainer.eval_batch_duration)
+    return 4.0 * float(cfg.sampler.max_batch_duration or 60.0)
 
 
 def clone(cfg: ExperimentConfig) -> ExperimentConfig:

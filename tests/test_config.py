@@ -50,6 +50,8 @@ def test_invalid_choice_rejected():
         load_config(None, ["model.attention_backend=magic"])
     with pytest.raises(ConfigError, match="data.read_mode='random'.*'streaming'"):
         load_config(None, ["data.read_mode=random"])
+    with pytest.raises(ConfigError, match="trainer.eval_batch_duration=0"):
+        load_config(None, ["trainer.eval_batch_duration=0"])
     with pytest.raises(ConfigError, match="data.shuffle_buffer=0"):
         load_config(None, ["data.read_mode=streaming", "data.shuffle_buffer=0"])
 
@@ -68,3 +70,10 @@ def test_shipped_configs_load():
 
     for p in sorted(Path(__file__).resolve().parent.parent.glob("configs/*.yaml")):
         assert isinstance(load_config(p), ExperimentConfig), p
+
+
+def test_eval_batch_duration_defaults_to_four_training_budgets():
+    from speechlm.config import eval_batch_duration
+
+    assert eval_batch_duration(load_config(None, ["sampler.max_batch_duration=32"])) == 128.0
+    assert eval_batch_duration(load_config(None, ["trainer.eval_batch_duration=50"])) == 50.0

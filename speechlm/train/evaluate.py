@@ -224,6 +224,7 @@ class Evaluator:
         self.last_decodes: list[tuple[str, str, str]] = []
 
     def __call__(self, module: Any) -> dict[str, float]:
+        from speechlm.config import eval_batch_duration
         from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
         from speechlm.train.data import build_eval_batches
 
@@ -233,9 +234,7 @@ class Evaluator:
             max_tokens=self.cfg.data.max_tokens,
             sample_rate=self.cfg.data.sample_rate,
         )
-        batches = build_eval_batches(
-            self.table, max_batch_duration=self.cfg.sampler.max_batch_duration or 60.0
-        )
+        batches = build_eval_batches(self.table, max_batch_duration=eval_batch_duration(self.cfg))
         if self.max_batches:
             batches = batches[: self.max_batches]
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
