@@ -75,10 +75,12 @@ class _AllGatherAttention(torch.autograd.Function):
         cp_rank: int,
         scale: float | None,
         causal: bool,
+        host_cu: list[int] | None,
     ) -> Tensor:
         check_cp_inputs(q, k, v, group, cp_size, cp_rank)
         n_local = q.shape[0]
-        blocks = _allgather_blocks(local_chunk_groups(cu_seqlens_local, n_local), cp_size, cp_rank, causal)
+        groups = local_chunk_groups(cu_seqlens_local if host_cu is None else host_cu, n_local, q.device)
+        blocks = _allgather_blocks(groups, cp_size, cp_rank, causal)
         kv_local = torch.stack([k, v])  # (2, T, Hkv, D)
         if cp_size > 1:
             # concatenated (not stacked) output: the form every backend accepts
@@ -122,7 +124,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dkv_local = dkv_rank_major[0]
         return (
             dq_acc.to(q.dtype), dkv_local[0].to(ctx.k_dtype), dkv_local[1].to(ctx.v_dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -137,12 +139,14 @@ def allgather_attention_thd(
     cp_rank: int,
     scale: float | None,
     causal: bool = True,
+    host_cu: list[int] | None = None,
 ) -> Tensor:
     """Same contract as :func:`parallel.ring_attention.ring_attention_thd`, via all-gather of K/V.
 
     q_THD [T, Hq, D], k_THD/v_THD [T, Hkv, D] in the ``cp_shard`` layout, local cu_seqlens.
-    Returns out_THD [T, Hq, D] in q's dtype (fp32 accumulation); differentiable.
+    Returns out_THD [T, Hq, D] in q's dtype (fp32 accumulation); differentiable. ``host_cu``, the
+    local boundaries as host integers (read once per micro-batch), spares a device sync per layer.
     """
     return _AllGatherAttention.apply(
-        q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal
+        q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal, host_cu
     )

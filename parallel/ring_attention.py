@@ -36,6 +36,7 @@ Sequences are processed per chunk size c: all sequences with the same c run as o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,18 +45,25 @@ from torch import Tensor
 
 from parallel.ring_step import RingStepPlan, merge_step, plan_ring_step, ring_step_bwd, ring_step_fwd
 
-__all__ = ["ring_attention_thd", "local_chunk_groups", "check_cp_group"]
+__all__ = ["ring_attention_thd", "local_chunk_groups", "check_cp_group", "plan_ring"]
 
 _TAG_KV = 11
 _TAG_DKV = 12
 
 
-def local_chunk_groups(cu_seqlens_local: Tensor, n_tokens: int) -> list[tuple[int, Tensor]]:
+def local_chunk_groups(
+    cu_seqlens_local: Tensor | Sequence[int], n_tokens: int, device: torch.device | None = None
+) -> list[tuple[int, Tensor]]:
     """[(c, local starts [n])] of the local sequences grouped by chunk size c (c > 0 only).
 
-    Each local sequence has 2c rows: chunk r at [start, start+c), chunk 2R-1-r after it.
+    Each local sequence has 2c rows: chunk r at [start, start+c), chunk 2R-1-r after it. Host
+    integers (with `device`) avoid reading the boundaries back from the device.
     """
-    cu = [int(x) for x in cu_seqlens_local.tolist()]
+    if isinstance(cu_seqlens_local, Tensor):
+        device = cu_seqlens_local.device if device is None else device
+        cu = [int(x) for x in cu_seqlens_local.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens_local]
     if not cu or cu[0] != 0 or cu[-1] != n_tokens:
         raise ValueError(
             f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
@@ -70,7 +78,6 @@ def local_chunk_groups(cu_seqlens_local: Tensor, n_tokens: int) -> list[tuple[in
             )
         if length:
             by_c.setdefault(length // 2, []).append(cu[n])
-    device = cu_seqlens_local.device
     return [(c, torch.tensor(starts, device=device, dtype=torch.long)) for c, starts in sorted(by_c.items())]
 
 
@@ -122,16 +129,27 @@ def _ring_exchange(
 
 
 def plan_ring(
-    cu_seqlens_local: Tensor, n_tokens: int, cp_size: int, cp_rank: int, causal: bool
+    cu_seqlens_local: Tensor | Sequence[int],
+    n_tokens: int,
+    cp_size: int,
+    cp_rank: int,
+    causal: bool,
+    device: torch.device | None = None,
 ) -> list[RingStepPlan]:
-    """The cp step plans of this rank (parallel/ring_step.py), from the local boundaries read once."""
-    cu = [int(x) for x in cu_seqlens_local.tolist()]
+    """The cp step plans of this rank (parallel/ring_step.py), from the local boundaries read once.
+
+    Give the boundaries as host integers (and the device) to plan without a device sync: a caller
+    that plans once per micro-batch passes the plans to every layer (`ring_attention_thd(plans=)`)."""
+    if isinstance(cu_seqlens_local, Tensor):
+        device = cu_seqlens_local.device if device is None else device
+        cu = [int(x) for x in cu_seqlens_local.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens_local]
     if not cu or cu[0] != 0 or cu[-1] != n_tokens:
         raise ValueError(
             f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
         )
-    device = cu_seqlens_local.device
-    return [plan_ring_step(cu, s, cp_rank, cp_size, device, causal=causal) for s in range(cp_size)]
+    return [plan_ring_step(cu, s, cp_rank, cp_size, device or "cpu", causal=causal) for s in range(cp_size)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -147,9 +165,11 @@ class _RingAttention(torch.autograd.Function):
         cp_rank: int,
         scale: float | None,
         causal: bool,
+        plans: list[RingStepPlan] | None,
     ) -> Tensor:
         check_cp_inputs(q, k, v, group, cp_size, cp_rank)
-        plans = plan_ring(cu_seqlens_local, q.shape[0], cp_size, cp_rank, causal)
+        if plans is None:
+            plans = plan_ring(cu_seqlens_local, q.shape[0], cp_size, cp_rank, causal)
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float32, device=q.device)  # (H, T)
         kv = torch.stack([k, v])  # one buffer: one message per hop
@@ -206,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             dkv_acc = own
         dq = dq_acc.to(q.dtype)
-        return dq, dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype), None, None, None, None, None, None
+        return dq, dkv_acc[0].to(k.dtype), dkv_acc[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention_thd(
@@ -220,6 +240,7 @@ def ring_attention_thd(
     cp_rank: int,
     scale: float | None,
     causal: bool = True,
+    plans: list[RingStepPlan] | None = None,
 ) -> Tensor:
     """Packed attention of this rank's load-balanced shard against all ranks' K/V (differentiable).
 
@@ -227,6 +248,9 @@ def ring_attention_thd(
     ``cp_shard`` layout, ``cu_seqlens_local`` the local cu_seqlens (global // cp, every local
     length even). ``group`` is the CP process group (None: the default group); every rank of it
     must call with the same cu_seqlens. With cp_size == 1 no communication happens. Returns
-    out_THD [T, Hq, D] in q's dtype; accumulation is fp32.
+    out_THD [T, Hq, D] in q's dtype; accumulation is fp32. ``plans`` (`plan_ring` on host integers,
+    once per micro-batch) spares every layer reading ``cu_seqlens_local`` back from the device.
     """
-    return _RingAttention.apply(q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal)
+    return _RingAttention.apply(
+        q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal, plans
+    )

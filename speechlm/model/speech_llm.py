@@ -66,7 +66,8 @@ class ParallelBinding:
 
     cp: int = 1
     tp: int = 1
-    # .attention(q, k, v, cu_seqlens_local, scale) and .for_split_prefix(n) (dynamic CP, see below)
+    # .for_split_prefix(n, meta) once per micro-batch -> the per-layer .attention(q, k, v, cu_local, scale)
+    # (n: the sequences split over CP; all of them without dynamic CP; see below)
     cp_attention: Any = None
     # seq_lens -> this rank's `parallel.cp_placement.LocalPlacement` (which sequences it packs, padded how)
     place: Callable[[list[int]], Any] | None = None
@@ -282,9 +283,9 @@ class SpeechLLM(nn.Module):
         cp_attention = self.parallel.cp_attention
         if cp_attention is not None:
             split = getattr(packed, "cp_split_seqs", None)
-            kwargs["cp_context"] = (
-                cp_attention if split is None else cp_attention.for_split_prefix(split, meta)
-            )
+            # per micro-batch: the split prefix (all sequences without dynamic CP) and its ring plans
+            n_split = len(meta.cu_q) - 1 if split is None else split
+            kwargs["cp_context"] = cp_attention.for_split_prefix(n_split, meta)
         else:
             kwargs["varlen_meta"] = meta
         if return_logits:

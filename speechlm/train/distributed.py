@@ -44,7 +44,17 @@ class CPAttention:
         from parallel.ring_attention import ring_attention_thd
 
         self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
+        self.kind = kind
         self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
+
+    def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
+        """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
+        the ring's step plans, or the all-gather's local boundaries. No device sync in any layer."""
+        if self.kind == "ring":
+            from parallel.ring_attention import plan_ring
+
+            return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
+        return {"host_cu": list(host_cu)}
 
     def attention(
         self,
@@ -53,6 +63,7 @@ class CPAttention:
         v_THD: torch.Tensor,
         cu_seqlens_local: torch.Tensor,
         scale: float | None,
+        prepared: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         return self.fn(
             q_THD,
@@ -64,6 +75,7 @@ class CPAttention:
             cp_rank=self.cp_rank,
             scale=scale,
             causal=True,
+            **(prepared or {}),
         )
 
     def for_split_prefix(self, n_split: int, meta: VarlenMeta) -> PlacedCPAttention:
@@ -81,7 +93,9 @@ class PlacedCPAttention:
         # the whole part's boundaries, from the micro-batch's host integers: no device sync per layer
         t = meta.cu_q[n_split]
         self.t_split = t
-        self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=meta.cu_seqlens_q.device)
+        device = meta.cu_seqlens_q.device
+        self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=device)
+        self.prepared = cp.prepare(list(meta.cu_q[: n_split + 1]), device) if n_split else None
 
     def attention(
         self,
@@ -94,7 +108,11 @@ class PlacedCPAttention:
         n, t = self.n_split, self.t_split
         parts = []
         if n:
-            parts.append(self.cp.attention(q_THD[:t], k_THD[:t], v_THD[:t], cu_seqlens_local[: n + 1], scale))
+            parts.append(
+                self.cp.attention(
+                    q_THD[:t], k_THD[:t], v_THD[:t], cu_seqlens_local[: n + 1], scale, self.prepared
+                )
+            )
         if q_THD.shape[0] > t:  # one varlen call over every whole sequence of this rank
             parts.append(
                 varlen_attention(q_THD[t:], k_THD[t:], v_THD[t:], self.whole, causal=True, scale=scale)
