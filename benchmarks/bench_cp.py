@@ -1,4 +1,4 @@
-"""Context-parallel step time on CPU/gloo: cp = 1, 2, 4 on the same global batch (indicative only).
+"""Context-parallel step time, CPU/gloo or CUDA/NCCL: cp = 1, 2, 4 on the same global batch.
 
 Each layout runs the real training step (`run_optimizer_step`: distributed audio encoding, packing
 with CP rounding, load-balanced sharding, ring or all-gather attention, FSDP2 over the CP ranks) on
@@ -7,13 +7,16 @@ On 2 CPU cores, cp = 4 oversubscribes the cores: the figures show overheads, not
 `--mix` uses one micro-batch of speech-like clips (one long among short ones) and
 `--split-threshold auto,0` compares dynamic CP with splitting every utterance on the same batch.
 Usage: `speechlm bench cp [--steps N] [--clips B] [--seconds S] [--kind ring|allgather] [--mix]
-[--split-threshold auto,0]`.
+[--split-threshold auto,0] [--device cpu|cuda]`. With `--device cuda` each CP rank is one GPU (NCCL),
+steps are timed between `torch.cuda.synchronize` calls, and a machine without enough GPUs is refused
+with the count it has.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 VOCAB = 256
@@ -56,6 +59,7 @@ def rank_body(
     seconds: float,
     threshold: str = "auto",
     mix: bool = False,
+    device_type: str = "cpu",
 ) -> dict:
     import torch
 
@@ -66,7 +70,9 @@ def rank_body(
     from speechlm.train.schedule import build_optimizer
     from speechlm.train.step import StepContext, run_optimizer_step
 
-    torch.set_num_threads(max(1, 2 // world))
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, 2 // world))
     cfg = load_config(
         None,
         [
@@ -79,21 +85,41 @@ def rank_body(
         ],
     )
     torch.manual_seed(0)
-    model = SpeechLLM(cfg.model, vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
+    model = SpeechLLM(cfg.model, vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4).to(device)
     ctx = StepContext()
     if world > 1:
         dims = ParallelDims(world, 1, -1, cp, 1)
-        dims.build_mesh("cpu")
-        ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
+        dims.build_mesh(device_type)
+        ctx = build_distributed_context(model, dims, cfg, device)
     opt, sched = build_optimizer(model, cfg)
-    batch = make_batch(clips, seconds, mix=mix)
+    batch = make_batch(clips, seconds, mix=mix).to(device)
     times = []
     for i in range(steps + 1):
+        if device_type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         run_optimizer_step(model, [batch], ctx, opt, sched, cfg, step=i)
+        if device_type == "cuda":
+            torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times)}
+
+
+def check_device(device: str, max_cp: int) -> str | None:
+    """Why the run cannot happen on `device` (None when it can): CUDA missing, or too few GPUs."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "--device cuda, but this torch build or machine has no CUDA device; run on a GPU machine or use --device cpu"
+    if torch.cuda.device_count() < max_cp:
+        return (
+            f"--cp up to {max_cp} needs {max_cp} GPUs (one per CP rank), this machine has {torch.cuda.device_count()}; "
+            f"pass --cp 1,{torch.cuda.device_count()} or fewer"
+        )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,26 +130,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="ring", choices=("ring", "allgather"))
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument(
-        "--mix", action="store_true", help=f"one micro-batch of {len(SPEECH_MIX)} clips of {SPEECH_MIX} s instead"
+        "--mix",
+        action="store_true",
+        help=f"one micro-batch of {len(SPEECH_MIX)} clips of {SPEECH_MIX} s instead",
     )
     ap.add_argument(
         "--split-threshold",
         default="auto",
         help="parallel.cp_split_threshold values to compare, comma-separated (e.g. auto,0)",
     )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo, one process per CP rank (default); cuda: NCCL, one GPU per CP rank",
+    )
     args = ap.parse_args(argv)
+    cps = [int(x) for x in args.cp.split(",")]
+    problem = check_device(args.device, max(cps))
+    if problem:
+        print(f"speechlm bench cp: {problem}", file=sys.stderr)
+        return 2
 
     from parallel.testing import run_distributed
 
     rows = []
     thresholds = args.split_threshold.split(",")
-    for cp in [int(x) for x in args.cp.split(",")]:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    for cp in cps:
         for th in thresholds if cp > 1 else thresholds[:1]:
-            body_args = (cp, args.kind, args.steps, args.clips, args.seconds, th, args.mix)
+            body_args = (cp, args.kind, args.steps, args.clips, args.seconds, th, args.mix, args.device)
             if cp == 1:
                 res = rank_body(0, 1, *body_args)
             else:
-                res = run_distributed(rank_body, cp, "gloo", *body_args, timeout_s=1200)[0]
+                res = run_distributed(rank_body, cp, backend, *body_args, timeout_s=1200)[0]
             rows.append((cp, th if cp > 1 else "-", res["median_s"]))
             print(f"cp={cp} threshold={rows[-1][1]}: {res['median_s'] * 1000:.0f} ms/step", flush=True)
     base = rows[0][2]
