@@ -18,9 +18,11 @@ with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and
 layer, so no layer syncs the device to read lengths.
 
 Kernels: `VARLEN_KERNELS` maps a name to its (fwd, bwd) pair; `select_varlen_kernel` picks one by
-device and dtype among those registered. Only the any-device reference (SDPA-with-LSE kernels of
-`parallel.attention_ops`, one launch per distinct (Lq, Lk) pair, exact, used by CI) is registered in this build; `KERNEL_CALLS`
-counts calls into the interface (what `speechlm bench attention-calls` is meant to read).
+device and dtype among those registered: the any-device reference (SDPA-with-LSE kernels of
+`parallel.attention_ops`, one launch per distinct (Lq, Lk) pair, exact, used by CI), and on CUDA
+builds `torch_varlen`, torch's own flash-attention varlen kernels (one launch per pack, fp16/bf16,
+native GQA), chosen for half precision on CUDA. flash-attn's own varlen functions are not wrapped
+yet. `KERNEL_CALLS` counts calls into the interface (what `speechlm bench attention-calls` reads).
 """
 
 from __future__ import annotations
@@ -173,9 +175,55 @@ def reference_bwd(
     return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
 
 
+def _aten_flash() -> tuple[Any, Any]:
+    """torch's own flash-attention varlen ops (the kernels behind `torch.nn.attention.varlen`); one
+    indirection so that tests can stand in for them on a machine without CUDA."""
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
+def torch_varlen_fwd(
+    q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """torch's flash varlen forward (CUDA, fp16/bf16): K/V keep their G heads (flash-attn 2 takes GQA
+    natively), the LSE comes back as (H, T) fp32, the interface's layout. The same positional call
+    works on torch 2.10, 2.11 and 2.13 (the keyword arguments that changed, `enable_gqa` and the
+    window sizes of `varlen_attn`, are not used)."""
+    fwd, _ = _aten_flash()
+    out, lse, *_ = fwd(
+        q_THD, k_TGD, v_TGD, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k,
+        0.0, causal, False, scale=scale,
+    )  # fmt: skip
+    return out, lse.float()
+
+
+def torch_varlen_bwd(
+    dout_THD: Tensor,
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    out_THD: Tensor,
+    lse_HT: Tensor,
+    meta: VarlenMeta,
+    causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `torch_varlen_fwd` with (out, lse) as given, so a ring may pass the merged ones."""
+    _, bwd = _aten_flash()
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)  # no dropout: never read
+    unused = torch.empty(0, device=q_THD.device)
+    dq, dk, dv = bwd(
+        dout_THD, q_THD, k_TGD, v_TGD, out_THD.to(q_THD.dtype), lse_HT.float().contiguous(),
+        meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_q, meta.max_k, 0.0, causal, rng_state, unused,
+        scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 VARLEN_KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, ...]]]] = {
     "reference": (reference_fwd, reference_bwd),
 }
+if torch.backends.cuda.is_built() and hasattr(torch.ops.aten, "_flash_attention_forward"):
+    VARLEN_KERNELS["torch_varlen"] = (torch_varlen_fwd, torch_varlen_bwd)
 
 
 def select_varlen_kernel(device: torch.device | str, dtype: torch.dtype) -> str:

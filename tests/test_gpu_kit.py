@@ -64,6 +64,44 @@ def randn(*shape, dtype, seed):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+def test_torch_varlen_kernel_of_the_interface_against_fp64(dtype, causal, heads):
+    """`parallel.varlen`'s torch_varlen kernel (torch's flash varlen ops): out, the (H, T) LSE and the
+    gradients against fp64 per sequence, GQA passed natively, one call for the whole pack."""
+    from parallel.varlen import (
+        VARLEN_KERNELS,
+        build_varlen_meta,
+        select_varlen_kernel,
+        varlen_bwd,
+        varlen_fwd,
+    )
+
+    assert "torch_varlen" in VARLEN_KERNELS and select_varlen_kernel(DEV, dtype) == "torch_varlen"
+    H, G, D = heads[0], heads[1], 64
+    cu = [0]
+    for n in LENS:
+        cu.append(cu[-1] + n)
+    meta = build_varlen_meta(cu, device=DEV)
+    q = randn(cu[-1], H, D, dtype=dtype, seed=1).requires_grad_()
+    k = randn(cu[-1], G, D, dtype=dtype, seed=2).requires_grad_()
+    v = randn(cu[-1], G, D, dtype=dtype, seed=3).requires_grad_()
+    scale = D**-0.5
+    out, lse = varlen_fwd(q, k, v, meta, causal=causal, scale=scale)
+    assert lse.shape == (H, cu[-1]) and lse.dtype == torch.float32
+    dout = randn(*out.shape, dtype=dtype, seed=4)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, meta, causal=causal, scale=scale)
+    for a, b in zip(cu, cu[1:]):
+        qs, ks, vs = (x[a:b].detach().double().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
+        ref = ref_attention(qs, ks, vs, causal, scale)
+        close(out[a:b].transpose(0, 1)[None], ref, dtype, f"out [{a}:{b}]")
+        ref.backward(dout[a:b].double().transpose(0, 1)[None])
+        close(dq[a:b].transpose(0, 1)[None], qs.grad, dtype, f"dq [{a}:{b}]")
+        close(dk[a:b].transpose(0, 1)[None], ks.grad, dtype, f"dk [{a}:{b}]")
+        close(dv[a:b].transpose(0, 1)[None], vs.grad, dtype, f"dv [{a}:{b}]")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
