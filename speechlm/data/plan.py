@@ -94,7 +94,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
         pool = pa.default_memory_pool()
         lo = 0
         for group in range(f.num_row_groups):
-            batch = f.read_row_group(group, columns=["duration", "lang"])
+            batch = f.read_row_group(group, columns=["duration", "lang"], use_threads=False)
             for column in ("duration", "lang"):
                 if batch.column(column).null_count:
                     raise ValueError(
@@ -114,7 +114,9 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
                 at += len(chunk)
             if chars is not None:  # alone, in small pieces: a row group's texts are never held whole
                 at = lo
-                for piece in f.iter_batches(batch_size=1 << 16, row_groups=[group], columns=["text"]):
+                for piece in f.iter_batches(
+                    batch_size=1 << 16, row_groups=[group], columns=["text"], use_threads=False
+                ):
                     chars[at : at + piece.num_rows] = pc.utf8_length(piece.column(0)).to_numpy(
                         zero_copy_only=False
                     )
