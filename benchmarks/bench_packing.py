@@ -150,7 +150,10 @@ def count_frames(
         enc = real_enc
     else:
         sub = enc = len(batch) * int(enc_lens.max())
-    lens = [int(p[0].shape[0]) - 1 + a for p, a in zip(ctx.prompts(batch), proj_lens)]
+    lens = [
+        int(p[0].shape[0]) - 1 + a
+        for p, a in zip(model.build_prompts(batch.tokens, batch.token_lens), proj_lens)
+    ]
     dec = sum(lens) if packed_decoder else len(lens) * max(lens)
     return {"enc_real": real_enc, "enc": enc, "sub": sub, "dec_real": sum(lens), "dec": dec}
 
