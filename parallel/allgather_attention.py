@@ -1,65 +1,127 @@
-"""All-gather-KV context-parallel attention for packed (THD) sequences.
+"""All-gather-KV context-parallel attention for packed (THD) sequences, on the varlen kernel interface.
 
-Letters: T local tokens, G global tokens (= R*T), H heads (Hq, Hkv), D head dim, R CP ranks,
-c chunk size, n sequences of one chunk size.
+Letters: T local tokens, G global tokens (= R*T), H query heads, K key/value heads, D head dim,
+R CP ranks, r this rank, c a sequence's chunk size, g0 its global start.
 
-Forward. Each rank all-gathers K and V (one stacked buffer) from the CP group. The gather is
-rank-major: row r*T + i holds global token ``cp_all_rank_indices_thd(cu_global)[r, i]``, so one
-inverse permutation puts the K/V of every sequence back in global order (cu_global = R * local).
-The local queries then attend to the global K/V of their own sequence. A local chunk k (k = r
-for the first local chunk, k = 2R-1-r for the second) of a sequence starting at global row g0
-sees global keys [g0, g0 + (k+1)c): a causal rectangle aligned bottom-right, computed as two
-blocks merged with their log-sum-exp:
+Layout (``parallel.cp_shard``): every sequence of global length 2Rc is cut into 2R chunks and rank r
+keeps chunk r then chunk 2R-1-r, so its local copy is 2c rows and local cu_seqlens = global / R.
+Each rank all-gathers K and V (one stacked buffer); row s*T + i of the rank-major gather holds
+global token ``cp_all_rank_indices_thd(cu_global)[s, i]``, and one inverse permutation (computed once
+per micro-batch) puts the K/V of every sequence back in global order.
 
-    prefix    chunk-k queries x keys [g0, g0 + k*c), no mask (skipped when k = 0)
-    diagonal  chunk-k queries x keys [g0 + k*c, g0 + (k+1)*c), square causal
+Causal attention. Local chunk k (k = r for the first half, k = 2R-1-r for the second) of a sequence
+sees global keys [g0, g0 + (k+1)c): a causal rectangle aligned bottom-right, split into
 
-Without ``causal`` each local query sees the whole sequence.
+    diagonal  chunk k x chunk k, square causal: these keys are the rank's OWN chunks, so all
+              sequences' diagonals are one causal call over the local q/k/v with cu_seqlens at
+              every half (no gathered K/V needed);
+    prefix    chunk k x keys [g0, g0 + k*c), no mask: one non-causal call over every sequence's
+              two halves; the keys of each (sequence, half) are gathered into one contiguous block
+              (rows g0 .. g0 + k*c of the global K/V). With r = 0 the first half has no prefix and
+              only the second halves' queries take part.
 
-Backward. dq stays local; dK/dV are accumulated in fp32 for the whole gathered K/V, permuted
-back to rank-major order and reduce-scattered (sum), so each rank receives the gradient of its
-own rows from every rank's queries.
+so a layer makes **two** calls into ``parallel.varlen`` forward and two backward, whatever the number
+of utterances (one when cp = 1: the local pack is the whole pack). Without ``causal`` every local
+query sees its whole sequence: one call over the global K/V in global order.
+The calls and their row selections are a pure function of the local boundaries, rank and cp
+(`plan_allgather`), built once per micro-batch from host integers and handed to every layer; each
+call is a `parallel.ring_step.RingStepPlan` run by the same step functions the ring uses.
 
-Memory: the gathered K/V of all sequences (G rows) is kept for the backward.
+Backward. dq stays local. The diagonal's dK/dV are this rank's own rows. The prefix's dK/dV are
+added, in fp32, into a gradient of the whole global K/V, which is permuted back to rank-major order
+and reduce-scattered (sum), so each rank receives the gradient of its rows from every rank's queries.
+
+Memory: the gathered K/V of all sequences (G rows) is kept for the backward, plus the prefix call's
+gathered keys during a call ((2R-1)c rows per sequence).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
 from parallel.collectives import all_gather_into as _all_gather
 from parallel.collectives import reduce_scatter_into as _reduce_scatter
 from parallel.cp_shard import cp_all_rank_indices_thd, inverse_permutation
-from parallel.ring_attention import check_cp_inputs, local_chunk_groups
+from parallel.ring_attention import check_cp_inputs, check_local_boundaries
+from parallel.ring_step import RingStepPlan, merge_step, ring_step_bwd, ring_step_fwd
+from parallel.varlen import build_varlen_meta
 
-__all__ = ["allgather_attention_thd"]
+__all__ = ["allgather_attention_thd", "plan_allgather", "AllGatherPlan"]
+
+LOCAL, GLOBAL = "local", "global"  # which K/V a call reads: this rank's own rows, or the gathered pack
 
 
-def _allgather_blocks(
-    groups: list[tuple[int, Tensor]], cp_size: int, cp_rank: int, causal: bool
-) -> list[IndexBlock]:
-    """Blocks pairing local query rows with global K/V rows (see the module docstring)."""
-    blocks = []
-    for c, starts in groups:
-        ar = torch.arange(c, device=starts.device)
-        g0 = starts * cp_size  # global start of each sequence (local start * R)
-        if not causal:
-            q_BL = starts[:, None] + torch.arange(2 * c, device=starts.device)
-            k_BL = g0[:, None] + torch.arange(2 * c * cp_size, device=starts.device)
-            blocks.append(IndexBlock(q_BL, k_BL, False))
-            continue
-        for half, chunk in ((0, cp_rank), (1, 2 * cp_size - 1 - cp_rank)):
-            q_BL = starts[:, None] + half * c + ar
-            if chunk > 0:
-                prefix_BL = g0[:, None] + torch.arange(chunk * c, device=starts.device)
-                blocks.append(IndexBlock(q_BL, prefix_BL, False))
-            blocks.append(IndexBlock(q_BL, g0[:, None] + chunk * c + ar, True))
-    return blocks
+@dataclass(frozen=True)
+class AllGatherPlan:
+    """The varlen calls of one layer on one rank, and the gather's permutation: built once per micro-batch."""
+
+    perm_G: Tensor  # (R*T,) global index of each row of the rank-major gather
+    inv_perm_G: Tensor  # (G,) rank-major row of each global index
+    calls: tuple[tuple[str, RingStepPlan], ...]  # (LOCAL or GLOBAL, the call)
+
+
+def _concat_ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device | str) -> Tensor:
+    """[s0, s0+1, .., s0+l0-1, s1, ..]: the rows of several ranges, concatenated, without a Python loop."""
+    lengths_N = torch.tensor(lengths, dtype=torch.long)
+    total = int(lengths_N.sum())
+    offsets_N = lengths_N.cumsum(0) - lengths_N
+    base_T = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - offsets_N, lengths_N)
+    return (torch.arange(total) + base_T).to(device)
+
+
+def _boundaries(lengths: Sequence[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def plan_allgather(
+    local_cu: Sequence[int],
+    cp_size: int,
+    cp_rank: int,
+    causal: bool = True,
+    device: torch.device | str = "cpu",
+) -> AllGatherPlan:
+    """All-gather attention's calls on rank `cp_rank` (a pure function of host integers; see the module
+    docstring). `local_cu` are the local boundaries, every local length even (two chunks of c)."""
+    local_cu = check_local_boundaries(local_cu)
+    R, r = cp_size, cp_rank
+    if not 0 <= r < R:
+        raise ValueError(f"cp_rank must be in [0, {R}), got {r}")
+    global_cu = [b * R for b in local_cu]
+    perm_G = cp_all_rank_indices_thd(torch.tensor(global_cu, dtype=torch.long), R).flatten()
+    inv_perm_G = inverse_permutation(perm_G)
+    chunks = [(b - a) // 2 for a, b in zip(local_cu, local_cu[1:], strict=False)]
+    if not causal:  # every local query over its whole sequence, keys in global order
+        meta = build_varlen_meta(local_cu, global_cu, device=device)
+        calls: tuple[tuple[str, RingStepPlan], ...] = ((GLOBAL, RingStepPlan(None, None, meta, False)),)
+    elif R == 1:  # the local pack is the whole pack: one causal call
+        calls = ((LOCAL, RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), True)),)
+    else:
+        halves = [c for c in chunks for _ in (0, 1)]
+        diagonal = RingStepPlan(None, None, build_varlen_meta(_boundaries(halves), device=device), True)
+        # prefix: (sequence, half) pairs whose prefix is not empty; half 0 of rank 0 has none
+        q_starts, k_starts, q_lens, k_lens = [], [], [], []
+        for n, c in enumerate(chunks):
+            for half, chunk in ((0, r), (1, 2 * R - 1 - r)):
+                if chunk == 0:
+                    continue
+                q_starts.append(local_cu[n] + half * c)
+                q_lens.append(c)
+                k_starts.append(global_cu[n])
+                k_lens.append(chunk * c)
+        q_rows = None if r > 0 else _concat_ranges(q_starts, q_lens, device)
+        k_rows = _concat_ranges(k_starts, k_lens, device)
+        meta = build_varlen_meta(_boundaries(q_lens), _boundaries(k_lens), device=device)
+        calls = ((LOCAL, diagonal), (GLOBAL, RingStepPlan(q_rows, k_rows, meta, False)))
+    return AllGatherPlan(perm_G.to(device), inv_perm_G.to(device), calls)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -75,53 +137,60 @@ class _AllGatherAttention(torch.autograd.Function):
         cp_rank: int,
         scale: float | None,
         causal: bool,
-        host_cu: list[int] | None,
+        plan: AllGatherPlan | None,
     ) -> Tensor:
         check_cp_inputs(q, k, v, group, cp_size, cp_rank)
-        n_local = q.shape[0]
-        groups = local_chunk_groups(cu_seqlens_local if host_cu is None else host_cu, n_local, q.device)
-        blocks = _allgather_blocks(groups, cp_size, cp_rank, causal)
-        kv_local = torch.stack([k, v])  # (2, T, Hkv, D)
+        if plan is None:
+            plan = plan_allgather(cu_seqlens_local.tolist(), cp_size, cp_rank, causal, q.device)
+        kv_local = torch.stack([k, v])  # (2, T, K, D)
         if cp_size > 1:
             # concatenated (not stacked) output: the form every backend accepts
             gathered = kv_local.new_empty((cp_size * 2, *kv_local.shape[1:]))
             _all_gather(gathered, kv_local, group)
-            gathered = gathered.unflatten(0, (cp_size, 2))
+            kv_rank_major = (
+                gathered.unflatten(0, (cp_size, 2)).transpose(0, 1).flatten(1, 2)
+            )  # (2, R*T, K, D)
+            kv_global = kv_rank_major.index_select(1, plan.inv_perm_G)
         else:
-            gathered = kv_local.unsqueeze(0)
-        # rank-major rows -> global order
-        perm_G = cp_all_rank_indices_thd(cu_seqlens_local.long() * cp_size, cp_size).flatten().to(q.device)
-        kv_rank_major = gathered.transpose(0, 1).flatten(1, 2)  # (2, R*T, Hkv, D)
-        kv_global = kv_rank_major.index_select(1, inverse_permutation(perm_G))
+            kv_global = kv_local
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for block in blocks:
-            block_attn_fwd_(q, kv_global[0], kv_global[1], block, out_acc, lse_acc, scale=scale)
+        lse_acc = torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float32, device=q.device)  # (H, T)
+        for source, call in plan.calls:
+            kv = kv_local if source == LOCAL else kv_global
+            o, lse = ring_step_fwd(q, kv[0], kv[1], call, scale)  # one varlen call
+            out_acc, lse_acc = merge_step(out_acc, lse_acc, o.float(), lse, call)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, kv_global, out, lse_acc, perm_G)
-        ctx.blocks, ctx.group, ctx.cp_size, ctx.scale = blocks, group, cp_size, scale
+        ctx.save_for_backward(q, kv_local, kv_global, out, lse_acc)
+        ctx.plan, ctx.group, ctx.cp_size, ctx.scale = plan, group, cp_size, scale
         ctx.k_dtype, ctx.v_dtype = k.dtype, v.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, kv_global, out, lse, perm_G = ctx.saved_tensors
+        q, kv_local, kv_global, out, lse = ctx.saved_tensors
+        plan: AllGatherPlan = ctx.plan
         grad_out = grad_out.contiguous()
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_global = torch.zeros(kv_global.shape, dtype=torch.float32, device=q.device)
-        for block in ctx.blocks:
-            block_attn_bwd_(
-                grad_out, q, kv_global[0], kv_global[1], out, lse, block,
-                dq_acc, dkv_global[0], dkv_global[1], scale=ctx.scale,
-            )  # fmt: skip
+        dkv = {
+            LOCAL: torch.zeros(kv_local.shape, dtype=torch.float32, device=q.device),
+            GLOBAL: torch.zeros(kv_global.shape, dtype=torch.float32, device=q.device),
+        }
+        for source, call in plan.calls:
+            kv = kv_local if source == LOCAL else kv_global
+            dq_s, dk_s, dv_s = ring_step_bwd(grad_out, q, kv[0], kv[1], out, lse, call, ctx.scale)
+            dq_acc += dq_s.float()
+            dkv[source][0] += dk_s.float()
+            dkv[source][1] += dv_s.float()
         cp_size, n_local = ctx.cp_size, q.shape[0]
-        # global order -> rank-major (R, 2, T, Hkv, D), then sum every rank's share into its owner
-        dkv_rank_major = dkv_global.index_select(1, perm_G).unflatten(1, (cp_size, n_local)).transpose(0, 1)
+        dkv_local = dkv[LOCAL]
         if cp_size > 1:
-            dkv_local = dkv_global.new_empty(dkv_rank_major.shape[1:])
-            _reduce_scatter(dkv_local, dkv_rank_major.flatten(0, 1).contiguous(), ctx.group)
+            # global order -> rank-major (R, 2, T, K, D), then sum every rank's share into its owner
+            dkv_rank_major = dkv[GLOBAL].index_select(1, plan.perm_G).unflatten(1, (cp_size, n_local))
+            received = torch.empty_like(dkv_local)
+            _reduce_scatter(received, dkv_rank_major.transpose(0, 1).flatten(0, 1).contiguous(), ctx.group)
+            dkv_local = dkv_local + received
         else:
-            dkv_local = dkv_rank_major[0]
+            dkv_local = dkv_local + dkv[GLOBAL]
         return (
             dq_acc.to(q.dtype), dkv_local[0].to(ctx.k_dtype), dkv_local[1].to(ctx.v_dtype),
             None, None, None, None, None, None, None,
@@ -139,14 +208,15 @@ def allgather_attention_thd(
     cp_rank: int,
     scale: float | None,
     causal: bool = True,
-    host_cu: list[int] | None = None,
+    plan: AllGatherPlan | None = None,
 ) -> Tensor:
     """Same contract as :func:`parallel.ring_attention.ring_attention_thd`, via all-gather of K/V.
 
-    q_THD [T, Hq, D], k_THD/v_THD [T, Hkv, D] in the ``cp_shard`` layout, local cu_seqlens.
-    Returns out_THD [T, Hq, D] in q's dtype (fp32 accumulation); differentiable. ``host_cu``, the
-    local boundaries as host integers (read once per micro-batch), spares a device sync per layer.
+    q_THD [T, H, D], k_THD/v_THD [T, K, D] in the ``cp_shard`` layout, local cu_seqlens.
+    Returns out_THD [T, H, D] in q's dtype (fp32 accumulation); differentiable. ``plan``
+    (`plan_allgather` on host integers, once per micro-batch) spares every layer reading
+    ``cu_seqlens_local`` back from the device; it must have been built with the same ``causal``.
     """
     return _AllGatherAttention.apply(
-        q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal, host_cu
+        q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal, plan
     )

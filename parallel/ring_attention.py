@@ -31,7 +31,6 @@ each block travels an fp32 accumulator of its dK/dV: at step j the rank adds its
 s (``attn_bwd`` with the final merged out/lse) to the accumulator it received, and passes it on
 at step j+1; after step R-1 one last hop delivers each accumulator to its owner.
 
-Sequences are processed per chunk size c: all sequences with the same c run as one batch.
 """
 
 from __future__ import annotations
@@ -45,40 +44,32 @@ from torch import Tensor
 
 from parallel.ring_step import RingStepPlan, merge_step, plan_ring_step, ring_step_bwd, ring_step_fwd
 
-__all__ = ["ring_attention_thd", "local_chunk_groups", "check_cp_group", "plan_ring"]
+__all__ = ["ring_attention_thd", "check_local_boundaries", "check_cp_group", "plan_ring"]
 
 _TAG_KV = 11
 _TAG_DKV = 12
 
 
-def local_chunk_groups(
-    cu_seqlens_local: Tensor | Sequence[int], n_tokens: int, device: torch.device | None = None
-) -> list[tuple[int, Tensor]]:
-    """[(c, local starts [n])] of the local sequences grouped by chunk size c (c > 0 only).
-
-    Each local sequence has 2c rows: chunk r at [start, start+c), chunk 2R-1-r after it. Host
-    integers (with `device`) avoid reading the boundaries back from the device.
-    """
-    if isinstance(cu_seqlens_local, Tensor):
-        device = cu_seqlens_local.device if device is None else device
-        cu = [int(x) for x in cu_seqlens_local.tolist()]
-    else:
-        cu = [int(x) for x in cu_seqlens_local]
-    if not cu or cu[0] != 0 or cu[-1] != n_tokens:
+def check_local_boundaries(
+    cu_seqlens_local: Tensor | Sequence[int], n_tokens: int | None = None
+) -> list[int]:
+    """The local boundaries as host integers, checked: from 0 to the local token count (`n_tokens`,
+    when given), every local sequence two chunks of equal size (an even length)."""
+    cu = [
+        int(x)
+        for x in (cu_seqlens_local.tolist() if isinstance(cu_seqlens_local, Tensor) else cu_seqlens_local)
+    ]
+    if not cu or cu[0] != 0 or (n_tokens is not None and cu[-1] != n_tokens):
         raise ValueError(
             f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
         )
-    by_c: dict[int, list[int]] = {}
-    for n in range(len(cu) - 1):
-        length = cu[n + 1] - cu[n]
-        if length < 0 or length % 2:
+    for n, (a, b) in enumerate(zip(cu, cu[1:], strict=False)):
+        if b < a or (b - a) % 2:
             raise ValueError(
-                f"local sequence {n} has length {length}; under CP every local sequence is two chunks of "
+                f"local sequence {n} has length {b - a}; under CP every local sequence is two chunks of "
                 "equal size, so its global length must be a multiple of 2*cp"
             )
-        if length:
-            by_c.setdefault(length // 2, []).append(cu[n])
-    return [(c, torch.tensor(starts, device=device, dtype=torch.long)) for c, starts in sorted(by_c.items())]
+    return cu
 
 
 def check_cp_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) -> None:
@@ -140,15 +131,9 @@ def plan_ring(
 
     Give the boundaries as host integers (and the device) to plan without a device sync: a caller
     that plans once per micro-batch passes the plans to every layer (`ring_attention_thd(plans=)`)."""
-    if isinstance(cu_seqlens_local, Tensor):
-        device = cu_seqlens_local.device if device is None else device
-        cu = [int(x) for x in cu_seqlens_local.tolist()]
-    else:
-        cu = [int(x) for x in cu_seqlens_local]
-    if not cu or cu[0] != 0 or cu[-1] != n_tokens:
-        raise ValueError(
-            f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
-        )
+    if isinstance(cu_seqlens_local, Tensor) and device is None:
+        device = cu_seqlens_local.device
+    cu = check_local_boundaries(cu_seqlens_local, n_tokens)
     return [plan_ring_step(cu, s, cp_rank, cp_size, device or "cpu", causal=causal) for s in range(cp_size)]
 
 

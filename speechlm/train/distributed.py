@@ -49,12 +49,14 @@ class CPAttention:
 
     def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
         """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
-        the ring's step plans, or the all-gather's local boundaries. No device sync in any layer."""
+        the ring's step plans, or the all-gather's calls and permutation. No device sync in any layer."""
         if self.kind == "ring":
             from parallel.ring_attention import plan_ring
 
             return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
-        return {"host_cu": list(host_cu)}
+        from parallel.allgather_attention import plan_allgather
+
+        return {"plan": plan_allgather(host_cu, self.cp_size, self.cp_rank, True, device)}
 
     def attention(
         self,

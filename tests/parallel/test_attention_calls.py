@@ -17,11 +17,14 @@ def test_one_process_makes_one_call_each_way(n):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("kind", ["ring", "allgather"])
 @pytest.mark.parametrize("threshold", [0, "auto"])
-def test_cp2_stays_within_two_cp_calls_for_20_and_200_utterances(threshold):
+def test_cp2_stays_within_two_cp_calls_for_20_and_200_utterances(kind, threshold):
     for n in (20, 200):
         per_rank = run_distributed(
-            bench.one_layer, 2, "gloo", bench.pack_lengths(n), threshold, timeout_s=300
+            bench.one_layer, 2, "gloo", bench.pack_lengths(n), threshold, kind, timeout_s=300
         )
         for counts in per_rank:
             assert 1 <= counts["fwd"] <= 4 and 1 <= counts["bwd"] <= 4, (n, counts)
+            if threshold == 0:  # every utterance split: the ring makes cp calls, the all-gather two
+                assert counts["fwd"] == counts["bwd"] == 2, (kind, n, counts)
