@@ -106,6 +106,7 @@ class ValidationContext:
     encoder_kind: str = "parakeet"  # model.encoder.kind
     encoder_packed: bool | None = None  # model.encoder.packed (None: on where supported)
     precision: str = "auto"  # trainer.precision
+    cp_attention: str = "ring"  # parallel.cp_attention: "ring" or "allgather"
 
     @property
     def on_gpu(self) -> bool:
@@ -179,6 +180,7 @@ class ValidationContext:
             "dp_shard_resolved": self.dp_shard_resolved,
             "cp_size": self.cp,
             "tp_size": self.tp,
+            "cp_attention": self.cp_attention,
             "packed_sequences": self.packed,
             "attention_backend": self.backend,
             "validate_only": self.validate_only,
@@ -238,4 +240,5 @@ def build_context(
         encoder_kind=str(getattr(model.encoder, "kind", "parakeet")),
         encoder_packed=getattr(model.encoder, "packed", None),
         precision=str(getattr(trainer, "precision", "auto")),
+        cp_attention=str(getattr(par, "cp_attention", "ring")),
     )

@@ -25,6 +25,10 @@ from parallel.validator.versions import VERSION_TABLE, try_parse_version
 # compute capabilities on which transformer-engine's cuDNN fused attention backward amplifies
 # gradients with THD inputs (finite loss first, then divergence); NVTE_FUSED_ATTN=0 is required there
 FUSED_ATTN_BROKEN_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(12, 0)})
+# compute capabilities on which transformer-engine's THD context parallelism (its p2p ring) is known-good:
+# A100 (8.0) and H100/H200 (9.0), where TE's CP is developed and NeMo/Megatron run it; add a row only
+# after `pytest -m gpu` and a gradient comparison against the reference backend on that GPU
+TE_CP_VERIFIED_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(8, 0), (9, 0)})
 # oldest GPU generation each backend's kernels run on (FlashAttention-2 kernels: Ampere, sm_80, and newer)
 MIN_CAPABILITY: dict[str, tuple[int, int]] = {"flash": (8, 0), "torch_varlen": (8, 0)}
 # backends whose forward runs on CPU although the backward does not (validation-only runs are fine)
@@ -97,6 +101,15 @@ def _te_thd_without_backend(ctx: ValidationContext) -> str:
     if ctx.installed.get("flash-attn") is None:
         return "flash-attn is not installed"
     return ""
+
+
+def _te_cp(ctx: ValidationContext) -> bool:
+    return ctx.backend == "te" and ctx.cp > 1 and ctx.packed
+
+
+def _te_cp_unverified_gpu(ctx: ValidationContext) -> bool:
+    cap = ctx.device_capability
+    return _te_cp(ctx) and cap is not None and cap not in TE_CP_VERIFIED_CAPABILITIES
 
 
 def _heads_problems(ctx: ValidationContext) -> list[str]:
@@ -176,6 +189,10 @@ def _gpu_too_old(ctx: ValidationContext) -> str:
     )
 
 
+def _half_precision_only(backend: str, packed: bool) -> bool:
+    return backend in HALF_PRECISION_ONLY and (packed or backend != "te")  # te's unfused BSHD path takes fp32
+
+
 def _faster_alternatives(ctx: ValidationContext) -> list[str]:
     return [
         n
@@ -184,19 +201,20 @@ def _faster_alternatives(ctx: ValidationContext) -> list[str]:
         and b.gpu
         and not b.cpu
         and (b.thd if ctx.packed else b.bshd)
-        and (b.cp or ctx.cp == 1)
+        and (ctx.cp == 1 or (b.cp and ctx.packed))
+        and not (ctx.precision == "32" and _half_precision_only(n, ctx.packed))
     ]
 
 
 def _fp32_into_half_only_kernel(ctx: ValidationContext) -> bool:
-    if ctx.precision != "32" or ctx.backend not in HALF_PRECISION_ONLY:
-        return False
-    return ctx.packed or ctx.backend != "te"  # te's unfused BSHD path takes fp32
+    return ctx.precision == "32" and _half_precision_only(ctx.backend, ctx.packed)
 
 
 def _reference_at_scale(ctx: ValidationContext) -> str:
     if ctx.backend != "reference" or not ctx.on_gpu or ctx.world_size < REFERENCE_SCALE_WORLD_SIZE:
         return ""
+    if ctx.packed and ctx.precision != "32":
+        return ""  # its THD path already runs the fused varlen kernels in half precision (parallel/varlen.py)
     return ", ".join(_faster_alternatives(ctx))
 
 
@@ -282,6 +300,36 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         fix="set model.attention_backend to a backend with CP support ({cp_backends}), or parallel.cp_size=1",
         doc="Under CP each rank holds 2 of the 2*cp chunks of every sequence, so the backend must exchange "
         "keys and values between ranks (ring or all-gather); backend_caps.py says which backends do.",
+    ),
+    Rule(
+        id="te-cp-allgather",
+        level=ERROR,
+        when="transformer-engine with cp > 1 and parallel.cp_attention=allgather",
+        applies=lambda c: _te_cp(c) and c.cp_attention != "ring",
+        reason="model.attention_backend=te with cp={cp} and parallel.cp_attention=allgather: "
+        "transformer-engine's all-gather (and a2a) context parallelism has no THD (packed) path",
+        fix="set parallel.cp_attention=ring (transformer-engine's p2p ring), or "
+        "model.attention_backend=reference to keep the all-gather",
+        doc="Under CP the te backend hands the split sequences to transformer-engine's own context "
+        "parallelism; of its communication types only p2p (the ring) takes qkv_format=thd.",
+    ),
+    Rule(
+        id="te-cp-unverified-gpu",
+        level=ERROR,
+        when="transformer-engine with cp > 1 on a GPU not in the known-good table",
+        applies=_te_cp_unverified_gpu,
+        reason="model.attention_backend=te with cp={cp} on {device}: transformer-engine's THD context "
+        "parallelism is known-good on compute capabilities "
+        + ", ".join(f"{a}.{b}" for a, b in sorted(TE_CP_VERIFIED_CAPABILITIES))
+        + " only",
+        fix="use model.attention_backend=reference (ring or all-gather attention on the GPU varlen "
+        "kernels), or compare te's gradients against it on this GPU (`pytest -m gpu`) and add the "
+        "capability to TE_CP_VERIFIED_CAPABILITIES in parallel/validator/rules.py",
+        doc="THD context parallelism in transformer-engine runs a ring of fused-attention or flash-attn "
+        "calls per step; its numerics have only been relied on where NeMo and Megatron-LM train with "
+        "it (A100, H100/H200). The sm_120 gradient amplification of cuDNN's fused backward (rule "
+        "te-fused-attn-sm120) is one reason not to assume other GPUs behave. Without a GPU "
+        "(backend-needs-gpu) this rule does not fire.",
     ),
     Rule(
         id="te-fused-attn-sm120",
@@ -406,15 +454,18 @@ PARALLEL_RULES: tuple[Rule, ...] = (
     Rule(
         id="reference-at-scale",
         level=WARNING,
-        when=f"the reference backend on GPUs with world size >= {REFERENCE_SCALE_WORLD_SIZE}, when a "
-        "fused GPU backend exists for the layout",
+        when=f"the reference backend on GPUs with world size >= {REFERENCE_SCALE_WORLD_SIZE}, padded or in "
+        "fp32, when a fused GPU backend exists for the layout",
         applies=_reference_at_scale,
-        reason="model.attention_backend=reference on {world_size} GPUs: it is the correctness reference "
-        "built from unfused torch ops, slower than the fused kernels",
+        reason="model.attention_backend=reference on {world_size} GPUs with the {layout} layout: there it "
+        "runs its exact kernels (padded SDPA, or one launch per distinct sequence length in fp32), slower "
+        "than the fused ones",
         fix="for speed set model.attention_backend to one of: {details} (after checking it against "
         "reference)",
-        doc="Only raised when backend_caps offers a GPU backend for this layout (THD or BSHD, and CP when "
-        "cp > 1); while reference is the only backend with CP, CP jobs are not flagged.",
+        doc="Only raised when backend_caps offers a GPU backend for this layout (THD or BSHD, CP when "
+        "cp > 1, fp32 kernels under trainer.precision=32). In half precision the reference backend's THD "
+        "path (one process, ring or all-gather CP) already calls the fastest varlen kernel registered "
+        "for the GPU (parallel/varlen.py: torch's or flash-attn's), so it is not flagged.",
     ),
     Rule(
         id="cp-split-threshold",

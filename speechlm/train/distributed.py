@@ -19,6 +19,7 @@ embedding, the rest of the LLM (norm, LM head), the encoder, the projector and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,11 @@ class CPAttention:
         self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
         self.kind = kind
         self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
+        # the group's members as global ranks (transformer-engine's set_context_parallel_group wants them)
+        if group is not None and dist.is_initialized():
+            self.global_ranks = list(dist.get_process_group_ranks(group))
+        else:
+            self.global_ranks = list(range(cp_size))
 
     def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
         """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
@@ -88,16 +94,44 @@ class PlacedCPAttention:
     """Dynamic CP: the first ``n_split`` sequences of the local stream are split over the CP group
     (ring or all-gather attention, their K/V travel); the rest are whole on this rank and attend
     locally with no communication. The placement is identical on every CP rank, so either all ranks
-    run the collective part or none does."""
+    run the collective part or none does.
+
+    Built once per micro-batch from its host boundaries. `attention` is what the reference backend
+    calls; a backend with its own CP kernels (transformer-engine) calls `run` with its own two calls
+    and reads the split part's *global* boundaries (`split_cu_global`, `split_max_global`: each split
+    sequence's full length, the local one times cp) and the group (`group`, `global_ranks`, `kind`)."""
 
     def __init__(self, cp: CPAttention, n_split: int, meta: VarlenMeta):
         self.cp, self.n_split = cp, n_split
+        self.group, self.global_ranks, self.kind = cp.group, cp.global_ranks, cp.kind
+        self.cp_size, self.cp_rank = cp.cp_size, cp.cp_rank
         # the whole part's boundaries, from the micro-batch's host integers: no device sync per layer
         t = meta.cu_q[n_split]
         self.t_split = t
         device = meta.cu_seqlens_q.device
         self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=device)
+        split_cu = [c * cp.cp_size for c in meta.cu_q[: n_split + 1]]
+        self.split_cu_global = torch.tensor(split_cu, dtype=torch.int32, device=device)
+        self.split_max_global = max((b - a for a, b in zip(split_cu, split_cu[1:], strict=False)), default=0)
         self.prepared = cp.prepare(list(meta.cu_q[: n_split + 1]), device) if n_split else None
+
+    def run(
+        self,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        split_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        whole_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta], torch.Tensor],
+    ) -> torch.Tensor:
+        """``split_fn(q, k, v)`` over the split prefix's rows, ``whole_fn(q, k, v, meta)`` over the whole
+        sequences' rows (with their local boundaries), concatenated in the local stream's order."""
+        t = self.t_split
+        parts = []
+        if self.n_split:
+            parts.append(split_fn(q_THD[:t], k_THD[:t], v_THD[:t]))
+        if q_THD.shape[0] > t:
+            parts.append(whole_fn(q_THD[t:], k_THD[t:], v_THD[t:], self.whole))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def attention(
         self,
@@ -107,19 +141,15 @@ class PlacedCPAttention:
         cu_seqlens_local: torch.Tensor,
         scale: float | None,
     ) -> torch.Tensor:
-        n, t = self.n_split, self.t_split
-        parts = []
-        if n:
-            parts.append(
-                self.cp.attention(
-                    q_THD[:t], k_THD[:t], v_THD[:t], cu_seqlens_local[: n + 1], scale, self.prepared
-                )
-            )
-        if q_THD.shape[0] > t:  # one varlen call over every whole sequence of this rank
-            parts.append(
-                varlen_attention(q_THD[t:], k_THD[t:], v_THD[t:], self.whole, causal=True, scale=scale)
-            )
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        """Ring or all-gather attention over the split part, one varlen call over the whole part."""
+        n = self.n_split
+        return self.run(
+            q_THD,
+            k_THD,
+            v_THD,
+            lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
+            lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
+        )
 
 
 def mixed_precision_policy(cfg: Any, device_type: str) -> Any:

@@ -101,6 +101,16 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.attention_backend=flash", "parallel.cp_size=2"), world=2),
         Case(("model.attention_backend=flash", "parallel.cp_size=1"), world=1),
     ),
+    "te-cp-allgather": (
+        Case(
+            ("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_attention=allgather"), world=2
+        ),
+        Case(("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_attention=ring"), world=2),
+    ),
+    "te-cp-unverified-gpu": (
+        Case(("model.attention_backend=te", "parallel.cp_size=2"), world=2, cap=8.9),
+        Case(("model.attention_backend=te", "parallel.cp_size=2"), world=2, cap=9.0),
+    ),
     "te-fused-attn-sm120": (
         Case(("model.attention_backend=te",), cap=12.0),
         Case(("model.attention_backend=te",), cap=12.0, env={"NVTE_FUSED_ATTN": "0"}),
@@ -146,8 +156,8 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.attention_backend=flash",), cap=8.0),
     ),
     "reference-at-scale": (
-        Case(("model.attention_backend=reference",), world=8, cap=9.0),
-        Case(("model.attention_backend=reference",), world=4, cap=9.0),
+        Case(("model.attention_backend=reference", "model.packed_sequences=false"), world=8, cap=9.0),
+        Case(("model.attention_backend=reference", "model.packed_sequences=false"), world=4, cap=9.0),
     ),
     "sampler-budget-invalid": (
         Case(("sampler.max_batch_duration=0",)),
@@ -213,6 +223,8 @@ def expected_layout_ids(
         out.add("bshd-backend-no-padding")
     if cp > 1 and not caps.cp:
         out.add("backend-no-cp")
+    if packed and cp > 1 and backend == "te" and cap is not None and cap != 9.0:
+        out.add("te-cp-unverified-gpu")
     if packed and backend == "te" and nvte != "0" and not validate_only and cap is not None:
         out.add("te-fused-attn-sm120" if cap == 12.0 else "te-fused-attn")
     if cap is None and not caps.cpu and not (validate_only and backend == "flex"):
@@ -373,12 +385,16 @@ def test_flex_on_cpu_is_fine_for_validation_only() -> None:
 
 
 def test_reference_at_scale_suggests_backends_for_the_layout() -> None:
-    (f,) = validate(make_config(), 16, {}, 9.0, INSTALLED)
-    assert f.level == WARNING and "flash" in f.fix and "sdpa" not in f.fix
     (f,) = validate(make_config("model.packed_sequences=false"), 16, {}, 9.0, INSTALLED)
-    assert "sdpa" not in f.fix and "torch_varlen" not in f.fix and "flash" in f.fix
-    assert validate(make_config("parallel.cp_size=2"), 16, {}, 9.0, INSTALLED) == []  # no other CP backend
-    assert validate(make_config(), 16, {}, None, INSTALLED) == []  # CPU
+    assert f.level == WARNING and "sdpa" not in f.fix and "torch_varlen" not in f.fix and "flash" in f.fix
+    (f,) = validate(make_config("trainer.precision=32"), 16, {}, 9.0, INSTALLED)  # fp32 THD: flex only
+    assert f.rule_id == "reference-at-scale" and f.fix.startswith(
+        "for speed set model.attention_backend to one of: flex ("
+    )
+    # half-precision THD, one process or CP: the reference backend already runs the fused varlen kernels
+    assert validate(make_config(), 16, {}, 9.0, INSTALLED) == []
+    assert validate(make_config("parallel.cp_size=2"), 16, {}, 9.0, INSTALLED) == []
+    assert validate(make_config("model.packed_sequences=false"), 16, {}, None, INSTALLED) == []  # CPU
 
 
 def test_token_budget_counts_the_rounded_length() -> None:

@@ -9,6 +9,13 @@ model (it holds no parameters), configured with ``attn_mask_type="padding_causal
 TE's THD output is ``[T, H * D]``. Install with ``pip install speechlm[te]``; set
 ``NVTE_FUSED_ATTN=0`` where the validator says so. The cached core's training mode follows the
 calling module's (``module.training``; grad mode when called without a module).
+
+Context parallelism (``cp_context`` from the training layer): TE's own THD ring (``cp_comm_type="p2p"``,
+set once per cached core with ``set_context_parallel_group``). Our CP layout (rank r keeps chunks r
+and 2cp-1-r of every sequence) is TE's dual-chunk-swap layout, so the split sequences go in with
+their global cu_seqlens unchanged; dynamic CP's whole sequences use a CP-free core. TE's all-gather
+and a2a CP have no THD path, so ``parallel.cp_attention=allgather`` is refused (the validator says
+so first, rule ``te-cp-allgather``).
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.layouts import as_thd
+from speechlm.model.attention.layouts import as_thd, read_varlen_args, to_thd
 from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
-_CORES: dict[tuple[int, int, int, float, float], Any] = {}
+_CORES: dict[tuple[Any, ...], Any] = {}
+# parallel.cp_attention -> transformer-engine's cp_comm_type; TE's all-gather and a2a CP have no THD path
+TE_CP_COMM_TYPES = {"ring": "p2p"}
 
 
 def _import_te() -> Any:
@@ -35,10 +44,26 @@ def _import_te() -> Any:
     return te
 
 
+def _cp_stream() -> Any:
+    """The side stream TE overlaps its CP steps on (None without CUDA, where TE cannot run anyway)."""
+    return torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
 def get_core_attention(
-    te: Any, *, heads: int, groups: int, head_dim: int, scale: float, dropout: float
+    te: Any, *, heads: int, groups: int, head_dim: int, scale: float, dropout: float, cp: Any = None
 ) -> Any:
-    key = (heads, groups, head_dim, float(scale), float(dropout))
+    """The cached ``DotProductAttention`` for these shapes; with ``cp`` (the micro-batch's CP context)
+    one whose context-parallel group is set, once, to the CP group with TE's p2p ring."""
+    key: tuple[Any, ...] = (heads, groups, head_dim, float(scale), float(dropout))
+    if cp is not None:
+        comm = TE_CP_COMM_TYPES.get(cp.kind)
+        if comm is None:
+            raise ValueError(
+                f"parallel.cp_attention={cp.kind} with attention backend 'te': transformer-engine's "
+                "all-gather context parallelism has no THD (packed) path; set parallel.cp_attention=ring "
+                "(TE's p2p ring)"
+            )
+        key += (comm, tuple(cp.global_ranks))
     core = _CORES.get(key)
     if core is None:
         core = te.DotProductAttention(
@@ -50,8 +75,28 @@ def get_core_attention(
             attn_mask_type="padding_causal",
             softmax_scale=scale,
         )
+        if cp is not None:
+            core.set_context_parallel_group(cp.group, list(cp.global_ranks), _cp_stream(), comm)
         _CORES[key] = core
     return core
+
+
+def _call_core(
+    core: Any, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int
+) -> Tensor:
+    """One THD call; TE returns [T, H * D], given back as [T, H, D]."""
+    out = core(
+        q_THD.contiguous(),
+        k_TGD.contiguous(),
+        v_TGD.contiguous(),
+        qkv_format="thd",
+        attn_mask_type="padding_causal",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_k,
+    )
+    return out.reshape(*q_THD.shape[:2], v_TGD.shape[2])
 
 
 @attention_backend("te")
@@ -71,17 +116,47 @@ def attend_te(
     core = get_core_attention(te, heads=H, groups=G, head_dim=D, scale=scale, dropout=dropout)
     # TE picks its kernels by training mode too: follow the model, never the dropout rate (dropout=0
     # in inference mode would let TE choose backends that have no backward)
-    core.train(bool(getattr(module, "training", torch.is_grad_enabled())))
+    training = bool(getattr(module, "training", torch.is_grad_enabled()))
+    core.train(training)
+    cp = kwargs.get("cp_context")
+    if cp is not None:
+        return _attend_te_cp(te, core, cp, query_BHSD, key_BGSD, value_BGSD, kwargs, scale, dropout, training)
     t = as_thd("te", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
-    out = core(
-        t.q_THD.contiguous(),
-        t.k_TGD.contiguous(),
-        t.v_TGD.contiguous(),
-        qkv_format="thd",
-        attn_mask_type="padding_causal",
-        cu_seqlens_q=t.cu_seqlens_q,
-        cu_seqlens_kv=t.cu_seqlens_k,
-        max_seqlen_q=t.max_seqlen_q,
-        max_seqlen_kv=t.max_seqlen_k,
+    out = _call_core(
+        core, t.q_THD, t.k_TGD, t.v_TGD, t.cu_seqlens_q, t.cu_seqlens_k, t.max_seqlen_q, t.max_seqlen_k
     )
-    return t.restore(out.reshape(t.q_THD.shape[0], H, D))
+    return t.restore(out)
+
+
+def _attend_te_cp(
+    te: Any,
+    core: Any,
+    cp: Any,
+    query_BHSD: Tensor,
+    key_BGSD: Tensor,
+    value_BGSD: Tensor,
+    kwargs: Any,
+    scale: float,
+    dropout: float,
+    training: bool,
+) -> tuple[Tensor, None]:
+    """Context parallelism through TE's own THD ring. This rank holds chunks r and 2cp-1-r of every split
+    sequence (`parallel.cp_shard`), which is TE's dual-chunk-swap layout, so TE gets the local tokens
+    with the split sequences' *global* boundaries (`cp.split_cu_global`); dynamic CP's whole sequences
+    attend locally through the CP-free core with their local boundaries."""
+    if read_varlen_args(kwargs, query_BHSD.device) is None:
+        raise ValueError(
+            "cp_context (context parallelism) needs a THD batch: pass cu_seq_lens_q/k to the model"
+        )
+    H, G, D = query_BHSD.shape[1], key_BGSD.shape[1], query_BHSD.shape[3]
+    cp_core = get_core_attention(te, heads=H, groups=G, head_dim=D, scale=scale, dropout=dropout, cp=cp)
+    cp_core.train(training)
+    cu, m = cp.split_cu_global, cp.split_max_global  # every split sequence at its full (global) length
+    out_THD = cp.run(
+        to_thd(query_BHSD),
+        to_thd(key_BGSD),
+        to_thd(value_BGSD),
+        lambda q, k, v: _call_core(cp_core, q, k, v, cu, cu, m, m),
+        lambda q, k, v, w: _call_core(core, q, k, v, w.cu_seqlens_q, w.cu_seqlens_k, w.max_q, w.max_k),
+    )
+    return out_THD.unsqueeze(0), None
