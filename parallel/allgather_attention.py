@@ -52,7 +52,7 @@ from parallel.ring_attention import check_cp_inputs, check_local_boundaries
 from parallel.ring_step import RingStepPlan, merge_step, ring_step_bwd, ring_step_fwd
 from parallel.varlen import build_varlen_meta
 
-__all__ = ["allgather_attention_thd", "plan_allgather", "AllGatherPlan"]
+__all__ = ["allgather_attention_thd", "plan_allgather", "AllGatherPlan", "simulate_allgather_attention"]
 
 LOCAL, GLOBAL = "local", "global"  # which K/V a call reads: this rank's own rows, or the gathered pack
 
@@ -220,3 +220,55 @@ def allgather_attention_thd(
     return _AllGatherAttention.apply(
         q_THD, k_THD, v_THD, cu_seqlens_local, group, cp_size, cp_rank, scale, causal, plan
     )
+
+
+def simulate_allgather_attention(
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    cu_seqlens: Sequence[int],
+    cp_size: int,
+    dout_THD: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """Causal all-gather attention of a whole pack with every CP rank run in turn in one process (no
+    communication: a rank's gathered K/V is the pack's K/V in global order). ``cu_seqlens`` are the
+    global boundaries, each length a multiple of 2*cp. Returns the output and, with ``dout_THD``, the
+    gradients (dq, dk, dv), in global order: what the ranks would hold after the backward's
+    reduce-scatter, put back together. Used by the CPU tests and the one-GPU kit."""
+    from parallel.cp_shard import cp_shard_indices_thd
+
+    cu_t = torch.tensor(list(cu_seqlens), dtype=torch.long)
+    local_cu = [c // cp_size for c in cu_seqlens]
+    out = torch.zeros(q_THD.shape, dtype=torch.float32, device=q_THD.device)
+    grads = (
+        None
+        if dout_THD is None
+        else [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q_THD, k_TGD, v_TGD)]
+    )
+    for r in range(cp_size):
+        plan = plan_allgather(local_cu, cp_size, r, True, q_THD.device)
+        rows = cp_shard_indices_thd(cu_t, cp_size, r).to(q_THD.device)
+        q, k, v = (x.index_select(0, rows) for x in (q_THD, k_TGD, v_TGD))
+        sources = {LOCAL: (k, v), GLOBAL: (k_TGD, v_TGD)}
+        o_r = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_r = torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for source, call in plan.calls:
+            o, lse = ring_step_fwd(q, *sources[source], call, scale)
+            o_r, lse_r = merge_step(o_r, lse_r, o.float(), lse, call)
+        out[rows] = o_r
+        if grads is None or dout_THD is None:
+            continue
+        o_q, dout = o_r.to(q.dtype), dout_THD.index_select(0, rows)
+        for source, call in plan.calls:
+            dq, dk, dv = ring_step_bwd(dout, q, *sources[source], o_q, lse_r, call, scale)
+            grads[0].index_add_(0, rows, dq.float())
+            for g, d in ((grads[1], dk), (grads[2], dv)):
+                if source == LOCAL:
+                    g.index_add_(0, rows, d.float())
+                else:
+                    g += d.float()
+    result = out.to(q_THD.dtype)
+    if grads is None:
+        return result, None
+    return result, (grads[0].to(q_THD.dtype), grads[1].to(k_TGD.dtype), grads[2].to(v_TGD.dtype))

@@ -11,7 +11,7 @@ What it proves on the device, each against an fp64 reference computed on the sam
 - the CP schedule simulated on one GPU: each sequence cut into 2*cp chunks, rank r holding chunks r and
   2cp-1-r, each rank's queries attending the K/V of every rank step by step (causal on the diagonal,
   full below it, skipped above) and the partial results merged by LSE; forward and backward equal one
-  unsplit causal call, for cp = 2, 4, 8;
+  unsplit causal call, for cp = 2, 4, 8; the same for all-gather CP's two varlen calls per rank;
 - 3 optimizer steps of a small speech LLM on CUDA (fp32, and bf16 autocast) against the same steps on CPU.
 NCCL ring attention across processes needs >= 2 GPUs: `tests/train/test_torchrun_smoke.py` (marked `gpu`)
 covers it where they exist.
@@ -267,6 +267,38 @@ def test_cp_schedule_on_one_gpu_equals_one_unsplit_call(cp):
     close(out, ref, dtype, "out")
     for tag, a, b in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dv, vd.grad)):
         close(a, b, dtype, tag)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_allgather_cp_on_one_gpu_equals_one_unsplit_call(cp, dtype):
+    """All-gather CP attention's varlen calls (`plan_allgather`: the local pair's causal diagonal, every
+    sequence's prefix in one call) for all cp ranks on one GPU, through the kernel the varlen interface
+    picks for the device and dtype (torch's flash varlen, or flash-attn's), against fp64."""
+    from parallel.allgather_attention import simulate_allgather_attention
+    from parallel.varlen import KERNEL_CALLS, select_varlen_kernel
+
+    cu = [0]
+    for n in (1, 3, 2, 7, 1):  # chunk sizes in units of 2*cp: one sequence of exactly 2*cp tokens
+        cu.append(cu[-1] + 2 * cp * n)
+    T, scale = cu[-1], 0.125
+    q, dout = randn(T, 8, 64, dtype=dtype, seed=41), randn(T, 8, 64, dtype=dtype, seed=44)
+    k, v = randn(T, 2, 64, dtype=dtype, seed=42), randn(T, 2, 64, dtype=dtype, seed=43)
+    KERNEL_CALLS.clear()
+    out, (dq, dk, dv) = simulate_allgather_attention(q, k, v, cu, cp, dout, scale)
+    assert KERNEL_CALLS == {"fwd": 2 * cp, "bwd": 2 * cp}, select_varlen_kernel(DEV, dtype)
+    ref_out = torch.empty(T, 8, 64, dtype=torch.float64, device=DEV)
+    grads = [torch.empty(x.shape, dtype=torch.float64, device=DEV) for x in (q, k, v)]
+    for a, b in zip(cu, cu[1:]):
+        qd, kd, vd = (x[a:b].double().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
+        ref = ref_attention(qd, kd, vd, True, scale)
+        ref.backward(dout[a:b].double().transpose(0, 1)[None])
+        ref_out[a:b] = ref.detach()[0].transpose(0, 1)
+        for g, x in zip(grads, (qd, kd, vd)):
+            g[a:b] = x.grad[0].transpose(0, 1)
+    close(out, ref_out, dtype, "out")
+    for tag, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        close(got, want, dtype, tag)
 
 
 # ------------------------------------------------------------------------------------------------
