@@ -19,6 +19,7 @@ embedding, the rest of the LLM (norm, LM head), the encoder, the projector and t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -110,10 +111,25 @@ class PlacedCPAttention:
         self.t_split = t
         device = meta.cu_seqlens_q.device
         self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=device)
-        split_cu = [c * cp.cp_size for c in meta.cu_q[: n_split + 1]]
-        self.split_cu_global = torch.tensor(split_cu, dtype=torch.int32, device=device)
-        self.split_max_global = max((b - a for a, b in zip(split_cu, split_cu[1:], strict=False)), default=0)
-        self.prepared = cp.prepare(list(meta.cu_q[: n_split + 1]), device) if n_split else None
+        self._split_cu, self._device = list(meta.cu_q[: n_split + 1]), device
+
+    # built on first use (by the first layer), from host integers: what the ring/all-gather needs, or
+    # what a backend with its own CP kernels needs
+
+    @functools.cached_property
+    def prepared(self) -> dict[str, Any] | None:
+        return self.cp.prepare(self._split_cu, self._device) if self.n_split else None
+
+    @functools.cached_property
+    def split_cu_global(self) -> torch.Tensor:
+        return torch.tensor(
+            [c * self.cp_size for c in self._split_cu], dtype=torch.int32, device=self._device
+        )
+
+    @functools.cached_property
+    def split_max_global(self) -> int:
+        cu = self._split_cu
+        return self.cp_size * max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
 
     def run(
         self,
