@@ -18,11 +18,15 @@ with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and
 layer, so no layer syncs the device to read lengths.
 
 Kernels: `VARLEN_KERNELS` maps a name to its (fwd, bwd) pair; `select_varlen_kernel` picks one by
-device and dtype among those registered: the any-device reference (SDPA-with-LSE kernels of
-`parallel.attention_ops`, one launch per distinct (Lq, Lk) pair, exact, used by CI), and on CUDA
-builds `torch_varlen`, torch's own flash-attention varlen kernels (one launch per pack, fp16/bf16,
-native GQA), chosen for half precision on CUDA. flash-attn's own varlen functions are not wrapped
-yet. `KERNEL_CALLS` counts calls into the interface (what `speechlm bench attention-calls` reads).
+device, dtype and compute capability among those registered:
+- `reference`: the SDPA-with-LSE kernels of `parallel.attention_ops`, one launch per distinct (Lq, Lk)
+  pair, exact, any device and dtype (what CI runs);
+- `torch_varlen` (CUDA builds of torch): torch's own flash-attention varlen ops, one launch per pack;
+- `flash` / `flash3` (where flash-attn 2 / flash-attn 3 is importable): flash-attn's own varlen
+  functions, called by keyword from the installed release's signature (`parallel.varlen_flash`).
+On CUDA in fp16/bf16 the order is flash3 (compute capability 9.x only) > flash > torch_varlen; fp32
+and other devices get the reference. `KERNEL_CALLS` counts calls into the interface (what
+`speechlm bench attention-calls` reads).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor
 
 from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
+from parallel.varlen_flash import installed_flash_kernels
 
 __all__ = [
     "VarlenMeta",
@@ -224,12 +229,23 @@ VARLEN_KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[.
 }
 if torch.backends.cuda.is_built() and hasattr(torch.ops.aten, "_flash_attention_forward"):
     VARLEN_KERNELS["torch_varlen"] = (torch_varlen_fwd, torch_varlen_bwd)
+VARLEN_KERNELS.update(installed_flash_kernels())  # find_spec only: flash-attn is imported at the first call
 
 
-def select_varlen_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
-    """The kernel for this device and dtype among those registered (half-precision CUDA kernels first)."""
-    on_cuda = torch.device(device).type == "cuda"
-    if on_cuda and dtype in (torch.float16, torch.bfloat16):
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; one indirection so that tests can stand in for a GPU."""
+    return torch.cuda.get_device_capability(device)
+
+
+def select_varlen_kernel(
+    device: torch.device | str, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> str:
+    """The kernel for this device and dtype among those registered: for fp16/bf16 on CUDA flash3 (on
+    compute capability 9.x, read from the device unless given), flash, torch_varlen; else the reference."""
+    device = torch.device(device)
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if "flash3" in VARLEN_KERNELS and (capability or _cuda_capability(device))[0] == 9:
+            return "flash3"
         for name in ("flash", "torch_varlen"):
             if name in VARLEN_KERNELS:
                 return name

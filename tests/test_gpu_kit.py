@@ -6,6 +6,8 @@ D head dim, N sequences.
 What it proves on the device, each against an fp64 reference computed on the same GPU:
 - the attention kernels with log-sum-exp that ring/all-gather CP is built on (`attn_fwd_lse`,
   `attn_bwd`): bf16, fp16 and fp32, causal and not, GQA, head dims 64/128/256, odd lengths;
+- the varlen interface's CUDA kernels (`torch_varlen`, and `flash` / `flash3` where flash-attn 2 / 3 is
+  installed, else skipped with the reason): out, (H, T) LSE and gradients per sequence;
 - every installed attention backend on THD and (where it has one) padded BSHD, forward and backward,
   against per-sequence attention;
 - the CP schedule simulated on one GPU: each sequence cut into 2*cp chunks, rank r holding chunks r and
@@ -67,18 +69,29 @@ def randn(*shape, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
-def test_torch_varlen_kernel_of_the_interface_against_fp64(dtype, causal, heads):
-    """`parallel.varlen`'s torch_varlen kernel (torch's flash varlen ops): out, the (H, T) LSE and the
-    gradients against fp64 per sequence, GQA passed natively, one call for the whole pack."""
+@pytest.mark.parametrize("kernel", ["torch_varlen", "flash", "flash3"])
+def test_varlen_kernel_of_the_interface_against_fp64(kernel, dtype, causal, heads):
+    """A CUDA kernel of `parallel.varlen` (torch's flash varlen ops, flash-attn 2, flash-attn 3): out,
+    the (H, T) LSE and the gradients against fp64 per sequence, GQA passed natively, one call for the
+    whole pack."""
     from parallel.varlen import (
         VARLEN_KERNELS,
+        _cuda_capability,
         build_varlen_meta,
         select_varlen_kernel,
         varlen_bwd,
         varlen_fwd,
     )
 
-    assert "torch_varlen" in VARLEN_KERNELS and select_varlen_kernel(DEV, dtype) == "torch_varlen"
+    if kernel not in VARLEN_KERNELS:
+        pytest.skip(f"varlen kernel {kernel!r} is not registered here (flash-attn 2 / 3 not installed)")
+    hopper = _cuda_capability(torch.device(DEV))[0] == 9
+    if kernel == "flash3" and not hopper:
+        pytest.skip("flash-attn 3 runs on compute capability 9.x (Hopper)")
+    preferred = [
+        n for n in ("flash3", "flash", "torch_varlen") if n in VARLEN_KERNELS and (hopper or n != "flash3")
+    ]
+    assert select_varlen_kernel(DEV, dtype) == preferred[0]
     H, G, D = heads[0], heads[1], 64
     cu = [0]
     for n in LENS:
@@ -88,10 +101,10 @@ def test_torch_varlen_kernel_of_the_interface_against_fp64(dtype, causal, heads)
     k = randn(cu[-1], G, D, dtype=dtype, seed=2).requires_grad_()
     v = randn(cu[-1], G, D, dtype=dtype, seed=3).requires_grad_()
     scale = D**-0.5
-    out, lse = varlen_fwd(q, k, v, meta, causal=causal, scale=scale)
+    out, lse = varlen_fwd(q, k, v, meta, causal=causal, scale=scale, kernel=kernel)
     assert lse.shape == (H, cu[-1]) and lse.dtype == torch.float32
     dout = randn(*out.shape, dtype=dtype, seed=4)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, meta, causal=causal, scale=scale)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, meta, causal=causal, scale=scale, kernel=kernel)
     for a, b in zip(cu, cu[1:]):
         qs, ks, vs = (x[a:b].detach().double().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
         ref = ref_attention(qs, ks, vs, causal, scale)
