@@ -31,6 +31,7 @@ and other devices get the reference. `KERNEL_CALLS` counts calls into the interf
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -232,6 +233,9 @@ if torch.backends.cuda.is_built() and hasattr(torch.ops.aten, "_flash_attention_
 VARLEN_KERNELS.update(installed_flash_kernels())  # find_spec only: flash-attn is imported at the first call
 
 
+FORCE_KERNEL_ENV = "SPEECHLM_VARLEN_KERNEL"
+
+
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device; one indirection so that tests can stand in for a GPU."""
     return torch.cuda.get_device_capability(device)
@@ -241,7 +245,17 @@ def select_varlen_kernel(
     device: torch.device | str, dtype: torch.dtype, capability: tuple[int, int] | None = None
 ) -> str:
     """The kernel for this device and dtype among those registered: for fp16/bf16 on CUDA flash3 (on
-    compute capability 9.x, read from the device unless given), flash, torch_varlen; else the reference."""
+    compute capability 9.x, read from the device unless given), flash, torch_varlen; else the reference.
+    ``SPEECHLM_VARLEN_KERNEL=NAME`` in the environment forces one registered kernel (an escape hatch
+    when an installed flash-attn misbehaves)."""
+    forced = os.environ.get(FORCE_KERNEL_ENV)
+    if forced:
+        if forced not in VARLEN_KERNELS:
+            raise ValueError(
+                f"{FORCE_KERNEL_ENV}={forced!r} is not a varlen kernel registered here "
+                f"(registered: {', '.join(VARLEN_KERNELS)}); unset it or pick one of those"
+            )
+        return forced
     device = torch.device(device)
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if "flash3" in VARLEN_KERNELS and (capability or _cuda_capability(device))[0] == 9:

@@ -46,7 +46,9 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import re
 import sys
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +97,9 @@ _ESSENTIAL = (("cu_seqlens_q",), ("cu_seqlens_k",), ("max_seqlen_q",), ("max_seq
 
 
 def installed_flash_kernels() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
-    """The flash kernels whose package is importable, without importing it."""
+    """The flash kernels whose package is importable, without importing it. A flash-attn 2 older than
+    2.6 (padded LSE) is left unregistered with a warning, so that the reference backend falls back to
+    torch's kernels instead of failing at its first attention call."""
     found: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
     for name, fwd, bwd in (("flash", flash_fwd, flash_bwd), ("flash3", flash3_fwd, flash3_bwd)):
         top = FLASH_MODULES[name][0].split(".")[0]
@@ -103,9 +107,24 @@ def installed_flash_kernels() -> dict[str, tuple[Callable[..., Any], Callable[..
             spec = importlib.util.find_spec(top)
         except (ImportError, ValueError):  # a module in sys.modules without a spec
             spec = None
-        if spec is not None:
-            found[name] = (fwd, bwd)
+        if spec is None:
+            continue
+        release = _release(installed_version(name))
+        if name == "flash" and release is not None and release < (2, 6):
+            warnings.warn(
+                f"{installed_version(name)} is older than 2.6 (its varlen LSE is padded): its kernels are "
+                "not used by speechlm's varlen interface; upgrade with `pip install 'flash-attn>=2.6'`",
+                stacklevel=2,
+            )
+            continue
+        found[name] = (fwd, bwd)
     return found
+
+
+def _release(version_text: str) -> tuple[int, int] | None:
+    """(major, minor) from 'flash-attn 2.5.9' or 'flash-attn 2.8.3.post1'; None when unknown."""
+    m = re.search(r" (\d+)\.(\d+)", version_text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _flash_functions(kernel: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -140,8 +159,8 @@ def _call(kernel: str, fn: Callable[..., Any], meant: dict[str, Any]) -> Any:
     names = {p.name for p in params}
     fn_name = f"{installed_version(kernel)}'s {getattr(getattr(fn, '_init_fn', fn), '__name__', fn)}"
     fix = (
-        f"use the torch_varlen or reference varlen kernel (kernel=... in parallel.varlen, or uninstall it "
-        f"so that it is not selected), or pin {KNOWN_RELEASES[kernel]}"
+        f"export SPEECHLM_VARLEN_KERNEL=torch_varlen (or reference) to use another varlen kernel, or pin "
+        f"{KNOWN_RELEASES[kernel]}"
     )
     for group in _ESSENTIAL:
         if not names & set(group):

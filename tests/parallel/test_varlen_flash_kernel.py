@@ -156,7 +156,10 @@ def install(monkeypatch, release: str, fwd=None, bwd=None) -> str:
     else:
         iface = _module("flash_attn_interface", _flash_attn_forward=fwd, _flash_attn_backward=bwd)
         monkeypatch.setitem(sys.modules, "flash_attn_interface", iface)
-    monkeypatch.setitem(varlen.VARLEN_KERNELS, kernel, varlen_flash.installed_flash_kernels()[kernel])
+    pair = {"flash": (varlen_flash.flash_fwd, varlen_flash.flash_bwd)}.get(
+        kernel, (varlen_flash.flash3_fwd, varlen_flash.flash3_bwd)
+    )
+    monkeypatch.setitem(varlen.VARLEN_KERNELS, kernel, pair)  # also where registration would skip it
     CALLS.clear()
     return kernel
 
@@ -284,7 +287,7 @@ def test_a_release_with_an_unknown_required_parameter_is_named(monkeypatch):
     kernel = install(monkeypatch, "2.9.0", fwd=fwd_290, bwd=fa2_283_bwd)
     q, k, v = make_qkv([8], [8])
     with pytest.raises(TypeError, match=r"flash-attn 2\.9\.0's fwd_290 has a required parameter 'new_knob'"
-                       r".*torch_varlen or reference.*2\.6\.3 to 2\.8\.3"):  # fmt: skip
+                       r".*SPEECHLM_VARLEN_KERNEL=torch_varlen.*2\.6\.3 to 2\.8\.3"):  # fmt: skip
         varlen.varlen_fwd(q, k, v, build_varlen_meta([0, 8]), causal=True, kernel=kernel)
 
 
@@ -328,3 +331,23 @@ def test_registered_only_where_flash_attn_is_importable(monkeypatch):
     install(monkeypatch, "2.8.3")
     install(monkeypatch, "fa3-2026-08")
     assert set(varlen_flash.installed_flash_kernels()) == {"flash", "flash3"}
+
+
+def test_a_flash_attn_older_than_2_6_is_not_registered(monkeypatch):
+    install(monkeypatch, "2.5.9")
+    with pytest.warns(UserWarning, match=r"flash-attn 2\.5\.9 is older than 2\.6.*flash-attn>=2\.6"):
+        assert "flash" not in varlen_flash.installed_flash_kernels()
+    install(monkeypatch, "2.8.3")
+    assert "flash" in varlen_flash.installed_flash_kernels()
+
+
+def test_the_environment_can_force_a_registered_kernel(monkeypatch):
+    monkeypatch.setitem(varlen.VARLEN_KERNELS, "flash", varlen.VARLEN_KERNELS["reference"])
+    assert varlen.select_varlen_kernel("cuda", torch.bfloat16) == "flash"
+    monkeypatch.setenv("SPEECHLM_VARLEN_KERNEL", "reference")
+    assert varlen.select_varlen_kernel("cuda", torch.bfloat16) == "reference"
+    monkeypatch.setenv("SPEECHLM_VARLEN_KERNEL", "flash4")
+    with pytest.raises(
+        ValueError, match=r"SPEECHLM_VARLEN_KERNEL='flash4' is not a varlen kernel registered"
+    ):
+        varlen.select_varlen_kernel("cuda", torch.bfloat16)
