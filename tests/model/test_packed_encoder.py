@@ -189,7 +189,9 @@ def test_speech_llm_packed_encoder_is_exact_in_fp64():
         enc = model.encode_audio(audio.double(), lens)
         ctc, _ = model.ctc_loss_sum(enc.enc_hidden, enc.enc_lens, tokens, token_lens)
         (sum(e.sum() for e in enc.embeds) + ctc).backward()
-        hidden = enc.enc_hidden.to_padded() if model is packed else enc.enc_hidden[:, : int(enc.enc_lens.max())]
+        hidden = (
+            enc.enc_hidden.to_padded() if model is packed else enc.enc_hidden[:, : int(enc.enc_lens.max())]
+        )
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
         results.append((hidden, ctc, grads))
     (h1, c1, g1), (h2, c2, g2) = results
