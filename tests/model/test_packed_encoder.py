@@ -143,12 +143,17 @@ def test_packed_projector_equals_padded():
     torch.testing.assert_close(out_VH, torch.cat(split_rows(out_BVH, vl)), **TOL)
 
 
+def ctc_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    """CTC targets for the first five clips of AUDIO_LENS (padded with 0, and their lengths)."""
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 9, 0, 0], [5, 7, 7, 0], [5, 6, 0, 0], [5, 0, 0, 0]])
+    return tokens, torch.tensor([4, 2, 3, 2, 1])
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_speech_llm_packed_encoder_embeds_ctc_and_gradients_equal_padded(frozen):
     packed, padded = build_pair()
     audio, lens = make_audio(AUDIO_LENS[:5])
-    tokens = torch.tensor([[5, 6, 7, 8], [5, 9, 0, 0], [5, 7, 7, 0], [5, 6, 0, 0], [5, 0, 0, 0]])
-    token_lens = torch.tensor([4, 2, 3, 2, 1])
+    tokens, token_lens = ctc_targets()
     results = []
     for model in (packed, padded):
         model.train()
@@ -181,8 +186,7 @@ def test_speech_llm_packed_encoder_is_exact_in_fp64():
     and fp32 differences of ~1e-5 on deep activations come from summation order only."""
     packed, padded = (m.double() for m in build_pair())
     audio, lens = make_audio(AUDIO_LENS[:5])
-    tokens = torch.tensor([[5, 6, 7, 8], [5, 9, 0, 0], [5, 7, 7, 0], [5, 6, 0, 0], [5, 0, 0, 0]])
-    token_lens = torch.tensor([4, 2, 3, 2, 1])
+    tokens, token_lens = ctc_targets()
     results = []
     for model in (packed, padded):
         model.train()
