@@ -35,6 +35,20 @@ from torch import Tensor
 KeepGoing = Callable[[bool], bool]
 
 
+def cache_keyword(llm: Any) -> str:
+    """The keyword the installed transformers takes the KV cache by: ``cache`` from 5.2x (where
+    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
+    import inspect
+
+    params = inspect.signature(llm.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def _decide(local_active: bool, keep_going: KeepGoing | None) -> bool:
     return keep_going(local_active) if keep_going is not None else local_active
 
@@ -65,12 +79,12 @@ def greedy_with_cache(
     done = [max_new_tokens <= 0] * B
     if not _decide(not all(done), keep_going):
         return outputs
-    cache = DynamicCache()
+    cache_kw = cache_keyword(llm)
     out = llm(
         inputs_embeds=x_BPH,
         attention_mask=mask_BP,
         position_ids=pos_BP,
-        past_key_values=cache,
+        **{cache_kw: DynamicCache()},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -92,7 +106,7 @@ def greedy_with_cache(
         keep = [j for j, b in enumerate(rows) if not done[b]] or [0]  # lockstep only: one ignored row
         if len(keep) < len(rows):  # finished clips leave the batch and the cache
             idx = torch.tensor(keep, device=device)
-            out.past_key_values.reorder_cache(idx)
+            _returned_cache(out).reorder_cache(idx)
             mask_BP, next_pos_B1, next_ids = mask_BP[idx], next_pos_B1[idx], next_ids[idx]
             rows = [rows[j] for j in keep]
         mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
@@ -100,7 +114,7 @@ def greedy_with_cache(
             inputs_embeds=embed_tokens(next_ids[:, None]).to(dtype),
             attention_mask=mask_BP,
             position_ids=next_pos_B1,
-            past_key_values=out.past_key_values,
+            **{cache_kw: _returned_cache(out)},
             use_cache=True,
             logits_to_keep=1,
         )

@@ -82,3 +82,28 @@ def test_lockstep_hook_runs_extra_steps_without_changing_results(use_cache):
     assert synced == alone
     assert calls["asked"].count(False) == 5  # asked once more after the 4 extra steps, then stopped
     assert calls["llm"] == calls["asked"].count(True) + 4  # one forward per step the group went on
+
+
+def test_kv_cache_is_passed_by_the_keyword_the_installed_transformers_takes():
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old keyword warns and goes in 5.40):
+    the cached decoder passes the cache by the name the installed forward declares, without a warning,
+    and still takes ``past_key_values`` on a forward that only knows that name."""
+    import inspect
+    import warnings
+
+    from speechlm.model.generation import cache_keyword
+
+    model = build_model()
+    audio, lens = make_audio([8000, 3000])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        model.generate_greedy(audio, lens, max_new_tokens=4)
+    params = inspect.signature(model.llm.forward).parameters
+    assert cache_keyword(model.llm) == ("cache" if "cache" in params else "past_key_values")
+
+    class OldForward:
+        def forward(self, inputs_embeds=None, past_key_values=None, use_cache=None):
+            raise AssertionError("not called")
+
+    assert cache_keyword(OldForward()) == "past_key_values"
