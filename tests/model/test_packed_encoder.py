@@ -31,7 +31,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str = "") -> None:
     """1e-5 relative to the tensor's scale: a weight gradient sums thousands of fp32 products, whose
     order differs between the layouts (elementwise rtol alone would flag 1e-7-level rounding)."""
-    scale = float(want.abs().max()) or 1.0
+    scale = float(want.detach().abs().max()) or 1.0
     torch.testing.assert_close(
         got, want, rtol=1e-5, atol=1e-5 * max(1.0, scale), msg=lambda m: f"{name}: {m}"
     )
