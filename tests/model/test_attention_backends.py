@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from te_stub import install_te_module
 from transformers import AttentionInterface  # imported before any test puts a fake flash_attn in sys.modules
 
 import speechlm.model.attention.registry as registry
@@ -290,13 +291,7 @@ def test_te_thd_arguments(monkeypatch):
             )
             return out.reshape(q.shape[0], -1)  # TE returns [T, H * D] for thd
 
-    te_pt = types.ModuleType("transformer_engine.pytorch")
-    te_pt.DotProductAttention = FakeDPA
-    te_root = types.ModuleType("transformer_engine")
-    te_root.pytorch = te_pt
-    monkeypatch.setitem(sys.modules, "transformer_engine", te_root)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
-    _CORES.clear()
+    install_te_module(monkeypatch, FakeDPA)
     q, k, v = qkv_thd()
     out, _ = attend_te(None, q, k, v, None, scaling=SCALE, **thd_kwargs())
     attend_te(None, q, k, v, None, scaling=SCALE, **thd_kwargs())

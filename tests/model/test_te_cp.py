@@ -7,12 +7,11 @@ attention forward and backward."""
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 import pytest
 import torch
+from te_stub import install_te_module
 
 from parallel.testing import run_distributed
 from parallel.varlen import build_varlen_meta, varlen_attention
@@ -61,13 +60,7 @@ def install_fake_te(monkeypatch: Any, compute: bool) -> dict[str, list]:
                 )
             return out.reshape(q.shape[0], -1)
 
-    te_pt = types.ModuleType("transformer_engine.pytorch")
-    te_pt.DotProductAttention = FakeDPA
-    te_root = types.ModuleType("transformer_engine")
-    te_root.pytorch = te_pt
-    monkeypatch.setitem(sys.modules, "transformer_engine", te_root)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
-    _CORES.clear()
+    install_te_module(monkeypatch, FakeDPA)
     return log
 
 
