@@ -23,14 +23,20 @@ from speechlm.data.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def sources(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("mix")
-    assert main(["shards", "write", demo_data["train"], "--out", str(out / "tars"), "--shard-size", "60"]) == 0
+    assert (
+        main(["shards", "write", demo_data["train"], "--out", str(out / "tars"), "--shard-size", "60"]) == 0
+    )
     return {"files": demo_data["train"], "tars": str(out / "tars"), "val": demo_data["val"]}
 
 
 def _cfg(s):
     return [
         {"path": s["files"], "name": "files", "weight": 1},
-        {"group": "more", "weight": 3, "inputs": [{"path": s["tars"], "name": "tars"}, {"path": s["val"], "name": "val"}]},
+        {
+            "group": "more",
+            "weight": 3,
+            "inputs": [{"path": s["tars"], "name": "tars"}, {"path": s["val"], "name": "val"}],
+        },
     ]
 
 
@@ -59,7 +65,9 @@ def test_planned_shares_meet_the_targets_and_the_table_reads_every_kind(demo_dat
     ds = SpeechDataset(table, Tokenizer(demo_data["tok"]))
     tar_row = int(np.flatnonzero(mix.dataset_codes == 1)[0])
     assert ds.resolve_path(tar_row).as_posix().split(":")[0].endswith(".tar")
-    assert isinstance(ds[tar_row], Sample) and isinstance(ds[int(np.flatnonzero(mix.dataset_codes == 2)[0])], Sample)
+    assert isinstance(ds[tar_row], Sample) and isinstance(
+        ds[int(np.flatnonzero(mix.dataset_codes == 2)[0])], Sample
+    )
 
 
 def test_resume_with_a_mix_and_a_changed_mix_is_refused(sources):
@@ -68,7 +76,9 @@ def test_resume_with_a_mix_and_a_changed_mix_is_refused(sources):
 
     def sampler(mix):
         s = SamplerSettings(dp_size=2, grad_accum=2, max_batch_duration=20.0)
-        return DurationBucketBatchSampler(arr.durations, arr.lang_codes, arr.lang_names, s, dp_rank=1, mix=mix)
+        return DurationBucketBatchSampler(
+            arr.durations, arr.lang_codes, arr.lang_names, s, dp_rank=1, mix=mix
+        )
 
     mix = mix_of_table(table)
     straight = list(sampler(mix))
