@@ -48,8 +48,16 @@ from torch import Tensor
 from parallel.collectives import all_gather_into as _all_gather
 from parallel.collectives import reduce_scatter_into as _reduce_scatter
 from parallel.cp_shard import cp_all_rank_indices_thd, inverse_permutation
-from parallel.ring_attention import check_cp_inputs, check_local_boundaries
-from parallel.ring_step import RingStepPlan, merge_step, ring_step_bwd, ring_step_fwd
+from parallel.ring_attention import check_cp_inputs
+from parallel.ring_step import (
+    RingStepPlan,
+    boundaries,
+    check_local_boundaries,
+    concat_ranges,
+    merge_step,
+    ring_step_bwd,
+    ring_step_fwd,
+)
 from parallel.varlen import build_varlen_meta
 
 __all__ = ["allgather_attention_thd", "plan_allgather", "AllGatherPlan", "simulate_allgather_attention"]
@@ -64,22 +72,6 @@ class AllGatherPlan:
     perm_G: Tensor  # (R*T,) global index of each row of the rank-major gather
     inv_perm_G: Tensor  # (G,) rank-major row of each global index
     calls: tuple[tuple[str, RingStepPlan], ...]  # (LOCAL or GLOBAL, the call)
-
-
-def _concat_ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device | str) -> Tensor:
-    """[s0, s0+1, .., s0+l0-1, s1, ..]: the rows of several ranges, concatenated, without a Python loop."""
-    lengths_N = torch.tensor(lengths, dtype=torch.long)
-    total = int(lengths_N.sum())
-    offsets_N = lengths_N.cumsum(0) - lengths_N
-    base_T = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - offsets_N, lengths_N)
-    return (torch.arange(total) + base_T).to(device)
-
-
-def _boundaries(lengths: Sequence[int]) -> list[int]:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
 
 
 def plan_allgather(
@@ -106,7 +98,7 @@ def plan_allgather(
         calls = ((LOCAL, RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), True)),)
     else:
         halves = [c for c in chunks for _ in (0, 1)]
-        diagonal = RingStepPlan(None, None, build_varlen_meta(_boundaries(halves), device=device), True)
+        diagonal = RingStepPlan(None, None, build_varlen_meta(boundaries(halves), device=device), True)
         # prefix: (sequence, half) pairs whose prefix is not empty; half 0 of rank 0 has none
         q_starts, k_starts, q_lens, k_lens = [], [], [], []
         for n, c in enumerate(chunks):
@@ -117,9 +109,9 @@ def plan_allgather(
                 q_lens.append(c)
                 k_starts.append(global_cu[n])
                 k_lens.append(chunk * c)
-        q_rows = None if r > 0 else _concat_ranges(q_starts, q_lens, device)
-        k_rows = _concat_ranges(k_starts, k_lens, device)
-        meta = build_varlen_meta(_boundaries(q_lens), _boundaries(k_lens), device=device)
+        q_rows = None if r > 0 else concat_ranges(q_starts, q_lens, device)
+        k_rows = concat_ranges(k_starts, k_lens, device)
+        meta = build_varlen_meta(boundaries(q_lens), boundaries(k_lens), device=device)
         calls = ((LOCAL, diagonal), (GLOBAL, RingStepPlan(q_rows, k_rows, meta, False)))
     return AllGatherPlan(perm_G.to(device), inv_perm_G.to(device), calls)
 

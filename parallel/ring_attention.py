@@ -42,34 +42,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.ring_step import RingStepPlan, merge_step, plan_ring_step, ring_step_bwd, ring_step_fwd
+from parallel.ring_step import (
+    RingStepPlan,
+    check_local_boundaries,
+    merge_step,
+    plan_ring_step,
+    ring_step_bwd,
+    ring_step_fwd,
+)
 
 __all__ = ["ring_attention_thd", "check_local_boundaries", "check_cp_group", "plan_ring"]
 
 _TAG_KV = 11
 _TAG_DKV = 12
-
-
-def check_local_boundaries(
-    cu_seqlens_local: Tensor | Sequence[int], n_tokens: int | None = None
-) -> list[int]:
-    """The local boundaries as host integers, checked: from 0 to the local token count (`n_tokens`,
-    when given), every local sequence two chunks of equal size (an even length)."""
-    cu = [
-        int(x)
-        for x in (cu_seqlens_local.tolist() if isinstance(cu_seqlens_local, Tensor) else cu_seqlens_local)
-    ]
-    if not cu or cu[0] != 0 or (n_tokens is not None and cu[-1] != n_tokens):
-        raise ValueError(
-            f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
-        )
-    for n, (a, b) in enumerate(zip(cu, cu[1:], strict=False)):
-        if b < a or (b - a) % 2:
-            raise ValueError(
-                f"local sequence {n} has length {b - a}; under CP every local sequence is two chunks of "
-                "equal size, so its global length must be a multiple of 2*cp"
-            )
-    return cu
 
 
 def check_cp_group(group: dist.ProcessGroup | None, cp_size: int, cp_rank: int) -> None:

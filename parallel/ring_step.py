@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -35,7 +36,14 @@ from torch import Tensor
 from parallel.attention_ops import merge_partials
 from parallel.varlen import VarlenMeta, build_varlen_meta, varlen_bwd, varlen_fwd
 
-__all__ = ["RingStepPlan", "plan_ring_step", "ring_step_fwd", "ring_step_bwd", "simulate_ring_attention"]
+__all__ = [
+    "RingStepPlan",
+    "check_local_boundaries",
+    "plan_ring_step",
+    "ring_step_fwd",
+    "ring_step_bwd",
+    "simulate_ring_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -46,16 +54,49 @@ class RingStepPlan:
     causal: bool
 
 
-def _halves(local_cu: Sequence[int], which: int) -> tuple[list[int], list[int]]:
+def check_local_boundaries(
+    cu_seqlens_local: Tensor | Sequence[int], n_tokens: int | None = None
+) -> list[int]:
+    """The local boundaries as host integers, checked: from 0 to the local token count (`n_tokens`,
+    when given), every local sequence two chunks of equal size (an even length)."""
+    cu = [
+        int(x)
+        for x in (cu_seqlens_local.tolist() if isinstance(cu_seqlens_local, Tensor) else cu_seqlens_local)
+    ]
+    if not cu or cu[0] != 0 or (n_tokens is not None and cu[-1] != n_tokens):
+        raise ValueError(
+            f"local cu_seqlens must run from 0 to the number of local tokens ({n_tokens}), got {cu[:4]}...{cu[-2:]}"
+        )
+    odd = [(n, b - a) for n, (a, b) in enumerate(zip(cu, cu[1:], strict=False)) if b < a or (b - a) % 2]
+    if odd:
+        n, length = odd[0]
+        raise ValueError(
+            f"local sequence {n} has length {length} ({len(odd)} odd or negative in all): under CP every "
+            "local sequence is two chunks of equal size, so its global length must be a multiple of 2*cp "
+            "(pad with parallel.cp_shard's rounding before sharding)"
+        )
+    return cu
+
+
+def boundaries(lengths: Sequence[int]) -> list[int]:
+    """cu_seqlens of consecutive blocks of these lengths: [0, l0, l0 + l1, ...]."""
+    return [0, *accumulate(lengths)]
+
+
+def concat_ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device | str) -> Tensor:
+    """[s0, s0+1, .., s0+l0-1, s1, ..]: the rows of several ranges, concatenated, without a Python loop."""
+    lengths_N = torch.tensor(lengths, dtype=torch.long)
+    total = int(lengths_N.sum())
+    offsets_N = lengths_N.cumsum(0) - lengths_N
+    base_T = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - offsets_N, lengths_N)
+    return (torch.arange(total) + base_T).to(device)
+
+
+def _halves(local_cu: Sequence[int], which: int, device: torch.device | str) -> tuple[Tensor, list[int]]:
     """Row indices and cu_seqlens of the first (0) or second (1) half of every local sequence."""
-    rows: list[int] = []
-    cu = [0]
-    for a, b in zip(local_cu, local_cu[1:], strict=False):
-        half = (b - a) // 2
-        start = a + which * half
-        rows.extend(range(start, start + half))
-        cu.append(cu[-1] + half)
-    return rows, cu
+    halves = [(b - a) // 2 for a, b in zip(local_cu, local_cu[1:], strict=False)]
+    starts = [a + which * h for a, h in zip(local_cu, halves, strict=False)]
+    return concat_ranges(starts, halves, device), boundaries(halves)
 
 
 def plan_ring_step(
@@ -68,30 +109,21 @@ def plan_ring_step(
 ) -> RingStepPlan:
     """The varlen call of ring step `step` on CP rank `rank` (a pure function of host integers).
     Without `causal` every step is all local queries over all received K/V."""
-    local_cu = [int(x) for x in local_cu]
     if not 0 <= step < cp or not 0 <= rank < cp:
         raise ValueError(f"ring step {step} / rank {rank} out of range for cp={cp}")
-    lengths = [b - a for a, b in zip(local_cu, local_cu[1:], strict=False)]
-    odd = [(n, length) for n, length in enumerate(lengths) if length % 2 or length < 0]
-    if odd:
-        n, length = odd[0]
-        raise ValueError(
-            f"local sequence {n} has length {length} ({len(odd)} odd or negative in all): under CP every "
-            "local sequence is two chunks of equal size, so its global length must be a multiple of 2*cp "
-            "(pad with parallel.cp_shard's rounding before sharding)"
-        )
+    local_cu = check_local_boundaries(local_cu)
     src = (rank - step) % cp
     if not causal:
         return RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), causal=False)
     if src == rank:
         return RingStepPlan(None, None, build_varlen_meta(local_cu, device=device), causal=True)
     if src < rank:
-        k_rows, k_cu = _halves(local_cu, 0)
+        k_rows, k_cu = _halves(local_cu, 0, device)
         meta = build_varlen_meta(local_cu, k_cu, device=device)
-        return RingStepPlan(None, torch.tensor(k_rows, device=device), meta, causal=False)
-    q_rows, q_cu = _halves(local_cu, 1)
+        return RingStepPlan(None, k_rows, meta, causal=False)
+    q_rows, q_cu = _halves(local_cu, 1, device)
     meta = build_varlen_meta(q_cu, local_cu, device=device)
-    return RingStepPlan(torch.tensor(q_rows, device=device), None, meta, causal=False)
+    return RingStepPlan(q_rows, None, meta, causal=False)
 
 
 def _take(x: Tensor, rows: Tensor | None) -> Tensor:
