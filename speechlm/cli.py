@@ -11,6 +11,20 @@ import argparse
 import importlib
 import sys
 
+from speechlm.errors import EXIT_CODES, run_guarded
+
+EXIT_CODES_HELP = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("speechlm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 # subcommand modules, in the order `--help` lists them
 SUBCOMMAND_MODULES = (
     "speechlm.data.manifest_cli",  # manifest build | stats
@@ -30,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speechlm",
         description="Train speech LLMs on packed (THD) sequences with context, tensor and data parallelism.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"speechlm {_version()}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback of user errors too (also SPEECHLM_DEBUG=1)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -45,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, also after the subcommand
+    argv = [a for a in argv if a != "--debug"]
     args, extras = parser.parse_known_args(argv)
     if extras:
         # dotted overrides may come after options (`train CONFIG --cp-size 2 trainer.max_steps=3`)
@@ -55,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_guarded(lambda: args.func(args), debug=debug)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ from typing import Any
 import yaml
 
 from parallel.backend_caps import BACKENDS
+from speechlm.errors import UsageError
 
 ATTENTION_BACKENDS = tuple(BACKENDS)  # one owner: the capability table (parallel/backend_caps.py)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config file or override that cannot be applied; the message names the file and key."""
 
 

@@ -44,6 +44,7 @@ from parallel.validator import (
     normalize_installed,
     parse_capability,
 )
+from speechlm import errors
 from speechlm.validate_rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
@@ -57,7 +58,7 @@ PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-class UsageError(ValueError):
+class UsageError(errors.UsageError):
     """A flag or override that cannot be used; reported with exit status 2."""
 
 

@@ -35,13 +35,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from speechlm.errors import RunDirError
+
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 COMPLETE_NAME = "complete.json"
 META_NAME = "meta.pt"
 RANK_DIR = "speechlm"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunDirError, RuntimeError):
     """A checkpoint that is incomplete, truncated, altered or from another setup."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.config import ExperimentConfig
+from speechlm.errors import DataError
 
 
 @dataclass  # not frozen: Lightning's batch transfer (apply_to_collection) rebuilds dataclasses
@@ -134,7 +135,7 @@ class StepLoader:
         self.sampler.set_epoch(epoch + 1)
 
 
-class DroppedDataError(RuntimeError):
+class DroppedDataError(DataError, RuntimeError):
     """Too much of a micro-batch could not be read: training on the rest would be training on almost nothing."""
 
 

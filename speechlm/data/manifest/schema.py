@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from speechlm.errors import DataError
+
 MANIFEST_SCHEMA = pa.schema(
     [
         pa.field("segment_id", pa.string(), nullable=False),
@@ -48,7 +50,7 @@ LOCATOR_SCHEMA = pa.schema(
 )
 
 
-class ManifestError(ValueError):
+class ManifestError(DataError, ValueError):
     """A shard, manifest or option that cannot be used; the message says where and what to do."""
 
 

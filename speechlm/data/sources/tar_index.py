@@ -30,6 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from speechlm.errors import DataError
+
 INDEX_SUFFIX = ".idx.parquet"
 FINGERPRINT_KEY = b"speechlm.tar_fingerprint"
 
@@ -39,7 +41,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SPEECHLM_CACHE", Path.home() / ".cache" / "speechlm")) / "tar_index"
 
 
-class TarIndexError(ValueError):
+class TarIndexError(DataError, ValueError):
     """A tar that cannot be indexed at all; the message names it and says what to do."""
 
 
