@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from speechlm.data.manifest.load import _read_checked
+from speechlm.data.manifest.outputs import prepare_dir, write_atomic
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
-from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_sorted, build_manifest_table
+from speechlm.data.manifest.schema import (
+    ManifestError,
+    _dictionary,
+    _encode_sorted,
+    build_manifest_table,
+    check_utf8,
+)
 from speechlm.data.manifest.split import hash_uniform, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
 
@@ -79,6 +87,13 @@ def _read_shard(shard_dir: Path) -> pa.Table:
     quality, text (raw), lang (null: unknown)."""
     meta = _read_checked(shard_dir / "metadata.parquet", METADATA_COLUMNS, {})
     index = _read_checked(shard_dir / "audio_index.parquet", INDEX_COLUMNS, INDEX_OPTIONAL_COLUMNS)
+    for name, table, columns in (
+        ("metadata.parquet", meta, METADATA_COLUMNS),
+        ("audio_index.parquet", index, {**INDEX_COLUMNS, **INDEX_OPTIONAL_COLUMNS}),
+    ):
+        for col, kind in columns.items():
+            if kind == "string" and col in table.column_names:
+                check_utf8(table.column(col), str(shard_dir / name), col)
     base = os.path.abspath(shard_dir)
 
     member = _as_string(index.column("tar_member_name"))
@@ -261,17 +276,23 @@ def build_manifest(
 
     _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
     report.elapsed_s = round(time.perf_counter() - start, 3)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / "build_report.json")
+    out = prepare_dir(out_dir)
+    write_atomic(out / "build_report.json", report.write_json)
     if not len(table):
         raise ManifestError(
             f"no row of {shards_dir} passed the filters; nothing written but the report "
             f"{out / 'build_report.json'}:\n{report.format()}"
         )
-    pq.write_table(table.filter(pa.array(~is_val)), out / "train.parquet", compression="zstd")
-    pq.write_table(table.filter(pa.array(is_val)), out / "val.parquet", compression="zstd")
+    for name, mask in (("train", ~is_val), ("val", is_val)):
+        write_atomic(out / f"{name}.parquet", _parquet_writer(table.filter(pa.array(mask))))
     return report
+
+
+def _parquet_writer(table: pa.Table) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        pq.write_table(table, path, compression="zstd")
+
+    return write
 
 
 def _fill_counts(
