@@ -176,7 +176,9 @@ def test_parquet_plan_inputs_are_read_batch_by_batch(tmp_path, monkeypatch):
     langs = pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 3, n).astype(np.int8)), pa.array(NAMES))
     durations = rng.uniform(0.5, 20, n).astype(np.float32)
     path = tmp_path / "m.parquet"
-    pq.write_table(pa.table({"duration": durations, "lang": langs, "text": texts}), path, row_group_size=100_000)
+    pq.write_table(
+        pa.table({"duration": durations, "lang": langs, "text": texts}), path, row_group_size=100_000
+    )
 
     def refuse(*a, **k):
         raise AssertionError("read_table would hold every text at once")
@@ -194,9 +196,9 @@ def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_p
     import yaml
 
     tars = tmp_path / "tars"
-    assert main(["shards", "write", demo_data["train"], "--out", str(tars)]) == 0
+    assert main(["shards", "write", demo_data["train"], "--out", str(tars), "--skip-bad-audio"]) == 0
     assert main(["plan", "--manifest", str(tars), "--max-batch-duration", "30"]) == 0
-    assert "221 utterances" in capsys.readouterr().out
+    assert "220 utterances" in capsys.readouterr().out  # the demo's non-audio file is not packed
     mix = tmp_path / "mix.yaml"
     mix.write_text(yaml.safe_dump([
         {"path": demo_data["train"], "name": "files", "weight": 1},
