@@ -131,7 +131,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     import pyarrow.parquet as pq
 
-    from speechlm.data.manifest import read_nemo_manifest
+    from speechlm.data.manifest import ManifestError, read_nemo_manifest
     from speechlm.data.manifest.outputs import prepare_parent, write_atomic
 
     prepare_parent(args.out)
@@ -145,6 +145,12 @@ def run_convert(args: argparse.Namespace) -> int:
             table = read_nemo_manifest(args.source, default_lang=args.lang, dropped=dropped)
     except ImportError as e:
         return _fail(e)
+    if not len(table):
+        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+        raise ManifestError(
+            f"{args.source}: no row is left to write (dropped: {detail or 'none'}); fix the transcripts "
+            "(every row needs text after cleaning, and a <|xx|> tag, if any, equal to its language)"
+        )
     write_atomic(args.out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
     hours = float(sum(table.column("duration").to_numpy())) / 3600
     print(f"wrote {args.out}: {len(table)} rows, {hours:.2f} h")

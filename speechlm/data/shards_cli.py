@@ -48,7 +48,12 @@ def run_write(args: argparse.Namespace) -> int:
 
     base = Path(args.manifest).resolve().parent
     skipped: list[tuple[int, str, str, str]] = []
-    options = {"shard_size": args.shard_size, "base_dir": base, "skip_bad_audio": args.skip_bad_audio}
+    options = {
+        "shard_size": args.shard_size,
+        "base_dir": base,
+        "skip_bad_audio": args.skip_bad_audio,
+        "where": str(args.manifest),
+    }
     if args.format == "nemo":
         from speechlm.data.sources.nemo_tarred import write_nemo_tarred
 

@@ -235,8 +235,13 @@ class Tokenizer:
         }
         actual.update({format_lang_tag(k): v for k, v in self._lang_ids.items()})
         if expected != actual:
+            diff = ", ".join(
+                f"{tok!r}: sidecar {expected.get(tok)} vs model {actual.get(tok)}"
+                for tok in sorted(set(expected) | set(actual))
+                if expected.get(tok) != actual.get(tok)
+            )
             raise TokenizerError(
-                f"{self._sidecar_path} does not match {self.path} (special ids {expected} vs {actual}): "
+                f"{self._sidecar_path} does not match {self.path} ({diff}): "
                 f"the two files come from different trainings; restore the .json that came with this "
                 f".model, or retrain the tokenizer"
             )

@@ -133,6 +133,7 @@ def test_shards_write_refuses_duration_far_from_audio(capsys, tmp_path):
     assert code == EXIT_DATA
     _assert_one_error(err)
     assert "row 1" in err and str(A) in err and "0.5" in err and "2.0" in err
+    assert f"{path} row 1" in err  # the manifest is named
     assert not (out / "index.parquet").exists()
 
 
@@ -255,7 +256,7 @@ def _broken_tokenizer(tok_dir: Path, tmp_path: Path, case: str) -> Path:
     [
         ("TK1", ["tokenizer.json", "is missing", "retrain"]),
         ("TK2", ["tokenizer.json", "not valid JSON", "retrain"]),
-        ("TK3", ["tokenizer.json", "does not match", "retrain"]),
+        ("TK3", ["tokenizer.json", "does not match", "retrain", "'<|en|>': sidecar"]),
         ("TK_keys", ["tokenizer.json", "lacks", "retrain"]),
     ],
 )
@@ -416,6 +417,7 @@ def test_shards_write_never_copies_a_non_audio_file(capsys, tmp_path):
     assert code == EXIT_DATA
     _assert_one_error(err)
     assert "row 1" in err and str(secret) in err and "not an audio file" in err
+    assert str(path) in err
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -533,6 +535,18 @@ def test_convert_drops_and_counts_bad_transcripts(capsys, tmp_path):
     assert pq.read_table(out)["text"].to_pylist() == ["<|en|> good day"]
     assert "1 rows" in stdout and "dropped 3 rows" in stdout
     assert "2 empty_text" in stdout and "1 tag_mismatch" in stdout
+
+
+def test_convert_refuses_when_every_row_is_dropped(capsys, tmp_path):
+    """N_emptytext: a manifest of nothing is not written; the error says what was dropped."""
+    rows = [{"audio_filepath": str(A), "duration": 2.0, "text": t, "lang": "en"} for t in ("", "[noise] ...")]
+    path = _nemo(tmp_path / "t.json", rows)
+    out = tmp_path / "t.parquet"
+    code, _, err = _run(capsys, ["manifest", "convert", str(path), "--out", str(out)])
+    assert code == EXIT_DATA
+    _assert_one_error(err)
+    assert str(path) in err and "2 empty_text" in err
+    assert not out.exists()
 
 
 def test_shards_write_skip_bad_audio_counts_and_names_rows(capsys, tmp_path):

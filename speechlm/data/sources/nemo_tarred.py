@@ -93,6 +93,7 @@ def write_nemo_tarred(
     base_dir: Path | None = None,
     skip_bad_audio: bool = False,
     skipped: list[tuple[int, str, str, str]] | None = None,
+    where: str = "the manifest",
 ) -> Path:
     """Write manifest `table` as a NeMo tarred dataset under `out_dir`; returns the manifest path.
 
@@ -106,7 +107,7 @@ def write_nemo_tarred(
     check_out_dir(
         out, MANIFEST_NAME, ("audio_*.tar", ".audio_*.tar.tmp", SHARDED_DIR, f".{MANIFEST_NAME}.tmp")
     )
-    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio)
+    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
     if skipped is not None:
         skipped.extend(plan.skipped)
     if not plan.rows.size:

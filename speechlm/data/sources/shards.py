@@ -255,6 +255,7 @@ def write_shards(
     base_dir: Path | None = None,
     skip_bad_audio: bool = False,
     skipped: list[tuple[int, str, str, str]] | None = None,
+    where: str = "the manifest",
 ) -> Path:
     """Pack the audio of manifest `table` into tar shards of `shard_size` utterances under `out_dir`.
 
@@ -269,11 +270,11 @@ def write_shards(
         raise ManifestError(f"--shard-size {shard_size} must be at least 1")
     out = Path(out_dir)
     leftovers = check_out_dir(out, INDEX_NAME, PARTIAL_PATTERNS)
-    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio)
+    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
     if skipped is not None:
         skipped.extend(plan.skipped)
     if not plan.rows.size:
-        raise ManifestError(f"no row of the manifest has readable audio: {format_skipped(plan.skipped)}")
+        raise ManifestError(f"no row of {where} has readable audio: {format_skipped(plan.skipped)}")
     table = table.take(pa.array(plan.rows))
     prepare_dir(out)
     names, resolved = plan.names, plan.resolved
