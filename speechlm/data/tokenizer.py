@@ -405,7 +405,7 @@ def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
     import pyarrow.parquet as pq
 
     from speechlm.data.manifest import ManifestError, load_manifest
-    from speechlm.data.manifest.schema import check_utf8
+    from speechlm.data.manifest.checks import check_utf8
 
     if not path.exists():
         raise ManifestError(

@@ -37,16 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from speechlm.data.manifest.checks import check_utf8
 from speechlm.data.manifest.load import _read_checked
 from speechlm.data.manifest.outputs import prepare_dir, write_atomic
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
-from speechlm.data.manifest.schema import (
-    ManifestError,
-    _dictionary,
-    _encode_sorted,
-    build_manifest_table,
-    check_utf8,
-)
+from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_sorted, build_manifest_table
 from speechlm.data.manifest.split import hash_uniform, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.load import manifest_arrays
 from speechlm.data.manifest.report import _format_table
-from speechlm.data.manifest.schema import check_durations
 
 
 def _count_bins(longest: float, width: float) -> int:

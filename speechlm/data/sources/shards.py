@@ -38,8 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.outputs import prepare_dir
-from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, check_durations, duration_mismatch
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, duration_mismatch
 from speechlm.data.sources.join import locate_members, with_tar_locators
 from speechlm.errors import OutputError
 
