@@ -641,3 +641,63 @@ def test_lhotse_convert_drops_and_counts_bad_transcripts(capsys, tmp_path):
     assert code == 0
     assert pq.read_table(out)["text"].to_pylist() == ["<|en|> good day"]
     assert "dropped 1 rows (1 empty_text)" in stdout
+
+
+# ------------------------------------------------------------------------------ build: durations and tags
+def _one_shard(root: Path, rows: list[dict]) -> Path:
+    """A raw shard `en_000` whose rows all point at A."""
+    shard = root / "en_000"
+    (shard / "audio").mkdir(parents=True)
+    shutil.copy(A, shard / "audio/a.flac")
+    n = len(rows)
+    pq.write_table(
+        pa.table(
+            {
+                "segment_id": [r["id"] for r in rows],
+                "transcription_native": [r["text"] for r in rows],
+                "duration_s": pa.array([r.get("duration", 2.0) for r in rows], pa.float64()),
+                "tx_quality_score": [0.9] * n,
+                "segment_language": ["en"] * n,
+            }
+        ),
+        shard / "metadata.parquet",
+    )
+    pq.write_table(
+        pa.table({"segment_id": [r["id"] for r in rows], "tar_member_name": ["audio/a.flac"] * n}),
+        shard / "audio_index.parquet",
+    )
+    return root
+
+
+def test_build_drops_zero_duration_even_with_min_duration_0(capsys, tmp_path):
+    """O4b_zero on the build side: 0 s is an invalid duration, not a short clip."""
+    root = _one_shard(
+        tmp_path / "s", [{"id": "a", "text": "hello"}, {"id": "z", "text": "hi", "duration": 0.0}]
+    )
+    out = tmp_path / "m"
+    code, stdout, err = _run(
+        capsys, ["manifest", "build", str(root), "--out", str(out), "--min-duration", "0"]
+    )
+    assert code == 0, err
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["dropped"]["invalid_duration"] == {"en": 1}
+    assert "z" not in pq.read_table(out / "train.parquet")["segment_id"].to_pylist()
+
+
+def test_build_drops_a_tag_that_disagrees_with_the_language(capsys, tmp_path):
+    """The transcript rule in raw shards: '<|hi|> ...' in an en row is tag_mismatch, not relabelled."""
+    rows = [
+        {"id": "a", "text": "hello"},
+        {"id": "b", "text": "<|en|> good day"},
+        {"id": "m", "text": "<|hi|> hello"},
+    ]
+    root = _one_shard(tmp_path / "s", rows)
+    out = tmp_path / "m"
+    code, stdout, err = _run(
+        capsys, ["manifest", "build", str(root), "--out", str(out), "--val-fraction", "0"]
+    )
+    assert code == 0, err
+    assert "tag_mismatch" in stdout
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["dropped"] == {"tag_mismatch": {"en": 1}}
+    assert pq.read_table(out / "train.parquet")["text"].to_pylist() == ["<|en|> hello", "<|en|> good day"]

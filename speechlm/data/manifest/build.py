@@ -11,9 +11,10 @@
    ``<shard_dir>/<tar_member_name>``, or ``dirname(tar_path)/<tar_member_name>`` in the legacy layout.
 3. Give each row the first reason, in `DROP_REASONS` order, that drops it: no index entry, no usable
    language (``segment_language`` null or blank falls back to the shard-name prefix ``hi`` of
-   ``hi_000``), a null/NaN/negative duration, too short, too long, quality below the threshold (or
-   null), blank text, text empty after cleaning, and last a ``segment_id`` already kept (the first
-   kept copy wins, so a duplicate of a filtered row is not lost).
+   ``hi_000``), a null/NaN/infinite/zero/negative duration, too short, too long, quality below the
+   threshold (or null), blank text, text empty after cleaning, a leading ``<|xx|>`` tag that is not
+   the row's language (`speechlm.data.text.check_transcript`'s rule), and last a ``segment_id``
+   already kept (the first kept copy wins, so a duplicate of a filtered row is not lost).
 4. Clean the text once per distinct string (dictionary-encode, clean the dictionary, take), then
    prepend the language tag.
 5. Split train/val by a stable hash of ``segment_id`` and the seed (see `split`), so adding shards
@@ -45,6 +46,7 @@ from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_so
 from speechlm.data.manifest.split import hash_uniform, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
 
+_TAG_PATTERN = r"^\s*<\|(?P<tag>[A-Za-z][A-Za-z0-9_-]*)\|>"
 DEFAULT_MIN_DURATION = 0.5
 DEFAULT_MAX_DURATION = 20.0
 DEFAULT_MIN_QUALITY = 0.5
@@ -230,7 +232,7 @@ def build_manifest(
     with np.errstate(invalid="ignore"):
         drop(rows.column("audio_filepath").is_null().to_numpy(zero_copy_only=False), "no_audio_index")
         drop(rows.column("lang").is_null().to_numpy(zero_copy_only=False), "missing_language")
-        drop(~np.isfinite(duration) | (duration < 0), "invalid_duration")
+        drop(~np.isfinite(duration) | (duration <= 0), "invalid_duration")
         drop(duration < min_duration, "too_short")
         drop(duration > max_duration, "too_long")
         drop(~(quality >= min_quality), "low_quality")
@@ -244,6 +246,14 @@ def build_manifest(
     reason[survivors[empty]] = DROP_REASONS.index("empty_after_cleaning")
     cleaned = cleaned.filter(pa.array(~empty))
     survivors = survivors[~empty]
+    # a leading <|xx|> tag must name the row's language (text.check_transcript's rule); clean_text
+    # removes the tag, so a mismatch would otherwise be relabelled silently
+    tags = pc.struct_field(pc.extract_regex(raw_text.take(survivors), _TAG_PATTERN), "tag")
+    wrong = pc.not_equal(pc.utf8_lower(tags), rows.column("lang").take(survivors))
+    wrong = pc.fill_null(wrong, False).to_numpy(zero_copy_only=False)
+    reason[survivors[wrong]] = DROP_REASONS.index("tag_mismatch")
+    cleaned = cleaned.filter(pa.array(~wrong))
+    survivors = survivors[~wrong]
 
     seg_ids = rows.column("segment_id").take(survivors)
     seg_codes = pc.dictionary_encode(seg_ids.cast(pa.large_string()).combine_chunks()).indices.to_numpy()
