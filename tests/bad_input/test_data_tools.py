@@ -701,3 +701,30 @@ def test_build_drops_a_tag_that_disagrees_with_the_language(capsys, tmp_path):
     report = json.loads((out / "build_report.json").read_text())
     assert report["dropped"] == {"tag_mismatch": {"en": 1}}
     assert pq.read_table(out / "train.parquet")["text"].to_pylist() == ["<|en|> hello", "<|en|> good day"]
+
+
+def test_shards_write_full_disk_is_an_output_error_and_rerun_completes(files, capsys, tmp_path, monkeypatch):
+    """A full disk mid-write: exit 4 naming the tar and the fix, no index; a re-run completes the set."""
+    import speechlm.data.sources.shards as shards
+
+    real = shards.write_one_tar
+    calls = {"n": 0}
+
+    def full_on_second(path, members):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(path, members)
+
+    monkeypatch.setattr(shards, "write_one_tar", full_on_second)
+    out = tmp_path / "tars"
+    argv = ["shards", "write", str(files["good_parquet"]), "--out", str(out), "--shard-size", "1"]
+    code, _, err = _run(capsys, argv)
+    assert code == EXIT_OUTPUT
+    assert err.startswith("\rshards: 1/2 written") and err.count("\n") == 2  # progress, then the error
+    _assert_one_error(err.splitlines()[-1])
+    assert str(out / "shard-000001.tar") in err and "No space left" in err and "run" in err
+    assert not (out / "index.parquet").exists()
+    monkeypatch.undo()
+    assert _run(capsys, argv)[0] == 0
+    assert (out / "index.parquet").is_file()

@@ -92,6 +92,10 @@ class AudioPlan:
     skipped: list[tuple[int, str, str, str]] = field(default_factory=list)
 
 
+class ShardWriteError(OutputError, OSError):
+    """Writing a tar or the index failed (disk full, permissions); the folder is an interrupted write."""
+
+
 def _row(ids: list[str], row: int) -> str:
     return f"row {row} (segment {ids[row]})"
 
@@ -291,7 +295,17 @@ def write_shards(
     for k, lo in enumerate(range(0, n, shard_size)):
         hi = min(n, lo + shard_size)
         tar = _tar_name(k)
-        placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        try:
+            placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        except OSError as e:
+            (out / f".{tar}.tmp").unlink(missing_ok=True)
+            if k:
+                print(file=sys.stderr)  # end the progress line
+            raise ShardWriteError(
+                f"cannot write {out / tar}: {e.strerror or e}; {out} now holds an interrupted write "
+                "(no index.parquet, refused by readers): free space or fix the folder, then run the "
+                "same `speechlm shards write` again"
+            ) from e
         for j, (off, size, hdr) in enumerate(placed):
             offsets[lo + j], sizes[lo + j], headers[lo + j] = off, size, hdr
         tars.append(tar)
@@ -315,8 +329,15 @@ def write_shards(
         {SHARDS_KEY: json.dumps({"format_version": FORMAT_VERSION, "tar_sizes": shard_sizes})}
     )
     tmp = out / f".{INDEX_NAME}.tmp"
-    pq.write_table(index, tmp, row_group_size=64 * 1024)
-    os.replace(tmp, out / INDEX_NAME)
+    try:
+        pq.write_table(index, tmp, row_group_size=64 * 1024)
+        os.replace(tmp, out / INDEX_NAME)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ShardWriteError(
+            f"cannot write {out / INDEX_NAME}: {e.strerror or e}; every tar is written but the set has no "
+            "index yet: free space, then run the same `speechlm shards write` again"
+        ) from e
     for stale in leftovers:  # an interrupted write's tars that this set does not use
         if stale.name not in shard_sizes:
             stale.unlink(missing_ok=True)
