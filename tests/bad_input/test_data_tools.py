@@ -728,3 +728,20 @@ def test_shards_write_full_disk_is_an_output_error_and_rerun_completes(files, ca
     monkeypatch.undo()
     assert _run(capsys, argv)[0] == 0
     assert (out / "index.parquet").is_file()
+
+
+def test_convert_failing_mid_write_leaves_nothing(files, capsys, tmp_path, monkeypatch):
+    """A full disk while the parquet is written: exit 4 naming --out, no half file under any name."""
+    import pyarrow.parquet as pq_module
+
+    def half_then_full(table, where, **kwargs):
+        Path(where).write_bytes(b"PAR1 half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq_module, "write_table", half_then_full)
+    out = tmp_path / "o" / "x.parquet"
+    code, _, err = _run(capsys, ["manifest", "convert", str(files["good_json"]), "--out", str(out)])
+    assert code == EXIT_OUTPUT
+    _assert_one_error(err)
+    assert str(out) in err and "No space left" in err
+    assert list((tmp_path / "o").iterdir()) == []
