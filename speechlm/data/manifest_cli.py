@@ -3,7 +3,7 @@
     speechlm manifest build SHARDS_DIR --out OUT_DIR [--min-duration S] [--max-duration S]
                             [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards]
     speechlm manifest stats MANIFEST [--plot FILE.png] [--json]
-    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse]
+    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse] [--check-audio]
 
 Each subcommand returns 0 on success, 1 with a one-paragraph error (no traceback) when the data
 is unusable (`ManifestError`), 4 when an output (`--out`, `--plot`) cannot be written (`OutputError`);
@@ -82,6 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--format", choices=("nemo", "lhotse"), default="nemo", help="input format (default nemo)"
     )
+    convert.add_argument(
+        "--check-audio",
+        action="store_true",
+        help="read every audio file's header: refuse a missing or non-audio file, or a duration far "
+        "from the file's (the checks of `speechlm shards write`)",
+    )
     convert.set_defaults(func=run_convert)
 
 
@@ -151,6 +157,10 @@ def run_convert(args: argparse.Namespace) -> int:
             f"{args.source}: no row is left to write (dropped: {detail or 'none'}); fix the transcripts "
             "(every row needs text after cleaning, and a <|xx|> tag, if any, equal to its language)"
         )
+    if args.check_audio:
+        from speechlm.data.sources.shards import plan_audio
+
+        plan_audio(table, None, where=str(args.source))
     write_atomic(args.out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
     hours = float(sum(table.column("duration").to_numpy())) / 3600
     print(f"wrote {args.out}: {len(table)} rows, {hours:.2f} h")

@@ -745,3 +745,25 @@ def test_convert_failing_mid_write_leaves_nothing(files, capsys, tmp_path, monke
     _assert_one_error(err)
     assert str(out) in err and "No space left" in err
     assert list((tmp_path / "o").iterdir()) == []
+
+
+def test_convert_check_audio_refuses_a_claimed_duration_far_from_the_file(capsys, tmp_path):
+    """O4e_huge, converter side: --check-audio reads each header and refuses 1e6 s for a 2 s file."""
+    rows = [
+        {
+            "audio_filepath": str(B),
+            "duration": _real_duration(B),
+            "text": "good day",
+            "lang": "en",
+            "id": "ok",
+        },
+        {"audio_filepath": str(A), "duration": 1e6, "text": "hello world", "lang": "en", "id": "huge"},
+    ]
+    path = _nemo(tmp_path / "huge.json", rows)
+    out = tmp_path / "x.parquet"
+    code, _, err = _run(capsys, ["manifest", "convert", str(path), "--out", str(out), "--check-audio"])
+    assert code == EXIT_DATA
+    _assert_one_error(err)
+    assert str(path) in err and "huge" in err and "1000000.000" in err and str(A) in err
+    assert not out.exists()
+    assert _run(capsys, ["manifest", "convert", str(path), "--out", str(out)])[0] == 0  # opt-in: not read
