@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if not manifest.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         build_corpus(folder, args.clips)
-        write_shards(load_manifest(manifest), folder / "tars", shard_size=1000)
+        # the demo's random-bytes FLAC is not audio: shards write refuses it unless skipped (issue 20)
+        write_shards(load_manifest(manifest), folder / "tars", shard_size=1000, skip_bad_audio=True)
     print(f"corpus: {args.clips:,} clips in {folder} ({time.perf_counter() - t0:.0f} s to build)", flush=True)
     tok_prefix = folder / "tok"
     if not tok_prefix.with_suffix(".model").is_file():

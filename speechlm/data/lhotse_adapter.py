@@ -20,6 +20,7 @@ imported only when called.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from typing import Any
 import pyarrow as pa
 
 from speechlm.data.manifest import LOCATOR_SCHEMA, ManifestError, build_manifest_table
-from speechlm.data.text import clean_text, normalize_lang, tag_text
+from speechlm.data.manifest.nemo import count_drop, warn_dropped
+from speechlm.data.text import check_transcript, clean_text, normalize_lang, split_lang_tag, tag_text
 
 _TOLERANCE_S = 1e-3  # a cut "covers" its recording if start and end match within a millisecond
 
@@ -69,6 +71,17 @@ def check_cut(
             f"{where}: audio source type {source.type!r} is not supported; save the audio "
             "to files (for example with cuts.save_audios()) and point the recordings there"
         )
+    start, duration = float(cut.start), float(cut.duration)
+    if not (math.isfinite(duration) and duration > 0):
+        raise ManifestError(
+            f"{where}: duration {cut.duration!r} is not a positive, finite number of seconds; fix the cut"
+        )
+    if not math.isfinite(start) or start < 0 or start + duration > float(recording.duration) + _TOLERANCE_S:
+        raise ManifestError(
+            f"{where}: the cut spans {start:.3f}-{start + duration:.3f} s but recording {recording.id!r} "
+            f"({source.source}) is {float(recording.duration):.3f} s long; fix the cut's start/duration "
+            "or the recording's duration"
+        )
     sup = cut.supervisions[0]
     lang = normalize_lang(sup.language) if sup.language else default_lang
     if lang is None:
@@ -87,18 +100,33 @@ def checked_default_lang(default_lang: str | None) -> str | None:
 
 
 def load_cuts(path: Path) -> Any:
-    """The CutSet in cuts file `path` (ManifestError when it does not exist)."""
+    """The cuts in cuts file `path`, read whole (ManifestError naming the file when it is missing or
+    is not a Lhotse cuts file: not gzip, not JSON lines, lines that are not cuts)."""
     if not path.is_file():
         raise ManifestError(f"Lhotse cuts file {path} does not exist")
-    return _import_cutset().from_file(path)
+    cutset = _import_cutset()
+    try:
+        return list(cutset.from_file(path))
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:
+        # gzip.BadGzipFile is an OSError, json.JSONDecodeError a ValueError; a JSON line that is not
+        # a cut fails in Lhotse's deserialisation with a KeyError/TypeError/AttributeError
+        raise ManifestError(
+            f"{path} is not a readable Lhotse cuts file ({type(e).__name__}: {e}); expected the "
+            "JSON lines (optionally gzipped) of CutSet.to_file(); for a NeMo manifest use --format nemo"
+        ) from None
 
 
-def cuts_to_manifest(cuts_or_path: Any, *, default_lang: str | None = None) -> pa.Table:
+def cuts_to_manifest(
+    cuts_or_path: Any, *, default_lang: str | None = None, dropped: dict[str, int] | None = None
+) -> pa.Table:
     """Convert a Lhotse ``CutSet`` (or a path to a cuts ``.jsonl(.gz)``) to a manifest table.
 
     A cut over part of its recording gets a ``start`` (seconds into the file; `LOCATOR_SCHEMA`) and
-    is read as that segment; the column is present only when some cut needs it.
+    is read as that segment; the column is present only when some cut needs it. A cut whose
+    transcript fails `check_transcript` (empty after cleaning, a ``<|xx|>`` tag that disagrees with
+    the supervision's language) is dropped and counted in `dropped` (a warning when None).
     """
+    counts: dict[str, int] = {} if dropped is None else dropped
     default = checked_default_lang(default_lang)
     if isinstance(cuts_or_path, str | os.PathLike):
         path = Path(cuts_or_path)
@@ -115,13 +143,21 @@ def cuts_to_manifest(cuts_or_path: Any, *, default_lang: str | None = None) -> p
     starts: list[float | None] = []
     for cut in cuts:
         source, sup, lang = check_cut(cut, f"cut {cut.id!r} ({shard_id})", default)
+        tagged, text = split_lang_tag(sup.text or "")
+        cleaned = clean_text(text)
+        reason = check_transcript(tag_text(cleaned, tagged or lang), lang)
+        if reason is not None:
+            count_drop(counts, reason)
+            continue
         whole = abs(cut.start) <= _TOLERANCE_S and abs(cut.duration - cut.recording.duration) <= _TOLERANCE_S
         ids.append(cut.id)
         paths.append(os.path.abspath(source.source))
         durations.append(float(cut.duration))
-        texts.append(tag_text(clean_text(sup.text or ""), lang))
+        texts.append(tag_text(cleaned, lang))
         langs.append(lang)
         starts.append(None if whole else float(cut.start))
+    if dropped is None:
+        warn_dropped(shard_id, counts)
     table = build_manifest_table(ids, paths, durations, texts, langs, shard_ids=shard_id, source="lhotse")
     if any(s is not None for s in starts):
         table = table.append_column(LOCATOR_SCHEMA.field("start"), pa.array(starts, pa.float64()))

@@ -3,10 +3,13 @@
     speechlm manifest build SHARDS_DIR --out OUT_DIR [--min-duration S] [--max-duration S]
                             [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards]
     speechlm manifest stats MANIFEST [--plot FILE.png] [--json]
-    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse]
+    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse] [--check-audio]
 
-Each subcommand returns 0 on success and 1 with a one-paragraph error (no traceback) when the data
-is unusable (`ManifestError`). Heavy imports (pyarrow) happen inside the handlers.
+Each subcommand returns 0 on success, 1 with a one-paragraph error (no traceback) when the data
+is unusable (`ManifestError`), 4 when an output (`--out`, `--plot`) cannot be written (`OutputError`);
+outputs are written under a temporary name and renamed. Rows a converter drops (empty text, a tag
+that disagrees with the language) are counted and printed. Heavy imports (pyarrow) happen inside
+the handlers.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--format", choices=("nemo", "lhotse"), default="nemo", help="input format (default nemo)"
     )
+    convert.add_argument(
+        "--check-audio",
+        action="store_true",
+        help="read every audio file's header: refuse a missing or non-audio file, or a duration far "
+        "from the file's (the checks of `speechlm shards write`)",
+    )
     convert.set_defaults(func=run_convert)
 
 
@@ -93,15 +102,14 @@ def _fail(error: Exception) -> int:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest import ManifestError, build_manifest
+    from speechlm.data.manifest import build_manifest
+    from speechlm.data.manifest.outputs import prepare_dir
 
     options = {k: getattr(args, k) for k in HELP_DEFAULTS if getattr(args, k) is not None}
-    try:
-        report = build_manifest(
-            args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
-        )
-    except ManifestError as e:
-        return _fail(e)
+    prepare_dir(args.out)  # an unusable --out fails before any shard is read
+    report = build_manifest(
+        args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
+    )
     print(report.format())
     out = Path(args.out)
     print(f"\nwrote {out / 'train.parquet'}, {out / 'val.parquet'}, {out / 'build_report.json'}")
@@ -109,19 +117,19 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest import ManifestError, format_stats, load_manifest, manifest_stats, plot_stats
+    from speechlm.data.manifest import format_stats, load_manifest, manifest_stats, plot_stats
+    from speechlm.data.manifest.outputs import prepare_parent, write_atomic
 
-    try:
-        stats = manifest_stats(load_manifest(args.manifest, default_lang=args.lang))
-    except ManifestError as e:
-        return _fail(e)
+    if args.plot:
+        prepare_parent(args.plot, "--plot")
+    stats = manifest_stats(load_manifest(args.manifest, default_lang=args.lang), where=str(args.manifest))
     print(
         json.dumps(stats, indent=2, ensure_ascii=False)
         if args.json
         else f"{args.manifest}\n{format_stats(stats)}"
     )
     if args.plot:
-        plot_stats(stats, args.plot)
+        write_atomic(args.plot, lambda tmp: plot_stats(stats, tmp), "--plot")
         print(f"\nwrote {args.plot}")
     return 0
 
@@ -130,19 +138,33 @@ def run_convert(args: argparse.Namespace) -> int:
     import pyarrow.parquet as pq
 
     from speechlm.data.manifest import ManifestError, read_nemo_manifest
+    from speechlm.data.manifest.outputs import prepare_parent, write_atomic
 
+    prepare_parent(args.out)
+    dropped: dict[str, int] = {}
     try:
         if args.format == "lhotse":
             from speechlm.data.lhotse_adapter import cuts_to_manifest
 
-            table = cuts_to_manifest(args.source, default_lang=args.lang)
+            table = cuts_to_manifest(args.source, default_lang=args.lang, dropped=dropped)
         else:
-            table = read_nemo_manifest(args.source, default_lang=args.lang)
-    except (ManifestError, ImportError) as e:
+            table = read_nemo_manifest(args.source, default_lang=args.lang, dropped=dropped)
+    except ImportError as e:
         return _fail(e)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, args.out, compression="zstd")
-    print(
-        f"wrote {args.out}: {len(table)} rows, {float(sum(table.column('duration').to_numpy())) / 3600:.2f} h"
-    )
+    if not len(table):
+        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+        raise ManifestError(
+            f"{args.source}: no row is left to write (dropped: {detail or 'none'}); fix the transcripts "
+            "(every row needs text after cleaning, and a <|xx|> tag, if any, equal to its language)"
+        )
+    if args.check_audio:
+        from speechlm.data.sources.shards import plan_audio
+
+        plan_audio(table, None, where=str(args.source))
+    write_atomic(args.out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    hours = float(sum(table.column("duration").to_numpy())) / 3600
+    print(f"wrote {args.out}: {len(table)} rows, {hours:.2f} h")
+    if dropped:
+        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+        print(f"dropped {sum(dropped.values())} rows ({detail})")
     return 0

@@ -1,15 +1,16 @@
 """`speechlm shards write`: pack a manifest's audio into tar shards (ours or a NeMo tarred dataset).
 
-    speechlm shards write MANIFEST --out DIR [--shard-size N] [--format speechlm|nemo]
+    speechlm shards write MANIFEST --out DIR [--shard-size N] [--format speechlm|nemo] [--skip-bad-audio]
 
 The result can be passed wherever a manifest is accepted (`data.train_manifest=DIR`,
-`speechlm plan --manifest DIR`). Returns 0, or 1 with a one-paragraph error naming the row or file.
+`speechlm plan --manifest DIR`). Returns 0; 1 with a one-paragraph error naming the row and its
+resolved audio path (missing file, not audio, a duration NaN/Inf/<= 0 or far from the audio
+header's); 4 when --out is a file, holds a finished shard set or other files (never overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,29 +29,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="speechlm",
         help="speechlm: index.parquet + shard-NNNNNN.tar; nemo: a NeMo tarred dataset (default speechlm)",
     )
+    write.add_argument(
+        "--skip-bad-audio",
+        action="store_true",
+        help="leave out rows whose file is not audio or whose duration is far from the manifest's "
+        "(counted and listed) instead of stopping",
+    )
     write.set_defaults(func=run_write)
 
 
 def run_write(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speechlm.data.manifest import ManifestError, load_manifest
+    from speechlm.data.manifest import load_manifest
 
-    try:
-        table = load_manifest(args.manifest)
-        base = Path(args.manifest).resolve().parent
-        if args.format == "nemo":
-            from speechlm.data.sources.nemo_tarred import write_nemo_tarred
+    table = load_manifest(args.manifest)
+    from speechlm.data.sources.shards import format_skipped
 
-            where = write_nemo_tarred(table, args.out, shard_size=args.shard_size, base_dir=base)
-        else:
-            from speechlm.data.sources.shards import write_shards
+    base = Path(args.manifest).resolve().parent
+    skipped: list[tuple[int, str, str, str]] = []
+    options = {
+        "shard_size": args.shard_size,
+        "base_dir": base,
+        "skip_bad_audio": args.skip_bad_audio,
+        "where": str(args.manifest),
+    }
+    if args.format == "nemo":
+        from speechlm.data.sources.nemo_tarred import write_nemo_tarred
 
-            where = write_shards(table, args.out, shard_size=args.shard_size, base_dir=base)
-    except ManifestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        where = write_nemo_tarred(table, args.out, skipped=skipped, **options)
+    else:
+        from speechlm.data.sources.shards import write_shards
+
+        where = write_shards(table, args.out, skipped=skipped, **options)
+    if skipped:
+        print(format_skipped(skipped))
     print(
-        f"wrote {len(table)} utterances to {args.out} ({where.name}); train from it with data.train_manifest={args.out}"
+        f"wrote {len(table) - len(skipped)} utterances to {args.out} ({where.name}); train from it with data.train_manifest={args.out}"
     )
     return 0

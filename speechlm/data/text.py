@@ -139,3 +139,24 @@ def split_lang_tag(text: str) -> tuple[str | None, str]:
     if match is None:
         return None, text
     return match.group(1).lower(), text[match.end() :]
+
+
+TRANSCRIPT_DROP_REASONS = ("empty_text", "missing_tag", "tag_mismatch")
+
+
+def check_transcript(text: str, lang: str) -> str | None:
+    """Why a tagged transcript cannot be trained on, or None: the one rule of every source format.
+
+    `text` is a manifest transcript, ``"<|xx|> words"``, and `lang` the row's language. Returns
+    ``'missing_tag'`` when it does not start with a language tag, ``'tag_mismatch'`` when the tag is
+    not `lang`, ``'empty_text'`` when nothing is left after the tag once cleaned (`clean_text`).
+    Readers and converters drop such rows and count them under that reason.
+    """
+    tag, rest = split_lang_tag(text)
+    if tag is None:
+        return "missing_tag"
+    if tag != normalize_lang(lang):
+        return "tag_mismatch"
+    if not clean_text(rest):
+        return "empty_text"
+    return None

@@ -32,12 +32,29 @@ from typing import Any
 
 import sentencepiece as spm
 
+from speechlm.errors import DataError, UsageError
+
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 AUDIO = "<|audio|>"
 SIDECAR_FORMAT = 1
 
 _TAG_RE = re.compile(r"<\|([^|<>\s]+)\|>")
 _LANG_RE = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+class TokenizerFileError(DataError, FileNotFoundError):
+    """A tokenizer file (.model or its .json sidecar) that does not exist (exit 1, no traceback)."""
+
+
+class TokenizerError(DataError, ValueError):
+    """A tokenizer's files that cannot be used together (corrupt sidecar, ids that do not match)."""
+
+
+class TokenizerTrainingError(DataError, RuntimeError):
+    """SentencePiece refused the corpus (empty, tiny, too many characters for the vocabulary)."""
+
+
+MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's own lower bound
 
 
 class UnknownLanguageError(KeyError):
@@ -115,10 +132,17 @@ def train_tokenizer(
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type={model_type!r} is not supported: use 'bpe' or 'unigram'")
     reserved = 4 + 1 + len(langs)
+    if not MIN_CHARACTER_COVERAGE <= character_coverage <= 1.0:
+        raise UsageError(
+            f"character_coverage={character_coverage} (--character-coverage) is outside "
+            f"[{MIN_CHARACTER_COVERAGE}, 1]: SentencePiece accepts no other value; use 1.0 for small "
+            "alphabets or e.g. 0.9995 for large ones"
+        )
     if vocab_size <= reserved:
-        raise ValueError(
+        raise UsageError(
             f"vocab_size={vocab_size} leaves no room for learned pieces: {reserved} ids are reserved "
-            f"(pad, unk, bos, eos, audio and {len(langs)} language tags); use a larger vocab_size"
+            f"(pad, unk, bos, eos, audio and {len(langs)} language tags); use a larger vocab_size "
+            f"(--vocab-size), e.g. {max(reserved + 100, 300)}"
         )
     prefix = _split_prefix(out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +172,7 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
-        raise RuntimeError(
+        raise TokenizerTrainingError(
             f"SentencePiece training for {prefix}.model failed: {e}. If the corpus is empty or tiny, "
             f"check the text column; if it says the vocabulary is too small for the characters, raise "
             f"vocab_size (now {vocab_size}) or lower character_coverage (now {character_coverage})"
@@ -177,17 +201,23 @@ class Tokenizer:
         self.path = Path(f"{prefix}.model")
         self._sidecar_path = Path(f"{prefix}.json")
         if not self.path.is_file():
-            raise FileNotFoundError(
+            raise TokenizerFileError(
                 f"tokenizer model {self.path} does not exist: train one with "
                 f"`speechlm tokenizer train --manifest PATH` or pass the prefix used for train_tokenizer"
             )
         if not self._sidecar_path.is_file():
-            raise FileNotFoundError(
+            raise TokenizerFileError(
                 f"{self._sidecar_path} (languages and special ids) is missing next to {self.path}: "
-                f"it is written by train_tokenizer; retrain the tokenizer or restore the file"
+                f"it is written by `speechlm tokenizer train` with the model; restore it from where the "
+                f"model came from, or retrain the tokenizer"
             )
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
-        meta = json.loads(self._sidecar_path.read_text())
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise TokenizerError(
+                f"tokenizer model {self.path} cannot be loaded ({e}); restore it or retrain the tokenizer"
+            ) from None
+        meta = self._read_sidecar()
         self.langs: tuple[str, ...] = tuple(meta["langs"])
         self.pad_id = self._piece_id(PAD)
         self.unk_id = self._piece_id(UNK)
@@ -205,18 +235,51 @@ class Tokenizer:
         }
         actual.update({format_lang_tag(k): v for k, v in self._lang_ids.items()})
         if expected != actual:
-            raise ValueError(
-                f"{self._sidecar_path} does not match {self.path} (special ids {expected} vs {actual}): "
-                f"the two files come from different trainings; retrain the tokenizer"
+            diff = ", ".join(
+                f"{tok!r}: sidecar {expected.get(tok)} vs model {actual.get(tok)}"
+                for tok in sorted(set(expected) | set(actual))
+                if expected.get(tok) != actual.get(tok)
+            )
+            raise TokenizerError(
+                f"{self._sidecar_path} does not match {self.path} ({diff}): "
+                f"the two files come from different trainings; restore the .json that came with this "
+                f".model, or retrain the tokenizer"
             )
         self._special_ids = {tok: i for tok, i in actual.items()}
         self._lang_by_id = {i: lang for lang, i in self._lang_ids.items()}
         self._dropped_ids = frozenset((self.pad_id, self.bos_id, self.eos_id, self.audio_id))
 
+    def _read_sidecar(self) -> dict[str, Any]:
+        """The sidecar's content, checked for the keys `_load` uses (TokenizerError naming the file)."""
+        fix = "restore it from where the model came from, or retrain the tokenizer"
+        try:
+            meta = json.loads(self._sidecar_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TokenizerError(
+                f"tokenizer sidecar {self._sidecar_path} is not valid JSON ({e}); it is truncated or "
+                f"corrupt: {fix}"
+            ) from None
+        ok = (
+            isinstance(meta, dict)
+            and isinstance(meta.get("langs"), list)
+            and all(isinstance(x, str) for x in meta["langs"])
+            and isinstance(meta.get("special"), dict)
+            and isinstance(meta.get("lang_ids"), dict)
+        )
+        if not ok:
+            raise TokenizerError(
+                f"tokenizer sidecar {self._sidecar_path} lacks 'langs', 'special' or 'lang_ids' (or they "
+                f"have the wrong type): {fix}"
+            )
+        return meta
+
     def _piece_id(self, piece: str) -> int:
         i = self._sp.piece_to_id(piece)
         if i == self._sp.unk_id() and piece != UNK:
-            raise ValueError(f"{self.path} has no piece {piece!r}: it was not trained by train_tokenizer")
+            raise TokenizerError(
+                f"{self.path} has no piece {piece!r}: it was not trained by `speechlm tokenizer train` "
+                f"(or {self._sidecar_path} names a language it lacks); retrain the tokenizer"
+            )
         return int(i)
 
     # pickling: carry the path only; the receiving process reloads the model
@@ -311,7 +374,12 @@ def add_parser(subparsers: Any) -> None:
         help="train on the text column of a training manifest",
         description="Train a SentencePiece tokenizer (with one tag token per language of the manifest).",
     )
-    train.add_argument("--manifest", required=True, type=Path, help="training manifest (parquet)")
+    train.add_argument(
+        "--manifest",
+        required=True,
+        type=Path,
+        help="training manifest (parquet, NeMo .json, Lhotse cuts, shards)",
+    )
     train.add_argument(
         "--out", type=Path, default=None, help="output prefix (default: <manifest dir>/tokenizer)"
     )
@@ -325,34 +393,67 @@ def add_parser(subparsers: Any) -> None:
 
 
 def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
-    """Return (texts, sorted languages) from the `text` and `lang` columns of a parquet manifest."""
+    """Return (texts, sorted languages) from the `text` and `lang` columns of a manifest.
+
+    A ``.parquet`` file needs only those two columns; any other manifest the project reads (NeMo
+    JSON, Lhotse cuts, a shard folder, ...) goes through `speechlm.data.manifest.load_manifest`.
+    A missing or unreadable manifest, a missing column, a null ``lang`` or text that is not UTF-8
+    is a ManifestError naming the file (and the row).
+    """
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from speechlm.data.manifest import ManifestError, load_manifest
+    from speechlm.data.manifest.checks import check_utf8
+
     if not path.exists():
-        raise FileNotFoundError(f"manifest {path} does not exist: build one with `speechlm manifest build`")
-    names = pq.read_schema(path).names if path.is_file() else None
-    if names is not None:
-        missing = [c for c in ("text", "lang") if c not in names]
-        if missing:
-            raise ValueError(f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest")
-    table = pq.read_table(path, columns=["text", "lang"])
+        raise ManifestError(
+            f"manifest {path} does not exist: pass the train manifest of `speechlm manifest build` "
+            "(e.g. OUT/train.parquet) or a NeMo .json / Lhotse cuts file"
+        )
+    if path.is_file() and path.suffix.lower() == ".parquet":
+        try:
+            names = pq.read_schema(path).names
+            missing = [c for c in ("text", "lang") if c not in names]
+            if missing:
+                raise ManifestError(
+                    f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest"
+                )
+            table = pq.read_table(path, columns=["text", "lang"])
+        except (pa.ArrowException, OSError) as e:
+            raise ManifestError(
+                f"{path} is not a readable parquet file ({e}); rebuild the manifest"
+            ) from None
+    else:
+        table = load_manifest(path)
     lang_col = table.column("lang")
     if lang_col.null_count:
-        raise ValueError(
+        raise ManifestError(
             f"manifest {path}: {lang_col.null_count} row(s) have no lang; fix or rebuild the manifest"
         )
+    check_utf8(table.column("text"), f"manifest {path}", "text")
     langs = sorted(str(x) for x in pc.unique(lang_col.cast("string")).to_pylist())
     texts = [t for t in table.column("text").to_pylist() if t]
     return texts, langs
 
 
 def run_train_command(args: argparse.Namespace) -> int:
+    from speechlm.data.manifest.outputs import prepare_parent
+
     manifest = Path(args.manifest)
     out = args.out if args.out is not None else manifest.resolve().parent / "tokenizer"
+    if args.vocab_size < 1:
+        raise UsageError(f"--vocab-size {args.vocab_size} must be a positive number of pieces, e.g. 500")
+    if not MIN_CHARACTER_COVERAGE <= args.character_coverage <= 1.0:
+        raise UsageError(
+            f"--character-coverage {args.character_coverage} is outside [{MIN_CHARACTER_COVERAGE}, 1]: "
+            "SentencePiece accepts no other value; use 1.0 for small alphabets or e.g. 0.9995 for large ones"
+        )
+    prepare_parent(f"{_split_prefix(out)}.model", "--out")
     texts, langs = read_manifest_text(manifest)
     if not texts:
-        raise SystemExit(f"manifest {manifest} has no non-empty text: nothing to train a tokenizer on")
+        raise DataError(f"manifest {manifest} has no non-empty text: nothing to train a tokenizer on")
     model_path = train_tokenizer(
         texts,
         out,

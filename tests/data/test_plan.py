@@ -194,9 +194,9 @@ def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_p
     import yaml
 
     tars = tmp_path / "tars"
-    assert main(["shards", "write", demo_data["train"], "--out", str(tars)]) == 0
+    assert main(["shards", "write", demo_data["train"], "--out", str(tars), "--skip-bad-audio"]) == 0
     assert main(["plan", "--manifest", str(tars), "--max-batch-duration", "30"]) == 0
-    assert "221 utterances" in capsys.readouterr().out
+    assert "220 utterances" in capsys.readouterr().out  # the demo's non-audio file is not packed
     mix = tmp_path / "mix.yaml"
     mix.write_text(yaml.safe_dump([
         {"path": demo_data["train"], "name": "files", "weight": 1},

@@ -16,8 +16,21 @@ from tests.train.test_training import SMOKE, read_metrics, run_train
 @pytest.fixture(scope="module")
 def shard_dir(demo_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("train_shards") / "train"
-    assert main(["shards", "write", demo_data["train"], "--out", str(out), "--shard-size", "30"]) == 0
+    argv = ["shards", "write", demo_data["train"], "--out", str(out), "--shard-size", "30"]
+    assert main([*argv, "--skip-bad-audio"]) == 0  # the demo's non-audio file (en_001_00056) is not packed
     return out
+
+
+@pytest.fixture(scope="module")
+def packed_rows(demo_data, shard_dir, tmp_path_factory):
+    """The extracted-file manifest of the rows the shards hold (all but the non-audio file)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(demo_data["train"])
+    path = tmp_path_factory.mktemp("packed_rows") / "train.parquet"
+    pq.write_table(table.filter(pc.not_equal(table.column("segment_id"), "en_001_00056")), path)
+    return str(path)
 
 
 def _args(train: str, demo_data: dict[str, str], run_dir, *extra: str) -> list[str]:
@@ -26,9 +39,9 @@ def _args(train: str, demo_data: dict[str, str], run_dir, *extra: str) -> list[s
             f"trainer.run_dir={run_dir}", *extra]  # fmt: skip
 
 
-def test_eight_steps_from_shards_equal_extracted_files(demo_data, shard_dir, tmp_path):
+def test_eight_steps_from_shards_equal_extracted_files(demo_data, shard_dir, packed_rows, tmp_path):
     runs = {}
-    for name, train in (("files", demo_data["train"]), ("shards", str(shard_dir))):
+    for name, train in (("files", packed_rows), ("shards", str(shard_dir))):
         r = run_train(_args(train, demo_data, tmp_path / name, "trainer.max_steps=8"))
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = read_metrics(tmp_path / name)
@@ -39,13 +52,20 @@ def test_eight_steps_from_shards_equal_extracted_files(demo_data, shard_dir, tmp
 
 
 def test_streaming_mode_resumes_exactly(demo_data, shard_dir, tmp_path):
-    base = ["data.read_mode=streaming", "data.shuffle_buffer=20", "data.sort_buffer=16", "trainer.ckpt_every=3"]
+    base = [
+        "data.read_mode=streaming",
+        "data.shuffle_buffer=20",
+        "data.sort_buffer=16",
+        "trainer.ckpt_every=3",
+    ]
     full = run_train(_args(str(shard_dir), demo_data, tmp_path / "full", *base, "trainer.max_steps=6"))
     assert full.returncode == 0, full.stderr[-3000:]
     part = run_train(_args(str(shard_dir), demo_data, tmp_path / "part", *base, "trainer.max_steps=3"))
     assert part.returncode == 0, part.stderr[-3000:]
     resumed = run_train(
-        _args(str(shard_dir), demo_data, tmp_path / "part", *base, "trainer.max_steps=6", "trainer.resume=auto")
+        _args(
+            str(shard_dir), demo_data, tmp_path / "part", *base, "trainer.max_steps=6", "trainer.resume=auto"
+        )
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
@@ -70,5 +90,5 @@ def test_training_from_a_weighted_input_cfg(demo_data, shard_dir, tmp_path):
             f"data.tokenizer={demo_data['tok']}", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
     r = run_train(args)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "train data: data.input_cfg: 442 utterances" in r.stdout
+    assert "train data: data.input_cfg: 441 utterances" in r.stdout  # 221 files + 220 packed
     assert len(read_metrics(tmp_path / "run")) == 2

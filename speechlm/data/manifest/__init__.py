@@ -11,7 +11,10 @@ One concern per module:
 - `report`: `BuildReport` and `DROP_REASONS`, what a build kept and dropped;
 - `split`: the stable train/val split by a hash of ``segment_id`` (`hash_uniform`, `split_val`);
 - `nemo`: `read_nemo_manifest`;
-- `stats`: `manifest_stats`, `format_stats`, `plot_stats`.
+- `stats`: `manifest_stats`, `format_stats`, `plot_stats`;
+- `checks`: row checks the data tools share (`check_durations`: NaN/Inf/<= 0; `check_utf8`);
+- `outputs`: output folders and files of the data tools (`OutputError` naming the path, written
+  under a temporary name and renamed).
 
 Imports run one way: nemo uses schema; load uses schema and nemo; split uses schema; build uses
 schema, load, report and split; stats uses load and report. None of them imports torch.

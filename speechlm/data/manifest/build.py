@@ -11,9 +11,10 @@
    ``<shard_dir>/<tar_member_name>``, or ``dirname(tar_path)/<tar_member_name>`` in the legacy layout.
 3. Give each row the first reason, in `DROP_REASONS` order, that drops it: no index entry, no usable
    language (``segment_language`` null or blank falls back to the shard-name prefix ``hi`` of
-   ``hi_000``), a null/NaN/negative duration, too short, too long, quality below the threshold (or
-   null), blank text, text empty after cleaning, and last a ``segment_id`` already kept (the first
-   kept copy wins, so a duplicate of a filtered row is not lost).
+   ``hi_000``), a null/NaN/infinite/zero/negative duration, too short, too long, quality below the
+   threshold (or null), blank text, text empty after cleaning, a leading ``<|xx|>`` tag that is not
+   the row's language (`speechlm.data.text.check_transcript`'s rule), and last a ``segment_id``
+   already kept (the first kept copy wins, so a duplicate of a filtered row is not lost).
 4. Clean the text once per distinct string (dictionary-encode, clean the dictionary, take), then
    prepend the language tag.
 5. Split train/val by a stable hash of ``segment_id`` and the seed (see `split`), so adding shards
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +38,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from speechlm.data.manifest.checks import check_utf8
 from speechlm.data.manifest.load import _read_checked
+from speechlm.data.manifest.outputs import prepare_dir, write_atomic
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
 from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_sorted, build_manifest_table
 from speechlm.data.manifest.split import hash_uniform, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
 
+_TAG_PATTERN = r"^\s*<\|(?P<tag>[A-Za-z][A-Za-z0-9_-]*)\|>"
 DEFAULT_MIN_DURATION = 0.5
 DEFAULT_MAX_DURATION = 20.0
 DEFAULT_MIN_QUALITY = 0.5
@@ -79,6 +84,13 @@ def _read_shard(shard_dir: Path) -> pa.Table:
     quality, text (raw), lang (null: unknown)."""
     meta = _read_checked(shard_dir / "metadata.parquet", METADATA_COLUMNS, {})
     index = _read_checked(shard_dir / "audio_index.parquet", INDEX_COLUMNS, INDEX_OPTIONAL_COLUMNS)
+    for name, table, columns in (
+        ("metadata.parquet", meta, METADATA_COLUMNS),
+        ("audio_index.parquet", index, {**INDEX_COLUMNS, **INDEX_OPTIONAL_COLUMNS}),
+    ):
+        for col, kind in columns.items():
+            if kind == "string" and col in table.column_names:
+                check_utf8(table.column(col), str(shard_dir / name), col)
     base = os.path.abspath(shard_dir)
 
     member = _as_string(index.column("tar_member_name"))
@@ -220,7 +232,7 @@ def build_manifest(
     with np.errstate(invalid="ignore"):
         drop(rows.column("audio_filepath").is_null().to_numpy(zero_copy_only=False), "no_audio_index")
         drop(rows.column("lang").is_null().to_numpy(zero_copy_only=False), "missing_language")
-        drop(~np.isfinite(duration) | (duration < 0), "invalid_duration")
+        drop(~np.isfinite(duration) | (duration <= 0), "invalid_duration")
         drop(duration < min_duration, "too_short")
         drop(duration > max_duration, "too_long")
         drop(~(quality >= min_quality), "low_quality")
@@ -234,6 +246,14 @@ def build_manifest(
     reason[survivors[empty]] = DROP_REASONS.index("empty_after_cleaning")
     cleaned = cleaned.filter(pa.array(~empty))
     survivors = survivors[~empty]
+    # a leading <|xx|> tag must name the row's language (text.check_transcript's rule); clean_text
+    # removes the tag, so a mismatch would otherwise be relabelled silently
+    tags = pc.struct_field(pc.extract_regex(raw_text.take(survivors), _TAG_PATTERN), "tag")
+    wrong = pc.not_equal(pc.utf8_lower(tags), rows.column("lang").take(survivors))
+    wrong = pc.fill_null(wrong, False).to_numpy(zero_copy_only=False)
+    reason[survivors[wrong]] = DROP_REASONS.index("tag_mismatch")
+    cleaned = cleaned.filter(pa.array(~wrong))
+    survivors = survivors[~wrong]
 
     seg_ids = rows.column("segment_id").take(survivors)
     seg_codes = pc.dictionary_encode(seg_ids.cast(pa.large_string()).combine_chunks()).indices.to_numpy()
@@ -261,17 +281,23 @@ def build_manifest(
 
     _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
     report.elapsed_s = round(time.perf_counter() - start, 3)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / "build_report.json")
+    out = prepare_dir(out_dir)
+    write_atomic(out / "build_report.json", report.write_json)
     if not len(table):
         raise ManifestError(
             f"no row of {shards_dir} passed the filters; nothing written but the report "
             f"{out / 'build_report.json'}:\n{report.format()}"
         )
-    pq.write_table(table.filter(pa.array(~is_val)), out / "train.parquet", compression="zstd")
-    pq.write_table(table.filter(pa.array(is_val)), out / "val.parquet", compression="zstd")
+    for name, mask in (("train", ~is_val), ("val", is_val)):
+        write_atomic(out / f"{name}.parquet", _parquet_writer(table.filter(pa.array(mask))))
     return report
+
+
+def _parquet_writer(table: pa.Table) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        pq.write_table(table, path, compression="zstd")
+
+    return write
 
 
 def _fill_counts(

@@ -4,6 +4,8 @@ checks the lines (shared with the NeMo tarred reader, `speechlm.data.sources.nem
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,9 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from speechlm.data.manifest.schema import ManifestError, build_manifest_table
-from speechlm.data.text import clean_text, normalize_lang, split_lang_tag, tag_text
+from speechlm.data.text import check_transcript, clean_text, normalize_lang, split_lang_tag, tag_text
+
+logger = logging.getLogger(__name__)
 
 
 class NemoLine(NamedTuple):
@@ -26,8 +30,33 @@ class NemoLine(NamedTuple):
     lang: str
 
 
-def iter_nemo_lines(path: Path, default_lang: str | None) -> Iterator[NemoLine]:
-    """Parse and check every line of NeMo manifest `path` (language rules of `read_nemo_manifest`)."""
+def count_drop(dropped: dict[str, int], reason: str) -> None:
+    dropped[reason] = dropped.get(reason, 0) + 1
+
+
+def warn_dropped(where: str | os.PathLike[str], dropped: dict[str, int]) -> None:
+    if dropped:
+        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+        logger.warning("%s: dropped %d rows (%s)", where, sum(dropped.values()), detail)
+
+
+def iter_nemo_lines(
+    path: Path, default_lang: str | None, dropped: dict[str, int] | None = None
+) -> Iterator[NemoLine]:
+    """Parse and check every line of NeMo manifest `path` (language rules of `read_nemo_manifest`).
+
+    A duration that is not a positive, finite number is an error naming the line. A line whose
+    transcript fails `check_transcript` (empty after cleaning, a ``<|xx|>`` tag that disagrees with
+    ``lang``) is skipped and counted in `dropped` by reason (logged as a warning when `dropped` is
+    None), never kept.
+    """
+    counts: dict[str, int] = {} if dropped is None else dropped
+    yield from _iter_nemo_lines(path, default_lang, counts)
+    if dropped is None:
+        warn_dropped(path, counts)
+
+
+def _iter_nemo_lines(path: Path, default_lang: str | None, dropped: dict[str, int]) -> Iterator[NemoLine]:
     default = None
     if default_lang is not None and (default := normalize_lang(default_lang)) is None:
         raise ManifestError(f"--lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
@@ -64,6 +93,11 @@ def iter_nemo_lines(path: Path, default_lang: str | None) -> Iterator[NemoLine]:
                 raise ManifestError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio!r}")
             if isinstance(duration, bool) or not isinstance(duration, int | float):
                 raise ManifestError(f"{where}: 'duration' must be a number of seconds, got {duration!r}")
+            if not math.isfinite(duration) or duration <= 0:
+                raise ManifestError(
+                    f"{where}: 'duration' {duration!r} is not a positive, finite number of seconds; "
+                    "write the audio file's length (e.g. soundfile.info(path).duration) or remove the line"
+                )
             if not isinstance(text, str):
                 raise ManifestError(f"{where}: 'text' must be a string, got {text!r}")
             if row.get("offset") not in (None, 0, 0.0):
@@ -81,16 +115,26 @@ def iter_nemo_lines(path: Path, default_lang: str | None) -> Iterator[NemoLine]:
                     f"{where}: no language: the line has no 'lang' and its text no <|xx|> "
                     "tag; add \"lang\" to every line or pass --lang xx (default_lang='xx')"
                 )
-            yield NemoLine(where, row, audio, float(duration), tag_text(clean_text(text), code), code)
+            cleaned = clean_text(text)
+            reason = check_transcript(tag_text(cleaned, tagged or code), code)
+            if reason is not None:
+                count_drop(dropped, reason)
+                continue
+            yield NemoLine(where, row, audio, float(duration), tag_text(cleaned, code), code)
 
 
-def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
+def read_nemo_manifest(
+    path: str | os.PathLike[str], *, default_lang: str | None = None, dropped: dict[str, int] | None = None
+) -> pa.Table:
     """Read a NeMo JSON-lines manifest into `MANIFEST_SCHEMA` (source ``nemo``).
 
     Each line: ``audio_filepath`` (relative paths resolve against the manifest's folder),
     ``duration`` (s), ``text``, optional ``lang``. The language is ``lang``, else a leading ``<|xx|>``
     tag of the text, else `default_lang`. The id is ``segment_id``/``utt_id``/``id`` if present,
-    else ``audio_filepath`` as written. Rows are not filtered: the file is taken as curated.
+    else ``audio_filepath`` as written. A duration that is NaN, Inf or <= 0 is an error naming the
+    line; rows whose transcript fails `check_transcript` are dropped and counted in `dropped` (a
+    warning when None). Rows whose audio lies outside the manifest's folder are kept (datasets often
+    share an audio tree) and counted in a warning; `speechlm shards write` refuses any that is not audio.
     """
     path = Path(path)
     base = path.resolve().parent
@@ -99,11 +143,20 @@ def read_nemo_manifest(path: str | os.PathLike[str], *, default_lang: str | None
     durations: list[float] = []
     texts: list[str] = []
     langs: list[str] = []
-    for line in iter_nemo_lines(path, default_lang):
+    for line in iter_nemo_lines(path, default_lang, dropped):
         row = line.row
         ids.append(str(row.get("segment_id") or row.get("utt_id") or row.get("id") or line.audio))
         paths.append(os.path.normpath(os.path.join(base, line.audio)))
         durations.append(line.duration)
         texts.append(line.text)
         langs.append(line.lang)
+    outside = [p for p in paths if not p.startswith(str(base) + os.sep)]
+    if outside:
+        logger.warning(
+            "%s: %d audio path(s) lie outside the manifest's folder %s (first: %s)",
+            path,
+            len(outside),
+            base,
+            outside[0],
+        )
     return build_manifest_table(ids, paths, durations, texts, langs, shard_ids=path.name, source="nemo")

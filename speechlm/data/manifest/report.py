@@ -20,6 +20,7 @@ DROP_REASONS = (
     "low_quality",
     "empty_text",
     "empty_after_cleaning",
+    "tag_mismatch",
     "duplicate",
 )
 UNKNOWN_LANG = "?"  # report key for rows whose language could not be determined

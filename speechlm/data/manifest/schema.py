@@ -11,6 +11,7 @@ cost about the size of their strings, with no Python object per row (see docs/da
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TypeAlias
 
@@ -114,3 +115,17 @@ def build_manifest_table(
         _dict_column(source, n, pa.int8(), "source"),
     ]
     return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)
+
+
+def duration_mismatch(
+    claimed: float, real: float, tolerance_s: float = 0.5, tolerance_frac: float = 0.1
+) -> bool:
+    """True when a manifest's `claimed` duration is too far from the audio's `real` one.
+
+    The one rule for every check of claimed against decoded or header durations (``shards write``,
+    the dataset): a clip is refused when ``|real - claimed| > max(tolerance_s, tolerance_frac *
+    claimed)``. A claimed or real duration that is not a finite number is always a mismatch.
+    """
+    if not (math.isfinite(claimed) and math.isfinite(real)):
+        return True
+    return abs(real - claimed) > max(tolerance_s, tolerance_frac * abs(claimed))

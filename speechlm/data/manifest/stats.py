@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.load import manifest_arrays
 from speechlm.data.manifest.report import _format_table
 
@@ -19,12 +20,16 @@ def _count_bins(longest: float, width: float) -> int:
     return int(np.floor(longest / width + 1e-9)) + 1
 
 
-def manifest_stats(table: pa.Table, *, bin_width: float | None = None) -> dict[str, Any]:
+def manifest_stats(
+    table: pa.Table, *, bin_width: float | None = None, where: str = "manifest"
+) -> dict[str, Any]:
     """Hours and utterances per language and in total, and a duration histogram per language.
 
     The histogram bins start at 0 s; `bin_width` defaults to the smallest of 0.1, 0.25, 0.5, 1, 2, 5,
-    10 s that needs at most 40 bins.
+    10 s that needs at most 40 bins. A duration that is NaN, Inf or <= 0 is a ManifestError naming
+    the row of `where` (such hours would be meaningless).
     """
+    check_durations(table, where)
     arr = manifest_arrays(table)
     d = arr.durations.astype(np.float64)
     if bin_width is None:

@@ -35,7 +35,13 @@ from speechlm.data.manifest.nemo import iter_nemo_lines
 from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import locate_members, with_tar_locators
-from speechlm.data.sources.shards import SourceReport, plan_members, print_progress, write_one_tar
+from speechlm.data.sources.shards import (
+    SourceReport,
+    check_out_dir,
+    plan_audio,
+    print_progress,
+    write_one_tar,
+)
 from speechlm.data.text import split_lang_tag
 
 MANIFEST_NAME = "tarred_audio_manifest.json"
@@ -80,7 +86,14 @@ def _write_json_lines(path: Path, lines: Sequence[dict[str, Any]]) -> None:
 
 
 def write_nemo_tarred(
-    table: pa.Table, out_dir: str | os.PathLike[str], *, shard_size: int = 1000, base_dir: Path | None = None
+    table: pa.Table,
+    out_dir: str | os.PathLike[str],
+    *,
+    shard_size: int = 1000,
+    base_dir: Path | None = None,
+    skip_bad_audio: bool = False,
+    skipped: list[tuple[int, str, str, str]] | None = None,
+    where: str = "the manifest",
 ) -> Path:
     """Write manifest `table` as a NeMo tarred dataset under `out_dir`; returns the manifest path.
 
@@ -90,10 +103,19 @@ def write_nemo_tarred(
     if shard_size < 1:
         raise ManifestError(f"--shard-size {shard_size} must be at least 1")
     out = Path(out_dir)
+    # issue 20 (convert): never write into a finished set or a foreign folder; check every row first
+    check_out_dir(
+        out, MANIFEST_NAME, ("audio_*.tar", ".audio_*.tar.tmp", SHARDED_DIR, f".{MANIFEST_NAME}.tmp")
+    )
+    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
+    if skipped is not None:
+        skipped.extend(plan.skipped)
+    if not plan.rows.size:
+        raise ManifestError("no row of the manifest has readable audio (see --skip-bad-audio)")
+    table = table.take(pa.array(plan.rows))
+    names, resolved = plan.names, plan.resolved
     (out / SHARDED_DIR).mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    names, resolved = plan_members(table, base_dir)
-    durations = table.column("duration").to_pylist()
+    durations = plan.durations.astype(np.float32).tolist()  # the audio headers', not the claims
     texts = [split_lang_tag(t)[1] for t in table.column("text").to_pylist()]
     langs = table.column("lang").cast(pa.string()).to_pylist()
     n = len(names)

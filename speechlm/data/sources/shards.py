@@ -11,8 +11,12 @@ Layout of a shard folder written by `write_shards` (``speechlm shards write``)::
 
 Writing is restartable and never leaves a half-written shard that looks whole: each tar is written
 to a temporary name and renamed when complete, and ``index.parquet`` is written last (atomically).
-A folder without ``index.parquet`` is an interrupted write: `read_shards` refuses it and says to
-run the write again (finished tars are reused when their bytes match what would be written).
+A folder without ``index.parquet`` is an interrupted write (a SIGKILL, a full disk): `read_shards`
+refuses it and says to run the write again, which replaces those tars. A folder that holds
+``index.parquet`` (a finished set) or any file a write did not leave is never written into.
+Before the first byte, every row is checked (`plan_audio`): the audio file must exist and have an
+audio header (a file that is not audio is never copied), and its real duration must agree with the
+manifest's (`duration_mismatch`); the index records the real durations.
 
 `read_shards` returns the manifest table with absolute ``tar_path`` locators. A tar whose size no
 longer matches the index is re-scanned (`tar_index`) and its rows re-joined by member name; rows
@@ -34,10 +38,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError
+from speechlm.data.manifest.checks import check_durations
+from speechlm.data.manifest.outputs import prepare_dir
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, duration_mismatch
 from speechlm.data.sources.join import locate_members, with_tar_locators
+from speechlm.errors import OutputError
 
 INDEX_NAME = "index.parquet"
+PARTIAL_PATTERNS = ("shard-*.tar", ".shard-*.tar.tmp", f".{INDEX_NAME}.tmp")
 SHARDS_KEY = b"speechlm.shards"
 FORMAT_VERSION = 1
 
@@ -69,27 +77,144 @@ def member_name(segment_id: str, suffix: str) -> str:
     return segment_id.replace("/", "__") + suffix
 
 
-def plan_members(table: pa.Table, base_dir: Path | None) -> tuple[list[str], list[str]]:
-    """(member name, audio file) of every row of an extracted-file manifest about to be packed.
+@dataclass(frozen=True)
+class AudioPlan:
+    """What packing a manifest's rows needs: tar member names, resolved audio files, real durations.
 
-    Raises ManifestError naming the row when a file is missing (a shard set with holes would
-    silently shrink the corpus) or when two rows would get the same member name.
+    `rows` are the manifest rows packed (all of them unless bad audio was skipped); `skipped` names
+    each skipped row: (row, segment id, resolved path, reason).
     """
+
+    names: list[str]
+    resolved: list[str]
+    durations: np.ndarray  # float64 [len(rows)], seconds, from the audio headers
+    rows: np.ndarray  # int64 indices into the manifest
+    skipped: list[tuple[int, str, str, str]] = field(default_factory=list)
+
+
+class ShardWriteError(OutputError, OSError):
+    """Writing a tar or the index failed (disk full, permissions); the folder is an interrupted write."""
+
+
+def _row(ids: list[str], row: int) -> str:
+    return f"row {row} (segment {ids[row]})"
+
+
+def plan_audio(
+    table: pa.Table,
+    base_dir: Path | None,
+    *,
+    skip_bad_audio: bool = False,
+    tolerance_s: float = 0.5,
+    tolerance_frac: float = 0.1,
+    where: str = "the manifest",
+) -> AudioPlan:
+    """Check every row of an extracted-file manifest before anything is packed (nothing is written).
+
+    Raises ManifestError naming the row and its RESOLVED audio path when the duration is NaN, Inf or
+    <= 0 or the file is missing; and, unless `skip_bad_audio` (then the row is skipped and listed in
+    `AudioPlan.skipped`), when soundfile cannot read its header (not audio: never copied into a
+    shard) or the header's duration is far from the manifest's (`duration_mismatch`). Two rows with
+    the same member name are an error. The real durations are returned for the index.
+    """
+    import soundfile as sf
+
     if "tar_path" in table.column_names:
         raise ManifestError("the manifest already points into tar shards; pass an extracted-file manifest")
-    ids = table.column("segment_id").to_pylist()
+    check_durations(table, where)
+    ids = [str(x) for x in table.column("segment_id").to_pylist()]
     paths = table.column("audio_filepath").to_pylist()
-    resolved = [str(Path(p) if Path(p).is_absolute() or base_dir is None else base_dir / p) for p in paths]
+    claimed = table.column("duration").to_numpy().astype(np.float64)
+    resolved = [
+        os.path.abspath(p if Path(p).is_absolute() or base_dir is None else base_dir / p) for p in paths
+    ]
+    missing = [row for row, p in enumerate(resolved) if not os.path.isfile(p)]
+    if missing:
+        row = missing[0]
+        raise ManifestError(
+            f"{where} {_row(ids, row)}: audio file {resolved[row]} does not exist ({len(missing)} of "
+            f"{len(ids)} rows have no file); restore the files, or remove those rows from the manifest "
+            "(`speechlm manifest build` and `manifest convert` keep rows whose audio is missing, so "
+            "rebuilding does not drop them)"
+        )
+    skip_hint = "; or pass --skip-bad-audio to leave such rows out (they are counted and listed)"
+    real = np.zeros(len(ids), np.float64)
+    keep = np.ones(len(ids), bool)
+    skipped: list[tuple[int, str, str, str]] = []
     for row, p in enumerate(resolved):
-        if not os.path.isfile(p):
+        try:
+            info = sf.info(p)
+        except (RuntimeError, OSError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
+            if skip_bad_audio:
+                keep[row] = False
+                skipped.append((row, ids[row], p, "not_audio"))
+                continue
             raise ManifestError(
-                f"row {row} (segment {ids[row]}): audio file {p} does not exist; fix the manifest first "
-                "(`speechlm manifest build` drops missing files)"
+                f"{where} {_row(ids, row)}: {p} is not an audio file soundfile can read ({e}); nothing "
+                f"was copied: fix the row's audio_filepath or remove the row from the manifest{skip_hint}"
+            ) from None
+        real[row] = float(info.duration)
+        if duration_mismatch(float(claimed[row]), real[row], tolerance_s, tolerance_frac):
+            if skip_bad_audio:
+                keep[row] = False
+                skipped.append((row, ids[row], p, "duration_mismatch"))
+                continue
+            raise ManifestError(
+                f"{where} {_row(ids, row)}: the manifest says duration {claimed[row]:.3f} s but "
+                f"{p} holds {real[row]:.3f} s (more than max({tolerance_s} s, "
+                f"{tolerance_frac:.0%}) apart); fix the row's duration or its audio_filepath{skip_hint}"
             )
-    names = [member_name(s, Path(p).suffix) for s, p in zip(ids, resolved)]
+    rows = np.flatnonzero(keep)
+    names = [member_name(ids[r], Path(resolved[r]).suffix) for r in rows]
     if len(set(names)) != len(names):
         raise ManifestError("segment_id values are not unique; tar members must be: deduplicate the manifest")
-    return names, resolved
+    return AudioPlan(names, [resolved[r] for r in rows], real[rows], rows, skipped)
+
+
+def format_skipped(skipped: list[tuple[int, str, str, str]], limit: int = 5) -> str:
+    """One paragraph naming the rows `plan_audio` skipped (the first `limit`) and their count."""
+    counts: dict[str, int] = {}
+    for *_, reason in skipped:
+        counts[reason] = counts.get(reason, 0) + 1
+    detail = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+    listed = "; ".join(f"row {r} (segment {s}) {p}: {why}" for r, s, p, why in skipped[:limit])
+    more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
+    return f"skipped {len(skipped)} rows ({detail}): {listed}{more}"
+
+
+def plan_members(table: pa.Table, base_dir: Path | None) -> tuple[list[str], list[str]]:
+    """(member name, audio file) of every row about to be packed; the checks of `plan_audio`."""
+    plan = plan_audio(table, base_dir)
+    return plan.names, plan.resolved
+
+
+def check_out_dir(out: Path, complete: str, partial: tuple[str, ...]) -> list[Path]:
+    """Refuse an output folder that holds anything but an interrupted write of this format.
+
+    `complete` is the file a finished write ends with (``index.parquet``); `partial` are glob
+    patterns of what an interrupted write leaves. Returns those leftovers (a re-run replaces them).
+    A finished shard set, or any other file, is an OutputError naming it: an earlier set is never
+    overwritten.
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"cannot write --out {out}: it is a file, not a folder; pass a folder path")
+    if not out.exists():
+        return []
+    entries = sorted(out.iterdir())
+    if (out / complete).exists():
+        raise OutputError(
+            f"--out {out} already holds a shard set ({complete} and {len(entries) - 1} other entries); "
+            "nothing was changed: pass a new --out folder, or move that set away first"
+        )
+    ours = {p for pattern in partial for p in out.glob(pattern)}
+    others = [p for p in entries if p not in ours]
+    if others:
+        shown = ", ".join(p.name for p in others[:5]) + (", ..." if len(others) > 5 else "")
+        raise OutputError(
+            f"--out {out} is not empty ({len(others)} entries that no shards write left: {shown}); "
+            "nothing was changed: pass a new or empty --out folder"
+        )
+    return sorted(ours)
 
 
 def print_progress(k: int, n_shards: int, done: int, n: int, t0: float) -> None:
@@ -128,19 +253,36 @@ def write_one_tar(path: Path, members: list[tuple[str, str]]) -> list[tuple[int,
 
 
 def write_shards(
-    table: pa.Table, out_dir: str | os.PathLike[str], *, shard_size: int = 1000, base_dir: Path | None = None
+    table: pa.Table,
+    out_dir: str | os.PathLike[str],
+    *,
+    shard_size: int = 1000,
+    base_dir: Path | None = None,
+    skip_bad_audio: bool = False,
+    skipped: list[tuple[int, str, str, str]] | None = None,
+    where: str = "the manifest",
 ) -> Path:
     """Pack the audio of manifest `table` into tar shards of `shard_size` utterances under `out_dir`.
 
-    Returns the index path. Raises ManifestError naming the row when an audio file is missing (a
-    shard set with holes would silently shrink the corpus).
+    Returns the index path. Every row is checked first (`plan_audio`: missing or non-audio file,
+    bad or far-off duration -> ManifestError naming the row; nothing written); the index holds the
+    durations read from the audio headers. An `out_dir` holding a finished shard set or anything
+    else is refused (OutputError, `check_out_dir`); one holding only an interrupted write's tars is
+    written again. With `skip_bad_audio`, rows whose file is not audio or whose duration is far
+    off are left out and appended to `skipped` (the caller prints them).
     """
     if shard_size < 1:
         raise ManifestError(f"--shard-size {shard_size} must be at least 1")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX_NAME).unlink(missing_ok=True)  # the index appears again only when every tar is whole
-    names, resolved = plan_members(table, base_dir)
+    leftovers = check_out_dir(out, INDEX_NAME, PARTIAL_PATTERNS)
+    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
+    if skipped is not None:
+        skipped.extend(plan.skipped)
+    if not plan.rows.size:
+        raise ManifestError(f"no row of {where} has readable audio: {format_skipped(plan.skipped)}")
+    table = table.take(pa.array(plan.rows))
+    prepare_dir(out)
+    names, resolved = plan.names, plan.resolved
     n = len(names)
     offsets = np.zeros(n, np.int64)
     sizes = np.zeros(n, np.int64)
@@ -153,7 +295,17 @@ def write_shards(
     for k, lo in enumerate(range(0, n, shard_size)):
         hi = min(n, lo + shard_size)
         tar = _tar_name(k)
-        placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        try:
+            placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        except OSError as e:
+            (out / f".{tar}.tmp").unlink(missing_ok=True)
+            if k:
+                print(file=sys.stderr)  # end the progress line
+            raise ShardWriteError(
+                f"cannot write {out / tar}: {e.strerror or e}; {out} now holds an interrupted write "
+                "(no index.parquet, refused by readers): free space or fix the folder, then run the "
+                "same `speechlm shards write` again"
+            ) from e
         for j, (off, size, hdr) in enumerate(placed):
             offsets[lo + j], sizes[lo + j], headers[lo + j] = off, size, hdr
         tars.append(tar)
@@ -162,6 +314,7 @@ def write_shards(
         print_progress(k, n_shards, hi, n, t0)
     columns = {f.name: table.column(f.name) for f in MANIFEST_SCHEMA}
     columns["audio_filepath"] = pa.chunked_array([pa.array(names, pa.string())])
+    columns["duration"] = pa.chunked_array([pa.array(plan.durations.astype(np.float32), pa.float32())])
     index = pa.table(
         {
             **columns,
@@ -176,8 +329,18 @@ def write_shards(
         {SHARDS_KEY: json.dumps({"format_version": FORMAT_VERSION, "tar_sizes": shard_sizes})}
     )
     tmp = out / f".{INDEX_NAME}.tmp"
-    pq.write_table(index, tmp, row_group_size=64 * 1024)
-    os.replace(tmp, out / INDEX_NAME)
+    try:
+        pq.write_table(index, tmp, row_group_size=64 * 1024)
+        os.replace(tmp, out / INDEX_NAME)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ShardWriteError(
+            f"cannot write {out / INDEX_NAME}: {e.strerror or e}; every tar is written but the set has no "
+            "index yet: free space, then run the same `speechlm shards write` again"
+        ) from e
+    for stale in leftovers:  # an interrupted write's tars that this set does not use
+        if stale.name not in shard_sizes:
+            stale.unlink(missing_ok=True)
     return out / INDEX_NAME
 
 
