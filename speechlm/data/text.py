@@ -29,6 +29,12 @@ Cleaning works on Unicode categories, not on per-script lists, so it treats ever
 Letters (L*), digits and other numbers (N*) and all combining marks (M*: Indic vowel signs,
 viramas, anusvara, nukta, Latin accents) are kept, so ``हिन्दी``, ``বাংলা``, ``தமிழ்`` survive intact.
 Case is kept. `clean_text` is idempotent: cleaning a cleaned text changes nothing.
+
+Readers of a training manifest (every source format, at the moment a row is loaded) apply one rule,
+`check_transcript`: a text must start with the tag of its row's language and hold words after it.
+A row that breaks it is dropped and counted (``empty_text``, ``missing_tag``, ``tag_mismatch``),
+never trained on: the model would learn a wrong language tag, and the CTC head, which skips the
+leading tag, would lose the first word piece of an untagged text.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def _keep_inner_apostrophe(m: re.Match[str]) -> str:
 _SPACES = re.compile(r" {2,}")
 _LANG_TAG = re.compile(r"^\s*<\|([A-Za-z][A-Za-z0-9_-]*)\|>\s*")
 _LANG_CODE = re.compile(r"^[a-z][a-z0-9_-]*$")
+_ANY_TAG = re.compile(r"<\|[^|<>\s]+\|>")
 
 
 def _map_char(ch: str) -> str | None:
@@ -139,3 +146,24 @@ def split_lang_tag(text: str) -> tuple[str | None, str]:
     if match is None:
         return None, text
     return match.group(1).lower(), text[match.end() :]
+
+
+TRANSCRIPT_DROP_REASONS = ("empty_text", "missing_tag", "tag_mismatch")
+
+
+def check_transcript(text: str, lang: str) -> str | None:
+    """Why a manifest text cannot be trained on as the transcript of a `lang` row, or None if it can.
+
+    ``empty_text``: nothing is left after the tag once cleaned (`clean_text`); ``missing_tag``: the
+    text does not start with a ``<|xx|>`` tag; ``tag_mismatch``: the tag is not that of `lang`, or
+    another ``<|..|>`` tag follows it. One rule for every source format (see the module docstring).
+    """
+    match = _LANG_TAG.match(text)
+    rest = text if match is None else text[match.end() :]
+    if not clean_text(rest):
+        return "empty_text"
+    if match is None:
+        return "missing_tag"
+    if match.group(1) != normalize_lang(lang) or _ANY_TAG.search(rest):
+        return "tag_mismatch"
+    return None

@@ -54,6 +54,18 @@ class ManifestError(DataError, ValueError):
     """A shard, manifest or option that cannot be used; the message says where and what to do."""
 
 
+def duration_mismatch(
+    claimed: float, real: float, tolerance_s: float = 0.5, tolerance_frac: float = 0.1
+) -> bool:
+    """True when a clip's `real` length (s) is too far from the `claimed` manifest duration (s) to trust
+    the row: ``|real - claimed| > max(tolerance_s, tolerance_frac * claimed)``. A non-finite `claimed`
+    is always a mismatch. One rule for the reader (dataset, dropped as ``duration_mismatch``) and the
+    writers (`speechlm shards write`)."""
+    if not np.isfinite(claimed) or not np.isfinite(real):
+        return True
+    return bool(abs(real - claimed) > max(tolerance_s, tolerance_frac * claimed))
+
+
 def _dictionary(codes: np.ndarray, names: Sequence[str], index_type: pa.DataType) -> pa.DictionaryArray:
     indices = pa.array(codes.astype(index_type.to_pandas_dtype(), copy=False), index_type)
     return pa.DictionaryArray.from_arrays(indices, pa.array(list(names), pa.string()))

@@ -1,0 +1,216 @@
+"""Bad input met when training or evaluation reads its data (issue 20, "dataset" scope).
+
+Durations checked against the decoded audio, one transcript rule for every source, no truncated
+transcripts, audio paths relative to the manifest's folder, messages that name the manifest and the
+resolved path, the input_cfg mix that cannot silently vanish, and the index cache keyed on every file
+it indexes and built once under a lock.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import soundfile as sf
+
+from speechlm.data.dataset import DROP_REASONS, Collator, DroppedSample, Sample, SpeechDataset
+from speechlm.data.manifest.schema import duration_mismatch
+from speechlm.data.text import check_transcript
+from speechlm.data.tokenizer import Tokenizer, train_tokenizer
+
+SR = 16000
+TEXTS = {"hi": "<|hi|> नमस्ते दुनिया यह एक छोटा परीक्षण है", "en": "<|en|> hello world this is a small test"}
+
+
+def write_tone(path: Path, seconds: float, sr: int = SR) -> None:
+    t = np.arange(int(round(sr * seconds))) / sr
+    sf.write(path, (0.3 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32), sr)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    return Tokenizer(train_tokenizer(list(TEXTS.values()) * 10, out, langs=list(TEXTS), vocab_size=120))
+
+
+def manifest(root: Path, rows: list[dict]) -> pa.Table:
+    """A table in the manifest's columns; each row: path, duration, text, lang (+ start)."""
+    n = len(rows)
+    cols: dict = {
+        "segment_id": [f"seg{i}" for i in range(n)],
+        "shard_id": pa.array(["s0"] * n).dictionary_encode(),
+        "audio_filepath": [r["path"] for r in rows],
+        "duration": pa.array([r.get("duration", 1.0) for r in rows], pa.float32()),
+        "text": [r.get("text", TEXTS[r.get("lang", "en")]) for r in rows],
+        "lang": pa.array([r.get("lang", "en") for r in rows]).dictionary_encode(),
+        "source": pa.array(["test"] * n).dictionary_encode(),
+    }
+    if any("start" in r for r in rows):
+        cols["start"] = pa.array([r.get("start") for r in rows], pa.float64())
+    return pa.table(cols)
+
+
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("audio")
+    write_tone(root / "one.wav", 1.0)
+    write_tone(root / "long.wav", 6.0)
+    return root
+
+
+# ------------------------------------------------------------------- 1. durations checked at decode
+
+
+def test_duration_mismatch_rule() -> None:
+    assert not duration_mismatch(2.0, 2.4)  # within 0.5 s
+    assert duration_mismatch(2.0, 2.6)
+    assert not duration_mismatch(20.0, 21.9)  # within 10% of 20 s
+    assert duration_mismatch(20.0, 22.1)
+    assert duration_mismatch(1.0, 1.2, tolerance_s=0.1)
+    assert duration_mismatch(float("nan"), 1.0) and duration_mismatch(float("inf"), 1.0)
+
+
+def test_clip_far_from_its_duration_is_dropped_and_counted(audio: Path, tok: Tokenizer) -> None:
+    table = manifest(
+        audio,
+        [
+            {"path": str(audio / "one.wav"), "duration": 1.0},
+            {"path": str(audio / "long.wav"), "duration": 2.0},  # O4a: claims 2 s, holds 6 s
+            {"path": str(audio / "one.wav"), "duration": 1e6},  # O4e_huge
+            {"path": str(audio / "one.wav"), "duration": 1.3},  # within the tolerance
+        ],
+    )
+    ds = SpeechDataset(table, tok, source="m.parquet")
+    items = [ds[i] for i in range(4)]
+    assert isinstance(items[0], Sample) and isinstance(items[3], Sample)
+    for i in (1, 2):
+        assert isinstance(items[i], DroppedSample) and items[i].reason == "duration_mismatch"
+    assert "6.00 s" in items[1].detail and "2.00 s" in items[1].detail and "long.wav" in items[1].detail
+    assert Collator(tok.pad_id)(items).dropped == {"duration_mismatch": 2}
+    # the tolerance is the config's
+    loose = SpeechDataset(table, tok, duration_tolerance=5.0)
+    assert isinstance(loose[1], Sample)
+    assert "duration_mismatch" in DROP_REASONS
+
+
+def test_duration_tolerance_is_a_data_config_field() -> None:
+    from speechlm.config import DataConfig
+
+    assert DataConfig().duration_tolerance == 0.5
+
+
+# ------------------------------------------------------------------ 2. one rule for transcripts
+
+
+@pytest.mark.parametrize(
+    ("text", "lang", "reason"),
+    [
+        ("<|en|> hello world", "en", None),
+        ("hello world", "en", "missing_tag"),  # M_train_notag
+        ("<|hi|> hello world", "en", "tag_mismatch"),  # M_train_tagmismatch
+        ("<|xx|> hello", "en", "tag_mismatch"),  # M_train_unknowntag: a drop, not a mid-run crash
+        ("<|EN|> hello", "en", "tag_mismatch"),  # the tokenizer knows <|en|> only
+        ("<|en|> hello <|hi|> world", "en", "tag_mismatch"),
+        ("<|bn|> ", "bn", "empty_text"),  # M_train_emptytext
+        ("<|en|> [noise] <unk> ...", "en", "empty_text"),
+        ("", "en", "empty_text"),
+    ],
+)
+def test_check_transcript(text: str, lang: str, reason: str | None) -> None:
+    assert check_transcript(text, lang) == reason
+
+
+def test_bad_transcripts_are_dropped_and_counted(audio: Path, tok: Tokenizer) -> None:
+    one = str(audio / "one.wav")
+    texts = ["hello world this", "<|hi|> hello world", "<|en|> ", "<|xx|> hello", TEXTS["en"]]
+    table = manifest(audio, [{"path": one, "text": t} for t in texts])
+    ds = SpeechDataset(table, tok)
+    items = [ds[i] for i in range(len(texts))]
+    assert [getattr(x, "reason", None) for x in items] == [
+        "missing_tag",
+        "tag_mismatch",
+        "empty_text",
+        "tag_mismatch",
+        None,
+    ]
+    # what reaches the model starts with the tag of its language, which the CTC head skips
+    assert items[4].tokens[0].item() == tok.lang_id("en")
+    assert Collator(tok.pad_id)(items).dropped == {"missing_tag": 1, "tag_mismatch": 2, "empty_text": 1}
+
+
+def test_invalid_utf8_text_is_dropped_naming_the_manifest_and_row(
+    audio: Path, tok: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = manifest(audio, [{"path": str(audio / "one.wav")}] * 3)
+    raw = [s.encode() for s in table.column("text").to_pylist()]
+    raw[1] = b"<|en|> \xff\xfe bad"  # U3
+    table = table.set_column(4, "text", pa.array(raw, pa.binary()).view(pa.string()))
+    pq.write_table(table, tmp_path / "bad.parquet")
+    ds = SpeechDataset(table, tok, source=str(tmp_path / "bad.parquet"))
+    with caplog.at_level("WARNING"):
+        item = ds[1]
+    assert isinstance(item, DroppedSample) and item.reason == "invalid_text"
+    assert "UTF-8" in item.detail
+    assert "segment seg1" in caplog.text and "bad.parquet" in caplog.text
+    assert isinstance(ds[0], Sample)
+
+
+# ---------------------------------------------------------------- 3. no transcript cut at max_tokens
+
+
+def test_too_many_tokens_is_dropped_not_cut(audio: Path, tok: Tokenizer) -> None:
+    table = manifest(audio, [{"path": str(audio / "one.wav")}])
+    n = len(tok.encode(TEXTS["en"]))
+    assert isinstance(SpeechDataset(table, tok, max_tokens=n)[0], Sample)
+    item = SpeechDataset(table, tok, max_tokens=n - 1)[0]
+    assert isinstance(item, DroppedSample) and item.reason == "too_many_tokens"
+    assert f"data.max_tokens={n - 1}" in item.detail
+    assert Collator(tok.pad_id)([item]).dropped == {"too_many_tokens": 1}
+
+
+def test_new_drop_reasons_reach_the_step_metrics() -> None:
+    """module._sum_step_stats all-reduces one count per DROP_REASONS entry: every new reason is one."""
+    for reason in ("duration_mismatch", "segment_beyond_audio", "invalid_text", "empty_text", "missing_tag"):
+        assert reason in DROP_REASONS
+    assert {"tag_mismatch", "too_many_tokens"} <= set(DROP_REASONS)
+
+
+# ----------------------------------------------------------------- 7. a cut beyond its recording
+
+
+def test_cut_beyond_the_recording_names_the_offset(audio: Path, tok: Tokenizer) -> None:
+    one = str(audio / "one.wav")
+    table = manifest(
+        audio,
+        [
+            {"path": one, "start": 50.0, "duration": 1.0},  # L_beyond_train
+            {"path": one, "start": 0.2, "duration": 0.5},
+            {"path": one, "start": 0.5, "duration": 3.0},  # runs 2.5 s past the end
+        ],
+    )
+    ds = SpeechDataset(table, tok)
+    beyond = ds[0]
+    assert isinstance(beyond, DroppedSample) and beyond.reason == "segment_beyond_audio"
+    assert (
+        "50.00 s" in beyond.detail and "1.00 s long" in beyond.detail and "the file is fine" in beyond.detail
+    )
+    assert isinstance(ds[1], Sample) and abs(ds[1].audio.numel() - 0.5 * SR) <= 1
+    past_end = ds[2]
+    assert isinstance(past_end, DroppedSample) and past_end.reason == "duration_mismatch"
+    assert "from 0.50 s" in past_end.detail
+
+
+# --------------------------------------------------- 4. tar member errors name the tar and the member
+
+
+def test_undecodable_tar_member_names_tar_and_member(tmp_path: Path, tok: Tokenizer) -> None:
+    import io
+
+    from speechlm.data.audio import AudioDecodeError, decode_audio
+
+    with pytest.raises(AudioDecodeError) as e:
+        decode_audio(io.BytesIO(b"not audio" * 50), "shard-000000.tar:a.flac", SR)
+    assert "shard-000000.tar:a.flac" in str(e.value) and "BytesIO" not in str(e.value)
