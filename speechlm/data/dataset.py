@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from speechlm.data.audio import AudioDecodeError, SegmentOutOfRangeError, decode_audio
-from speechlm.data.manifest.schema import ManifestError, duration_mismatch
+from speechlm.data.manifest.schema import duration_mismatch
 from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
 from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
@@ -404,7 +404,7 @@ class SpeechDataset(Dataset):
             advice = {
                 "empty_text": "it holds no words after its language tag",
                 "missing_tag": f"it does not start with the tag <|{lang}|> of its language {lang!r}",
-                "tag_mismatch": f"its tag is not <|{lang}|> (its language {lang!r}), or a second tag follows",
+                "tag_mismatch": f"its tag is not <|{lang}|>, that of its language {lang!r}",
             }[reason]
             return self._drop(
                 i,
@@ -413,8 +413,8 @@ class SpeechDataset(Dataset):
             )
         try:
             ids = self.tokenizer.encode(text)
-        except ValueError as e:
-            raise ManifestError(f"manifest {self.source}, {self._describe(i)}: {e}") from None
+        except ValueError as e:  # a tag the tokenizer lacks further in (or in other case): not <|lang|>
+            return self._drop(i, "tag_mismatch", f"{e}")
         if len(ids) > self.max_tokens:
             return self._drop(
                 i,

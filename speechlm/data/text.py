@@ -29,12 +29,6 @@ Cleaning works on Unicode categories, not on per-script lists, so it treats ever
 Letters (L*), digits and other numbers (N*) and all combining marks (M*: Indic vowel signs,
 viramas, anusvara, nukta, Latin accents) are kept, so ``हिन्दी``, ``বাংলা``, ``தமிழ்`` survive intact.
 Case is kept. `clean_text` is idempotent: cleaning a cleaned text changes nothing.
-
-Readers of a training manifest (every source format, at the moment a row is loaded) apply one rule,
-`check_transcript`: a text must start with the tag of its row's language and hold words after it.
-A row that breaks it is dropped and counted (``empty_text``, ``missing_tag``, ``tag_mismatch``),
-never trained on: the model would learn a wrong language tag, and the CTC head, which skips the
-leading tag, would lose the first word piece of an untagged text.
 """
 
 from __future__ import annotations
@@ -61,7 +55,6 @@ def _keep_inner_apostrophe(m: re.Match[str]) -> str:
 _SPACES = re.compile(r" {2,}")
 _LANG_TAG = re.compile(r"^\s*<\|([A-Za-z][A-Za-z0-9_-]*)\|>\s*")
 _LANG_CODE = re.compile(r"^[a-z][a-z0-9_-]*$")
-_ANY_TAG = re.compile(r"<\|[^|<>\s]+\|>")
 
 
 def _map_char(ch: str) -> str | None:
@@ -152,18 +145,18 @@ TRANSCRIPT_DROP_REASONS = ("empty_text", "missing_tag", "tag_mismatch")
 
 
 def check_transcript(text: str, lang: str) -> str | None:
-    """Why a manifest text cannot be trained on as the transcript of a `lang` row, or None if it can.
+    """Why a tagged transcript cannot be trained on, or None: the one rule of every source format.
 
-    ``empty_text``: nothing is left after the tag once cleaned (`clean_text`); ``missing_tag``: the
-    text does not start with a ``<|xx|>`` tag; ``tag_mismatch``: the tag is not that of `lang`, or
-    another ``<|..|>`` tag follows it. One rule for every source format (see the module docstring).
+    `text` is a manifest transcript, ``"<|xx|> words"``, and `lang` the row's language. Returns
+    ``'missing_tag'`` when it does not start with a language tag, ``'tag_mismatch'`` when the tag is
+    not `lang`, ``'empty_text'`` when nothing is left after the tag once cleaned (`clean_text`).
+    Readers and converters drop such rows and count them under that reason.
     """
-    match = _LANG_TAG.match(text)
-    rest = text if match is None else text[match.end() :]
+    tag, rest = split_lang_tag(text)
+    if tag is None:
+        return "missing_tag"
+    if tag != normalize_lang(lang):
+        return "tag_mismatch"
     if not clean_text(rest):
         return "empty_text"
-    if match is None:
-        return "missing_tag"
-    if match.group(1) != normalize_lang(lang) or _ANY_TAG.search(rest):
-        return "tag_mismatch"
     return None

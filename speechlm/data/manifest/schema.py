@@ -11,6 +11,7 @@ cost about the size of their strings, with no Python object per row (see docs/da
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TypeAlias
 
@@ -52,18 +53,6 @@ LOCATOR_SCHEMA = pa.schema(
 
 class ManifestError(DataError, ValueError):
     """A shard, manifest or option that cannot be used; the message says where and what to do."""
-
-
-def duration_mismatch(
-    claimed: float, real: float, tolerance_s: float = 0.5, tolerance_frac: float = 0.1
-) -> bool:
-    """True when a clip's `real` length (s) is too far from the `claimed` manifest duration (s) to trust
-    the row: ``|real - claimed| > max(tolerance_s, tolerance_frac * claimed)``. A non-finite `claimed`
-    is always a mismatch. One rule for the reader (dataset, dropped as ``duration_mismatch``) and the
-    writers (`speechlm shards write`)."""
-    if not np.isfinite(claimed) or not np.isfinite(real):
-        return True
-    return bool(abs(real - claimed) > max(tolerance_s, tolerance_frac * claimed))
 
 
 def _dictionary(codes: np.ndarray, names: Sequence[str], index_type: pa.DataType) -> pa.DictionaryArray:
@@ -126,3 +115,17 @@ def build_manifest_table(
         _dict_column(source, n, pa.int8(), "source"),
     ]
     return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)
+
+
+def duration_mismatch(
+    claimed: float, real: float, tolerance_s: float = 0.5, tolerance_frac: float = 0.1
+) -> bool:
+    """True when a manifest's `claimed` duration is too far from the audio's `real` one.
+
+    The one rule for every check of claimed against decoded or header durations (``shards write``,
+    the dataset): a clip is refused when ``|real - claimed| > max(tolerance_s, tolerance_frac *
+    claimed)``. A claimed or real duration that is not a finite number is always a mismatch.
+    """
+    if not (math.isfinite(claimed) and math.isfinite(real)):
+        return True
+    return abs(real - claimed) > max(tolerance_s, tolerance_frac * abs(claimed))
