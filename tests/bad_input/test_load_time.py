@@ -356,3 +356,34 @@ def test_two_processes_building_at_once_build_once(audio: Path, tmp_path: Path) 
     assert sorted(out) == ["7 0", "7 1"]  # both mapped the 7 rows; one of them indexed
     entries = [p.name for p in (tmp_path / "cache").iterdir() if p.suffix == ".arrow"]
     assert len(entries) == 1 and not any(p.name.endswith(".tmp") for p in (tmp_path / "cache").iterdir())
+
+
+# ----------------------------------------------- 5. the input_cfg mix cannot vanish with metadata
+
+
+def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_path: Path) -> None:
+    from speechlm.config import ExperimentConfig
+    from speechlm.data.sources.input_cfg import load_input_cfg, mix_of_table, read_modes_of_table
+    from speechlm.train.data import build_sampler
+
+    for name, n in (("a", 3), ("b", 5)):
+        pq.write_table(manifest(audio, [{"path": str(audio / "one.wav")}] * n), tmp_path / f"{name}.parquet")
+    entries = [
+        {"path": str(tmp_path / "a.parquet"), "name": "a", "weight": 9.0},
+        {"path": str(tmp_path / "b.parquet"), "name": "b", "weight": 1.0},
+    ]
+    table = load_input_cfg(entries, cache_dir=tmp_path / "cache")
+    assert mix_of_table(table).shares == pytest.approx((0.9, 0.1))
+    stripped = table.replace_schema_metadata(None)  # what select/cast/concat/parquet-to-cache may do
+    for read in (mix_of_table, read_modes_of_table):
+        with pytest.raises(ManifestError, match="'dataset' column .* dropped it.*temperature sampling"):
+            read(stripped)
+    cfg = ExperimentConfig()
+    cfg.sampler.max_batch_duration = 3.0
+    with pytest.raises(DataError, match="data.input_cfg mix"):
+        build_sampler(cfg, stripped, dp_rank=0, dp_size=1)
+    # a table of one dataset (no 'dataset' column, or an all-null one) has no mix to lose
+    plain = manifest(audio, [{"path": str(audio / "one.wav")}])
+    assert mix_of_table(plain) is None
+    nulls = plain.append_column("dataset", pa.nulls(1, pa.dictionary(pa.int16(), pa.string())))
+    assert mix_of_table(nulls) is None and read_modes_of_table(nulls) is None
