@@ -387,3 +387,19 @@ def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_pat
     assert mix_of_table(plain) is None
     nulls = plain.append_column("dataset", pa.nulls(1, pa.dictionary(pa.int16(), pa.string())))
     assert mix_of_table(nulls) is None and read_modes_of_table(nulls) is None
+
+
+# ------------------------------------------------------- 7. a null text names its row (plan, train)
+
+
+def test_null_text_names_the_row_in_plan_and_train(audio: Path, tmp_path: Path) -> None:
+    from speechlm.data.plan import read_plan_inputs
+    from speechlm.data.sources.mmap_cache import open_index
+
+    table = manifest(audio, [{"path": str(audio / "one.wav")}] * 6)
+    texts = table.column("text").to_pylist()
+    texts[4] = None  # M_plan_nulltext, M_train_nulltext
+    pq.write_table(table.set_column(4, "text", pa.array(texts, pa.string())), tmp_path / "nulltext.parquet")
+    for read in (read_plan_inputs, lambda p: open_index(p, cache_dir=tmp_path / "cache")):
+        with pytest.raises(DataError, match=r"nulltext\.parquet, row 4: column 'text' is null"):
+            read(tmp_path / "nulltext.parquet")
