@@ -403,3 +403,30 @@ def test_null_text_names_the_row_in_plan_and_train(audio: Path, tmp_path: Path) 
     for read in (read_plan_inputs, lambda p: open_index(p, cache_dir=tmp_path / "cache")):
         with pytest.raises(DataError, match=r"nulltext\.parquet, row 4: column 'text' is null"):
             read(tmp_path / "nulltext.parquet")
+
+
+# -------------------------------------------- 7. a refused streaming resume names data.num_workers
+
+
+def test_streaming_resume_refusal_names_the_setting() -> None:
+    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, StreamingLayout
+    from speechlm.errors import UsageError
+
+    n = 40
+    durations = np.full(n, 1.0, np.float32)
+    codes = np.zeros(n, np.int16)
+    shards = np.repeat(np.arange(4), n // 4)
+
+    def sampler(workers: int | None) -> DurationBucketBatchSampler:
+        layout = None
+        if workers is not None:
+            layout = StreamingLayout(shards, np.arange(n, dtype=np.int64), streams_per_rank=max(1, workers))
+        settings = SamplerSettings(max_batch_duration=4.0)
+        return DurationBucketBatchSampler(durations, codes, ["en"], settings, dp_rank=0, streaming=layout)
+
+    saved = sampler(0).state_dict()
+    with pytest.raises(UsageError, match=r"params\.streaming\.streams_per_rank.*data\.num_workers"):  # ST3
+        sampler(2).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"data\.read_mode"):  # saved streaming, resumed indexed
+        sampler(None).load_state_dict(saved)
+    sampler(0).load_state_dict(saved)  # the same settings resume
