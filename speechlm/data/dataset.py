@@ -464,7 +464,10 @@ class Collator:
                 kept.append(item)
             elif isinstance(item, DroppedSample):
                 dropped[item.reason] += 1
-                dropped_files.append(f"{item.path or f'row {item.index}'} ({item.reason})")
+                where = f"{item.path or f'row {item.index}'} ({item.reason})"
+                # the detail says what is wrong and what to do (a bad cut, duration or text is not fixed
+                # by restoring the file)
+                dropped_files.append(f"{where}: {item.detail}" if item.detail else where)
             else:
                 raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
         if not kept:

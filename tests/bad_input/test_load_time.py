@@ -430,3 +430,13 @@ def test_streaming_resume_refusal_names_the_setting() -> None:
     with pytest.raises(ValueError, match=r"data\.read_mode"):  # saved streaming, resumed indexed
         sampler(None).load_state_dict(saved)
     sampler(0).load_state_dict(saved)  # the same settings resume
+
+
+def test_dropped_files_lines_carry_the_reason_and_the_fix(audio: Path, tok: Tokenizer) -> None:
+    """What a DroppedDataError lists: each file with its reason and what to do (not only 'restore it')."""
+    one = str(audio / "one.wav")
+    table = manifest(audio, [{"path": one, "start": 50.0}, {"path": one, "text": "<|hi|> hello"}])
+    ds = SpeechDataset(table, tok)
+    lines = Collator(tok.pad_id)([ds[0], ds[1]]).dropped_files
+    assert lines[0].startswith(f"{one} (segment_beyond_audio): ") and "fix the cut" in lines[0]
+    assert "(tag_mismatch): " in lines[1] and "<|en|>" in lines[1]
