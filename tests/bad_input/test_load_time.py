@@ -440,3 +440,32 @@ def test_dropped_files_lines_carry_the_reason_and_the_fix(audio: Path, tok: Toke
     lines = Collator(tok.pad_id)([ds[0], ds[1]]).dropped_files
     assert lines[0].startswith(f"{one} (segment_beyond_audio): ") and "fix the cut" in lines[0]
     assert "(tag_mismatch): " in lines[1] and "<|en|>" in lines[1]
+
+
+def test_a_killed_builders_leftovers_are_not_an_entry_and_are_cleaned(audio: Path, tmp_path: Path) -> None:
+    from speechlm.data.sources.mmap_cache import default_cache_dir, open_index, source_fingerprint
+
+    pq.write_table(manifest(audio, [{"path": str(audio / "one.wav")}] * 2), tmp_path / "m.parquet")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    entry = f"m.parquet.{source_fingerprint(tmp_path / 'm.parquet')}.arrow"
+    (cache / f".{entry}.999999.tmp").write_bytes(b"half a file")  # SIGKILL mid-write
+    (cache / f"{entry}.lock").touch()  # the lock file stays; its flock died with the process
+    assert len(open_index(tmp_path / "m.parquet", cache_dir=cache)) == 2
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entry, f"{entry}.lock"])
+    assert default_cache_dir() != cache
+
+
+def test_drops_of_a_mix_name_the_rows_dataset(audio: Path, tok: Tokenizer, tmp_path: Path, caplog) -> None:
+    from speechlm.data.sources.input_cfg import load_input_cfg
+
+    pq.write_table(manifest(audio, [{"path": str(audio / "one.wav")}]), tmp_path / "a.parquet")
+    pq.write_table(manifest(audio, [{"path": str(tmp_path / "gone.wav")}]), tmp_path / "b.parquet")
+    entries = [
+        {"path": str(tmp_path / "a.parquet"), "name": "a"},
+        {"path": str(tmp_path / "b.parquet"), "name": "b"},
+    ]
+    ds = SpeechDataset(load_input_cfg(entries, cache_dir=tmp_path / "cache"), tok)
+    with caplog.at_level("WARNING"):
+        assert isinstance(ds[0], Sample) and isinstance(ds[1], DroppedSample)
+    assert f"of {tmp_path / 'b.parquet'} (missing_file)" in caplog.text

@@ -21,7 +21,8 @@ Concurrent builders (every rank of a node opens the index at start) take an excl
 on a lock file next to the cache entry: the first builds and prints "indexing ..." once, the others
 wait and then map what it wrote. The file is written to a temporary name and renamed (`os.replace`),
 so an interrupted or full-disk write (SIGTERM, SIGKILL, ENOSPC) never leaves a cache that looks
-whole, and a killed builder's lock is released by the kernel. When the cache cannot be written, the
+whole; a killed builder's lock is released by the kernel and its temporary file removed by the
+next builder. When the cache cannot be written, the
 table is used from memory (with a warning), which is slower to start and larger, never wrong; a
 damaged cache file is rebuilt.
 
@@ -232,6 +233,8 @@ def _open_cached(target: Path, path: Path) -> pa.Table | None:
 def _build(target: Path, path: Path, kind: str, default_lang: str | None) -> pa.Table:
     from speechlm.data.sources.detect import load_source
 
+    for leftover in target.parent.glob(f".{target.name}.*.tmp"):  # a killed builder's (we hold the lock)
+        leftover.unlink(missing_ok=True)
     t0 = time.monotonic()
     print(f"indexing {path} ({kind}) into {target} (once; later runs map it)", file=sys.stderr, flush=True)
     table: pa.Table | None = None
