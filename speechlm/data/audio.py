@@ -8,6 +8,7 @@ soxr HQ. `what` names the clip in errors (a path, or ``TAR:MEMBER``).
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import soundfile as sf
@@ -35,8 +36,11 @@ def decode_audio(
 
     Raises `AudioDecodeError` for undecodable (unknown format, truncated stream) or non-finite audio.
     """
+    # a str path goes to libsndfile as the file system's bytes (os.fsencode), so a file name that is not
+    # UTF-8 (kept by Python as surrogate escapes) opens like any other
+    opened = os.fsencode(source) if isinstance(source, str) else source
     try:
-        with sf.SoundFile(source) as f:
+        with sf.SoundFile(opened) as f:
             sr = f.samplerate
             first = round(start * sr)
             if first and first >= f.frames:

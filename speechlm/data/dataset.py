@@ -216,6 +216,15 @@ def _dataset_paths(table: pa.Table) -> tuple[IntColumn | None, list[str] | None]
     return codes, [str(path_of.get(n, n)) for n in names]
 
 
+def _as_str(value: pa.Scalar) -> str:
+    """A path or id as a str; bytes that are not UTF-8 are kept as Python keeps such file names
+    (surrogateescape), so the file still opens and a message still prints, never a UnicodeDecodeError."""
+    try:
+        return str(value.as_py())
+    except UnicodeDecodeError:
+        return bytes(value.as_buffer()).decode("utf-8", "surrogateescape")
+
+
 def _strings(col: pa.ChunkedArray) -> pa.ChunkedArray:
     return col if pa.types.is_string(col.type) else col.cast(pa.string())
 
@@ -305,15 +314,15 @@ class SpeechDataset(Dataset):
 
     def _describe(self, i: int) -> str:
         if self._segment_ids is not None and self._segment_ids[i].is_valid:
-            return f"segment {self._segment_ids[i].as_py()}"
+            return f"segment {_as_str(self._segment_ids[i])}"
         return f"row {i}"
 
     def resolve_path(self, i: int) -> Path:
         """Absolute (or base-dir relative) audio path of row `i` (``TAR:MEMBER`` for a tar member)."""
         tar = self._locators.tar(i)
         if tar is not None:
-            return Path(f"{tar}:{self._paths[i].as_py()}")
-        path = Path(self._paths[i].as_py())
+            return Path(f"{tar}:{_as_str(self._paths[i])}")
+        path = Path(_as_str(self._paths[i]))
         if not path.is_absolute() and self.base_dir is not None:
             path = self.base_dir / path
         return path
@@ -323,7 +332,7 @@ class SpeechDataset(Dataset):
         loc = self._locators
         tar = loc.tar(i)
         if tar is not None:
-            member = self._paths[i].as_py()
+            member = _as_str(self._paths[i])
             data = loc.reader.read(
                 tar, member, int(loc.offset[i]), int(loc.nbytes[i]), int(loc.header_bytes[i])
             )

@@ -469,3 +469,15 @@ def test_drops_of_a_mix_name_the_rows_dataset(audio: Path, tok: Tokenizer, tmp_p
     with caplog.at_level("WARNING"):
         assert isinstance(ds[0], Sample) and isinstance(ds[1], DroppedSample)
     assert f"of {tmp_path / 'b.parquet'} (missing_file)" in caplog.text
+
+
+def test_a_path_that_is_not_utf8_is_read_not_a_traceback(audio: Path, tok: Tokenizer, tmp_path: Path) -> None:
+    name = os.fsencode(tmp_path) + b"/caf\xe9.wav"  # a Latin-1 file name, as old exporters write them
+    with open(name, "wb") as f:
+        f.write((audio / "one.wav").read_bytes())
+    table = manifest(audio, [{"path": "x"}, {"path": "y"}])
+    paths = pa.array([name, os.fsencode(tmp_path) + b"/gone\xff.wav"], pa.binary()).view(pa.string())
+    ds = SpeechDataset(table.set_column(2, "audio_filepath", paths), tok)
+    assert isinstance(ds[0], Sample)
+    gone = ds[1]
+    assert isinstance(gone, DroppedSample) and gone.reason == "missing_file"
