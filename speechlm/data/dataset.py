@@ -50,6 +50,7 @@ from speechlm.data.manifest.schema import duration_mismatch
 from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
 from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
+from speechlm.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,11 @@ class SpeechDataset(Dataset):
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
-        if not duration_tolerance >= 0:
-            raise ValueError(f"duration_tolerance={duration_tolerance} must be a number of seconds >= 0")
+        if not 0 <= duration_tolerance < float("inf"):
+            raise UsageError(
+                f"data.duration_tolerance={duration_tolerance}: give the seconds a decoded clip may differ from "
+                "its manifest duration, a finite number >= 0 (default 0.5)"
+            )
         if isinstance(table_or_path, pa.Table):
             table = table_or_path
             named = (table.schema.metadata or {}).get(SOURCE_KEY)

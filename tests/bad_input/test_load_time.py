@@ -481,3 +481,11 @@ def test_a_path_that_is_not_utf8_is_read_not_a_traceback(audio: Path, tok: Token
     assert isinstance(ds[0], Sample)
     gone = ds[1]
     assert isinstance(gone, DroppedSample) and gone.reason == "missing_file"
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_a_bad_duration_tolerance_is_a_usage_error(audio: Path, tok: Tokenizer, bad: float) -> None:
+    from speechlm.errors import UsageError
+
+    with pytest.raises(UsageError, match="data.duration_tolerance"):
+        SpeechDataset(manifest(audio, [{"path": "x"}]), tok, duration_tolerance=bad)
