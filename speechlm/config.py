@@ -33,12 +33,15 @@ class DataConfig:
     val_manifest: str | None = "data/demo_manifest/val.parquet"
     tokenizer: str = "data/demo_manifest/tokenizer.model"
     sample_rate: int = 16000
-    max_tokens: int = 512  # text tokens per utterance after tokenization (truncated beyond)
+    max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
     # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
     # dropped stops the run with the file names (1.0: never stop)
     max_dropped_fraction: float = 0.5
+    # [dataset engineer] seconds a decoded clip may differ from its manifest duration (or 10% of it, if more)
+    # before it is dropped as duration_mismatch (speechlm.data.manifest.schema.duration_mismatch)
+    duration_tolerance: float = 0.5
     # "indexed": the sampler's epoch plan, each clip read by position (tar member or file); "streaming":
     # tar shards read front to back per DataLoader worker, for filesystems where random reads are slow
     # (speechlm.data.sampler.streaming); buffers in utterances

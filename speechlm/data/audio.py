@@ -8,6 +8,7 @@ soxr HQ. `what` names the clip in errors (a path, or ``TAR:MEMBER``).
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import soundfile as sf
@@ -18,6 +19,16 @@ class AudioDecodeError(RuntimeError):
     """An audio file exists but cannot be decoded into finite samples."""
 
 
+class SegmentOutOfRangeError(AudioDecodeError):
+    """A segment (a cut) starts at or beyond the end of its recording: the file is fine, the cut is not."""
+
+
+def _reason(e: BaseException, source: object, what: str) -> str:
+    """libsndfile's reason, with the object it was given (a BytesIO repr for a tar member) named as `what`."""
+    reason = getattr(e, "error_string", None) or str(e)
+    return str(reason).replace(repr(source), what).replace(str(source), what)
+
+
 def decode_audio(
     source: str | io.BytesIO, what: str, target_sr: int, *, start: float = 0.0, duration: float | None = None
 ) -> np.ndarray:
@@ -25,16 +36,26 @@ def decode_audio(
 
     Raises `AudioDecodeError` for undecodable (unknown format, truncated stream) or non-finite audio.
     """
+    # a str path goes to libsndfile as the file system's bytes (os.fsencode), so a file name that is not
+    # UTF-8 (kept by Python as surrogate escapes) opens like any other
+    opened = os.fsencode(source) if isinstance(source, str) else source
     try:
-        with sf.SoundFile(source) as f:
+        with sf.SoundFile(opened) as f:
             sr = f.samplerate
             first = round(start * sr)
+            if first and first >= f.frames:
+                raise SegmentOutOfRangeError(
+                    f"the segment of {what} starts at {start:.2f} s but the recording is "
+                    f"{f.frames / sr:.2f} s long: the file is fine; fix the cut's start (offset) in the manifest"
+                )
             if first:
-                f.seek(min(first, f.frames))
+                f.seek(first)
             frames = -1 if duration is None else round(duration * sr)
             x_NC = f.read(frames, dtype="float32", always_2d=True)
+    except SegmentOutOfRangeError:
+        raise
     except (sf.SoundFileError, RuntimeError, OSError, EOFError, ValueError) as e:
-        raise AudioDecodeError(f"cannot decode {what}: {e}") from e
+        raise AudioDecodeError(f"cannot decode {what}: {_reason(e, source, what)}") from e
     x_N = x_NC.mean(axis=1, dtype=np.float32) if x_NC.shape[1] > 1 else x_NC[:, 0]
     if x_N.size and not np.isfinite(x_N).all():
         raise AudioDecodeError(f"{what} contains NaN or infinite samples: re-encode or drop the file")

@@ -4,14 +4,20 @@ Shapes: B utterances in a batch, N audio samples (16 kHz mono), L tokens.
 
 The sampler (elsewhere) yields lists of manifest row indices; this module does all the I/O:
 
-    SpeechDataset[i]   decode row i's audio -> mono -> resample to 16 kHz; tokenize its clean text
-                       -> Sample, or DroppedSample(reason) when the audio cannot be used
+    SpeechDataset[i]   check row i's transcript (`text.check_transcript`); tokenize it; decode its
+                       audio -> mono -> resample to 16 kHz; compare the decoded length with the
+                       manifest's duration -> Sample, or DroppedSample(reason) when the row cannot be used
     Collator(pad_id)   drop the DroppedSamples (counted per reason), zero-pad audio_BN and
                        pad tokens_BL with pad_id -> Batch; all dropped -> an empty Batch (B = 0)
     build_dataloader   DataLoader(batch_sampler=..., collate_fn=Collator, worker_init_fn=seed_worker)
 
 A bad clip is never replaced by silence or by another row: the batch simply has one utterance
-fewer, and `Batch.dropped` says why. Workers are separate processes, so drop counts travel inside the
+fewer, and `Batch.dropped` says why. Rows are dropped (and counted per reason, reaching the step's
+logged ``dropped_*`` metrics) for their audio (missing, undecodable, empty, a cut beyond the end of its
+recording, a decoded length that differs from the manifest's duration by more than
+`data.duration_tolerance`: `manifest.schema.duration_mismatch`) and for their text (not UTF-8,
+`check_transcript`'s empty/untagged/mistagged, more than `max_tokens` tokens: a transcript is never
+cut, since an EOS after a cut would teach the model to stop mid-sentence). Workers are separate processes, so drop counts travel inside the
 batches and the trainer adds them up with `DropCounter`; nothing is shared between processes.
 
 The manifest stays columnar (Arrow string arrays, numpy codes for the language), so that forked
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import logging
 import os
 import random
@@ -38,9 +45,12 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speechlm.data.audio import AudioDecodeError, decode_audio
-from speechlm.data.sources.locators import RowLocators
+from speechlm.data.audio import AudioDecodeError, SegmentOutOfRangeError, decode_audio
+from speechlm.data.manifest.schema import duration_mismatch
+from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
+from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
+from speechlm.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +64,14 @@ DROP_REASONS = (
     "missing_shard",
     "truncated_shard",
     "stale_index",
+    "segment_beyond_audio",  # a cut that starts at or past the end of its recording
+    "duration_mismatch",  # decoded length far from the manifest's duration (data.duration_tolerance)
+    "invalid_text",  # the text is not valid UTF-8
+    *TRANSCRIPT_DROP_REASONS,  # empty_text, missing_tag, tag_mismatch (text.check_transcript)
+    "too_many_tokens",  # more than data.max_tokens tokens (never cut: an EOS after a cut is wrong)
 )
-_WARNED_FILES: set[str] = set()  # files already reported as dropped by this process
+SOURCE_KEY = b"speechlm.source"  # schema metadata naming the manifest a table was read from (messages)
+_WARNED_ROWS: set[str] = set()  # "manifest#row" already reported as dropped by this process
 
 
 class TextTokenizer(Protocol):
@@ -91,7 +107,6 @@ class Sample:
     tokens: torch.Tensor  # [L] int64, no bos/eos, at most max_tokens
     duration: float
     lang: str
-    tokens_truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,7 +131,6 @@ class Batch:
     indices: list[int]  # manifest rows, in the sampler's order
     durations: torch.Tensor  # [B] float32, seconds of decoded audio
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows dropped from this batch
-    tokens_truncated: int = 0  # rows whose tokens were cut to max_tokens
     dropped_files: list[str] = field(default_factory=list)  # "path (reason)" of each dropped row
 
     def __len__(self) -> int:
@@ -184,6 +198,34 @@ def _read_table(path: Path) -> pa.Table:
     return pq.read_table(path, columns=[c for c in (*REQUIRED_COLUMNS, "segment_id") if c in names])
 
 
+def _dataset_paths(table: pa.Table) -> tuple[IntColumn | None, list[str] | None]:
+    """Per-row codes into the paths of a `data.input_cfg` table's datasets (for messages), or Nones."""
+    from speechlm.data.sources.input_cfg import MIX_KEY
+
+    meta = (table.schema.metadata or {}).get(MIX_KEY)
+    if meta is None or "dataset" not in table.column_names:
+        return None, None
+    col = table.column("dataset")
+    if not pa.types.is_dictionary(col.type) or col.null_count or not col.num_chunks:
+        return None, None
+    names = col.chunk(0).dictionary.to_pylist()
+    if any(c.dictionary.to_pylist() != names for c in col.chunks[1:]):
+        return None, None  # not as `load_input_cfg` builds it: messages name the table instead
+    info = json.loads(meta)
+    path_of = dict(zip(info.get("names", []), info.get("paths", [])))
+    codes = IntColumn(pa.chunked_array([c.indices for c in col.chunks], col.type.index_type), -1)
+    return codes, [str(path_of.get(n, n)) for n in names]
+
+
+def _as_str(value: pa.Scalar) -> str:
+    """A path or id as a str; bytes that are not UTF-8 are kept as Python keeps such file names
+    (surrogateescape), so the file still opens and a message still prints, never a UnicodeDecodeError."""
+    try:
+        return str(value.as_py())
+    except UnicodeDecodeError:
+        return bytes(value.as_buffer()).decode("utf-8", "surrogateescape")
+
+
 def _strings(col: pa.ChunkedArray) -> pa.ChunkedArray:
     return col if pa.types.is_string(col.type) else col.cast(pa.string())
 
@@ -192,7 +234,11 @@ class SpeechDataset(Dataset):
     """Map-style dataset over a training manifest: row index -> Sample | DroppedSample.
 
     `table_or_path` is a pyarrow Table or a parquet manifest. Relative audio paths are resolved
-    against `base_dir` (default: the manifest's folder; the working directory for a Table).
+    against `base_dir` (default: the manifest's folder; for a Table, the paths are taken as they are:
+    `sources.mmap_cache.open_index` has already resolved them against the manifest's folder).
+    `source` names the manifest in messages (default: the path, or the Table's ``speechlm.source``
+    metadata). A decoded clip whose length differs from the row's ``duration`` by more than
+    ``max(duration_tolerance, 10% of it)`` seconds is dropped as ``duration_mismatch``.
     """
 
     def __init__(
@@ -203,14 +249,23 @@ class SpeechDataset(Dataset):
         max_tokens: int = 512,
         sample_rate: int = 16000,
         base_dir: str | Path | None = None,
+        duration_tolerance: float = 0.5,
+        source: str | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+        if not 0 <= duration_tolerance < float("inf"):
+            raise UsageError(
+                f"data.duration_tolerance={duration_tolerance}: give the seconds a decoded clip may differ from "
+                "its manifest duration, a finite number >= 0 (default 0.5)"
+            )
         if isinstance(table_or_path, pa.Table):
-            table, self.source = table_or_path, "<table>"
+            table = table_or_path
+            named = (table.schema.metadata or {}).get(SOURCE_KEY)
+            self.source = source or (named.decode() if named else "<table>")
         else:
             path = Path(table_or_path)
-            table, self.source = _read_table(path), str(path)
+            table, self.source = _read_table(path), source or str(path)
             if base_dir is None:
                 base_dir = path.resolve().parent if path.is_file() else path.resolve()
         missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
@@ -223,6 +278,8 @@ class SpeechDataset(Dataset):
         self.max_tokens = int(max_tokens)
         self.sample_rate = int(sample_rate)
         self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.duration_tolerance = float(duration_tolerance)
+        self._claimed = IntColumn(table.column("duration")) if "duration" in table.column_names else None
         # string columns stay as they are (chunked, maybe memory-mapped: `sources.mmap_cache`), so a
         # row's text and path are read from disk when its clip is loaded, not held per row in RAM
         self._paths = _strings(table.column("audio_filepath"))
@@ -231,6 +288,7 @@ class SpeechDataset(Dataset):
             _strings(table.column("segment_id")) if "segment_id" in table.column_names else None
         )
         self._locators = RowLocators(table)
+        self._dataset_codes, self._dataset_paths = _dataset_paths(table)
         lang_col = table.column("lang")
         if pa.types.is_dictionary(lang_col.type) and not lang_col.null_count:
             from speechlm.data.manifest.load import dictionary_codes
@@ -260,15 +318,15 @@ class SpeechDataset(Dataset):
 
     def _describe(self, i: int) -> str:
         if self._segment_ids is not None and self._segment_ids[i].is_valid:
-            return f"segment {self._segment_ids[i].as_py()}"
+            return f"segment {_as_str(self._segment_ids[i])}"
         return f"row {i}"
 
     def resolve_path(self, i: int) -> Path:
         """Absolute (or base-dir relative) audio path of row `i` (``TAR:MEMBER`` for a tar member)."""
         tar = self._locators.tar(i)
         if tar is not None:
-            return Path(f"{tar}:{self._paths[i].as_py()}")
-        path = Path(self._paths[i].as_py())
+            return Path(f"{tar}:{_as_str(self._paths[i])}")
+        path = Path(_as_str(self._paths[i]))
         if not path.is_absolute() and self.base_dir is not None:
             path = self.base_dir / path
         return path
@@ -278,7 +336,7 @@ class SpeechDataset(Dataset):
         loc = self._locators
         tar = loc.tar(i)
         if tar is not None:
-            member = self._paths[i].as_py()
+            member = _as_str(self._paths[i])
             data = loc.reader.read(
                 tar, member, int(loc.offset[i]), int(loc.nbytes[i]), int(loc.header_bytes[i])
             )
@@ -306,40 +364,99 @@ class SpeechDataset(Dataset):
         i = int(index)
         if not 0 <= i < len(self):
             raise IndexError(f"row {index} is out of range for manifest {self.source} with {len(self)} rows")
+        ids = self._tokens(i)
+        if isinstance(ids, DroppedSample):
+            return ids
         path = self.resolve_path(i)
+        start = self._locators.start_of(i)
         try:
             audio_N = self._load(i)
         except FileNotFoundError as e:
             return self._drop(i, "missing_file", str(e))
+        except SegmentOutOfRangeError as e:
+            return self._drop(i, "segment_beyond_audio", str(e))
         except AudioDecodeError as e:
             return self._drop(i, "undecodable", str(e))
         except MemberError as e:
             return self._drop(i, e.reason, str(e))
         if audio_N.size == 0:
-            return self._drop(i, "empty_audio", f"{path} decodes to no samples")
-        text = self._texts[i].as_py()
-        try:
-            ids = self.tokenizer.encode(text)
-        except ValueError as e:
-            raise ValueError(f"manifest {self.source}, {self._describe(i)}: {e}") from e
-        truncated = len(ids) > self.max_tokens
+            return self._drop(i, "empty_audio", f"{path} decodes to no samples: restore or remove the file")
+        real = audio_N.size / self.sample_rate
+        if self._claimed is not None:
+            claimed = float(self._claimed[i])
+            if duration_mismatch(claimed, real, tolerance_s=self.duration_tolerance):
+                cut = "" if start is None else f" (the segment from {start:.2f} s)"
+                return self._drop(
+                    i,
+                    "duration_mismatch",
+                    f"{path}{cut} decodes to {real:.2f} s but the manifest says {claimed:.2f} s (more than "
+                    f"data.duration_tolerance={self.duration_tolerance:g} s or 10% apart): fix the row's "
+                    "duration or audio_filepath and rebuild the manifest",
+                )
         return Sample(
             index=i,
             audio=torch.from_numpy(audio_N),
-            tokens=torch.tensor(ids[: self.max_tokens], dtype=torch.int64),
-            duration=audio_N.size / self.sample_rate,
+            tokens=torch.tensor(ids, dtype=torch.int64),
+            duration=real,
             lang=self.lang(i),
-            tokens_truncated=truncated,
         )
 
+    def _tokens(self, i: int) -> list[int] | DroppedSample:
+        """Row `i`'s token ids, or the DroppedSample saying why its text cannot be trained on."""
+        try:
+            text = self._texts[i].as_py()
+        except UnicodeDecodeError as e:
+            return self._drop(
+                i,
+                "invalid_text",
+                f"column 'text' is not valid UTF-8 ({e}): fix the text and rebuild the manifest",
+            )
+        lang = self.lang(i)
+        reason = check_transcript(text, lang)
+        if reason is not None:
+            advice = {
+                "empty_text": "it holds no words after its language tag",
+                "missing_tag": f"it does not start with the tag <|{lang}|> of its language {lang!r}",
+                "tag_mismatch": f"its tag is not <|{lang}|>, that of its language {lang!r}",
+            }[reason]
+            return self._drop(
+                i,
+                reason,
+                f"text {text[:60]!r}: {advice}; fix the row (`speechlm manifest build` tags and cleans)",
+            )
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as e:  # a tag the tokenizer lacks further in (or in other case): not <|lang|>
+            return self._drop(i, "tag_mismatch", f"{e}")
+        if len(ids) > self.max_tokens:
+            return self._drop(
+                i,
+                "too_many_tokens",
+                f"its text has {len(ids)} tokens, more than data.max_tokens={self.max_tokens} (a cut "
+                "transcript would teach the model to stop mid-sentence): raise data.max_tokens or split the "
+                "utterance",
+            )
+        return ids
+
     def _drop(self, i: int, reason: str, detail: str) -> DroppedSample:
-        # warn once per file and process (every epoch and every validation would repeat it); the counts
+        # warn once per row and process (every epoch and every validation would repeat it); the counts
         # still travel in each Batch
         key = str(self.resolve_path(i))
-        if key not in _WARNED_FILES:
-            _WARNED_FILES.add(key)
-            logger.warning("dropping %s of %s (%s): %s", self._describe(i), self.source, reason, detail)
+        row = f"{self._source_of(i)}#{i}"
+        if row not in _WARNED_ROWS:
+            _WARNED_ROWS.add(row)
+            logger.warning(
+                "dropping %s of %s (%s): %s", self._describe(i), self._source_of(i), reason, detail
+            )
         return DroppedSample(index=i, reason=reason, detail=detail, path=key)
+
+    def _source_of(self, i: int) -> str:
+        """The manifest row `i` came from: its `data.input_cfg` dataset's path, else `self.source`."""
+        if self._dataset_paths is not None and self._dataset_codes is not None:
+            code = int(self._dataset_codes[i])
+            if 0 <= code < len(self._dataset_paths):
+                return self._dataset_paths[code]
+        return self.source
 
 
 class Collator:
@@ -360,7 +477,10 @@ class Collator:
                 kept.append(item)
             elif isinstance(item, DroppedSample):
                 dropped[item.reason] += 1
-                dropped_files.append(f"{item.path or f'row {item.index}'} ({item.reason})")
+                where = f"{item.path or f'row {item.index}'} ({item.reason})"
+                # the detail says what is wrong and what to do (a bad cut, duration or text is not fixed
+                # by restoring the file)
+                dropped_files.append(f"{where}: {item.detail}" if item.detail else where)
             else:
                 raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
         if not kept:
@@ -381,7 +501,6 @@ class Collator:
             indices=[s.index for s in kept],
             durations=torch.tensor([s.duration for s in kept], dtype=torch.float32),
             dropped=dict(dropped),
-            tokens_truncated=sum(s.tokens_truncated for s in kept),
             dropped_files=dropped_files,
         )
 

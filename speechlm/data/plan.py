@@ -65,11 +65,13 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from speechlm.data.manifest.schema import ManifestError
+
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
         return plan_inputs_of_input_cfg(str(path))
     if not path.exists():
-        raise FileNotFoundError(f"manifest {path} does not exist; pass --manifest or set data.train_manifest")
+        raise ManifestError(f"manifest {path} does not exist; pass --manifest or set data.train_manifest")
     from speechlm.data.sources.detect import detect_source_type
 
     if path.is_dir() or detect_source_type(path) != "parquet":
@@ -81,7 +83,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
         names = f.schema_arrow.names
         missing = [c for c in ("duration", "lang") if c not in names]
         if missing:
-            raise ValueError(
+            raise ManifestError(
                 f"manifest {path} has no column {', '.join(map(repr, missing))}; "
                 f"it has {names}. Build it with `speechlm manifest build`"
             )
@@ -97,7 +99,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
             batch = f.read_row_group(group, columns=["duration", "lang"], use_threads=False)
             for column in ("duration", "lang"):
                 if batch.column(column).null_count:
-                    raise ValueError(
+                    raise ManifestError(
                         f"manifest {path}: column {column!r} has {batch.column(column).null_count} empty "
                         "values; every row needs a duration and a language"
                     )
@@ -117,6 +119,12 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
                 for piece in f.iter_batches(
                     batch_size=1 << 16, row_groups=[group], columns=["text"], use_threads=False
                 ):
+                    if piece.column(0).null_count:
+                        row = at + int(pc.index(pc.is_null(piece.column(0)), True).as_py())
+                        raise ManifestError(
+                            f"manifest {path}, row {row}: column 'text' is null; every row needs a "
+                            "transcript: fill it in or remove the row, or rebuild the manifest"
+                        )
                     chars[at : at + piece.num_rows] = pc.utf8_length(piece.column(0)).to_numpy(
                         zero_copy_only=False
                     )
@@ -125,7 +133,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
             del batch, lang
             pool.release_unused()
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"manifest {path} is not a readable parquet file ({e})") from None
+        raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
     lang_names = sorted(seen)
     order = np.array([lang_names.index(name) for name in seen], np.int16)
     inputs = PlanInputs(

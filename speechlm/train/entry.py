@@ -185,7 +185,11 @@ def build_step_loader(cfg: Any, inputs: RunInputs) -> Any:
 
     t = cfg.trainer
     train_ds = SpeechDataset(
-        inputs.train_table, inputs.tokenizer, max_tokens=cfg.data.max_tokens, sample_rate=cfg.data.sample_rate
+        inputs.train_table,
+        inputs.tokenizer,
+        max_tokens=cfg.data.max_tokens,
+        sample_rate=cfg.data.sample_rate,
+        duration_tolerance=cfg.data.duration_tolerance,
     )
     return StepLoader(
         inputs.sampler,

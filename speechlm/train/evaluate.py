@@ -233,6 +233,7 @@ class Evaluator:
             self.tokenizer,
             max_tokens=self.cfg.data.max_tokens,
             sample_rate=self.cfg.data.sample_rate,
+            duration_tolerance=self.cfg.data.duration_tolerance,
         )
         batches = build_eval_batches(self.table, max_batch_duration=eval_batch_duration(self.cfg))
         if self.max_batches:

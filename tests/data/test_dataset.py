@@ -150,7 +150,6 @@ def test_dataset_samples_and_drops(
         assert s.audio.dtype == torch.float32 and s.audio.ndim == 1
         assert s.tokens.dtype == torch.int64 and s.tokens.tolist() == tok.encode(TEXTS[s.lang])
         assert s.duration == pytest.approx(s.audio.numel() / SR)
-        assert not s.tokens_truncated
     expected_seconds = {0: 0.5, 1: 0.25, 2: 0.75, 3: 0.4, 8: 0.3}
     for i, seconds in expected_seconds.items():
         assert abs(items[i].audio.numel() - seconds * SR) <= 1
@@ -169,14 +168,11 @@ def test_relative_path_needs_base_dir(corpus: tuple[Path, pa.Table], tok: Tokeni
     assert isinstance(in_other_dir, DroppedSample) and in_other_dir.reason == "missing_file"
 
 
-def test_token_truncation(corpus: tuple[Path, pa.Table], tok: Tokenizer) -> None:
+def test_too_many_tokens_dropped_not_truncated(corpus: tuple[Path, pa.Table], tok: Tokenizer) -> None:
     _, table = corpus
     s = SpeechDataset(table, tok, max_tokens=3)[0]
-    assert isinstance(s, Sample)
-    assert s.tokens.tolist() == tok.encode(TEXTS["hi"])[:3] and s.tokens_truncated
-    assert s.tokens[0].item() == tok.lang_id("hi")
-    batch = Collator(tok.pad_id)([s, s])
-    assert batch.tokens_truncated == 2
+    assert isinstance(s, DroppedSample) and s.reason == "too_many_tokens"
+    assert Collator(tok.pad_id)([s, s]).dropped == {"too_many_tokens": 2}
 
 
 def test_dataset_rejects_bad_manifests(corpus: tuple[Path, pa.Table], tok: Tokenizer, tmp_path: Path) -> None:
@@ -342,7 +338,7 @@ def test_dataset_pickles_for_spawned_workers(corpus: tuple[Path, pa.Table], tok:
     import pickle
 
     root, _ = corpus
-    ds = SpeechDataset(root / "manifest.parquet", tok, max_tokens=4)
+    ds = SpeechDataset(root / "manifest.parquet", tok)
     clone = pickle.loads(pickle.dumps(ds))
     a, b = ds[1], clone[1]
     assert isinstance(a, Sample) and isinstance(b, Sample)

@@ -73,6 +73,55 @@ def _read_checked(path: Path, required: dict[str, str], optional: dict[str, str]
     return table
 
 
+def resolve_audio_paths(columns: pa.RecordBatch | pa.Table, base: Path) -> pa.Array | pa.ChunkedArray:
+    """``audio_filepath`` of `columns` with relative paths made absolute against `base` (the manifest's
+    folder, as NeMo resolves them); tar members (rows with a ``tar_path``) are names, left alone."""
+    col = columns.column("audio_filepath")
+    if not pa.types.is_string(col.type):
+        col = col.cast(pa.string())
+    relative = pc.invert(pc.starts_with(col, "/"))
+    if "tar_path" in columns.column_names:
+        relative = pc.and_(relative, pc.is_null(columns.column("tar_path")))
+    if not pc.any(relative).as_py():
+        return col
+    joined = pc.binary_join_element_wise(pa.scalar(str(base.resolve())), col, "/")
+    return pc.if_else(relative, joined, col)
+
+
+def _nemo_line(path: Path, row: int) -> int | None:
+    """The line number of row `row` of NeMo manifest `path` (its rows are its non-empty lines)."""
+    try:
+        with path.open("rb") as f:
+            seen = -1
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    seen += 1
+                    if seen == row:
+                        return line_no
+    except OSError:
+        return None
+    return None
+
+
+def check_durations(table: pa.Table, path: Path, kind: str | None = None) -> None:
+    """ManifestError naming the first row (``FILE:LINE`` for NeMo JSON) whose duration is not a finite
+    number > 0: the sampler packs by duration, so such a row cannot be planned."""
+    durations = table.column("duration").to_numpy()
+    bad = ~(np.isfinite(durations) & (durations > 0))
+    if not bad.any():
+        return
+    row = int(np.flatnonzero(bad)[0])
+    line = _nemo_line(path, row) if kind == "nemo" else None
+    where = f"{path}:{line}" if line is not None else f"{path}, row {row}"
+    seg = table.column("segment_id")[row].as_py() if "segment_id" in table.column_names else None
+    named = f" (segment {seg})" if seg is not None else ""
+    raise ManifestError(
+        f"{where}{named}: duration {float(durations[row])!r} s is not a finite number > 0 "
+        f"({int(bad.sum())} such rows in all); put the audio's length in seconds there, or remove the "
+        "row, and rebuild the manifest"
+    )
+
+
 def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
     """Load a training manifest: ``.parquet`` (checked against `MANIFEST_SCHEMA`) or NeMo ``.json(l)``."""
     path = Path(path)
@@ -104,6 +153,11 @@ def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = No
         table = pq.read_table(path, columns=MANIFEST_SCHEMA.names + extra)
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
+    table = table.set_column(
+        table.schema.get_field_index("audio_filepath"),
+        "audio_filepath",
+        resolve_audio_paths(table, path.parent),
+    )
     columns = []
     for f in MANIFEST_SCHEMA:
         col = table.column(f.name)

@@ -18,6 +18,7 @@ from speechlm.data.sampler.epoch_plan import EpochPlan, build_epoch_plan
 from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.settings import DEFAULT_SETTINGS, SamplerSettings, check_arrays
 from speechlm.data.sampler.streaming import build_streaming_plan
+from speechlm.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,6 +44,51 @@ class StreamingLayout:
 
 
 STATE_VERSION = 1
+
+# the setting behind each key of a sampler state, named in the message when a resume finds it changed
+SETTING_OF_KEY = {
+    "dp_size": "the data-parallel size (parallel.dp_replicate x parallel.dp_shard)",
+    "seed": "sampler.seed",
+    "mode": "sampler.mode",
+    "manifest": "the training data (data.train_manifest / data.input_cfg: its rows changed)",
+    "grad_accum": "trainer.grad_accum",
+    "temperature": "sampler.temperature",
+    "max_batch_duration": "sampler.max_batch_duration",
+    "max_batch_tokens": "sampler.max_batch_tokens",
+    "length_penalty": "sampler.length_penalty",
+    "bucket_boundaries": "sampler.bucket_boundaries",
+    "epoch_size": "sampler.epoch_size",
+    "token_cost": "sampler.max_batch_tokens / sampler.length_penalty (the token cost)",
+    "streaming": "data.read_mode (streaming or indexed)",
+    "streaming.streams_per_rank": "data.num_workers (one stream per DataLoader worker)",
+    "streaming.shuffle_buffer": "data.shuffle_buffer",
+    "streaming.sort_buffer": "data.sort_buffer",
+    "streaming.shards_digest": "the tar shards of the training data (their rows or order changed)",
+    "mix": "data.input_cfg (a weighted mix or none)",
+    "mix.names": "data.input_cfg (the datasets' names)",
+    "mix.shares": "data.input_cfg (the datasets' weights)",
+    "mix.rows_digest": "data.input_cfg (the datasets' rows changed)",
+}
+
+
+class SamplerStateError(UsageError, ValueError):
+    """A saved sampler state that this run's settings cannot continue; the message names the setting."""
+
+
+def _mismatch(key: str, saved: Any, current: Any) -> SamplerStateError:
+    """The error for `key` (``params.streaming`` ...), naming the setting of the first differing subkey."""
+    name = key.removeprefix("params.")
+    if key.startswith("params.") and isinstance(saved, dict) and isinstance(current, dict):
+        sub = next((k for k in current if saved.get(k) != current[k]), None)
+        sub = sub or next((k for k in saved if k not in current), None)
+        if sub is not None:
+            key, name = f"{key}.{sub}", f"{name}.{sub}"
+            saved, current = saved.get(sub), current.get(sub)
+    setting = SETTING_OF_KEY.get(name) or SETTING_OF_KEY.get(name.split(".")[0], name)
+    return SamplerStateError(
+        f"sampler state mismatch in '{key}': saved {saved!r}, current {current!r}; the checkpoint was "
+        f"written with another {setting}: resume with the setting it was saved with, or start a new run"
+    )
 
 
 def fingerprint_manifest(
@@ -225,17 +271,11 @@ class DurationBucketBatchSampler:
         current = self.state_dict()
         for key in ("version", "dp_size", "seed", "mode", "manifest"):
             if state.get(key) != current[key]:
-                raise ValueError(
-                    f"sampler state mismatch in '{key}': saved {state.get(key)!r}, current {current[key]!r}; "
-                    f"resume with the same {key} or start without loading the sampler state"
-                )
+                raise _mismatch(key, state.get(key), current[key])
         saved_params = state.get("params", {})
-        for key, value in current["params"].items():
-            if saved_params.get(key) != value:
-                raise ValueError(
-                    f"sampler state mismatch in 'params.{key}': saved {saved_params.get(key)!r}, current "
-                    f"{value!r}; resume with the same setting or start without loading the sampler state"
-                )
+        for key in (*current["params"], *(k for k in saved_params if k not in current["params"])):
+            if saved_params.get(key) != current["params"].get(key):
+                raise _mismatch(f"params.{key}", saved_params.get(key), current["params"].get(key))
         position = int(state["position"])
         if position < 0:
             raise ValueError(f"sampler state has position={position}; it must be >= 0")

@@ -23,7 +23,9 @@ a path that does not exist is an error naming the entry (``data.input_cfg[1].inp
 `load_input_cfg` opens every dataset through the memory-mapped index cache, concatenates them
 (zero-copy: one chunk per dataset), adds the ``dataset`` column and records the names and shares in
 the table's metadata, from which `mix_of_table` rebuilds the `DatasetMix` anywhere (trainer,
-`speechlm plan`).
+`speechlm plan`). The ``dataset`` column says that a mix is expected: a table that has it but lost
+the metadata (many Arrow operations drop schema metadata) is refused by `mix_of_table` and
+`read_modes_of_table`, never planned as one unweighted dataset.
 """
 
 from __future__ import annotations
@@ -241,10 +243,29 @@ def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = N
     return combined.replace_schema_metadata({**(combined.schema.metadata or {}), MIX_KEY: json.dumps(meta)})
 
 
+def _mix_meta(table: pa.Table) -> dict[str, Any] | None:
+    """The mix `load_input_cfg` recorded, None for a table of one dataset; ManifestError when the rows
+    say they belong to a mix (a non-null ``dataset`` column) but the mix is gone."""
+    meta = (table.schema.metadata or {}).get(MIX_KEY)
+    if meta is not None:
+        info: dict[str, Any] = json.loads(meta)
+        return info
+    if "dataset" in table.column_names and table.column("dataset").null_count < len(table):
+        raise ManifestError(
+            "the training table has a 'dataset' column (its rows belong to a data.input_cfg mix) but not "
+            f"the mix itself (names and weights, schema metadata {MIX_KEY.decode()!r}): an operation on "
+            "the table (select, cast, concat, a parquet round trip through the index cache) dropped it, "
+            "which would silently turn the weighted mix into plain temperature sampling. Pass the table "
+            "that load_input_cfg returned unchanged (or train from data.input_cfg), or drop the "
+            "'dataset' column to train on the rows without weights"
+        )
+    return None
+
+
 def read_modes_of_table(table: pa.Table) -> list[str | None] | None:
     """Each dataset's own `read_mode` (None: the run's), in dataset-code order; None without a mix."""
-    meta = (table.schema.metadata or {}).get(MIX_KEY)
-    return None if meta is None else list(json.loads(meta).get("read_modes") or [])
+    info = _mix_meta(table)
+    return None if info is None else list(info.get("read_modes") or [])
 
 
 def mix_of_table(table: pa.Table) -> Any:
@@ -252,10 +273,9 @@ def mix_of_table(table: pa.Table) -> Any:
     from speechlm.data.manifest.load import dictionary_codes
     from speechlm.data.sampler import DatasetMix
 
-    meta = (table.schema.metadata or {}).get(MIX_KEY)
-    if meta is None:
+    info = _mix_meta(table)
+    if info is None:
         return None
-    info = json.loads(meta)
     codes, present = dictionary_codes(table.column("dataset"))
     order = {name: i for i, name in enumerate(info["names"])}
     remap = np.array([order[name] for name in present], dtype=np.int16)
