@@ -505,7 +505,7 @@ FIELDS: dict[str, Rule] = {
     # trainer
     "trainer.max_steps": Num("optimizer steps (0: evaluate the untrained model)", lo=0, integer=True),
     "trainer.max_minutes": Num(
-        "wall-clock limit, checked between optimizer steps", lo=0, lo_open=True, null="no limit"
+        "wall-clock limit, checked between optimizer steps (0: no limit)", lo=0, null="no limit"
     ),
     "trainer.grad_accum": Num("micro-batches per optimizer step", lo=1, integer=True),
     "trainer.precision": OneOf(
