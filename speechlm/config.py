@@ -689,7 +689,10 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ConfigError(_type_error(where, key, value, "a list such as [1, 2]")) from None
         if not isinstance(value, (list, tuple)):
             raise ConfigError(_type_error(where, key, value, "a list"))
         inner = args[0] if args else Any
@@ -739,8 +742,15 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
                 f"{where}: unknown key '{key}'; valid keys under '{parent}' are: {', '.join(sorted(types_))}"
             )
         if i == len(parts) - 1:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-            if types_[part] is str and not isinstance(value, str):
+            tp = types_[part]
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError as e:
+                if tp is not str and str not in typing.get_args(tp):
+                    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+                    raise ConfigError(_type_error(where, key, raw, f"valid YAML ({problem})")) from None
+                value = raw  # a string field takes the text as written
+            if tp is str and not isinstance(value, str):
                 value = raw  # keep strings such as "32" verbatim
             value = _coerce(value, types_[part], key, where)
             # an input path on the command line resolves against the working directory
@@ -861,6 +871,16 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                 f"model.llm.hidden_size={llm.hidden_size} is not a multiple of model.llm.num_heads="
                 f"{llm.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
             )
+    if enc.kind == "nemo" and enc.pretrained is None:
+        out.append(
+            "model.encoder.kind='nemo' needs model.encoder.pretrained=<path of a .nemo file> (a NeMo encoder "
+            "is only loaded, never built from sizes); or use kind parakeet or whisper"
+        )
+    if enc.pretrained is not None and enc.conv_norm == "layer_norm":
+        out.append(
+            f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={enc.pretrained!r}: the "
+            "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
+        )
     if enc.pretrained is None and enc.hidden_size % enc.num_heads:
         out.append(
             f"model.encoder.hidden_size={enc.hidden_size} is not a multiple of model.encoder.num_heads="
@@ -880,6 +900,16 @@ def require_inputs(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             "no tokenizer: set data.tokenizer=PATH (a .model file; build one with `speechlm tokenizer train`)"
         )
+    # input paths that are set must exist (trainer.resume is checked by the resume code, which knows
+    # what a checkpoint is); named resolved, so a wrong folder shows
+    for key in ("data.train_manifest", "data.val_manifest", "data.tokenizer", "data.input_cfg",
+                "model.encoder.pretrained", "model.llm.pretrained"):  # fmt: skip
+        value = get_key(cfg, key)
+        if isinstance(value, str) and not Path(value).exists():
+            raise ConfigError(
+                f"{key}={value} does not exist; a relative path in a config file resolves against the "
+                "file's folder, one on the command line against the working directory"
+            )
 
 
 def final_eval_split(cfg: ExperimentConfig) -> str:

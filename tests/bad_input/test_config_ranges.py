@@ -262,7 +262,10 @@ def test_data_paths_default_to_none():
     assert d.train_manifest is None and d.val_manifest is None and d.tokenizer is None
 
 
-def test_missing_train_manifest_or_tokenizer_names_the_key():
+def test_missing_train_manifest_or_tokenizer_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mix.yaml").write_text("[]")
+    (tmp_path / "t.model").write_bytes(b"")
     with pytest.raises(ConfigError, match="set data.train_manifest=PATH"):
         require_inputs(load_config(SMOKE, ["data.tokenizer=t.model"]))
     with pytest.raises(ConfigError, match="set data.tokenizer=PATH"):
@@ -399,3 +402,39 @@ def test_config_reference_is_generated_and_current():
     for key, rule in FIELDS.items():
         assert f"`{key.rsplit('.', 1)[1]}`" in text and rule.describe().replace("|", "\\|") in text, key
     assert "against the folder of the config file" in text
+
+
+@pytest.mark.parametrize("override", ["sampler.bucket_boundaries=[1, 2", "optim.lr=...", "optim.betas={a"])
+def test_override_that_is_not_yaml_names_the_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}="):
+        load_config(SMOKE, [override])
+
+
+def test_string_override_that_is_not_yaml_is_kept_verbatim():
+    assert load_config(SMOKE, ["data.instruction=[say it"]).data.instruction == "[say it"
+
+
+def test_encoder_rules_that_need_the_pretrained_path():
+    with pytest.raises(ConfigError, match="model.encoder.kind='nemo' needs model.encoder.pretrained"):
+        load_config(SMOKE, ["model.encoder.kind=nemo"])
+    with pytest.raises(ConfigError, match="model.encoder.conv_norm='layer_norm'.*model.encoder.pretrained"):
+        load_config(SMOKE, ["model.encoder.pretrained=/x/enc", "model.encoder.conv_norm=layer_norm"])
+
+
+def test_missing_input_files_are_named_with_the_resolved_path(tmp_path):
+    (tmp_path / "t.parquet").write_bytes(b"")
+    (tmp_path / "tok.model").write_bytes(b"")
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "data:\n  train_manifest: t.parquet\n  tokenizer: tok.model\n  val_manifest: nope/val.parquet\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        require_inputs(load_config(p))
+    msg = str(e.value)
+    assert f"data.val_manifest={tmp_path}/nope/val.parquet" in msg and "does not exist" in msg
+    assert "folder" in msg  # says how the path was resolved
+    cfg = load_config(p, ["data.val_manifest=null", f"model.llm.pretrained={tmp_path}/no_llm"])
+    with pytest.raises(ConfigError, match=f"model.llm.pretrained={tmp_path}/no_llm"):
+        require_inputs(cfg)
+    require_inputs(load_config(p, ["data.val_manifest=null"]))
