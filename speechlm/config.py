@@ -826,7 +826,10 @@ CROSS_FIELD_RULES = (
     "`trainer.final_eval_split: val` and `trainer.val_every > 0` need `data.val_manifest`",
     "`trainer.early_stopping_patience > 0` needs `trainer.val_every > 0`",
     "a model built from its sizes (no `pretrained`): `llm.num_heads` a multiple of `llm.num_kv_heads`, "
-    "`llm.hidden_size` a multiple of `llm.num_heads`, `encoder.hidden_size` a multiple of `encoder.num_heads`",
+    "`llm.hidden_size` a multiple of `llm.num_heads` with an even head size (rotary embeddings), "
+    "`encoder.hidden_size` even and a multiple of `encoder.num_heads`",
+    "`model.encoder.kind: nemo` needs `model.encoder.pretrained`; `conv_norm: layer_norm` cannot be used with a "
+    "pretrained encoder",
     "the parallel layout (sizes against the world size, heads against `tp_size`, backends, padding units) "
     "is checked by the validator: docs/validator.md",
 )
@@ -871,6 +874,16 @@ def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                 f"model.llm.hidden_size={llm.hidden_size} is not a multiple of model.llm.num_heads="
                 f"{llm.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
             )
+        elif (llm.hidden_size // llm.num_heads) % 2:
+            out.append(
+                f"model.llm.hidden_size={llm.hidden_size} / model.llm.num_heads={llm.num_heads} gives an odd "
+                f"head size ({llm.hidden_size // llm.num_heads}); rotary position embeddings need an even one"
+            )
+    if enc.pretrained is None and enc.hidden_size % 2:
+        out.append(
+            f"model.encoder.hidden_size={enc.hidden_size} must be even (sinusoidal/relative position "
+            "embeddings split it in halves)"
+        )
     if enc.kind == "nemo" and enc.pretrained is None:
         out.append(
             "model.encoder.kind='nemo' needs model.encoder.pretrained=<path of a .nemo file> (a NeMo encoder "
