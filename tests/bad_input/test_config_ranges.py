@@ -441,3 +441,20 @@ def test_missing_input_files_are_named_with_the_resolved_path(tmp_path):
     with pytest.raises(ConfigError, match=f"model.llm.pretrained={tmp_path}/no_llm"):
         require_inputs(cfg)
     require_inputs(load_config(p, ["data.val_manifest=null"]))
+
+
+@pytest.mark.parametrize("kind", ["binary", "directory", "list", "scalar_section"])
+def test_corrupt_config_file_is_a_config_error_naming_it(tmp_path, kind, capsys):
+    p = tmp_path / "c.yaml"
+    if kind == "binary":
+        p.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00garbage")
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "list":
+        p.write_text("- a\n- b\n")
+    else:
+        p.write_text("trainer: 5\n")
+    with pytest.raises(ConfigError, match=str(p)):
+        load_config(p)
+    assert cli_main(["validate", str(p), "--world-size", "1", "--device-capability", "none"]) == 2
+    assert str(p) in capsys.readouterr().err
