@@ -150,6 +150,18 @@ def test_bad_value_exits_2_from_speechlm_validate(case, overrides, key, shown, v
     _check_message(err, key, shown, valid)
 
 
+@pytest.mark.parametrize("case,overrides,key,shown,valid", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_bad_value_exits_2_from_speechlm_train_before_anything_is_built(
+    case, overrides, key, shown, valid, capsys, tmp_path
+):
+    run_dir = tmp_path / "run"
+    code = cli_main(["train", SMOKE, f"trainer.run_dir={run_dir}", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    _check_message(err, key, shown, valid)
+    assert not run_dir.exists()  # refused before the run dir, the data or the model
+
+
 # cross-field rules: (case, overrides, words the message must hold)
 CROSS_FIELD = [
     ("TC24", ["model.llm.num_heads=3", "model.llm.num_kv_heads=2", "model.llm.hidden_size=48"],
