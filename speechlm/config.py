@@ -755,6 +755,8 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
             value = _coerce(value, types_[part], key, where)
             # an input path on the command line resolves against the working directory
             setattr(obj, part, resolve_path_value(key, value, Path.cwd()))
+            if dataclasses.is_dataclass(value):  # a whole section: the paths inside it too
+                resolve_config_paths(cfg, Path.cwd(), [k for k in FIELDS if k.startswith(key + ".")])
         else:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):

@@ -470,3 +470,17 @@ def test_corrupt_config_file_is_a_config_error_naming_it(tmp_path, kind, capsys)
         load_config(p)
     assert cli_main(["validate", str(p), "--world-size", "1", "--device-capability", "none"]) == 2
     assert str(p) in capsys.readouterr().err
+
+
+def test_a_whole_section_override_resolves_its_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(SMOKE, ["data={train_manifest: t.parquet, tokenizer: tok.model}"])
+    assert cfg.data.train_manifest == str(tmp_path / "t.parquet")
+    assert cfg.data.tokenizer == str(tmp_path / "tok.model")
+
+
+def test_llm_families_match_the_model_code():
+    from speechlm.config import LLM_FAMILIES
+    from speechlm.model import llm
+
+    assert LLM_FAMILIES == llm.LLM_FAMILIES
