@@ -39,9 +39,9 @@ and lists the valid ones; `KEY=null` sets an optional key to null (unsets a path
 
 Every value is checked against the range or choices below when the config is loaded, so
 `speechlm validate`, `speechlm train` (before anything is built), `speechlm plan` and
-`speechlm sweep init` refuse the same values with the same message: `error: KEY=VALUE (set in FILE
-or on the command line): why; use VALID (meaning)`, exit code 2. NaN and infinities are refused for
-every number.
+`speechlm sweep init` refuse the same values with the same message, `KEY=VALUE (set in FILE | on the
+command line): why; use VALID (meaning)` (`speechlm validate` and `speechlm train` exit with code
+2). NaN and infinities are refused for every number.
 
 ## Paths
 
@@ -56,6 +56,8 @@ every number.
   `jobs/<id>/config.yaml` are self-contained.
 - `data.train_manifest`, `data.val_manifest` and `data.tokenizer` have no defaults: training needs
   `data.train_manifest` (or `data.input_cfg`) and `data.tokenizer`, and says which key to set.
+- When a run starts, every input path that is set must exist (`trainer.resume` is checked by the
+  resume code); the error names the key and the resolved path.
 
 ## Rules across keys
 
