@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,17 +31,19 @@ class ConfigError(UsageError):
 
 @dataclass
 class DataConfig:
-    train_manifest: str = "data/demo_manifest/train.parquet"
-    val_manifest: str | None = "data/demo_manifest/val.parquet"
-    tokenizer: str = "data/demo_manifest/tokenizer.model"
-    sample_rate: int = 16000
+    # input paths: relative ones in a config file resolve against the file's folder, on the command line
+    # against the working directory; stored absolute (docs/config.md)
+    train_manifest: str | None = None  # required unless data.input_cfg is set
+    val_manifest: str | None = None  # None: no validation
+    tokenizer: str | None = None  # required to train
+    sample_rate: int = 16000  # the encoders' front end reads 16 kHz (model/features.py)
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
     # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
     # dropped stops the run with the file names (1.0: never stop)
     max_dropped_fraction: float = 0.5
-    # [dataset engineer] seconds a decoded clip may differ from its manifest duration (or 10% of it, if more)
+    # seconds a decoded clip may differ from its manifest duration (or 10% of it, if more)
     # before it is dropped as duration_mismatch (speechlm.data.manifest.schema.duration_mismatch)
     duration_tolerance: float = 0.5
     # "indexed": the sampler's epoch plan, each clip read by position (tar member or file); "streaming":
@@ -166,7 +170,9 @@ class TrainerConfig:
     validate_only: bool = (
         False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
     )
-    final_eval_split: str = "train"  # "train" or "val": the split scored into eval.json
+    # the split scored into eval.json: "auto" (val when data.val_manifest is set, else none), "val",
+    # "train" (the demo: WER on the training utterances) or "none"
+    final_eval_split: str = "auto"
 
 
 @dataclass
@@ -179,9 +185,467 @@ class ExperimentConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+# --- valid values: one table, keyed by dotted key ---------------------------------------------------
+# `check_config` (run by `load_config`, so by `speechlm validate`, `speechlm train` and every tool that
+# loads a config) checks every key against its entry; docs/config.md is generated from it
+# (scripts/gen_config_docs.py). A new field without an entry fails tests/bad_input/test_config_ranges.py.
+
+ENCODER_KINDS = ("parakeet", "whisper", "nemo")
+LLM_FAMILIES = ("llama", "qwen2")  # speechlm/model/llm.py builds these from a config
+BEST_METRICS = ("wer", "loss")  # what a validation computes (train/evaluate.py Evaluator)
+SEED_MAX = 2**32 - 1  # numpy's seed range
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The valid values of one key: `check` returns None or why a value is refused."""
+
+    doc: str  # one line of meaning (docs/config.md)
+
+    def check(self, value: Any) -> str | None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Num(Rule):
+    """A finite number within bounds (NaN and infinities are refused); `null` admits None."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself excluded
+    hi_open: bool = False
+    null: str = ""  # non-empty: None is valid and means this
+    integer: bool = False
+
+    def check(self, value: Any) -> str | None:
+        if value is None:
+            return None if self.null else "a value is required (null is not allowed)"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a {'whole number' if self.integer else 'number'}"
+        if not math.isfinite(value):
+            return "must be a finite number"
+        low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        high = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)
+        return "out of range" if low or high else None
+
+    def describe(self) -> str:
+        kind = "integer" if self.integer else "number"
+        lo = None if self.lo is None else f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        hi = None if self.hi is None else f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
+        text = f"{kind} {' and '.join(b for b in (lo, hi) if b)}" if lo or hi else f"finite {kind}"
+        return text + (f", or null ({self.null})" if self.null else "")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class OneOf(Rule):
+    """One of a fixed set; `advice` maps common wrong spellings to the right one."""
+
+    choices: tuple[Any, ...] = ()
+    advice: tuple[tuple[str, str], ...] = ()
+
+    def check(self, value: Any) -> str | None:
+        if value in self.choices:
+            return None
+        tip = dict(self.advice).get(str(value).lower())
+        return f"not a valid choice ({tip})" if tip else "not a valid choice"
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(_show(c) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Text(Rule):
+    """Free text or a path; `path`: an input path (resolved, see `resolve_config_paths`)."""
+
+    null: str = ""  # non-empty: None is valid and means this
+    path: bool = False
+    keywords: tuple[str, ...] = ()  # values that are not paths (e.g. resume=auto)
+
+    def check(self, value: Any) -> str | None:
+        if value is None:
+            return None if self.null else "a value is required (null is not allowed)"
+        if not isinstance(value, str):
+            return "must be a string"
+        if self.path and not value.strip():
+            return "an empty path; give a path or null"
+        return None
+
+    def describe(self) -> str:
+        what = "a path" if self.path else "any text"
+        if self.keywords:
+            what = " or ".join(repr(k) for k in self.keywords) + f" or {what}"
+        return what + (f", or null ({self.null})" if self.null else "")
+
+
+@dataclass(frozen=True)
+class Flag(Rule):
+    """true or false (or null, when `null` says what that means)."""
+
+    null: str = ""
+
+    def check(self, value: Any) -> str | None:
+        if value is None and self.null:
+            return None
+        return None if isinstance(value, bool) else "must be true or false"
+
+    def describe(self) -> str:
+        return "true or false" + (f", or null ({self.null})" if self.null else "")
+
+
+@dataclass(frozen=True)
+class Seq(Rule):
+    """A list of numbers, each valid under `item`; optionally of a fixed length, strictly increasing."""
+
+    item: Num = field(default_factory=lambda: Num(""))
+    length: int | None = None
+    increasing: bool = False
+    nonempty: bool = False
+
+    def check(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)):
+            return "must be a list"
+        if self.length is not None and len(value) != self.length:
+            return f"must have {self.length} items, got {len(value)}"
+        if self.nonempty and not value:
+            return "must not be empty"
+        for i, v in enumerate(value):
+            if self.item.check(v) is not None:
+                return f"item {i} ({_show(v)}) is {self.item.check(v)}"
+        if self.increasing and any(b <= a for a, b in zip(value, value[1:], strict=False)):
+            return "must be strictly increasing"
+        return None
+
+    def describe(self) -> str:
+        n = f"{self.length} " if self.length is not None else ""
+        inc = ", strictly increasing" if self.increasing else ""
+        return f"a list of {n}numbers, each a {self.item.describe()}{inc}"
+
+
+@dataclass(frozen=True)
+class Either(Rule):
+    """Valid under any of `rules` (e.g. 'auto' or a number)."""
+
+    rules: tuple[Rule, ...] = ()
+
+    def check(self, value: Any) -> str | None:
+        reasons = [r.check(value) for r in self.rules]
+        return None if any(r is None for r in reasons) else next(r for r in reasons if r)
+
+    def describe(self) -> str:
+        return "; or ".join(r.describe() for r in self.rules)
+
+
+@dataclass(frozen=True)
+class InputList(Rule):
+    """data.input_cfg: a list of dataset entries, a YAML file of one, or null."""
+
+    null: str = ""
+
+    def check(self, value: Any) -> str | None:
+        if value is None or isinstance(value, list):
+            return None
+        if isinstance(value, str):
+            return None if value.strip() else "an empty path; give a path or null"
+        return "must be a list of entries or the path of a YAML file"
+
+    def describe(self) -> str:
+        return (
+            "a list of {path, type?, weight?, lang?, name?, tags?} or {group, weight?, inputs} entries, "
+            + (f"or a path of a YAML file of one, or null ({self.null})")
+        )
+
+
+_POS_INT = Num("", lo=1, integer=True)
+_SIZE = "model size"
+
+FIELDS: dict[str, Rule] = {
+    # data
+    "data.train_manifest": Text(
+        "training data: a manifest, shard folder, NeMo/WeNet/Lhotse source",
+        path=True,
+        null="set data.input_cfg instead; one of the two is required to train",
+    ),
+    "data.val_manifest": Text("validation data (any source kind)", path=True, null="no validation"),
+    "data.tokenizer": Text(
+        "SentencePiece model (.model) built by `speechlm tokenizer train`",
+        path=True,
+        null="none; required to train",
+    ),
+    "data.sample_rate": OneOf(
+        "audio is resampled to this rate (Hz); the encoders' front end reads 16 kHz", choices=(16000,)
+    ),
+    "data.max_tokens": Num("text tokens per utterance after tokenization", lo=1, integer=True),
+    "data.num_workers": Num(
+        "DataLoader worker processes (0: load in the training process)", lo=0, integer=True
+    ),
+    "data.instruction": Text("optional instruction placed after the audio in the prompt"),
+    "data.max_dropped_fraction": Num(
+        "fraction of a training micro-batch whose audio may be unreadable before "
+        "the run stops (1: never stop)",
+        lo=0,
+        hi=1,
+    ),
+    "data.duration_tolerance": Num(
+        "seconds a decoded clip may differ from its manifest duration (or 10% of it, if more) before it is "
+        "dropped as duration_mismatch",
+        lo=0,
+    ),
+    "data.read_mode": OneOf(
+        "'indexed': clips read by position; 'streaming': tar shards read front to back",
+        choices=("indexed", "streaming"),
+    ),
+    "data.input_cfg": InputList(
+        "several weighted datasets, replacing data.train_manifest (docs/data.md)",
+        null="use data.train_manifest",
+    ),
+    "data.shuffle_buffer": Num("utterances in the streaming shuffle buffer", lo=1, integer=True),
+    "data.sort_buffer": Num("utterances in the streaming sort buffer", lo=1, integer=True),
+    # sampler
+    "sampler.mode": OneOf(
+        "batch sampler: temperature-weighted languages or the exhaustive algorithm",
+        choices=("temperature", "exhaustive"),
+    ),
+    "sampler.temperature": Num(
+        "language sampling temperature (p ~ n^T; 1: proportional, ->0: uniform)", lo=0, lo_open=True
+    ),
+    "sampler.max_batch_duration": Num(
+        "seconds of audio per micro-batch", lo=0, lo_open=True, null="use sampler.max_batch_tokens"
+    ),
+    "sampler.max_batch_tokens": Num(
+        "token budget per micro-batch (replaces max_batch_duration)",
+        lo=1,
+        integer=True,
+        null="budget in seconds",
+    ),
+    "sampler.length_penalty": Num("quadratic length penalty of the token budget", lo=0),
+    "sampler.bucket_boundaries": Seq(
+        "duration bucket edges in seconds", item=Num("", lo=0, lo_open=True), increasing=True, nonempty=True
+    ),
+    "sampler.epoch_size": Num(
+        "utterances per epoch in temperature mode", lo=1, integer=True, null="the manifest's size"
+    ),
+    "sampler.seed": Num("seed of the epoch plans", lo=0, hi=SEED_MAX, integer=True),
+    # model.encoder
+    "model.encoder.kind": OneOf("audio encoder", choices=ENCODER_KINDS),
+    "model.encoder.pretrained": Text(
+        "local save_pretrained directory (parakeet, whisper) or .nemo file",
+        path=True,
+        null="built from the sizes below",
+    ),
+    "model.encoder.hidden_size": Num(_SIZE, lo=1, integer=True),
+    "model.encoder.num_layers": Num(_SIZE, lo=1, integer=True),
+    "model.encoder.num_heads": Num(_SIZE + " (divides hidden_size)", lo=1, integer=True),
+    "model.encoder.intermediate_size": Num(_SIZE, lo=1, integer=True),
+    "model.encoder.subsampling_conv_channels": Num(_SIZE, lo=1, integer=True),
+    "model.encoder.num_mel_bins": Num("mel bins of the front end", lo=1, integer=True),
+    "model.encoder.tensor_parallel": Flag("shard the encoder over the TP group too"),
+    "model.encoder.conv_norm": OneOf(
+        "normalisation in the Conformer conv module (auto: layer_norm from "
+        "scratch, batch_norm for a pretrained encoder)",
+        choices=("auto", "layer_norm", "batch_norm"),
+    ),
+    "model.encoder.packed": Flag("padding-free encoder", null="on where the encoder kind supports it"),
+    # model.llm
+    "model.llm.family": OneOf("LLM architecture when built from a config", choices=LLM_FAMILIES),
+    "model.llm.pretrained": Text(
+        "local save_pretrained directory of a causal LM", path=True, null="built from the sizes below"
+    ),
+    "model.llm.hidden_size": Num(_SIZE + " (a multiple of num_heads)", lo=1, integer=True),
+    "model.llm.num_layers": Num(_SIZE, lo=1, integer=True),
+    "model.llm.num_heads": Num(_SIZE + " (a multiple of num_kv_heads)", lo=1, integer=True),
+    "model.llm.num_kv_heads": Num(_SIZE + " (divides num_heads)", lo=1, integer=True),
+    "model.llm.intermediate_size": Num(_SIZE, lo=1, integer=True),
+    "model.llm.max_position_embeddings": Num(_SIZE, lo=1, integer=True),
+    # model
+    "model.projector_stack": Num("encoder frames stacked by the projector", lo=1, integer=True),
+    "model.projector_hidden": Num(_SIZE, lo=1, integer=True),
+    "model.packed_sequences": Flag("THD packing (true) or padded BSHD (false)"),
+    "model.pad_to_multiple": Num(
+        "pad the packed total (THD) or padded length (BSHD) to a multiple of this",
+        lo=1,
+        integer=True,
+        null="the smallest legal unit, lcm(2*cp, cp*tp)",
+    ),
+    "model.attention_backend": OneOf("attention kernel backend", choices=ATTENTION_BACKENDS),
+    "model.dropout": Num(
+        "dropout probability (0 turns off every source of randomness in the forward)",
+        lo=0,
+        hi=1,
+        hi_open=True,
+    ),
+    "model.ctc_weight": Num("weight of the auxiliary CTC loss on the encoder output (0 disables it)", lo=0),
+    # parallel
+    "parallel.dp_replicate": Num("data-parallel replicas (HSDP outer dimension)", lo=1, integer=True),
+    "parallel.dp_shard": Either("FSDP shards", rules=(OneOf("", choices=(-1,)), _POS_INT)),
+    "parallel.cp_size": Num("context-parallel group size", lo=1, integer=True),
+    "parallel.tp_size": Num("tensor-parallel group size", lo=1, integer=True),
+    "parallel.cp_attention": OneOf("attention under CP (reference backend)", choices=("ring", "allgather")),
+    "parallel.cp_split_threshold": Either(
+        "sequences longer than this many tokens are split over the CP group (0: all; auto: per micro-batch)",
+        rules=(OneOf("", choices=("auto",)), Num("", lo=0, integer=True)),
+    ),
+    "parallel.activation_checkpointing": Flag("recompute activations in the backward pass"),
+    # optim
+    "optim.lr": Num("peak learning rate", lo=0, lo_open=True),
+    "optim.encoder_lr": Num("peak learning rate of the encoder", lo=0, lo_open=True, null="optim.lr"),
+    "optim.weight_decay": Num("AdamW weight decay", lo=0),
+    "optim.betas": Seq("AdamW betas", item=Num("", lo=0, hi=1, hi_open=True), length=2),
+    "optim.warmup_steps": Num("linear warmup steps before the cosine decay", lo=0, integer=True),
+    "optim.min_lr_ratio": Num("final learning rate as a fraction of the peak", lo=0, hi=1),
+    "optim.grad_clip": Num("gradient norm limit (0: no clipping)", lo=0),
+    "optim.unfreeze_step": Num(
+        "encoder frozen before this optimizer step (0: never frozen)", lo=0, integer=True
+    ),
+    "optim.encoder_warmup_steps": Num("warmup of the encoder after it is unfrozen", lo=0, integer=True),
+    # trainer
+    "trainer.max_steps": Num("optimizer steps (0: evaluate the untrained model)", lo=0, integer=True),
+    "trainer.max_minutes": Num(
+        "wall-clock limit, checked between optimizer steps (0: no limit)", lo=0, null="no limit"
+    ),
+    "trainer.grad_accum": Num("micro-batches per optimizer step", lo=1, integer=True),
+    "trainer.precision": OneOf(
+        "'auto': bf16 autocast where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 autocast",
+        choices=("auto", "32", "bf16"),
+        advice=(
+            ("bf16-mixed", "bf16-mixed: use trainer.precision=bf16"),
+            ("bf16-true", "bf16-true: use trainer.precision=bf16 (parameters stay fp32)"),
+            ("16-mixed", "16-mixed: fp16 is not supported; use trainer.precision=bf16 or 32"),
+            ("16", "16: fp16 is not supported; use trainer.precision=bf16 or 32"),
+            ("fp16", "fp16 is not supported; use trainer.precision=bf16 or 32"),
+            ("32-true", "32-true: use trainer.precision=32"),
+            ("fp32", "fp32: use trainer.precision=32"),
+            ("64", "64: fp64 is not supported; use trainer.precision=32"),
+        ),
+    ),
+    "trainer.seed": Num("seed of the model initialisation and dropout", lo=0, hi=SEED_MAX, integer=True),
+    "trainer.run_dir": Text("output folder of the run (resolves against the working directory)"),
+    "trainer.log_every": Num("optimizer steps between metrics.jsonl rows", lo=1, integer=True),
+    "trainer.val_every": Num(
+        "optimizer steps between validations (0: off; needs data.val_manifest)", lo=0, integer=True
+    ),
+    "trainer.val_max_batches": Num(
+        "decoding batches per validation", lo=1, integer=True, null="the whole validation split"
+    ),
+    "trainer.eval_batch_duration": Num(
+        "seconds of audio per greedy-decoding batch", lo=0, lo_open=True, null="4x sampler.max_batch_duration"
+    ),
+    "trainer.ckpt_every": Num("optimizer steps between checkpoints (0: off)", lo=0, integer=True),
+    "trainer.keep_last": Num("periodic checkpoints kept (older ones are deleted)", lo=1, integer=True),
+    "trainer.best_metric": OneOf(
+        "validation metric whose minimum is kept as checkpoints/best", choices=BEST_METRICS
+    ),
+    "trainer.early_stopping_patience": Num(
+        "validations without improvement before stopping (0: off)", lo=0, integer=True
+    ),
+    "trainer.resume": Text(
+        "'auto' (latest checkpoint of run_dir, if any) or a checkpoint directory",
+        path=True,
+        keywords=("auto",),
+        null="start fresh",
+    ),
+    "trainer.resume_data": OneOf(
+        "'exact': continue the saved epoch plan; 'next_epoch': start the data at "
+        "the next epoch (another data-parallel layout)",
+        choices=("exact", "next_epoch"),
+    ),
+    "trainer.validate_only": Flag("evaluate only (restoring trainer.resume if set): no optimizer step"),
+    "trainer.final_eval_split": OneOf(
+        "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none)",
+        choices=("auto", "val", "train", "none"),
+    ),
+}
+
+
+def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (the fields that are not sections)."""
+    out = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out += leaf_keys(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_key(cfg: Any, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    obj = cfg
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _absolute(value: str, base: Path) -> str:
+    p = Path(value).expanduser()
+    return os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _resolve_input_entries(entries: list[Any], base: Path) -> list[Any]:
+    """Inline data.input_cfg entries with their `path`s made absolute (groups recursively)."""
+    out = []
+    for e in entries:
+        if isinstance(e, dict):
+            e = dict(e)
+            if isinstance(e.get("path"), str) and e["path"].strip():
+                e["path"] = _absolute(e["path"], base)
+            if isinstance(e.get("inputs"), list):
+                e["inputs"] = _resolve_input_entries(e["inputs"], base)
+        out.append(e)
+    return out
+
+
+def resolve_path_value(key: str, value: Any, base: Path) -> Any:
+    """An input path of `key` made absolute against `base`; other keys and values unchanged."""
+    rule = FIELDS.get(key)
+    if isinstance(rule, InputList):
+        if isinstance(value, list):
+            return _resolve_input_entries(value, base)
+        rule = Text("", path=True)
+    if not (isinstance(rule, Text) and rule.path) or not isinstance(value, str) or not value.strip():
+        return value
+    if value in rule.keywords:
+        return value
+    return _absolute(value, base)
+
+
+def resolve_config_paths(cfg: ExperimentConfig, base: Path, keys: typing.Iterable[str] | None = None) -> None:
+    """Make the input paths of `cfg` (all, or those in `keys`) absolute against `base`, in place."""
+    for key in FIELDS if keys is None else keys:
+        value = get_key(cfg, key)
+        resolved = resolve_path_value(key, value, base)
+        if resolved is not value:
+            _set_key(cfg, key, resolved)
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_error(where: str, key: str, value: Any, what: str) -> str:
+    rule = FIELDS.get(key)
+    valid = f"; use {rule.describe()} ({rule.doc})" if rule is not None else ""
+    return f"{where}: {key}={_show(value)} must be {what}{valid}"
 
 
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
@@ -203,7 +667,7 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r} for '{key}'")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: '{key}' must be a mapping, got {value!r}")
+            raise ConfigError(_type_error(where, key, value, "a mapping of keys"))
         return _from_dict(tp, value, where, prefix=key + ".")  # type: ignore[arg-type]
     if tp is bool:
         if isinstance(value, bool):
@@ -212,30 +676,33 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise ConfigError(f"{where}: '{key}' must be true or false, got {value!r}")
+        raise ConfigError(_type_error(where, key, value, "true or false"))
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{where}: '{key}' must be an integer, got {value!r}")
+            raise ConfigError(_type_error(where, key, value, "an integer"))
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: '{key}' must be an integer, got {value!r}") from None
+            raise ConfigError(_type_error(where, key, value, "an integer")) from None
     if tp is float:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: '{key}' must be a number, got {value!r}") from None
+            raise ConfigError(_type_error(where, key, value, "a number")) from None
     if tp is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: '{key}' must be a string, got {value!r}")
+            raise ConfigError(_type_error(where, key, value, "a string"))
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ConfigError(_type_error(where, key, value, "a list such as [1, 2]")) from None
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: '{key}' must be a list, got {value!r}")
+            raise ConfigError(_type_error(where, key, value, "a list"))
         inner = args[0] if args else Any
         items = [_coerce(v, inner, key, where) if inner is not Any else v for v in value]
         return tuple(items) if origin is tuple else items
@@ -283,10 +750,21 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
                 f"{where}: unknown key '{key}'; valid keys under '{parent}' are: {', '.join(sorted(types_))}"
             )
         if i == len(parts) - 1:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-            if types_[part] is str and not isinstance(value, str):
+            tp = types_[part]
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError as e:
+                if tp is not str and str not in typing.get_args(tp):
+                    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+                    raise ConfigError(_type_error(where, key, raw, f"valid YAML ({problem})")) from None
+                value = raw  # a string field takes the text as written
+            if tp is str and not isinstance(value, str):
                 value = raw  # keep strings such as "32" verbatim
-            setattr(obj, part, _coerce(value, types_[part], key, where))
+            value = _coerce(value, types_[part], key, where)
+            # an input path on the command line resolves against the working directory
+            setattr(obj, part, resolve_path_value(key, value, Path.cwd()))
+            if dataclasses.is_dataclass(value):  # a whole section: the paths inside it too
+                resolve_config_paths(cfg, Path.cwd(), [k for k in FIELDS if k.startswith(key + ".")])
         else:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
@@ -294,14 +772,20 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
+    """Load a YAML config (or the defaults when `path` is None), apply dotted overrides, check every value.
+
+    Input paths (`FIELDS` entries with `path=True`) are stored absolute: those of the file resolve
+    against the file's folder, those of overrides against the working directory."""
     cfg = ExperimentConfig()
+    origin: dict[str, str] = {}
     if path is not None:
         p = Path(path)
         try:
             text = p.read_text()
         except OSError as e:
             raise ConfigError(f"{p}: cannot read config ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not a text file ({e.reason} at byte {e.start})") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
@@ -309,62 +793,154 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         cfg = _from_dict(ExperimentConfig, data, str(p))
+        resolve_config_paths(cfg, p.resolve().parent)
+        origin = {key: f"in {p}" for key in _keys_in(data)}
     for ov in overrides:
         apply_override(cfg, ov)
-    check_config(cfg)
+        origin[ov.split("=", 1)[0].strip()] = "on the command line"
+    check_config(cfg, origin)
     return cfg
 
 
-def check_config(cfg: ExperimentConfig) -> None:
-    """Checks of single values (cross-field parallelism rules live in the validator)."""
-    if cfg.model.attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(
-            f"model.attention_backend={cfg.model.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+def _keys_in(data: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in FIELDS:
+            out += _keys_in(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def check_config(cfg: ExperimentConfig, origin: dict[str, str] | None = None) -> None:
+    """Every key against its entry in `FIELDS`, then the cross-field rules of single sections.
+
+    The parallel layout rules (sizes against the world size, backends, ...) live in the validator.
+    `origin` maps dotted keys to where they were set (a file or the command line) for the message.
+    """
+    origin = origin or {}
+    for key, rule in FIELDS.items():
+        value = get_key(cfg, key)
+        reason = rule.check(value)
+        if reason is not None:
+            where = f" (set {origin[key]})" if key in origin else " (the default)"
+            raise ConfigError(f"{key}={_show(value)}{where}: {reason}; use {rule.describe()} ({rule.doc})")
+    for problem in _cross_field_problems(cfg):
+        raise ConfigError(problem)
+
+
+# the rules of `_cross_field_problems`, for docs/config.md
+CROSS_FIELD_RULES = (
+    "`data.train_manifest` and `data.input_cfg` are exclusive (set the other to `null`); training needs "
+    "one of them and `data.tokenizer` (checked when a run starts, not by `speechlm validate` of a layout)",
+    "`trainer.final_eval_split: val` and `trainer.val_every > 0` need `data.val_manifest`",
+    "`trainer.early_stopping_patience > 0` needs `trainer.val_every > 0`",
+    "a model built from its sizes (no `pretrained`): `llm.num_heads` a multiple of `llm.num_kv_heads`, "
+    "`llm.hidden_size` a multiple of `llm.num_heads` with an even head size (rotary embeddings), "
+    "`encoder.hidden_size` even and a multiple of `encoder.num_heads`",
+    "`model.encoder.kind: nemo` needs `model.encoder.pretrained`; `conv_norm: layer_norm` cannot be used with a "
+    "pretrained encoder",
+    "the parallel layout (sizes against the world size, heads against `tp_size`, backends, padding units) "
+    "is checked by the validator: docs/validator.md",
+)
+
+
+def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Rules that tie keys of the config together (each message names every key involved)."""
+    d, t, m = cfg.data, cfg.trainer, cfg.model
+    out = []
+    if d.input_cfg is not None and d.train_manifest is not None:
+        out.append(
+            f"data.input_cfg and data.train_manifest={d.train_manifest!r} are both set: give the training "
+            "data one way (add data.train_manifest=null, or make the manifest one entry of data.input_cfg)"
         )
-    if cfg.model.encoder.conv_norm not in ("auto", "layer_norm", "batch_norm"):
-        raise ConfigError(
-            f"model.encoder.conv_norm={cfg.model.encoder.conv_norm!r}: use 'auto', 'layer_norm' or 'batch_norm'"
+    if d.val_manifest is None:
+        if t.final_eval_split == "val":
+            out.append(
+                "trainer.final_eval_split='val' but data.val_manifest is not set: set data.val_manifest=PATH, "
+                "or use trainer.final_eval_split=train or none"
+            )
+        if t.val_every > 0:
+            out.append(
+                f"trainer.val_every={t.val_every} but data.val_manifest is not set, so nothing would be "
+                "validated: set data.val_manifest=PATH, or trainer.val_every=0"
+            )
+    if t.early_stopping_patience > 0 and t.val_every == 0:
+        out.append(
+            f"trainer.early_stopping_patience={t.early_stopping_patience} but trainer.val_every=0 (no "
+            "validation, so it could never stop early): set trainer.val_every=N, or "
+            "trainer.early_stopping_patience=0"
         )
-    if cfg.sampler.mode not in ("temperature", "exhaustive"):
-        raise ConfigError(f"sampler.mode={cfg.sampler.mode!r}: use 'temperature' or 'exhaustive'")
-    if cfg.parallel.cp_attention not in ("ring", "allgather"):
-        raise ConfigError(f"parallel.cp_attention={cfg.parallel.cp_attention!r}: use 'ring' or 'allgather'")
-    t = cfg.parallel.cp_split_threshold
-    if (isinstance(t, str) and t != "auto") or (isinstance(t, int) and t < 0):
-        raise ConfigError(
-            f"parallel.cp_split_threshold={t!r}: use 'auto', 0 (split every sequence over the CP group) or a "
-            "number of tokens above which a sequence is split"
+    llm, enc = m.llm, m.encoder
+    if llm.pretrained is None:  # a pretrained LLM brings its own sizes
+        if llm.num_heads % llm.num_kv_heads:
+            out.append(
+                f"model.llm.num_heads={llm.num_heads} is not a multiple of model.llm.num_kv_heads="
+                f"{llm.num_kv_heads}: every key/value head serves the same number of query heads; choose "
+                "num_kv_heads among the divisors of num_heads"
+            )
+        if llm.hidden_size % llm.num_heads:
+            out.append(
+                f"model.llm.hidden_size={llm.hidden_size} is not a multiple of model.llm.num_heads="
+                f"{llm.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
+            )
+        elif (llm.hidden_size // llm.num_heads) % 2:
+            out.append(
+                f"model.llm.hidden_size={llm.hidden_size} / model.llm.num_heads={llm.num_heads} gives an odd "
+                f"head size ({llm.hidden_size // llm.num_heads}); rotary position embeddings need an even one"
+            )
+    if enc.pretrained is None and enc.hidden_size % 2:
+        out.append(
+            f"model.encoder.hidden_size={enc.hidden_size} must be even (sinusoidal/relative position "
+            "embeddings split it in halves)"
         )
-    for name in ("cp_size", "tp_size", "dp_replicate"):
-        if getattr(cfg.parallel, name) < 1:
-            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
-    if not 0.0 <= cfg.data.max_dropped_fraction <= 1.0:
-        raise ConfigError(
-            f"data.max_dropped_fraction={cfg.data.max_dropped_fraction}: use a fraction in [0, 1] (1 never stops)"
+    if enc.kind == "nemo" and enc.pretrained is None:
+        out.append(
+            "model.encoder.kind='nemo' needs model.encoder.pretrained=<path of a .nemo file> (a NeMo encoder "
+            "is only loaded, never built from sizes); or use kind parakeet or whisper"
         )
-    if cfg.data.input_cfg is not None and cfg.data.train_manifest != DataConfig.train_manifest:
-        raise ConfigError(
-            f"data.input_cfg and data.train_manifest={cfg.data.train_manifest!r} are both set: give the "
-            "training data one way (a single dataset can be one entry of data.input_cfg)"
+    if enc.pretrained is not None and enc.conv_norm == "layer_norm":
+        out.append(
+            f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={enc.pretrained!r}: the "
+            "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
         )
-    if cfg.data.read_mode not in ("indexed", "streaming"):
-        raise ConfigError(
-            f"data.read_mode={cfg.data.read_mode!r}: use 'indexed' (any order, reads by position) or "
-            "'streaming' (tar shards read front to back, for slow random reads)"
+    if enc.pretrained is None and enc.hidden_size % enc.num_heads:
+        out.append(
+            f"model.encoder.hidden_size={enc.hidden_size} is not a multiple of model.encoder.num_heads="
+            f"{enc.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
         )
-    if cfg.data.shuffle_buffer < 1 or cfg.data.sort_buffer < 1:
+    return out
+
+
+def require_inputs(cfg: ExperimentConfig) -> None:
+    """What training reads and has no default: the training data and the tokenizer."""
+    if cfg.data.train_manifest is None and cfg.data.input_cfg is None:
         raise ConfigError(
-            f"data.shuffle_buffer={cfg.data.shuffle_buffer} and data.sort_buffer={cfg.data.sort_buffer} "
-            "must be >= 1 utterance"
+            "no training data: set data.train_manifest=PATH (a manifest, shard folder, NeMo manifest, ...) "
+            "or data.input_cfg (several weighted datasets) in the config or on the command line"
         )
-    if cfg.trainer.resume_data not in ("exact", "next_epoch"):
-        raise ConfigError(f"trainer.resume_data={cfg.trainer.resume_data!r}: use 'exact' or 'next_epoch'")
-    if cfg.trainer.eval_batch_duration is not None and cfg.trainer.eval_batch_duration <= 0:
+    if cfg.data.tokenizer is None:
         raise ConfigError(
-            f"trainer.eval_batch_duration={cfg.trainer.eval_batch_duration}: give seconds > 0 (or null)"
+            "no tokenizer: set data.tokenizer=PATH (a .model file; build one with `speechlm tokenizer train`)"
         )
-    if cfg.trainer.grad_accum < 1:
-        raise ConfigError(f"trainer.grad_accum must be >= 1, got {cfg.trainer.grad_accum}")
+    # input paths that are set must exist (trainer.resume is checked by the resume code, which knows
+    # what a checkpoint is); named resolved, so a wrong folder shows
+    for key in ("data.train_manifest", "data.val_manifest", "data.tokenizer", "data.input_cfg",
+                "model.encoder.pretrained", "model.llm.pretrained"):  # fmt: skip
+        value = get_key(cfg, key)
+        if isinstance(value, str) and not Path(value).exists():
+            raise ConfigError(
+                f"{key}={value} does not exist; a relative path in a config file resolves against the "
+                "file's folder, one on the command line against the working directory"
+            )
+
+
+def final_eval_split(cfg: ExperimentConfig) -> str:
+    """The split the final evaluation scores: "train", "val" or "none" ("auto": val if there is one)."""
+    split = cfg.trainer.final_eval_split
+    if split == "auto":
+        return "val" if cfg.data.val_manifest is not None else "none"
+    return split
 
 
 def eval_batch_duration(cfg: ExperimentConfig) -> float:

@@ -443,17 +443,26 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
     threshold = (
         args.cp_split_threshold if args.cp_split_threshold is not None else cfg.parallel.cp_split_threshold
     )
+    manifest = args.manifest if args.manifest is not None else cfg.data.train_manifest
+    input_cfg = (
+        args.input_cfg if args.input_cfg is not None else (None if args.manifest else cfg.data.input_cfg)
+    )
+    if manifest is None and input_cfg is None:  # no default data (the config's paths are optional)
+        from speechlm.config import ConfigError
+
+        raise ConfigError(
+            "no training data to plan: pass --manifest PATH (or --input-cfg), or set data.train_manifest in "
+            f"{args.config or 'the --config file'}"
+        )
     return PlanRequest(
         settings=settings,
-        manifest=args.manifest if args.manifest is not None else cfg.data.train_manifest,
+        manifest=manifest,
         epoch=args.epoch if args.epoch is not None else 0,
         cp_size=cp,
         tp_size=args.tp_size if args.tp_size is not None else cfg.parallel.tp_size,
         cp_split_threshold=threshold,
         pair_cost=1.0 / (6 * cfg.model.llm.hidden_size),
-        input_cfg=args.input_cfg
-        if args.input_cfg is not None
-        else (None if args.manifest else cfg.data.input_cfg),
+        input_cfg=input_cfg,
     )
 
 

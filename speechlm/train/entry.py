@@ -125,12 +125,14 @@ class RunInputs:
 
 def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     from parallel.mesh import ParallelDims
+    from speechlm.config import require_inputs
     from speechlm.data.sources.mmap_cache import open_index
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.train.data import build_sampler
     from speechlm.train.module import TokenizerInfo
     from speechlm.validate import validate_at_fit_start
 
+    require_inputs(cfg)  # training data and tokenizer have no defaults: name the key to set
     # any source (parquet, NeMo, tar shards, ...), memory-mapped from the index cache: texts and paths
     # stay on disk until a clip is loaded (speechlm/data/sources/mmap_cache.py)
     if cfg.data.input_cfg is not None:  # several weighted datasets (sources/input_cfg.py)

@@ -278,9 +278,14 @@ def final_evaluation(
 ) -> dict[str, Any]:
     """Greedy WER per language on `trainer.final_eval_split` after training; rank 0 prints the table
     and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics."""
-    t = cfg.trainer
-    table = inputs.train_table if t.final_eval_split == "train" else inputs.val_table
+    from speechlm.config import final_eval_split
+
+    split = final_eval_split(cfg)  # "auto" resolved: val when there is a val manifest, else none
+    table = {"train": inputs.train_table, "val": inputs.val_table}.get(split)
     if table is None:
+        if rank == 0:
+            why = " and no data.val_manifest" if cfg.trainer.final_eval_split == "auto" else ""
+            print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
     final_eval = Evaluator(cfg, inputs.tokenizer, table, inputs.dims, rank, max_batches=None)
     wer = final_eval(module)
@@ -289,13 +294,11 @@ def final_evaluation(
         for lang in table.column("lang").to_pylist():
             counts[lang] = counts.get(lang, 0) + 1
         print(
-            f"\nfinal greedy WER on the {t.final_eval_split} split after {result['steps']} steps "
+            f"\nfinal greedy WER on the {split} split after {result['steps']} steps "
             f"({result['train_minutes']:.1f} min):"
         )
         print(format_wer_table(wer, counts))
-        (run_dir / "eval.json").write_text(
-            json.dumps({"split": t.final_eval_split, **result, **wer}, indent=2)
-        )
+        (run_dir / "eval.json").write_text(json.dumps({"split": split, **result, **wer}, indent=2))
         with (run_dir / "eval_decodes.jsonl").open("w") as f:
             for lang, ref, hyp in final_eval.last_decodes:
                 f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
