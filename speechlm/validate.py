@@ -202,6 +202,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="treat NAME (torch, transformer-engine, flash-attn, cudnn) as installed at VERSION "
         "(VERSION 'none': absent)",
     )
+    p.add_argument(
+        "--manifest",
+        default=None,
+        metavar="PATH",
+        help="training data to check as `speechlm train` would (languages, tags, the epoch plan); "
+        "default: the config's data.input_cfg or data.train_manifest when it exists",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
     return p
@@ -271,7 +278,13 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
         normalize_installed(dict(_split_pairs(args.assume_installed, "--assume-installed", False)))
     )
     world_size, source = _resolve_world_size(args, env, config)
-    return build_context(config, world_size, env, capability, installed), source
+    # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
+    from speechlm.preflight import validate_data
+
+    summary, notes = validate_data(config, world_size, args.manifest)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return build_context(config, world_size, env, capability, installed, summary), source
 
 
 def run(args: argparse.Namespace) -> int:
@@ -285,7 +298,12 @@ def run(args: argparse.Namespace) -> int:
     findings = evaluate(ctx, RULES)
     invalid = has_errors(findings)
     if args.json:
-        context = {**ctx.as_dict(), "config": str(args.config), "world_size_source": world_source}
+        context = {
+            **ctx.as_dict(),
+            "manifest": dict(ctx.manifest) if ctx.manifest is not None else None,
+            "config": str(args.config),
+            "world_size_source": world_source,
+        }
         print(
             json.dumps(
                 {"valid": not invalid, "findings": [f.as_dict() for f in findings], "context": context},
