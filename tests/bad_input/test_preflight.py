@@ -200,7 +200,7 @@ def test_null_text_is_named_by_row(
     rc = main(["train", SMOKE, *_data(demo_data, train=str(path)), f"trainer.run_dir={tmp_path / 'run'}"])
     out, err = capsys.readouterr()
     assert rc == 1, err
-    assert "nulltext.parquet" in err and "null" in err and "Traceback" not in err
+    assert "nulltext.parquet" in err and "null in row 4" in err and "Traceback" not in err
     assert "model:" not in out
 
 

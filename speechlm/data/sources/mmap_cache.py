@@ -79,8 +79,10 @@ def _parquet_batches(path: Path, schema: pa.Schema) -> object:
         for field in schema:
             col = batch.column(field.name)
             if col.null_count and field.name in MANIFEST_SCHEMA.names:
+                first = row + pc.index(pc.is_null(col), True).as_py()
                 raise ManifestError(
-                    f"{path} column {field.name!r} has null values near row {row}; rebuild the manifest"
+                    f"{path} column {field.name!r} is null in row {first} (and {col.null_count - 1} more of "
+                    f"rows {row}-{row + batch.num_rows - 1}); fix those rows or rebuild the manifest"
                 )
             columns.append(col.cast(field.type))
         row += batch.num_rows
