@@ -288,3 +288,31 @@ def test_validate_says_when_the_data_rules_did_not_run(
     out, err = capsys.readouterr()
     assert rc == 0
     assert "absent.parquet" in err and "--manifest" in err
+
+
+def test_tag_scan_finds_every_unknown_tag_and_only_those() -> None:
+    """The vectorised scan agrees with Tokenizer.encode's tag rule, over several chunks and slices."""
+    import pyarrow as pa
+
+    from speechlm import preflight
+
+    known = ["<|audio|>", "<|en|>", "<|hi|>"]
+    texts = [
+        "<|en|> hello",  # clean
+        "<|en|> a < b and c <d>",  # '<' that opens no tag
+        "<|xx|> hello",  # unknown leading tag
+        "<|en|> hello <|hi|> again",  # known tags only
+        None,  # null: named by the null check, not here
+        "<|en|> hello <|zz|>",  # unknown tag later
+        "plain text",
+        "<|en|><|qq|>",  # two tags, the second unknown
+        "<|en|> <|audio|> x",
+    ]
+    chunked = pa.chunked_array([pa.array(texts[:4], pa.string()), pa.array(texts[4:], pa.string())])
+    saved = preflight.SCAN_ROWS
+    try:
+        preflight.SCAN_ROWS = 3  # several slices per chunk
+        count, rows = preflight.unknown_tag_rows(chunked, known)
+    finally:
+        preflight.SCAN_ROWS = saved
+    assert (count, rows) == (3, [2, 5, 7])
