@@ -1,4 +1,11 @@
-"""`speechlm validate CONFIG`: check a parallel layout in seconds, before a job is submitted.
+"""`speechlm validate CONFIG`: the pre-flight of `speechlm train`, in seconds, before a job is submitted.
+
+It runs every rule train runs before its first step: the layout rules, and, with the training data
+(`--manifest M`, else the config's data.input_cfg / data.train_manifest when it exists), train's file
+checks (`speechlm.preflight`: manifests and tokenizer open, languages and tags known to the tokenizer,
+no null values) and the data-side rules (grad-accum-exceeds-batches, epoch-plan-too-short,
+budget-below-longest-utterance). What it could not check (no manifest or tokenizer at the configured
+path) it says on stderr. Only the run dir and `trainer.resume` checks are train's alone.
 
 The rules live in `parallel.validator` (the parallelism rules) and `speechlm.validate_rules` (the
 training rules, and `RULES`, the full table run here). This module gathers what the rules need from
@@ -15,8 +22,8 @@ the machine, or from flags when validating for another machine:
 - installed versions: importlib.metadata (torch, transformer-engine, flash-attn; cuDNN from torch
   when CUDA is up), changed by --assume-installed NAME=VERSION (VERSION=none: not installed).
 
-Exit status: 0 no error (warnings allowed), 1 at least one error, 2 the config (or a flag) cannot
-be read; the message names the file and the key.
+Exit status: 0 no error (warnings allowed), 1 at least one error (a rule, or data train refuses),
+2 the config (or a flag) cannot be read; the message names the file and the key.
 
 `validate_at_fit_start` runs the same checks inside the trainer, on every rank, before model load.
 """
@@ -163,11 +170,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `validate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "validate",
-        help="check a parallel layout before launch (exit 0 valid, 1 errors, 2 unreadable config)",
+        help="the pre-flight of train: check a layout and its data before launch (exit 0 valid, 1 errors, "
+        "2 unreadable config)",
         description=(
-            "Check a config's parallel layout (CP/TP/FSDP sizes, packing, attention backend, environment, "
-            "installed versions) and print the findings with reasons and fixes. Device and versions default "
-            "to this machine's; pass them as flags to validate for another machine."
+            "Run the checks `speechlm train` runs before its first step: the parallel layout (CP/TP/FSDP sizes, "
+            "packing, attention backend, environment, installed versions) and, with the training data "
+            "(--manifest, or the config's manifests when they exist), the data rules and file checks "
+            "(languages and tags known to the tokenizer, the epoch plan against grad_accum). Prints the "
+            "findings with reasons and fixes. Device and versions default to this machine's; pass them as "
+            "flags to validate for another machine."
         ),
     )
     p.__class__ = type("ValidateParser", (_TrailingOverrides, type(p)), {})
