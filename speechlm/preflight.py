@@ -227,6 +227,11 @@ def check_run_dir(run_dir: Path) -> None:
     """trainer.run_dir and its checkpoints folder are directories (or can be created) and are writable."""
     for path in (run_dir, run_dir / "checkpoints"):
         what = "trainer.run_dir" if path == run_dir else "the checkpoints folder of trainer.run_dir"
+        if path.is_symlink() and not path.exists():
+            raise RunDirError(
+                f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist; create that "
+                "folder, remove the link, or choose another trainer.run_dir"
+            )
         if path.exists():
             if not path.is_dir():
                 raise RunDirError(

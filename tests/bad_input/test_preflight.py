@@ -124,6 +124,13 @@ CASES: list[Case] = [
         ("trainer.run_dir", "not a directory"),
     ),
     ("K14", lambda d, b, t: _data(d), 3, ("checkpoints", "not a directory")),
+    (
+        "run_dir_under_a_file",
+        lambda d, b, t: [*_data(d), f"trainer.run_dir={b['afile']}/sub"],
+        3,
+        ("cannot be created",),
+    ),
+    ("checkpoints_dangling_link", lambda d, b, t: _data(d), 3, ("symbolic link", "does not exist")),
     # O6g / newcomer 144: trainer.resume names no checkpoint (checked before the model is built)
     (
         "O6g",
@@ -157,6 +164,9 @@ def test_train_refuses_before_the_first_step(
     if name == "K14":
         run_dir.mkdir()
         (run_dir / "checkpoints").write_text("")
+    if name == "checkpoints_dangling_link":
+        run_dir.mkdir()
+        (run_dir / "checkpoints").symlink_to(tmp_path / "gone")
     argv = ["train", SMOKE, f"trainer.run_dir={run_dir}", "trainer.final_eval_split=val"]
     argv += overrides(demo_data, bad, tmp_path)
     t0 = time.monotonic()
