@@ -10,8 +10,9 @@ run that `validate` accepts does not stop at its first validation or final evalu
   (`check_inputs`; the scan runs over the Arrow text column with pyarrow.compute, a chunk at a time);
 - the run dir and its `checkpoints` folder are directories, or can be created, and are writable, and
   an explicit `trainer.resume` path is a complete checkpoint (`check_run_dir`, `check_resume`; train only);
-- the figures the validator's data-side rules read (`summarize`): rows, the longest clip, and the
-  epoch plan's micro-batches per data-parallel rank (`epoch-plan-too-short`).
+- the figures the validator's data-side rules read: rows and the longest clip (`summarize`), and,
+  once the other rules pass, the epoch plan's micro-batches per data-parallel rank
+  (`summarize_plan`, for `epoch-plan-too-short`).
 
 A problem raises a `speechlm.errors.UserError` that names the file, row or key, the value, and the fix.
 """
@@ -274,50 +275,41 @@ def check_resume(resume: str | None, run_dir: Path) -> None:
 
 
 # --- the figures of the validator's data-side rules ---------------------------------------------------
-def summarize(cfg: Any, table: Any, world_size: int, *, dp_rank: int = 0) -> tuple[dict[str, Any], Any]:
-    """(manifest_summary for the validator, the sampler of `dp_rank` when its plan could be built).
+def summarize(table: Any) -> dict[str, Any]:
+    """manifest_summary for the validator's data rules: n_rows and max_duration (seconds)."""
+    durations = table.column("duration").to_numpy()
+    return {"n_rows": len(table), "max_duration": float(durations.max()) if len(durations) else 0.0}
 
-    The summary holds n_rows and max_duration, and, when the layout is valid and every dp rank can get
-    grad_accum utterances, the epoch plan's micro-batches (`plan_micro_batches`) and how many each dp
-    rank gets (`plan_batches_per_rank`, 0 when the plan cannot give every rank a full optimizer step).
-    The plan is the one training uses (`speechlm.train.data.build_sampler`), built once.
+
+def summarize_plan(cfg: Any, table: Any, world_size: int, *, dp_rank: int = 0) -> tuple[dict[str, Any], Any]:
+    """(the plan's figures for `epoch-plan-too-short`, the sampler of `dp_rank`, or None when it has no plan).
+
+    Call it once the validator's other rules pass (a valid layout and budget, enough rows): it builds
+    epoch 0's plan as training does (`speechlm.train.data.build_sampler`), once, and returns
+    `plan_micro_batches` (packed in the epoch) and `plan_batches_per_rank` (0 when the plan cannot give
+    every dp rank a full optimizer step, which the sampler would raise on).
     """
-    from parallel.mesh import LayoutError, ParallelDims
+    from parallel.mesh import ParallelDims
     from speechlm.data.sampler.epoch_plan import EpochTooShortError
     from speechlm.train.data import build_sampler
 
-    durations = table.column("duration").to_numpy()
-    summary: dict[str, Any] = {
-        "n_rows": len(table),
-        "max_duration": float(durations.max()) if len(durations) else 0.0,
-    }
     p = cfg.parallel
-    try:
-        dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
-    except LayoutError:
-        return summary, None  # the layout rules report it
-    ga = cfg.trainer.grad_accum
-    per_epoch = (
-        cfg.sampler.epoch_size if cfg.sampler.mode == "temperature" and cfg.sampler.epoch_size else len(table)
-    )
-    if ga < 1 or per_epoch // dims.dp < ga:
-        return summary, None  # grad-accum-exceeds-batches (or the config check) reports it
+    dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
     sampler = build_sampler(cfg, table, dp_rank=dp_rank, dp_size=dims.dp)
     try:
         per_rank = len(sampler)  # builds epoch 0's plan
-        summary["plan_micro_batches"] = len(sampler.plan.batch_offsets) - 1
     except EpochTooShortError as e:
-        per_rank, sampler = 0, None
-        summary["plan_micro_batches"] = e.n_batches
-    summary["plan_batches_per_rank"] = per_rank
-    return summary, sampler
+        return {"plan_micro_batches": e.n_batches, "plan_batches_per_rank": 0}, None
+    packed = len(sampler.plan.batch_offsets) - 1
+    return {"plan_micro_batches": packed, "plan_batches_per_rank": per_rank}, sampler
 
 
 # --- speechlm validate -------------------------------------------------------------------------------
-def validate_data(
-    cfg: Any, world_size: int, manifest: str | None = None
-) -> tuple[dict[str, Any] | None, list[str]]:
-    """The file checks of train for `speechlm validate`: (manifest_summary or None, notes on what was skipped).
+def validate_data(cfg: Any, manifest: str | None = None) -> tuple[dict[str, Any] | None, Any, Any, list[str]]:
+    """The file checks of train for `speechlm validate`.
+
+    Returns (manifest_summary or None, the config as checked, the train table or None, notes on what
+    was skipped); `summarize_plan(config, table, ...)` gives the plan's figures once the other rules pass.
 
     `manifest` (--manifest) replaces the config's training data and must exist; otherwise the config's
     data.input_cfg or data.train_manifest is used when it exists. The tokenizer and val manifest are
@@ -334,7 +326,7 @@ def validate_data(
             f"data rules not run: data.train_manifest {cfg.data.train_manifest} does not exist here; pass "
             "--manifest M (or set data.train_manifest) to check the data as `speechlm train` does"
         )
-        return None, notes
+        return None, cfg, None, notes
     if cfg.data.val_manifest and not Path(cfg.data.val_manifest).exists():
         notes.append(f"val manifest {cfg.data.val_manifest} not checked: it does not exist here")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_manifest=None))
@@ -345,5 +337,4 @@ def validate_data(
         notes.append(
             f"languages and tags not checked: data.tokenizer {cfg.data.tokenizer} does not exist here"
         )
-    summary, _ = summarize(cfg, train_table, world_size)
-    return summary, notes
+    return summarize(train_table), cfg, train_table, notes

@@ -42,6 +42,7 @@ from typing import Any
 from parallel.validator import (
     ERROR,
     Finding,
+    Rule,
     ValidationContext,
     build_context,
     check_or_raise,
@@ -127,11 +128,13 @@ def validate_at_fit_start(
     device_capability: Any = "auto",
     env: Mapping[str, str] | None = None,
     manifest_summary: Mapping[str, Any] | None = None,
+    rules: Sequence[Rule] = RULES,
 ) -> list[Finding]:
     """Validate this run's layout on every rank before the model loads; raise `ValidationError` on an error.
 
     Rank 0 logs the findings once. `device_capability="auto"` asks torch.cuda; pass None for a CPU
-    run on a GPU machine. Returns the findings (warnings only, when it returns).
+    run on a GPU machine. `rules` defaults to the full table (train passes the epoch-plan rule alone
+    once the plan is built). Returns the findings (warnings only, when it returns).
     """
     installed = detect_installed()
     if device_capability == "auto":
@@ -139,7 +142,7 @@ def validate_at_fit_start(
     ctx = build_context(
         config, world_size, os.environ if env is None else env, device_capability, installed, manifest_summary
     )
-    findings = evaluate(ctx, RULES)
+    findings = evaluate(ctx, rules)
     check_or_raise(findings, log=log, rank=rank)
     return findings
 
@@ -290,12 +293,17 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
     )
     world_size, source = _resolve_world_size(args, env, config)
     # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
-    from speechlm.preflight import validate_data
+    from speechlm.preflight import summarize_plan, validate_data
 
-    summary, notes = validate_data(config, world_size, args.manifest)
+    summary, checked, table, notes = validate_data(config, args.manifest)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return build_context(config, world_size, env, capability, installed, summary), source
+    ctx = build_context(config, world_size, env, capability, installed, summary)
+    if table is not None and not has_errors(evaluate(ctx, RULES)):
+        # as train does: the epoch plan is built once the other rules pass
+        plan, _ = summarize_plan(checked, table, world_size)
+        ctx = build_context(config, world_size, env, capability, installed, {**(summary or {}), **plan})
+    return ctx, source
 
 
 def run(args: argparse.Namespace) -> int:

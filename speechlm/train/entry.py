@@ -130,9 +130,9 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     `preflight.summarize` and the validator's rules), so it refuses what this refuses."""
     from parallel.mesh import ParallelDims
     from speechlm import preflight
-    from speechlm.train.data import build_sampler
     from speechlm.train.module import TokenizerInfo
     from speechlm.validate import validate_at_fit_start
+    from speechlm.validate_rules import EPOCH_PLAN_RULE
 
     run_dir = Path(cfg.trainer.run_dir)
     preflight.check_run_dir(run_dir)  # a file in the way would fail the first save, steps later
@@ -143,12 +143,16 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
     preflight.check_inputs(cfg, train_table, val_table, tokenizer)  # languages, tags, nulls: train and val
     p = cfg.parallel
-    summary, sampler = preflight.summarize(
-        cfg, train_table, world_size, dp_rank=_dp_rank_or_zero(cfg, rank, world_size)
-    )
+    summary = preflight.summarize(train_table)
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
+    p = cfg.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
     dp_rank = dims.dp_rank(rank)
+    # the epoch plan (the sampler training uses) against dp * grad_accum: the validator's last rule
+    plan, sampler = preflight.summarize_plan(cfg, train_table, world_size, dp_rank=dp_rank)
+    validate_at_fit_start(
+        cfg, world_size, rank=rank, manifest_summary={**summary, **plan}, rules=(EPOCH_PLAN_RULE,)
+    )
     instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
     tok = TokenizerInfo(
         len(tokenizer),
@@ -158,8 +162,6 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
         tokenizer.audio_id,
         instruction_ids,
     )
-    if sampler is None:
-        sampler = build_sampler(cfg, train_table, dp_rank=dp_rank, dp_size=dims.dp)
     if rank == 0:
         durations = train_table.column("duration").to_numpy()
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
@@ -170,17 +172,6 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
             f"{len(sampler) // cfg.trainer.grad_accum} optimizer steps per epoch"
         )
     return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
-
-
-def _dp_rank_or_zero(cfg: Any, rank: int, world_size: int) -> int:
-    """This rank's data-parallel rank, or 0 when the layout is invalid (the validator then reports it)."""
-    from parallel.mesh import LayoutError, ParallelDims
-
-    p = cfg.parallel
-    try:
-        return ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size).dp_rank(rank)
-    except LayoutError:
-        return 0
 
 
 def print_resolved_config(cfg: Any, rank: int) -> None:

@@ -60,6 +60,15 @@ def bad(demo_data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     (tok_dir / "tok.model").write_bytes(model.read_bytes())
     (tok_dir / "tok.json").write_text("{not json")
     files["bad_sidecar_tok"] = str(tok_dir / "tok.model")
+    # T2 / T5: tar shard folders with a listed tar deleted, and without index.parquet
+    for name, victim in (("tars_t2", "shard-000001.tar"), ("tars_t5", "index.parquet")):
+        folder = out / name
+        assert main(["shards", "write", demo_data["train"], "--out", str(folder), "--shard-size", "60"]) == 0
+        (folder / victim).unlink()
+        files[name] = str(folder)
+    # I_train_typo: an input_cfg entry with a misspelt key
+    files["ic_typo"] = str(out / "ic_typo.yaml")
+    Path(files["ic_typo"]).write_text(f"- {{path: {demo_data['train']}, name: demo, wieght: 1}}\n")
     files["afile"] = str(out / "afile")
     Path(files["afile"]).write_text("not a run dir\n")
     return files
@@ -137,6 +146,15 @@ CASES: list[Case] = [
         lambda d, b, t: [*_data(d), f"trainer.resume={t}/gone/step_000100"],
         3,
         ("trainer.resume", "step_000100"),
+    ),
+    # T2, T5, I_train_typo: tar folders and an input_cfg that cannot be read
+    ("T2", lambda d, b, t: _data(d, train=b["tars_t2"]), 1, ("shard-000001.tar", "does not exist")),
+    ("T5", lambda d, b, t: _data(d, train=b["tars_t5"]), 1, ("no index.parquet", "run it again")),
+    (
+        "I_train_typo",
+        lambda d, b, t: [*_data(d)[1:], f"data.input_cfg={b['ic_typo']}"],
+        1,
+        ("'wieght'", "weight"),
     ),
     # O6j3b: enough rows for grad_accum, too few micro-batches
     ("O6j3b", lambda d, b, t: _data(d, train=b["three_rows"]), 1, ("epoch-plan-too-short",)),
@@ -231,6 +249,8 @@ PARITY = [
     (["trainer.grad_accum=300"], 1, "grad-accum-exceeds-batches"),  # newcomer 62 / 110
     (["trainer.grad_accum=100"], 1, "epoch-plan-too-short"),  # newcomer 61 / 108
     (["sampler.max_batch_duration=1"], 0, "budget-below-longest-utterance"),  # newcomer 63 (a warning)
+    # a layout rule, reported before the plan is built (the plan needs a valid layout)
+    (["parallel.tp_size=2"], 1, "world-size"),
 ]
 
 
@@ -244,7 +264,7 @@ def test_validate_and_train_give_the_same_verdict(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     data = _data(demo_data)
-    rc_validate = main(["validate", SMOKE, *data, *overrides])
+    rc_validate = main(["validate", SMOKE, *data, *overrides, "--world-size", "1"])  # as train runs here
     out_v, err_v = capsys.readouterr()
     rc_train = main(["train", SMOKE, *data, *overrides, f"trainer.run_dir={tmp_path / 'run'}", "--dry-run"])
     out_t, err_t = capsys.readouterr()
