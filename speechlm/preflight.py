@@ -194,7 +194,7 @@ def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
         tags.update(dict.fromkeys(bad))
         quoted.append(f"{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
     return [
-        f"{name}: {count} row{'s' if count > 1 else ''} hold a tag that tokenizer {tokenizer.path} does not "
+        f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
         f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
         f"{'; '.join(quoted)}{'; ...' if count > len(rows) else ''}; fix those transcripts or retrain the "
         "tokenizer with those languages"
