@@ -1,6 +1,6 @@
 """`speechlm bench NAME [ARGS...]`: run one of the benchmarks in the source tree's `benchmarks/`.
 
-Each benchmark is a script with `main(argv) -> int`; this registry maps its name to the file, which
+Each benchmark is a script with `main(argv) -> int` (or a `main()` that reads `sys.argv`); this registry maps its name to the file, which
 is loaded by path (the `benchmarks/` folder is not an installed package, so this works from an
 editable install or a checkout). Everything after NAME goes to the benchmark's own parser, so
 `speechlm bench sampler --help` shows that benchmark's options. To add one, add a line below.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -57,7 +58,16 @@ def run_benchmark(args: argparse.Namespace) -> int:
     except (KeyError, FileNotFoundError) as e:
         print(f"speechlm bench: {e.args[0]}", file=sys.stderr)
         return 1
-    return int(module.main(list(args.benchmark_args)) or 0)
+    argv = list(args.benchmark_args)
+    # a benchmark's parser names itself after sys.argv[0] unless it sets prog: `speechlm bench NAME`
+    saved = sys.argv
+    sys.argv = [f"speechlm bench {args.benchmark}", *argv]
+    try:
+        if inspect.signature(module.main).parameters:
+            return int(module.main(argv) or 0)
+        return int(module.main() or 0)  # a script-style main() that reads sys.argv
+    finally:
+        sys.argv = saved
 
 
 def add_parser(subparsers: Any) -> None:

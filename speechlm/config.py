@@ -20,13 +20,19 @@ from typing import Any
 import yaml
 
 from parallel.backend_caps import BACKENDS
-from speechlm.errors import UsageError
+from speechlm.errors import EXIT_DATA, UsageError
 
 ATTENTION_BACKENDS = tuple(BACKENDS)  # one owner: the capability table (parallel/backend_caps.py)
 
 
 class ConfigError(UsageError):
     """A config file or override that cannot be applied; the message names the file and key."""
+
+
+class MissingInputError(ConfigError):
+    """A config key names an input file that does not exist: a data problem (exit 1), named by its key."""
+
+    exit_code = EXIT_DATA
 
 
 @dataclass
@@ -929,9 +935,14 @@ def require_inputs(cfg: ExperimentConfig) -> None:
                 "model.encoder.pretrained", "model.llm.pretrained"):  # fmt: skip
         value = get_key(cfg, key)
         if isinstance(value, str) and not Path(value).exists():
-            raise ConfigError(
-                f"{key}={value} does not exist; a relative path in a config file resolves against the "
-                "file's folder, one on the command line against the working directory"
+            make = {
+                "data.tokenizer": "; train one with `speechlm tokenizer train`",
+                "data.train_manifest": "; build one with `speechlm manifest build`",
+                "data.val_manifest": "; build one with `speechlm manifest build` (or set it to null)",
+            }.get(key, "")
+            raise MissingInputError(
+                f"{key}={value} does not exist{make}; a relative path in a config file resolves against "
+                "the file's folder, one on the command line against the working directory"
             )
 
 

@@ -16,10 +16,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="build, plan and train on the bundled demo corpus (the Quick start)")
-    p.add_argument("--shards", default=str(REPO / "data/demo/shards"))
-    p.add_argument("--out", default="data/demo_manifest", help="manifest and tokenizer directory")
-    p.add_argument("--config", default=str(REPO / "configs/demo.yaml"))
+    p = sub.add_parser(
+        "demo",
+        help="build, plan and train on the bundled demo corpus (the Quick start)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--shards",
+        default=str(REPO / "data/demo/shards"),
+        help="raw shard folder to build the manifest from (default: the bundled data/demo/shards)",
+    )
+    p.add_argument(
+        "--out", default="data/demo_manifest", help="manifest and tokenizer directory (default: %(default)s)"
+    )
+    p.add_argument(
+        "--config",
+        default=str(REPO / "configs/demo.yaml"),
+        help="training config; its data paths are replaced by the ones built in --out "
+        "(default: configs/demo.yaml)",
+    )
     p.add_argument("--no-train", action="store_true", help="stop after printing the plan")
     p.add_argument("overrides", nargs="*", help="dotted overrides for the training config")
     p.set_defaults(func=run_demo)

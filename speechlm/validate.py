@@ -1,4 +1,11 @@
-"""`speechlm validate CONFIG`: check a parallel layout in seconds, before a job is submitted.
+"""`speechlm validate CONFIG`: the pre-flight of `speechlm train`, in seconds, before a job is submitted.
+
+It runs every rule train runs before its first step: the layout rules, and, with the training data
+(`--manifest M`, else the config's data.input_cfg / data.train_manifest when it exists), train's file
+checks (`speechlm.preflight`: manifests and tokenizer open, languages and tags known to the tokenizer,
+no null values) and the data-side rules (grad-accum-exceeds-batches, epoch-plan-too-short,
+budget-below-longest-utterance). What it could not check (no manifest or tokenizer at the configured
+path) it says on stderr. Only the run dir and `trainer.resume` checks are train's alone.
 
 The rules live in `parallel.validator` (the parallelism rules) and `speechlm.validate_rules` (the
 training rules, and `RULES`, the full table run here). This module gathers what the rules need from
@@ -15,8 +22,8 @@ the machine, or from flags when validating for another machine:
 - installed versions: importlib.metadata (torch, transformer-engine, flash-attn; cuDNN from torch
   when CUDA is up), changed by --assume-installed NAME=VERSION (VERSION=none: not installed).
 
-Exit status: 0 no error (warnings allowed), 1 at least one error, 2 the config (or a flag) cannot
-be read; the message names the file and the key.
+Exit status: 0 no error (warnings allowed), 1 at least one error (a rule, or data train refuses),
+2 the config (or a flag) cannot be read; the message names the file and the key.
 
 `validate_at_fit_start` runs the same checks inside the trainer, on every rank, before model load.
 """
@@ -35,6 +42,7 @@ from typing import Any
 from parallel.validator import (
     ERROR,
     Finding,
+    Rule,
     ValidationContext,
     build_context,
     check_or_raise,
@@ -120,11 +128,13 @@ def validate_at_fit_start(
     device_capability: Any = "auto",
     env: Mapping[str, str] | None = None,
     manifest_summary: Mapping[str, Any] | None = None,
+    rules: Sequence[Rule] = RULES,
 ) -> list[Finding]:
     """Validate this run's layout on every rank before the model loads; raise `ValidationError` on an error.
 
     Rank 0 logs the findings once. `device_capability="auto"` asks torch.cuda; pass None for a CPU
-    run on a GPU machine. Returns the findings (warnings only, when it returns).
+    run on a GPU machine. `rules` defaults to the full table (train passes the epoch-plan rule alone
+    once the plan is built). Returns the findings (warnings only, when it returns).
     """
     installed = detect_installed()
     if device_capability == "auto":
@@ -132,7 +142,7 @@ def validate_at_fit_start(
     ctx = build_context(
         config, world_size, os.environ if env is None else env, device_capability, installed, manifest_summary
     )
-    findings = evaluate(ctx, RULES)
+    findings = evaluate(ctx, rules)
     check_or_raise(findings, log=log, rank=rank)
     return findings
 
@@ -163,11 +173,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `validate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "validate",
-        help="check a parallel layout before launch (exit 0 valid, 1 errors, 2 unreadable config)",
+        help="the pre-flight of train: check a layout and its data before launch (exit 0 valid, 1 errors, "
+        "2 unreadable config)",
         description=(
-            "Check a config's parallel layout (CP/TP/FSDP sizes, packing, attention backend, environment, "
-            "installed versions) and print the findings with reasons and fixes. Device and versions default "
-            "to this machine's; pass them as flags to validate for another machine."
+            "Run the checks `speechlm train` runs before its first step: the parallel layout (CP/TP/FSDP sizes, "
+            "packing, attention backend, environment, installed versions) and, with the training data "
+            "(--manifest, or the config's manifests when they exist), the data rules and file checks "
+            "(languages and tags known to the tokenizer, the epoch plan against grad_accum). Prints the "
+            "findings with reasons and fixes. Device and versions default to this machine's; pass them as "
+            "flags to validate for another machine."
         ),
     )
     p.__class__ = type("ValidateParser", (_TrailingOverrides, type(p)), {})
@@ -201,6 +215,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NAME=VERSION",
         help="treat NAME (torch, transformer-engine, flash-attn, cudnn) as installed at VERSION "
         "(VERSION 'none': absent)",
+    )
+    p.add_argument(
+        "--manifest",
+        default=None,
+        metavar="PATH",
+        help="training data to check as `speechlm train` would (languages, tags, the epoch plan); "
+        "default: the config's data.input_cfg or data.train_manifest when it exists",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -271,7 +292,18 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
         normalize_installed(dict(_split_pairs(args.assume_installed, "--assume-installed", False)))
     )
     world_size, source = _resolve_world_size(args, env, config)
-    return build_context(config, world_size, env, capability, installed), source
+    # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
+    from speechlm.preflight import summarize_plan, validate_data
+
+    summary, checked, table, notes = validate_data(config, args.manifest)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    ctx = build_context(config, world_size, env, capability, installed, summary)
+    if table is not None and not has_errors(evaluate(ctx, RULES)):
+        # as train does: the epoch plan is built once the other rules pass
+        plan, _ = summarize_plan(checked, table, world_size)
+        ctx = build_context(config, world_size, env, capability, installed, {**(summary or {}), **plan})
+    return ctx, source
 
 
 def run(args: argparse.Namespace) -> int:
@@ -285,7 +317,12 @@ def run(args: argparse.Namespace) -> int:
     findings = evaluate(ctx, RULES)
     invalid = has_errors(findings)
     if args.json:
-        context = {**ctx.as_dict(), "config": str(args.config), "world_size_source": world_source}
+        context = {
+            **ctx.as_dict(),
+            "manifest": dict(ctx.manifest) if ctx.manifest is not None else None,
+            "config": str(args.config),
+            "world_size_source": world_source,
+        }
         print(
             json.dumps(
                 {"valid": not invalid, "findings": [f.as_dict() for f in findings], "context": context},

@@ -78,6 +78,17 @@ def _grad_accum_problem(ctx: ValidationContext) -> str:
     )
 
 
+def _plan_problem(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    per_rank = man.get("plan_batches_per_rank")
+    if per_rank is None or per_rank >= ctx.grad_accum or _grad_accum_problem(ctx):
+        return ""
+    return (
+        f"epoch 0 packs {man.get('plan_micro_batches')} micro-batches, fewer than dp={ctx.dp} ranks x "
+        f"trainer.grad_accum={ctx.grad_accum}"
+    )
+
+
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         id="sampler-budget-invalid",
@@ -147,10 +158,26 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "rank (sampler.epoch_size replaces n_rows in temperature mode); below grad_accum the trim "
         "leaves nothing and the sampler raises after the model has loaded. Needs manifest_summary.",
     ),
+    Rule(
+        id="epoch-plan-too-short",
+        level=ERROR,
+        when="the epoch plan packs fewer micro-batches than dp * trainer.grad_accum; needs manifest_summary "
+        "with the plan",
+        applies=_plan_problem,
+        reason="the epoch has no complete optimizer step: {details}, so every rank would get none",
+        fix="lower trainer.grad_accum or the data-parallel size, lower the micro-batch budget "
+        "(more, smaller micro-batches), or train on more utterances (sampler.epoch_size in temperature mode)",
+        doc="The exact form of grad-accum-exceeds-batches: the sampler packs several utterances into one "
+        "micro-batch, so an epoch can hold enough utterances and still too few micro-batches. `speechlm "
+        "train` and `speechlm validate` (with the config's manifests or --manifest) build epoch 0's plan "
+        "as training does and count its micro-batches per data-parallel rank.",
+    ),
 )
 
 
 RULES: tuple[Rule, ...] = (*PARALLEL_RULES, *TRAINING_RULES)
+# the rule that needs the epoch plan, which is built only once the others pass (speechlm.preflight)
+EPOCH_PLAN_RULE: Rule = next(r for r in TRAINING_RULES if r.id == "epoch-plan-too-short")
 
 # `parallel.validator.validate` over the full table: validate(config, world_size, env, device_capability,
 # installed, *, manifest_summary=None) -> findings

@@ -60,16 +60,17 @@ def check_or_raise(findings: Sequence[Finding], log: Callable[[str], Any] = prin
     errors = [f for f in findings if f.level == ERROR]
     warnings = [f for f in findings if f.level != ERROR]
     if rank == 0 and warnings:
-        log(f"parallel layout: {len(warnings)} warning(s)\n" + format_findings(warnings))
+        log(f"pre-flight: {len(warnings)} warning(s)\n" + format_findings(warnings))
     if not errors:
         return
-    report = f"parallel layout invalid: {len(errors)} error(s)\n" + format_findings(errors)
+    report = f"pre-flight failed: {len(errors)} error(s)\n" + format_findings(errors)
     if rank == 0:
         log(report)
     ids = ", ".join(f.rule_id for f in errors)
     raise ValidationError(
-        f"parallel layout invalid ({ids}); rank 0 logged the reasons and fixes, "
-        "or run `speechlm validate CONFIG` to see them",
+        f"pre-flight failed ({ids}): the layout or the data cannot be trained as configured; rank 0 "
+        "logged the reasons and fixes above, and `speechlm validate CONFIG` with the same overrides "
+        "shows them too",
         findings,
         report,
     )

@@ -124,31 +124,36 @@ class RunInputs:
 
 
 def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
+    """Open and check everything the run reads, before the model is built (speechlm/preflight.py).
+
+    `speechlm validate` runs the same checks that need only files (`preflight.check_inputs`,
+    `preflight.summarize` and the validator's rules), so it refuses what this refuses."""
     from parallel.mesh import ParallelDims
+    from speechlm import preflight
     from speechlm.config import require_inputs
-    from speechlm.data.sources.mmap_cache import open_index
-    from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.data import build_sampler
     from speechlm.train.module import TokenizerInfo
     from speechlm.validate import validate_at_fit_start
+    from speechlm.validate_rules import EPOCH_PLAN_RULE
 
     require_inputs(cfg)  # training data and tokenizer have no defaults: name the key to set
+    run_dir = Path(cfg.trainer.run_dir)
+    preflight.check_run_dir(run_dir)  # a file in the way would fail the first save, steps later
+    preflight.check_resume(cfg.trainer.resume, run_dir)
     # any source (parquet, NeMo, tar shards, ...), memory-mapped from the index cache: texts and paths
     # stay on disk until a clip is loaded (speechlm/data/sources/mmap_cache.py)
-    if cfg.data.input_cfg is not None:  # several weighted datasets (sources/input_cfg.py)
-        from speechlm.data.sources.input_cfg import load_input_cfg
-
-        train_table = load_input_cfg(cfg.data.input_cfg)
-    else:
-        train_table = open_index(cfg.data.train_manifest)
-    val_table = open_index(cfg.data.val_manifest) if cfg.data.val_manifest else None
-    durations = train_table.column("duration").to_numpy()
-    summary = {"n_rows": len(train_table), "max_duration": float(durations.max()) if len(durations) else 0.0}
+    train_table, val_table = preflight.open_manifests(cfg)
+    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    preflight.check_inputs(cfg, train_table, val_table, tokenizer)  # languages, tags, nulls: train and val
+    summary = preflight.summarize(train_table)
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
     p = cfg.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
     dp_rank = dims.dp_rank(rank)
-    tokenizer = Tokenizer(cfg.data.tokenizer)
+    # the epoch plan (the sampler training uses) against dp * grad_accum: the validator's last rule
+    plan, sampler = preflight.summarize_plan(cfg, train_table, world_size, dp_rank=dp_rank)
+    validate_at_fit_start(
+        cfg, world_size, rank=rank, manifest_summary={**summary, **plan}, rules=(EPOCH_PLAN_RULE,)
+    )
     instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
     tok = TokenizerInfo(
         len(tokenizer),
@@ -158,8 +163,8 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
         tokenizer.audio_id,
         instruction_ids,
     )
-    sampler = build_sampler(cfg, train_table, dp_rank=dp_rank, dp_size=dims.dp)
     if rank == 0:
+        durations = train_table.column("duration").to_numpy()
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
         print(
             f"train data: {cfg.data.train_manifest if cfg.data.input_cfg is None else 'data.input_cfg'}: "

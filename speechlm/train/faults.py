@@ -174,14 +174,26 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "faults",
         help="fault-injection harness: interrupted + resumed vs straight training, step by step",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        # the whole module docstring: what runs, where, and the fault kinds (KIND@STEP)
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config")
+    p.add_argument("config", help="YAML experiment config, e.g. configs/smoke.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides for both runs (KEY=VALUE)")
-    p.add_argument("--kill", action="append", default=[], help="KIND@STEP, repeatable, in launch order")
-    p.add_argument("--run-root", default="runs/faults", help="directory for straight/ and interrupted/")
-    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun, gloo on CPU)")
-    p.add_argument("--cp-size", type=int, default=1)
+    p.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="KIND@STEP",
+        help="a fault (kinds above), repeatable, in launch order",
+    )
+    p.add_argument(
+        "--run-root",
+        default="runs/faults",
+        help="directory for straight/ and interrupted/, emptied first (default: %(default)s)",
+    )
+    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun, gloo on CPU; default: 1)")
+    p.add_argument("--cp-size", type=int, default=1, help="context-parallel size of both runs (default: 1)")
     p.set_defaults(func=run_faults_command)
 
 

@@ -179,6 +179,19 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("trainer.grad_accum=4",), world=4, manifest={"n_rows": 10}),
         Case(("trainer.grad_accum=2",), world=4, manifest={"n_rows": 10}),
     ),
+    # enough rows for grad_accum=4 on dp=2, but epoch 0 packs into 6 micro-batches: 3 per rank
+    "epoch-plan-too-short": (
+        Case(
+            ("trainer.grad_accum=4",),
+            world=2,
+            manifest={"n_rows": 40, "plan_micro_batches": 6, "plan_batches_per_rank": 0},
+        ),
+        Case(
+            ("trainer.grad_accum=4",),
+            world=2,
+            manifest={"n_rows": 40, "plan_micro_batches": 8, "plan_batches_per_rank": 4},
+        ),
+    ),
 }
 
 
@@ -581,6 +594,7 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "encoder-packed-unsupported",
         "encoder-runs-padded",
         "grad-accum-exceeds-batches",
+        "epoch-plan-too-short",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
     cfg = make_config("sampler.max_batch_duration=0")

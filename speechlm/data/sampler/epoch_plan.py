@@ -155,6 +155,14 @@ def row_costs(
     return sizes, costs, budget
 
 
+class EpochTooShortError(ValueError):
+    """The epoch packs into fewer micro-batches than dp_size * grad_accum: no rank gets an optimizer step."""
+
+    def __init__(self, n_batches: int, message: str) -> None:
+        super().__init__(message)
+        self.n_batches = n_batches
+
+
 def build_epoch_plan(
     durations: np.ndarray,
     lang_codes: np.ndarray,
@@ -204,10 +212,11 @@ def build_epoch_plan(
     rng = make_generator(s.seed, "ranks", epoch)
     rank_batches = trim_and_shuffle(rank_batches, s.grad_accum, rng)
     if rank_batches.shape[1] == 0:
-        raise ValueError(
+        raise EpochTooShortError(
+            len(starts),
             f"the epoch packs into {len(starts)} micro-batches, fewer than dp_size * grad_accum = "
             f"{s.dp_size * s.grad_accum}, so every rank would get none; lower the batch budget, "
-            f"grad_accum or dp_size, or use a larger manifest / epoch_size"
+            f"grad_accum or dp_size, or use a larger manifest / epoch_size",
         )
     return EpochPlan(
         rows=rows,

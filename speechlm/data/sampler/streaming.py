@@ -37,7 +37,7 @@ import heapq
 import numpy as np
 
 from speechlm.data.sampler.batching import pack_greedy
-from speechlm.data.sampler.epoch_plan import EpochPlan, draw_epoch_rows, row_costs
+from speechlm.data.sampler.epoch_plan import EpochPlan, EpochTooShortError, draw_epoch_rows, row_costs
 from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.ordering import make_generator
 from speechlm.data.sampler.settings import SamplerSettings, check_arrays
@@ -163,9 +163,10 @@ def build_streaming_plan(
         per_rank.append([x[k] for k in range(longest) for x in mine if k < len(x)])
     rank_batches = _balance(per_rank, s.grad_accum)
     if rank_batches.shape[1] == 0:
-        raise ValueError(
+        raise EpochTooShortError(
+            len(batch_starts),
             f"the streaming epoch packs into {len(batch_starts)} micro-batches, fewer than dp_size * grad_accum = "
-            f"{s.dp_size * s.grad_accum}; lower the batch budget, grad_accum or dp_size, or use more data"
+            f"{s.dp_size * s.grad_accum}; lower the batch budget, grad_accum or dp_size, or use more data",
         )
     return EpochPlan(
         rows=rows,
