@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speechlm.errors import RunDirError
+
 ENV = "SPEECHLM_FAULTS"
 KINDS = ("sigterm", "sigkill", "sigkill_in_save", "sigterm_in_val")
 
@@ -190,11 +192,31 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--run-root",
         default="runs/faults",
-        help="directory for straight/ and interrupted/, emptied first (default: %(default)s)",
+        help="directory for straight/ and interrupted/; an earlier scenario's output there is replaced, anything else is refused (default: %(default)s)",
     )
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun, gloo on CPU; default: 1)")
     p.add_argument("--cp-size", type=int, default=1, help="context-parallel size of both runs (default: 1)")
     p.set_defaults(func=run_faults_command)
+
+
+FAULTS_OWN = frozenset({"straight", "interrupted", "harness.log", "report.json"})
+
+
+def clear_run_root(root: Path) -> None:
+    """Empty `root` for a new scenario, but only when it holds nothing but an earlier scenario's output.
+
+    Anything else there (another run's checkpoints, a mistyped --run-root) is refused, never deleted."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise RunDirError(f"--run-root {root} is a file; give a directory for straight/ and interrupted/")
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in FAULTS_OWN)
+    if foreign:
+        raise RunDirError(
+            f"--run-root {root} holds files that `speechlm faults` did not write ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); nothing was deleted: give an empty or new directory"
+        )
+    shutil.rmtree(root)
 
 
 def run_faults_command(args: argparse.Namespace) -> int:
@@ -207,8 +229,7 @@ def run_faults_command(args: argparse.Namespace) -> int:
         print("error: give at least one --kill KIND@STEP", file=sys.stderr)
         return 2
     root = Path(args.run_root)
-    if root.exists():
-        shutil.rmtree(root)
+    clear_run_root(root)
     report = run_scenario(
         args.config, list(args.overrides), faults, root, nproc=args.nproc, cp_size=args.cp_size
     )

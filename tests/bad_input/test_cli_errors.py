@@ -138,3 +138,28 @@ def test_errors_doc_lists_exactly_the_exit_codes() -> None:
     assert "SPEECHLM_DEBUG" in text and "--debug" in text
     readme = (REPO / "README.md").read_text()
     assert "docs/errors.md" in readme
+
+
+def test_faults_never_deletes_a_run_root_it_did_not_write(tmp_path: Path, capsys) -> None:
+    """`speechlm faults --run-root DIR` used to rmtree DIR whatever it held (another run's checkpoints)."""
+    from speechlm.cli import main
+
+    root = tmp_path / "precious"
+    (root / "checkpoints" / "step_000010").mkdir(parents=True)
+    (root / "metrics.jsonl").write_text('{"step": 1}\n')
+    rc = main(["faults", "configs/smoke.yaml", "--kill", "sigterm@2", "--run-root", str(root)])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "nothing was deleted" in err and "checkpoints" in err
+    assert (root / "checkpoints" / "step_000010").is_dir() and (root / "metrics.jsonl").exists()
+
+
+def test_faults_replaces_only_an_earlier_scenarios_output(tmp_path: Path) -> None:
+    from speechlm.train.faults import clear_run_root
+
+    root = tmp_path / "faults"
+    (root / "straight").mkdir(parents=True)
+    (root / "interrupted").mkdir()
+    (root / "report.json").write_text("{}")
+    clear_run_root(root)
+    assert not root.exists()
