@@ -28,6 +28,9 @@ class StepBatch:
     micro_batches: list[Any]
     position: dict[str, int]  # {"epoch": e, "position": micro-batches consumed in epoch e after this step}
     dropped: dict[str, int] = field(default_factory=dict)
+    # a data error found on this rank (too much of a micro-batch unreadable): the step is not trained,
+    # every rank learns of it in the step's agreement and raises it (module.SpeechLLMModule._agree_step)
+    error: str | None = None
 
     @property
     def num_utterances(self) -> int:
@@ -113,16 +116,25 @@ class StepLoader:
         epoch = self.sampler.epoch
         pos = self.sampler.position
         batches = list(self.sampler)  # index lists of the rest of this epoch (small: ints only)
+        # one loader per epoch, its workers not persistent: they exit when the epoch's iterator ends (or
+        # is closed), so epochs never leave workers behind
         loader = build_dataloader(
             self.dataset,
             batches,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            persistent_workers=False,
             seed=self.seed + 1000 * epoch + 1_000_003 * self.dp_rank,
         )
         buf: list[Any] = []
         for b in loader:
-            check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
+            try:
+                check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
+            except DroppedDataError as e:
+                # not raised here: the other ranks would wait for this one in the next collective. The
+                # step carries the error and every rank raises it at the same step (module._agree_step).
+                yield StepBatch([*buf, b], {"epoch": epoch, "position": pos}, error=str(e))
+                return
             buf.append(b)
             pos += 1
             if len(buf) == self.grad_accum:
