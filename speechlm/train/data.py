@@ -72,6 +72,7 @@ class StepLoader:
         self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
         self.consumed = {"epoch": sampler.epoch, "position": sampler.position}
         self.max_dropped_fraction = max_dropped_fraction
+        self._active: Any = None  # the open epoch iterator (one at a time: see close())
 
     def mark_consumed(self, position: dict[str, int]) -> None:
         """Record the position a trained step leaves behind (what a checkpoint must resume after)."""
@@ -109,6 +110,19 @@ class StepLoader:
     # (and temperature-mode epochs differ slightly in size), so each epoch ends when its iterator does.
 
     def __iter__(self) -> Iterator[StepBatch]:
+        """The next epoch's steps. The previous epoch's iterator, if still open (training stopped in it),
+        is closed first: its DataLoader and worker processes go with it."""
+        self.close()
+        self._active = self._epoch_steps()
+        return self._active
+
+    def close(self) -> None:
+        """Close the open epoch iterator (and its DataLoader workers); the data position is kept."""
+        active, self._active = getattr(self, "_active", None), None
+        if active is not None:
+            active.close()
+
+    def _epoch_steps(self) -> Iterator[StepBatch]:
         from speechlm.data.dataset import build_dataloader
 
         if self.sampler.remaining() == 0:

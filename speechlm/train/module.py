@@ -222,6 +222,11 @@ class SpeechLLMModule(L.LightningModule):
         self.audio_seconds_seen = extra.get("audio_seconds_seen", 0.0)
         self.dropped = dict(extra.get("dropped", {}))
 
+    def on_train_end(self) -> None:
+        # the epoch training stopped in holds its DataLoader workers: not needed by the final evaluation
+        if self.data_pipeline is not None and hasattr(self.data_pipeline, "close"):
+            self.data_pipeline.close()
+
     def on_train_start(self) -> None:
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers
         from speechlm.train.checkpoint import restore_rng_state
