@@ -230,3 +230,22 @@ def test_sweep_job_killed_by_a_signal_is_requeued_not_done(tmp_path):
     assert job_outcome(143) == "preempted" and job_outcome(-signal.SIGTERM) == "preempted"
     assert job_outcome(-signal.SIGKILL) == "preempted"
     assert job_outcome(1) == "failed" and job_outcome(70) == "failed"
+
+
+def test_lightning_cannot_move_the_step_loaders_epoch(demo_data):
+    """Lightning calls `loader.sampler.set_epoch(its own epoch count)` at each epoch start; after a
+    SIGTERM stop with the epoch's last batch fetched, its count is one ahead of ours on resume, which
+    skipped an epoch (step 5 trained on epoch 2's rows). The StepLoader owns the epoch."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    from speechlm.config import load_config
+    from speechlm.data.sources.mmap_cache import open_index
+    from speechlm.train.data import StepLoader, build_sampler
+
+    cfg = load_config(SMOKE, data_overrides(demo_data))
+    sampler = build_sampler(cfg, open_index(demo_data["train"]), dp_rank=0, dp_size=1)
+    loader = StepLoader(sampler, None, grad_accum=2)
+    loader.sampler.seek(0, 6)
+    _set_sampler_epoch(loader, 1)
+    assert (loader.sampler.epoch, loader.sampler.position) == (0, 6)
+    assert loader.state_dict()["epoch"] == 0
