@@ -181,3 +181,21 @@ def test_final_eval_json_and_table_count_the_scored_utterances(demo_data, tmp_pa
     assert ev["dropped_reasons"] == {"missing_file": 4}
     all_line = next(ln for ln in r.stdout.splitlines() if ln.startswith("all "))
     assert all_line.split()[1] == "8"
+
+
+@pytest.mark.multiproc
+def test_counts_are_summed_over_two_dp_ranks(demo_data, tmp_path):
+    """Under dp=2 each rank decodes half the split; eval.json counts every scored and dropped one once."""
+    from test_signals import start_ranks, wait_all
+
+    part = rewrite_paths(demo_data["val"], tmp_path / "part.parquet", lambda i: i % 4 == 1)
+    run_dir = tmp_path / "run"
+    procs = start_ranks([SMOKE, f"data.train_manifest={demo_data['train']}", f"data.val_manifest={part}",
+                         f"data.tokenizer={demo_data['tok']}", "trainer.max_steps=1", "trainer.final_eval_split=val",
+                         "trainer.eval_batch_duration=8", f"trainer.run_dir={run_dir}"], tmp_path)  # fmt: skip
+    codes = wait_all(procs, timeout=300)
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    ev = json.loads((run_dir / "eval.json").read_text())
+    decodes = (run_dir / "eval_decodes.jsonl").read_text().splitlines()
+    assert len(decodes) == 9 and ev["utterances"]["all"] == 9
+    assert ev["dropped"]["all"] == 3 and ev["dropped_reasons"] == {"missing_file": 3}
