@@ -75,7 +75,8 @@ def train_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.multiproc
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(demo_data, tmp_path):
+@pytest.mark.parametrize("order", ["rank1_only", "rank0_then_rank1"])
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(demo_data, tmp_path, order):
     run_dir = tmp_path / "run"
     procs = start_ranks([SMOKE, *data_overrides(demo_data), "trainer.max_steps=300", "trainer.max_minutes=3",
                          "sampler.max_batch_duration=6", f"trainer.run_dir={run_dir}"], tmp_path)  # fmt: skip
@@ -83,7 +84,10 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(demo_data, tmp_path):
     while time.time() < deadline and len(train_steps(run_dir)) < 2:
         assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()[-3000:]
         time.sleep(0.2)
-    procs[1].send_signal(signal.SIGTERM)  # rank 1 only
+    if order == "rank0_then_rank1":  # the signal reaches the ranks at different moments
+        procs[0].send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    procs[1].send_signal(signal.SIGTERM)
     codes = wait_all(procs, timeout=120)
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
     assert codes == [143, 143], "\n----\n".join(x[-2500:] for x in logs)
