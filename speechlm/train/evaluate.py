@@ -467,12 +467,29 @@ def final_evaluation(
         }
         if counts.get("empty_reference"):
             record["empty_reference"] = counts["empty_reference"]
-        (run_dir / "eval.json").write_text(json.dumps(record, indent=2))
-        with (run_dir / "eval_decodes.jsonl").open("w") as f:
-            for lang, ref, hyp in final_eval.last_decodes:
-                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+        write_eval_outputs(run_dir, record, final_eval.last_decodes)
         from speechlm.train.plots import plot_learning_curve
 
         png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
         print(f"wrote {run_dir / 'eval.json'}, {png}")
     return wer
+
+
+def write_eval_outputs(run_dir: Path, record: dict[str, Any], decodes: list[tuple[str, str, str]]) -> None:
+    """eval.json and eval_decodes.jsonl; a path that cannot be written (full disk, a folder in the way,
+    no permission) is an OutputError naming it (the weights are in the end-of-training checkpoint)."""
+    from speechlm.errors import OutputError
+
+    path = run_dir / "eval.json"
+    try:
+        path.write_text(json.dumps(record, indent=2))
+        path = run_dir / "eval_decodes.jsonl"
+        with path.open("w") as f:
+            for lang, ref, hyp in decodes:
+                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise OutputError(
+            f"cannot write {path} ({e.strerror or e}); the trained weights are in {run_dir / 'checkpoints'} "
+            f"(latest): free space or fix the path, then evaluate with trainer.resume=auto "
+            f"trainer.validate_only=true"
+        ) from None

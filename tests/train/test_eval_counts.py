@@ -199,3 +199,12 @@ def test_counts_are_summed_over_two_dp_ranks(demo_data, tmp_path):
     decodes = (run_dir / "eval_decodes.jsonl").read_text().splitlines()
     assert len(decodes) == 9 and ev["utterances"]["all"] == 9
     assert ev["dropped"]["all"] == 3 and ev["dropped_reasons"] == {"missing_file": 3}
+
+
+def test_an_eval_json_that_cannot_be_written_is_an_output_error(demo_data, tmp_path):
+    from speechlm.errors import OutputError
+    from speechlm.train.evaluate import write_eval_outputs
+
+    (tmp_path / "eval.json").mkdir()  # a folder in the way (as a full disk or a read-only dir would fail)
+    with pytest.raises(OutputError, match=r"cannot write .*eval.json .*checkpoints"):
+        write_eval_outputs(tmp_path, {"wer": 1.0}, [("en", "a", "b")])
