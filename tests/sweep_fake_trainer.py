@@ -2,7 +2,8 @@
 
 Writes metrics.jsonl lines like the real trainer (train steps, a val WER), appends its job's run dir to
 `<sweep>/ran.log` so tests can count how often each job ran, keeps a checkpoint of its step so a
-resumed job continues, exits 3 when `trainer.seed` is 13, and on SIGTERM saves and exits 0.
+resumed job continues, exits 3 when `trainer.seed` is 13, and on SIGTERM saves and exits 143 (as the
+real trainer does). With FAKE_SIGTERM_SELF_AT=N it sends itself SIGTERM after step N (once: not when resumed past N).
 """
 
 import json
@@ -41,6 +42,10 @@ with open(run_dir / "metrics.jsonl", "a") as m:
         m.write(json.dumps({"kind": "train", "step": step, "loss": 1.0 / step}) + "\n")
         m.flush()
         ckpt.write_text(str(step))
+        if str(step) == os.environ.get("FAKE_SIGTERM_SELF_AT"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    if stop:
+        sys.exit(143)
     m.write(
         json.dumps({"kind": "val", "step": step, "wer": 1.0 / (1 + cfg["sampler"]["temperature"] + step)})
         + "\n"

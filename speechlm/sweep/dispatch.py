@@ -1,8 +1,10 @@
 """`speechlm sweep run`: a long-lived dispatcher that keeps its GPU slots busy with queued jobs.
 
 One loop, every `poll` seconds:
-1. reap finished children: exit 0 → `done`, anything else → `failed` (no retry: failures are mostly
-   recipe bugs; the log path is in the status), and free their slots;
+1. reap finished children: exit 0 → `done`; exit 143 (the trainer saved a checkpoint after SIGTERM) or
+   a death by a signal → `queued` again, counted in `preempted` (the job resumes from its checkpoint);
+   anything else → `failed` (no retry: failures are mostly recipe bugs; the log path is in the
+   status); and free their slots;
 2. under the sweep lock: beat the heartbeat, mark the jobs of dead dispatchers `stale`, and claim
    queued jobs while `gpus_per_job` slots are free; each claimed job starts at once with
    `CUDA_VISIBLE_DEVICES` set to its slots (`speechlm train`, or `torchrun --standalone` for a job
@@ -29,10 +31,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speechlm.errors import EXIT_SIGTERM  # 143: the trainer saved a checkpoint after SIGTERM
 from speechlm.sweep.spec import read_matrix
 from speechlm.sweep.store import StatusStore, claim_next, mark_stale
 
 DEFAULT_STALE_AFTER = 120.0  # seconds without a heartbeat before another dispatcher gives up on one
+
+
+MAX_PREEMPTIONS = 20  # a job stopped by a signal more often than this is `failed` (e.g. killed for memory)
+
+
+def job_outcome(returncode: int) -> str:
+    """`done` (exit 0), `preempted` (exit 143, or killed by a signal: resume it) or `failed`."""
+    if returncode == 0:
+        return "done"
+    if returncode == EXIT_SIGTERM or returncode < 0:
+        return "preempted"
+    return "failed"
 
 
 def job_command(job: dict[str, Any], config: Path, *, template: str | None = None) -> list[str]:
@@ -210,12 +225,25 @@ class Dispatcher:
         with self.store.locked() as state:
             for jid, c in finished.items():
                 rc = c.proc.returncode
+                outcome = job_outcome(rc)
                 job = state["jobs"][jid]
                 if job.get("state") == "running" and job.get("dispatcher") == self.id:
-                    job.update(state="done" if rc == 0 else "failed", exit_code=rc, ended=time.time())
+                    n = int(job.get("preempted", 0)) + 1
+                    if outcome == "preempted" and n > MAX_PREEMPTIONS:  # killed again and again: look at it
+                        outcome = "failed"
+                    if outcome == "preempted":  # checkpointed (or killed): back in the queue, it resumes
+                        job.update(state="queued", preempted=n)
+                    else:
+                        job.update(state=outcome)
+                    job.update(exit_code=rc, ended=time.time())
                 c.log.close()
                 del self.children[jid]
-                word = "done" if rc == 0 else f"FAILED (exit {rc}); log: {self.dir / self.jobs[jid]['log']}"
+                how = f"exit {rc}" if rc >= 0 else f"killed by signal {-rc}"
+                word = {
+                    "done": "done",
+                    "preempted": f"preempted ({how}); queued again, it resumes from its last checkpoint",
+                    "failed": f"FAILED ({how}); log: {self.dir / self.jobs[jid]['log']}",
+                }[outcome]
                 self.log(f"[sweep] {jid}: {word}")
 
     def _shutdown(self, grace: float = 600.0) -> None:

@@ -10,7 +10,9 @@ file behind.
 Job states::
 
     queued ──claim──▶ running ──exit 0──▶ done
-                         │    └─exit≠0──▶ failed      (never retried by itself)
+                         │    ├─exit 143 or a signal──▶ queued  (preempted: `preempted` counts it;
+                         │    │                                  the job resumes from its checkpoint)
+                         │    └─other exit≠0──▶ failed  (never retried by itself)
                          └─dispatcher gone──▶ stale   (heartbeat too old, or its pid gone on this host)
     failed | stale ──requeue──▶ queued;   SIGTERM to a dispatcher: its running jobs ──▶ queued
 """

@@ -65,9 +65,13 @@ class MetricsWriter(L.Callback):
 
 
 class CheckpointCallback(L.Callback):
-    """Every `every` optimizer steps, at the end of training, and on SIGTERM (then training stops).
+    """Every `every` optimizer steps, at the end of training (also with every=0: the final evaluation
+    runs after it, so a SIGTERM there never loses the trained weights), and on SIGTERM.
 
-    Must be the last callback of the list: see `on_train_batch_end`.
+    SIGTERM (`speechlm/train/preempt.py`): the handler only sets a flag; the ranks agree on it at the
+    start of a step (`SpeechLLMModule._agree_step`), which then trains nothing and sets
+    `pl_module.preempted`; here every rank saves the last trained step and training stops.
+    Must be the last callback of the list.
     """
 
     def __init__(self, run_dir: Path, every: int, keep_last: int = 2):
@@ -88,24 +92,33 @@ class CheckpointCallback(L.Callback):
         self.last_saved_step = step
         return path
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning installed its own SIGTERM handler as fit started: ours owns the signal (preempt.py)
+        from speechlm.train.preempt import SIGTERM_FLAG
+
+        SIGTERM_FLAG.install()
+        # the state fit starts from is on disk already when it was resumed (nothing to save at step 0)
+        self.last_saved_step = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Runs after every other per-step callback (entry.py puts it last): a SIGTERM that arrives while
-        # they run (validation decoding, most often) is seen here, and Lightning only acts on it
-        # (SIGTERMException) after this hook returns.
         step = trainer.global_step
-        if self.every > 0 and step % self.every == 0:
+        if self.every > 0 and step % self.every == 0 and self.last_saved_step != step:
             self.save(trainer)
-        if trainer.received_sigterm:
+        if getattr(pl_module, "preempted", False):
+            trainer.should_stop = True
+            if step == 0:
+                if trainer.is_global_zero:
+                    print("\nSIGTERM before the first optimizer step: nothing to save; exiting", flush=True)
+                return
             path = self.save(trainer) if self.last_saved_step != step else self.root / step_dir_name(step)
             if trainer.is_global_zero:
                 print(
                     f"\nSIGTERM: saved checkpoint {path}; exiting. Resume with trainer.resume=auto",
                     flush=True,
                 )
-            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.every > 0 and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
+        if trainer.global_step != self.last_saved_step and trainer.global_step > 0:
             self.save(trainer)
 
 
@@ -133,7 +146,7 @@ class ValidationCallback(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every <= 0 or step % self.every != 0 or trainer.received_sigterm:
+        if self.every <= 0 or step % self.every != 0 or getattr(pl_module, "preempted", False):
             return
         fault_point("val", step)  # the fault-injection harness (speechlm faults); a no-op otherwise
         result = self.evaluate_fn(pl_module)
@@ -198,4 +211,4 @@ class FaultInjector(L.Callback):
         if Fault("sigkill", step) in self.faults and global_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         if Fault("sigterm", step) in self.faults:
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler sets trainer.received_sigterm at once
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler sets the flag; the next step agrees on it

@@ -28,6 +28,9 @@ class StepBatch:
     micro_batches: list[Any]
     position: dict[str, int]  # {"epoch": e, "position": micro-batches consumed in epoch e after this step}
     dropped: dict[str, int] = field(default_factory=dict)
+    # a data error found on this rank (too much of a micro-batch unreadable): the step is not trained,
+    # every rank learns of it in the step's agreement and raises it (module.SpeechLLMModule._agree_step)
+    error: str | None = None
 
     @property
     def num_utterances(self) -> int:
@@ -60,7 +63,7 @@ class StepLoader:
         dp_rank: int = 0,
         max_dropped_fraction: float = 1.0,
     ):
-        self.sampler = sampler
+        self._sampler = sampler  # ours alone: see the `sampler` property
         self.dataset = dataset
         self.grad_accum = grad_accum
         self.num_workers = num_workers
@@ -69,6 +72,16 @@ class StepLoader:
         self.dp_rank = dp_rank  # loader seeds differ per dp rank and agree among CP/TP peers
         self.consumed = {"epoch": sampler.epoch, "position": sampler.position}
         self.max_dropped_fraction = max_dropped_fraction
+        self._active: Any = None  # the open epoch iterator (one at a time: see close())
+
+    @property
+    def sampler(self) -> Any:
+        """The epoch plan, as others see it. Lightning calls `loader.sampler.set_epoch(its epoch count)`
+        at the start of each of its epochs; the StepLoader owns the data position, and Lightning's
+        count can differ from ours (a run stopped by SIGTERM before its step, with the epoch's last
+        batch already fetched, is resumed by Lightning as if that epoch had ended), so that call is
+        ignored here (`tests/train/test_faults.py::test_sigterm_during_validation_still_saves_a_checkpoint`)."""
+        return _EpochOwnedSampler(self._sampler)
 
     def mark_consumed(self, position: dict[str, int]) -> None:
         """Record the position a trained step leaves behind (what a checkpoint must resume after)."""
@@ -76,7 +89,7 @@ class StepLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The data pipeline's resumable state (JSON-safe): the consumed position and what it depends on."""
-        state = self.sampler.state_dict()
+        state = self._sampler.state_dict()
         state.update(self.consumed)
         state["dp_rank"] = self.dp_rank
         state["loader_seed"] = self.seed
@@ -88,7 +101,7 @@ class StepLoader:
         With `next_epoch`, only the epoch is taken: the data restarts at position 0 of the epoch after the
         saved one, in this run's layout (the way to resume into another dp size)."""
         if next_epoch:
-            self.sampler.set_epoch(int(state["epoch"]) + 1)
+            self._sampler.set_epoch(int(state["epoch"]) + 1)
         else:
             if state.get("dp_rank") != self.dp_rank:
                 raise ValueError(
@@ -98,31 +111,53 @@ class StepLoader:
                 raise ValueError(
                     f"data state mismatch in 'loader_seed': saved {state.get('loader_seed')!r}, current {self.seed!r}"
                 )
-            self.sampler.load_state_dict(state)
-        self.consumed = {"epoch": self.sampler.epoch, "position": self.sampler.position}
+            self._sampler.load_state_dict(state)
+        self.consumed = {"epoch": self._sampler.epoch, "position": self._sampler.position}
 
     # No `__len__`, on purpose: Lightning reads a loader's length once, when fit starts, and ends every
     # epoch after that many steps. After a mid-epoch resume the first epoch is shorter than the others
     # (and temperature-mode epochs differ slightly in size), so each epoch ends when its iterator does.
 
     def __iter__(self) -> Iterator[StepBatch]:
+        """The next epoch's steps. The previous epoch's iterator, if still open (training stopped in it),
+        is closed first: its DataLoader and worker processes go with it."""
+        self.close()
+        self._active = self._epoch_steps()
+        return self._active
+
+    def close(self) -> None:
+        """Close the open epoch iterator (and its DataLoader workers); the data position is kept."""
+        active, self._active = getattr(self, "_active", None), None
+        if active is not None:
+            active.close()
+
+    def _epoch_steps(self) -> Iterator[StepBatch]:
         from speechlm.data.dataset import build_dataloader
 
-        if self.sampler.remaining() == 0:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-        epoch = self.sampler.epoch
-        pos = self.sampler.position
-        batches = list(self.sampler)  # index lists of the rest of this epoch (small: ints only)
+        if self._sampler.remaining() == 0:
+            self._sampler.set_epoch(self._sampler.epoch + 1)
+        epoch = self._sampler.epoch
+        pos = self._sampler.position
+        batches = list(self._sampler)  # index lists of the rest of this epoch (small: ints only)
+        # one loader per epoch, its workers not persistent: they exit when the epoch's iterator ends (or
+        # is closed), so epochs never leave workers behind
         loader = build_dataloader(
             self.dataset,
             batches,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            persistent_workers=False,
             seed=self.seed + 1000 * epoch + 1_000_003 * self.dp_rank,
         )
         buf: list[Any] = []
         for b in loader:
-            check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
+            try:
+                check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
+            except DroppedDataError as e:
+                # not raised here: the other ranks would wait for this one in the next collective. The
+                # step carries the error and every rank raises it at the same step (module._agree_step).
+                yield StepBatch([*buf, b], {"epoch": epoch, "position": pos}, error=str(e))
+                return
             buf.append(b)
             pos += 1
             if len(buf) == self.grad_accum:
@@ -132,7 +167,28 @@ class StepLoader:
                         dropped[k] = dropped.get(k, 0) + v
                 yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped)
                 buf = []
-        self.sampler.set_epoch(epoch + 1)
+        self._sampler.set_epoch(epoch + 1)
+
+
+class _EpochOwnedSampler:
+    """A sampler whose `set_epoch` does nothing; everything else is the wrapped sampler's."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._inner)
 
 
 class DroppedDataError(DataError, RuntimeError):

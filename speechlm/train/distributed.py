@@ -251,6 +251,22 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
     def sum_counts_over_dp(values: list[float]) -> list[float]:
         return [float(x) for x in sum_over_dp(*torch.tensor(values, dtype=torch.float64))]
 
+    world_sum = group_sum(dist.group.WORLD, device)
+    counts_primary = dims.cp_rank(rank) == 0 and dims.tp_rank(rank) == 0  # one rank per dp rank
+
+    def agree_step(counts: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        """One all-reduce over the world: counts summed over dp ranks (each dp rank's counts enter once,
+        from its cp_rank = tp_rank = 0 member), flags true when any rank's is (issue 20: SIGTERM and
+        data errors are agreed, so every rank stops at the same step)."""
+        mine = [float(c) if counts_primary else 0.0 for c in counts] + [1.0 if f else 0.0 for f in flags]
+        out = [float(x) for x in world_sum(*torch.tensor(mine, dtype=torch.float64))]
+        return out[: len(counts)], [x > 0 for x in out[len(counts) :]]
+
+    def gather_objects(obj: Any) -> list[Any]:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, obj)
+        return parts
+
     binding = ParallelBinding(cp=dims.cp, tp=dims.tp)
     sum_over_cp = group_sum(None, device)
     if dims.cp > 1:
@@ -265,6 +281,8 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
         sum_over_cp=sum_over_cp,
         clip_grad_norm=clip_grad_norm_,
         rank=rank,
+        agree_step=agree_step,
+        gather_objects=gather_objects,
     )
 
 

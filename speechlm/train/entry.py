@@ -71,6 +71,10 @@ def run_train_command(args: argparse.Namespace) -> int:
     except DroppedDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if result is not None and result.get("preempted"):
+        from speechlm.errors import EXIT_SIGTERM
+
+        return EXIT_SIGTERM  # saved and stopped: a scheduler reads 143 as "preempted, resume me"
     return 0 if result is not None else 1
 
 
@@ -82,9 +86,10 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     """The recipe; each step is a function of its own below or in the module that owns it."""
     import lightning as L
 
-    from speechlm.train.checkpoint import resume_run
+    from speechlm.train.checkpoint import resume_run, step_dir_name
     from speechlm.train.evaluate import final_evaluation
     from speechlm.train.module import SpeechLLMModule
+    from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
 
     rank, world_size = world_from_env()
     run_dir = Path(cfg.trainer.run_dir)
@@ -101,12 +106,26 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
     ckpt = resume_run(cfg, run_dir, loader, module, trainer, metrics, rank=rank, world_size=world_size)
-    # 4. fit
+    # 4. fit (SIGTERM: a flag the ranks agree on once per step, speechlm/train/preempt.py)
+    SIGTERM_FLAG.install()
     elapsed = fit(trainer, module, loader, ckpt)
-    # 5. final evaluation: greedy WER per language on the chosen split
+    # 5. final evaluation: greedy WER per language on the chosen split; the weights are saved already
     result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
-    if not trainer.received_sigterm:
+    if module.preempted:
+        return {**result, "preempted": True}
+    try:
         result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
+    except EvaluationInterrupted as e:
+        if rank == 0:
+            saved = run_dir / "checkpoints" / step_dir_name(trainer.global_step)
+            where = f"the trained weights are in {saved}" if saved.is_dir() else "no checkpoint was written"
+            print(
+                f"\nSIGTERM during the final evaluation ({e}): {where}; eval.json was not written. Evaluate "
+                f"later with trainer.resume={saved} trainer.validate_only=true",
+                file=sys.stderr,
+                flush=True,
+            )
+        return {**result, "preempted": True}
     return result
 
 

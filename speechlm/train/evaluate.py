@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jiwer
 import torch
+
+from speechlm.errors import DataError
 
 
 def strip_lang_tag(text: str) -> str:
@@ -197,36 +199,105 @@ def decode_batches(
     return [r["ref"] for r in rows], [r["hyp"] for r in rows], [r["lang"] for r in rows]
 
 
-def format_wer_table(metrics: dict[str, float], counts: dict[str, int] | None = None) -> str:
-    rows = [(k[4:], v) for k, v in metrics.items() if k.startswith("wer_")]
+def format_wer_table(metrics: dict[str, Any], counts: dict[str, Any] | None = None) -> str:
+    """The WER table: one row per language, then `all`. `counts` is `Evaluator.last_counts` (scored and
+    dropped utterances per language, drop reasons) or a plain {lang: utterances} mapping."""
+    if counts is not None and "scored" not in counts:
+        counts = {"scored": counts, "dropped": {}, "dropped_reasons": {}}
+    scored: dict[str, int] = dict(counts["scored"]) if counts is not None else {}
+    dropped: dict[str, int] = dict(counts["dropped"]) if counts is not None else {}
+    wers = {k[4:]: v for k, v in metrics.items() if k.startswith("wer_")}
+    langs = sorted(set(wers) | {k for k, v in dropped.items() if v})
     lines = ["language  utterances  WER", "--------  ----------  ------"]
-    for lang, v in rows:
-        n = "" if counts is None else str(counts.get(lang, ""))
-        lines.append(f"{lang:<8}  {n:>10}  {100 * v:5.1f}%")
+    for lang in langs:
+        n = "" if counts is None else str(scored.get(lang, 0))
+        wer = f"{100 * wers[lang]:5.1f}%" if lang in wers else "   n/a"
+        note = f"  ({dropped[lang]} dropped)" if dropped.get(lang) else ""
+        lines.append(f"{lang:<8}  {n:>10}  {wer}{note}")
     if "wer" in metrics:
-        total = "" if counts is None else str(sum(counts.values()))
+        total = "" if counts is None else str(sum(scored.values()))
         lines.append(f"{'all':<8}  {total:>10}  {100 * metrics['wer']:5.1f}%")
+    n_dropped = int(sum(int(v) for v in dropped.values()))
+    if counts is not None and n_dropped:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["dropped_reasons"].items()))
+        lines.append(f"dropped (not scored): {n_dropped} utterances ({reasons})")
     return "\n".join(lines)
+
+
+@dataclass
+class SlotResult:
+    """What one rank's share of the split gave: decoded rows, teacher-forced sums, drops."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ce: float = 0.0
+    n_tokens: int = 0
+    dropped_rows: list[int] = field(default_factory=list)  # manifest rows requested but not decoded
+    dropped_reasons: dict[str, int] = field(default_factory=dict)
+    dropped_files: list[str] = field(default_factory=list)
 
 
 class Evaluator:
     """Greedy WER per language over a manifest, each data-parallel rank decoding its share (module doc).
 
-    ``last_decodes`` holds (lang, ref, hyp) of every utterance of the split, on every rank, in the
-    order of a single-rank run.
+    The batches are streamed: each one is loaded, decoded and scored before the next is read, so a
+    large split never sits in memory. ``last_decodes`` holds (lang, ref, hyp) of every decoded
+    utterance, on every rank, in the order of a single-rank run; ``last_counts`` the utterances scored
+    and dropped per language and the drop reasons, summed over the data-parallel ranks.
+
+    `data.max_dropped_fraction` applies to the split: more than that fraction unreadable, or nothing
+    decodable at all, is a `DataError` naming the files (never a result computed from nothing).
     """
 
     def __init__(
-        self, cfg: Any, tokenizer: Any, table: Any, dims: Any, rank: int, max_batches: Any = "config"
+        self,
+        cfg: Any,
+        tokenizer: Any,
+        table: Any,
+        dims: Any,
+        rank: int,
+        max_batches: Any = "config",
+        *,
+        split: str = "val",
     ):
         self.cfg, self.tokenizer, self.table, self.dims, self.rank = cfg, tokenizer, table, dims, rank
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
+        self.split = split
         self.last_decodes: list[tuple[str, str, str]] = []
+        self.last_counts: dict[str, Any] = {"scored": {}, "dropped": {}, "dropped_reasons": {}}
 
-    def __call__(self, module: Any) -> dict[str, float]:
+    def plan(self) -> list[list[int]]:
+        """The split's evaluation batches (manifest rows), cut to `trainer.val_max_batches`."""
         from speechlm.config import eval_batch_duration
-        from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
+        from speechlm.errors import UsageError
         from speechlm.train.data import build_eval_batches
+
+        if self.max_batches is not None and self.max_batches < 0:
+            raise UsageError(
+                f"trainer.val_max_batches={self.max_batches} would evaluate no batch: give a number >= 1, or "
+                f"null (or 0) for the whole split"
+            )
+        batches = build_eval_batches(self.table, max_batch_duration=eval_batch_duration(self.cfg))
+        if self.max_batches:
+            batches = batches[: self.max_batches]
+        if not batches:
+            raise DataError(
+                f"the {self.split} split ({self.manifest_name()}) has no utterance to evaluate: give a manifest "
+                f"with rows (or turn this evaluation off)"
+            )
+        return batches
+
+    def manifest_name(self) -> str:
+        d = self.cfg.data
+        return str(d.val_manifest if self.split == "val" else (d.train_manifest or "data.input_cfg"))
+
+    def __call__(
+        self, module: Any, *, stop: Callable[[], bool] | None = None, progress: bool = False
+    ) -> dict[str, Any]:
+        """Metrics of the split: loss, wer, wer_<lang>, utterances (scored), dropped (not readable).
+
+        `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
+        says stop, every rank raises `EvaluationInterrupted` at the same batch."""
+        from speechlm.data.dataset import SpeechDataset
 
         ds = SpeechDataset(
             self.table,
@@ -235,50 +306,144 @@ class Evaluator:
             sample_rate=self.cfg.data.sample_rate,
             duration_tolerance=self.cfg.data.duration_tolerance,
         )
-        batches = build_eval_batches(self.table, max_batch_duration=eval_batch_duration(self.cfg))
-        if self.max_batches:
-            batches = batches[: self.max_batches]
+        batches = self.plan()
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
         comm = EvalComm.from_dims(self.dims, self.rank, module.device, module.step_ctx.sum_over_cp)
         share = shard_eval_batches(batches, comm.dp_rank, comm.dp_size)
-        real = [b for b in share if b]
-        loaded = list(build_dataloader(ds, real, num_workers=0)) if real else []
-        slots = loaded + [Batch.empty() for _ in range(len(share) - len(real))]  # padding slots come last
-        rows = decode_shard(module.model, slots, self.tokenizer, device=module.device, comm=comm)
-        merged = gather_decodes(rows, comm, order)
+        if progress and self.rank == 0:
+            print(
+                f"final evaluation on the {self.split} split: {len(order)} utterances in {len(batches)} "
+                f"batches ({len(share)} per data-parallel rank)",
+                flush=True,
+            )
+        local = self.run_share(module, ds, share, comm, stop=stop, progress=progress)
+        (ce,) = comm.sum_over_cp(torch.tensor(local.ce, dtype=torch.float64))  # CP ranks hold shards
+        local.ce = float(ce)
+        parts = [p for primary, p in comm.gather((comm.primary, local)) if primary]
+        merged = sorted((r for p in parts for r in p.rows), key=lambda r: order[r["row"]])
         self.last_decodes = [(r["lang"], r["ref"], r["hyp"]) for r in merged]
+        self.last_counts = self.count(merged, parts)
+        self.check_drops(len(order), parts)
         wer = wer_from_counts((r["lang"], r["errors"], r["words"]) for r in merged)
-        return {"loss": self.teacher_forced_loss(module, slots, comm), **wer}
+        n_tok = sum(p.n_tokens for p in parts)
+        return {
+            "loss": sum(p.ce for p in parts) / max(n_tok, 1),
+            **wer,
+            "utterances": sum(self.last_counts["scored"].values()),
+            "dropped": sum(self.last_counts["dropped"].values()),
+        }
 
-    def teacher_forced_loss(self, module: Any, slots: list[Any], comm: EvalComm) -> float:
-        """Token cross-entropy per labelled token over the split, sharded like the decoding."""
+    def run_share(
+        self,
+        module: Any,
+        ds: Any,
+        share: list[list[int]],
+        comm: EvalComm,
+        *,
+        stop: Callable[[], bool] | None,
+        progress: bool,
+    ) -> SlotResult:
+        """Load, decode and score this rank's slots one at a time (every rank runs the same forwards)."""
+        import time
+
+        out = SlotResult()
+        every = max(1, len(share) // 10)
+        t0 = time.time()
+        for i, (want, batch) in enumerate(zip(share, self.load_slots(ds, share))):
+            if stop is not None:
+                asked = stop()
+                if comm.keep_going(asked) if comm.keep_going is not None else asked:
+                    from speechlm.train.preempt import EvaluationInterrupted
+
+                    raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
+            out.rows += decode_shard(module.model, [batch], self.tokenizer, device=module.device, comm=comm)
+            ce, n = self.batch_loss(module, batch)
+            out.ce += ce
+            out.n_tokens += n
+            decoded = set(batch.indices)
+            out.dropped_rows += [r for r in want if r not in decoded]
+            for k, v in batch.dropped.items():
+                out.dropped_reasons[k] = out.dropped_reasons.get(k, 0) + int(v)
+            out.dropped_files += list(batch.dropped_files)
+            if progress and self.rank == 0 and len(share) >= 10 and (i + 1) % every == 0:
+                print(f"  evaluated {i + 1}/{len(share)} batches ({time.time() - t0:.0f} s)", flush=True)
+        return out
+
+    @staticmethod
+    def load_slots(ds: Any, share: list[list[int]]) -> Iterator[Any]:
+        """This rank's batches, loaded one at a time; an empty slot (padding) gives an empty Batch."""
+        from speechlm.data.dataset import Batch, build_dataloader
+
+        real = [b for b in share if b]
+        loaded = iter(build_dataloader(ds, real, num_workers=0)) if real else iter(())
+        for want in share:  # the real batches come first, the padding slots last
+            yield next(loaded) if want else Batch.empty()
+
+    def batch_loss(self, module: Any, batch: Any) -> tuple[float, int]:
+        """Teacher-forced (CE sum, labelled tokens) of one batch; an empty one runs the weight-0 dummy."""
         from speechlm.train.step import compute_micro_losses, count_targets
 
         was_training = module.model.training
         module.model.eval()
-        ce = torch.zeros((), dtype=torch.float64)
-        n = 0
         try:
             with torch.no_grad():
-                for batch in slots:  # an empty slot runs the weight-0 dummy (same forwards on every rank)
-                    losses = compute_micro_losses(module.model, batch.to(module.device))
-                    ce += losses.ce_sum.double().cpu() * losses.weight
-                    n += count_targets(batch, module.model)
+                losses = compute_micro_losses(module.model, batch.to(module.device))
         finally:
             module.model.train(was_training)
-        (ce,) = comm.sum_over_cp(ce)  # CP ranks each hold a shard of every sequence
-        totals = comm.gather((comm.primary, float(ce), n))
-        ce_total = sum(c for primary, c, _ in totals if primary)
-        n_total = sum(k for primary, _, k in totals if primary)
-        return ce_total / max(n_total, 1)
+        return float(losses.ce_sum.double().cpu()) * losses.weight, count_targets(batch, module.model)
+
+    def count(self, merged: list[dict[str, Any]], parts: list[SlotResult]) -> dict[str, Any]:
+        langs = self.table.column("lang")
+        scored: dict[str, int] = {}
+        empty_ref = 0
+        for r in merged:
+            if r["words"] > 0:
+                scored[r["lang"]] = scored.get(r["lang"], 0) + 1
+            else:
+                empty_ref += 1  # decoded, but an empty reference has no words to score
+        dropped: dict[str, int] = {}
+        reasons: dict[str, int] = {}
+        for p in parts:
+            for row in p.dropped_rows:
+                lang = str(langs[row].as_py())
+                dropped[lang] = dropped.get(lang, 0) + 1
+            for k, v in p.dropped_reasons.items():
+                reasons[k] = reasons.get(k, 0) + v
+        counts: dict[str, Any] = {"scored": scored, "dropped": dropped, "dropped_reasons": reasons}
+        if empty_ref:
+            counts["empty_reference"] = empty_ref
+        return counts
+
+    def check_drops(self, total: int, parts: list[SlotResult]) -> None:
+        """DataError when nothing of the split could be read, or more than data.max_dropped_fraction."""
+        limit = float(self.cfg.data.max_dropped_fraction)
+        files = [f for p in parts for f in p.dropped_files]
+        n_dropped = sum(len(p.dropped_rows) for p in parts)
+        listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
+        where = f"the {self.split} split ({self.manifest_name()})"
+        if n_dropped == total:
+            raise DataError(
+                f"none of the {total} utterances of {where} could be decoded, so there is nothing to evaluate:"
+                f"\n  {listing}\nRestore these files or fix the manifest (`speechlm manifest build`)"
+            )
+        if n_dropped > limit * total:
+            raise DataError(
+                f"{n_dropped} of {total} utterances of {where} could not be read, more than "
+                f"data.max_dropped_fraction={limit}:\n  {listing}\nRestore or remove these files (then rebuild "
+                f"the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
+            )
 
 
 def final_evaluation(
     cfg: Any, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
 ) -> dict[str, Any]:
     """Greedy WER per language on `trainer.final_eval_split` after training; rank 0 prints the table
-    and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics."""
+    and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics.
+
+    The trained weights are already saved when this runs (the end-of-training checkpoint); a SIGTERM
+    during it stops it on every rank at the same batch (`EvaluationInterrupted`), with no eval.json."""
     from speechlm.config import final_eval_split
+    from speechlm.train.preempt import SIGTERM_FLAG
 
     split = final_eval_split(cfg)  # "auto" resolved: val when there is a val manifest, else none
     table = {"train": inputs.train_table, "val": inputs.val_table}.get(split)
@@ -287,23 +452,48 @@ def final_evaluation(
             why = " and no data.val_manifest" if cfg.trainer.final_eval_split == "auto" else ""
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
-    final_eval = Evaluator(cfg, inputs.tokenizer, table, inputs.dims, rank, max_batches=None)
-    wer = final_eval(module)
+    final_eval = Evaluator(cfg, inputs.tokenizer, table, inputs.dims, rank, max_batches=None, split=split)
+    wer = final_eval(module, stop=lambda: SIGTERM_FLAG.requested, progress=True)
     if rank == 0:
-        counts: dict[str, int] = {}
-        for lang in table.column("lang").to_pylist():
-            counts[lang] = counts.get(lang, 0) + 1
+        counts = final_eval.last_counts
         print(
             f"\nfinal greedy WER on the {split} split after {result['steps']} steps "
             f"({result['train_minutes']:.1f} min):"
         )
         print(format_wer_table(wer, counts))
-        (run_dir / "eval.json").write_text(json.dumps({"split": split, **result, **wer}, indent=2))
-        with (run_dir / "eval_decodes.jsonl").open("w") as f:
-            for lang, ref, hyp in final_eval.last_decodes:
-                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+        record = {
+            "split": split,
+            **result,
+            **wer,
+            "utterances": {**counts["scored"], "all": sum(counts["scored"].values())},
+            "dropped": {**counts["dropped"], "all": sum(counts["dropped"].values())},
+            "dropped_reasons": counts["dropped_reasons"],
+        }
+        if counts.get("empty_reference"):
+            record["empty_reference"] = counts["empty_reference"]
+        write_eval_outputs(run_dir, record, final_eval.last_decodes)
         from speechlm.train.plots import plot_learning_curve
 
         png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
         print(f"wrote {run_dir / 'eval.json'}, {png}")
     return wer
+
+
+def write_eval_outputs(run_dir: Path, record: dict[str, Any], decodes: list[tuple[str, str, str]]) -> None:
+    """eval.json and eval_decodes.jsonl; a path that cannot be written (full disk, a folder in the way,
+    no permission) is an OutputError naming it (the weights are in the end-of-training checkpoint)."""
+    from speechlm.errors import OutputError
+
+    path = run_dir / "eval.json"
+    try:
+        path.write_text(json.dumps(record, indent=2))
+        path = run_dir / "eval_decodes.jsonl"
+        with path.open("w") as f:
+            for lang, ref, hyp in decodes:
+                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise OutputError(
+            f"cannot write {path} ({e.strerror or e}); the trained weights are in {run_dir / 'checkpoints'} "
+            f"(latest): free space or fix the path, then evaluate with trainer.resume=auto "
+            f"trainer.validate_only=true"
+        ) from None

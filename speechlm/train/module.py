@@ -81,6 +81,7 @@ class SpeechLLMModule(L.LightningModule):
         self.parallelized = False
         self.pending_rng: dict[str, Any] | None = None
         self.last_metrics: dict[str, Any] | None = None
+        self.preempted = False  # all ranks agreed on a SIGTERM (set once, by training_step)
 
     # --- parallelism -----------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -106,11 +107,16 @@ class SpeechLLMModule(L.LightningModule):
         use_bf16 = p == "bf16" or (p == "auto" and dev == "cuda" and torch.cuda.is_bf16_supported())
         return torch.autocast(dev, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
-    def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor | None:
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()
         step = self.global_step
-        totals = self._sum_step_stats(step_batch)
+        totals, sigterm = self._agree_step(step_batch)
+        if sigterm:  # every rank agreed at this step: train nothing more, save the last step, exit 143
+            self.preempted = True
+            self.last_metrics = None
+            self.trainer.should_stop = True
+            return None
         lrs = sched.get_last_lr()  # the rates this step uses (the scheduler moves on inside the step)
         res = run_optimizer_step(
             self.model,
@@ -150,16 +156,47 @@ class SpeechLLMModule(L.LightningModule):
     def _clip_gradients(self) -> float:
         return clip_model_gradients(self.model, self.cfg.optim.grad_clip, self.step_ctx.clip_grad_norm)
 
-    def _sum_step_stats(self, step_batch: Any) -> StepTotals:
-        """Utterances, audio seconds and drop counts of this step, summed over data-parallel ranks."""
+    def _agree_step(self, step_batch: Any) -> tuple[StepTotals, bool]:
+        """The step's one all-reduce (before any forward): utterances, audio seconds and drop counts
+        summed over data-parallel ranks, and the stop flags of every rank (SIGTERM received, data error
+        found), so that all ranks act on them at the same step (`speechlm/train/preempt.py`).
+
+        Returns the totals and whether to stop for SIGTERM; raises the DroppedDataError of the rank
+        that found one on every rank, and a DataError on every rank when no rank read any utterance
+        of the step (training on nothing, possible with data.max_dropped_fraction=1)."""
         from speechlm.data.dataset import DROP_REASONS
+        from speechlm.train.data import DroppedDataError
+        from speechlm.train.preempt import SIGTERM_FLAG
 
         reasons = sorted(DROP_REASONS)
-        local = [float(step_batch.num_utterances), step_batch.audio_seconds]
-        local += [float(step_batch.dropped.get(r, 0)) for r in reasons]
-        total = self.step_ctx.sum_counts_over_dp(local)
+        error = getattr(step_batch, "error", None)
+        local = [0.0, 0.0] if error else [float(step_batch.num_utterances), step_batch.audio_seconds]
+        local += [0.0 if error else float(step_batch.dropped.get(r, 0)) for r in reasons]
+        total, (sigterm, data_error) = self.step_ctx.agree_step(
+            local, [SIGTERM_FLAG.requested, error is not None]
+        )
+        if data_error:
+            parts = self.step_ctx.gather_objects(error)
+            rank, first = next((r, e) for r, e in enumerate(parts) if e)
+            raise DroppedDataError(f"rank {rank}: {first}" if len(parts) > 1 else first)
         dropped = {r: int(round(v)) for r, v in zip(reasons, total[2:]) if v}
-        return StepTotals(int(round(total[0])), float(total[1]), dropped)
+        totals = StepTotals(int(round(total[0])), float(total[1]), dropped)
+        if totals.utterances == 0 and not sigterm:
+            self._raise_empty_step(step_batch, totals)
+        return totals, sigterm
+
+    def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
+        from speechlm.errors import DataError
+
+        files = [f for part in self.step_ctx.gather_objects(
+            [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
+        listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
+        raise DataError(
+            f"optimizer step {self.global_step + 1}: none of its {sum(totals.dropped.values())} utterances "
+            f"could be read, on any rank ({', '.join(f'{k} {v}' for k, v in sorted(totals.dropped.items()))}); "
+            f"training on nothing is refused whatever data.max_dropped_fraction is:\n  {listing}\n"
+            f"Restore these files or fix the manifest (`speechlm manifest build`)"
+        )
 
     def _update_counters(self, step_batch: Any, totals: StepTotals) -> None:
         self.utterances_seen += totals.utterances
@@ -184,6 +221,11 @@ class SpeechLLMModule(L.LightningModule):
         self.utterances_seen = extra.get("utterances_seen", 0)
         self.audio_seconds_seen = extra.get("audio_seconds_seen", 0.0)
         self.dropped = dict(extra.get("dropped", {}))
+
+    def on_train_end(self) -> None:
+        # the epoch training stopped in holds its DataLoader workers: not needed by the final evaluation
+        if self.data_pipeline is not None and hasattr(self.data_pipeline, "close"):
+            self.data_pipeline.close()
 
     def on_train_start(self) -> None:
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers

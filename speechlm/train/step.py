@@ -29,6 +29,10 @@ def _identity_sum(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return xs
 
 
+def _local_agreement(counts: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+    return list(counts), list(flags)
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What an optimizer step needs to know about the parallel layout (trivial for one process)."""
@@ -39,6 +43,12 @@ class StepContext:
     sum_over_cp: Callable[..., tuple[torch.Tensor, ...]] = field(default=_identity_sum)
     clip_grad_norm: Callable[..., Any] | None = None  # (params, max_norm) -> norm; None: torch's
     rank: int = 0
+    # the step's one agreement (module._agree_step): (counts summed over dp ranks, flags: any rank of the
+    # world) in a single all-reduce; and all ranks' objects, rank order (only when a flag says stop)
+    agree_step: Callable[[list[float], list[bool]], tuple[list[float], list[bool]]] = field(
+        default=_local_agreement
+    )
+    gather_objects: Callable[[Any], list[Any]] = field(default=lambda x: [x])
 
 
 def count_targets(batch: Any, model: Any) -> int:

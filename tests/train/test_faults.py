@@ -43,7 +43,7 @@ def test_sigterm_sigkill_in_save_and_sigkill_in_one_run(demo_data, tmp_path):  #
     def inspect(fault: Fault, rc: int, run_dir: Path) -> None:
         ckpts = run_dir / "checkpoints"
         if fault.kind == "sigterm":
-            assert rc == 0 and (ckpts / "latest").read_text() == "step_000003"
+            assert rc == 143 and (ckpts / "latest").read_text() == "step_000003"  # EXIT_SIGTERM
         if fault.kind == "sigkill_in_save":
             assert rc == -signal.SIGKILL
             half = ckpts / ".tmp-step_000006"
@@ -72,7 +72,7 @@ def test_sigterm_sigkill_in_save_and_sigkill_in_one_run(demo_data, tmp_path):  #
 
 
 def test_sigterm_during_validation_still_saves_a_checkpoint(demo_data, tmp_path):  # noqa: F811
-    """SIGTERM while the step-3 validation decodes: validation ends, step 3 is saved, the run exits 0."""
+    """SIGTERM while the step-3 validation decodes: validation ends, step 3 is saved, the run exits 143."""
     config, overrides = scenario_args(demo_data, 5)
     overrides = [
         *overrides,
@@ -89,7 +89,7 @@ def test_sigterm_during_validation_still_saves_a_checkpoint(demo_data, tmp_path)
     report = run_scenario(
         config, overrides, parse_faults("sigterm_in_val@3"), tmp_path, inspect=inspect, log=lambda _m: None
     )
-    assert seen == {"rc": 0, "latest": "step_000003", "val_steps": [3]}
+    assert seen == {"rc": 143, "latest": "step_000003", "val_steps": [3]}
     assert_identical(report)
     assert "SIGTERM: saved checkpoint" in Path(report["log"]).read_text()
 
