@@ -10,6 +10,30 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that runs `speechlm train` in-process leaves Lightning's process group (and its TCPStore
+    listening on MASTER_PORT) and the MASTER_* variables behind; a later subprocess would inherit the
+    port and fail with EADDRINUSE. Tear both down after every test."""
+    before = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _index_cache(tmp_path_factory) -> None:
     """Index caches (tar offsets, memory-mapped manifests) go to a temp folder, not ~/.cache."""
