@@ -164,6 +164,8 @@ class TrainerConfig:
         False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
     )
     final_eval_split: str = "train"  # "train" or "val": the split scored into eval.json
+    # [ckpt engineer] a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time>
+    overwrite: bool = False
 
 
 @dataclass

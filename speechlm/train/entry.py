@@ -85,6 +85,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     from speechlm.train.checkpoint import resume_run
     from speechlm.train.evaluate import final_evaluation
     from speechlm.train.module import SpeechLLMModule
+    from speechlm.train.run_dir import prepare_run_dir
 
     rank, world_size = world_from_env()
     run_dir = Path(cfg.trainer.run_dir)
@@ -93,6 +94,8 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     if dry_run:
         print_resolved_config(cfg, rank)
         return {}
+    # the run dir: writable, not another run's; the resume checkpoint verified and its config compared
+    ckpt = prepare_run_dir(cfg, run_dir, rank)
     # 2. data pipeline, model, callbacks, trainer
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     loader = build_step_loader(cfg, inputs)
@@ -100,14 +103,35 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     announce_model(cfg, module, run_dir, rank)
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
-    ckpt = resume_run(cfg, run_dir, loader, module, trainer, metrics, rank=rank, world_size=world_size)
+    ckpt = resume_run(cfg, ckpt, loader, module, trainer, metrics, rank=rank, world_size=world_size)
+    resumed_step = trainer_step_of(ckpt)
     # 4. fit
     elapsed = fit(trainer, module, loader, ckpt)
     # 5. final evaluation: greedy WER per language on the chosen split
     result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
+    if finished_before(cfg, run_dir, resumed_step, trainer.global_step, rank):
+        return result
     if not trainer.received_sigterm:
         result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
     return result
+
+
+def trainer_step_of(ckpt: Path | None) -> int | None:
+    from speechlm.train.checkpoint import load_metadata
+
+    return int(load_metadata(ckpt).get("global_step", 0)) if ckpt is not None else None
+
+
+def finished_before(cfg: Any, run_dir: Path, resumed_step: int | None, step: int, rank: int) -> bool:
+    """A resumed launch of a run that had already finished (no step trained now, eval.json there): its
+    final evaluation is kept as it was, not rewritten with this launch's minutes."""
+    if cfg.trainer.validate_only or resumed_step is None or step != resumed_step:
+        return False
+    if not (run_dir / "eval.json").is_file():
+        return False
+    if rank == 0:
+        print(f"the run had already finished at step {step}: {run_dir / 'eval.json'} is kept as it was")
+    return True
 
 
 @dataclass(frozen=True)
@@ -294,9 +318,10 @@ def fit(trainer: Any, module: Any, loader: Any, ckpt: Path | None) -> float:
 
 
 def build_loggers(run_dir: Path) -> list[Any]:
-    from lightning.pytorch.loggers import CSVLogger
+    """CSV (kept whole on resume: lightning_compat.keeping_csv_logger) and TensorBoard if installed."""
+    from speechlm.train.lightning_compat import keeping_csv_logger
 
-    loggers: list[Any] = [CSVLogger(str(run_dir), name="csv", version="")]
+    loggers: list[Any] = [keeping_csv_logger(str(run_dir), name="csv")]
     try:
         import tensorboard  # noqa: F401
         from lightning.pytorch.loggers import TensorBoardLogger
