@@ -128,6 +128,16 @@ class CheckpointCallback(L.Callback):
                 )
             trainer.should_stop = True
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.started = time.time()
+
+    def state_dict(self) -> dict[str, Any]:
+        now = time.time() - self.started if self.started is not None else 0.0
+        return {"train_seconds": self.prior_seconds + now}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prior_seconds = float(state.get("train_seconds", 0.0))
+
     def on_train_end(self, trainer, pl_module) -> None:
         if self.every > 0 and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
             self.save(trainer)

@@ -589,6 +589,8 @@ def resume_run(
         # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
         set_fit_max_steps(trainer, step if ckpt is not None else 0)
     if ckpt is None and rank == 0:
+        if metrics.path.is_file() and metrics.path.read_text(errors="replace").strip():
+            print(f"note: no checkpoint to resume from; {metrics.path} starts over (its steps were not saved)")
         metrics.truncate_after(0)  # a fresh run starts a fresh history (prepare_run_dir checked it is ours)
     return ckpt
 

@@ -104,34 +104,25 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
     ckpt = resume_run(cfg, ckpt, loader, module, trainer, metrics, rank=rank, world_size=world_size)
-    resumed_step = trainer_step_of(ckpt)
     # 4. fit
     elapsed = fit(trainer, module, loader, ckpt)
     # 5. final evaluation: greedy WER per language on the chosen split
-    result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
-    if finished_before(cfg, run_dir, resumed_step, trainer.global_step, rank):
-        return result
+    result: dict[str, Any] = {
+        "steps": trainer.global_step,
+        "train_minutes": total_train_minutes(trainer, elapsed),
+    }
     if not trainer.received_sigterm:
         result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
     return result
 
 
-def trainer_step_of(ckpt: Path | None) -> int | None:
-    from speechlm.train.checkpoint import load_metadata
+def total_train_minutes(trainer: Any, elapsed: float) -> float:
+    """Minutes of training of the whole run: the earlier launches' (saved in checkpoints by
+    CheckpointCallback) plus this one's, so a resumed launch does not report only its own."""
+    from speechlm.train.callbacks import CheckpointCallback
 
-    return int(load_metadata(ckpt).get("global_step", 0)) if ckpt is not None else None
-
-
-def finished_before(cfg: Any, run_dir: Path, resumed_step: int | None, step: int, rank: int) -> bool:
-    """A resumed launch of a run that had already finished (no step trained now, eval.json there): its
-    final evaluation is kept as it was, not rewritten with this launch's minutes."""
-    if cfg.trainer.validate_only or resumed_step is None or step != resumed_step:
-        return False
-    if not (run_dir / "eval.json").is_file():
-        return False
-    if rank == 0:
-        print(f"the run had already finished at step {step}: {run_dir / 'eval.json'} is kept as it was")
-    return True
+    prior = sum(cb.prior_seconds for cb in trainer.callbacks if isinstance(cb, CheckpointCallback))
+    return (prior + elapsed) / 60
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ A run dir "holds a run" when it has any of: a `metrics.jsonl` with at least one 
 `eval.json`, or a checkpoint directory under `checkpoints/` (`step_*`, `best`, or `.old-best`). What a
 launch that died before its first step leaves (`config.yaml`, an empty `metrics.jsonl`, `csv/`, `tb/`,
 `checkpoints/.tmp-*`, a `latest` pointer with no checkpoint) does not count: such a dir is reused.
+With `resume=auto` and no checkpoint, `metrics.jsonl` does not count either: a launch killed before its
+first checkpoint saved nothing to continue, and its requeued launch starts over (with a note).
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ QUIET_KEYS = ("trainer.resume", "trainer.overwrite")
 DATA_PLAN_PREFIXES = ("data.", "sampler.")
 
 
-def holds_run(run_dir: Path) -> list[str]:
-    """What in `run_dir` belongs to an earlier run (empty: the dir can be used by a new run)."""
+def holds_run(run_dir: Path, *, count_metrics: bool = True) -> list[str]:
+    """What in `run_dir` belongs to an earlier run (empty: the dir can be used by a new run).
+
+    `count_metrics=False` (resume=auto found no checkpoint): the logged steps of a launch killed before
+    its first checkpoint are lost anyway, and a requeued job must be able to start again."""
     found = []
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.read_text(errors="replace").strip():
+    if count_metrics and metrics.is_file() and metrics.read_text(errors="replace").strip():
         found.append(str(metrics))
     if (run_dir / "eval.json").exists():
         found.append(str(run_dir / "eval.json"))
@@ -259,7 +264,7 @@ def prepare_run_dir(cfg: Any, run_dir: Path, rank: int) -> Path | None:
     ckpt = resolve_resume(t.resume, run_dir, log)
     in_lineage = ckpt is not None and ckpt.parent.resolve() == (run_dir / "checkpoints").resolve()
     if not in_lineage:
-        found = holds_run(run_dir)
+        found = holds_run(run_dir, count_metrics=t.resume != "auto")
         if found and getattr(t, "overwrite", False):
             if rank == 0:  # the other ranks write nothing to the run dir before rank 0 does
                 dest = move_aside(run_dir)
