@@ -228,3 +228,41 @@ def test_a_run_dir_that_cannot_be_written_is_an_output_error(tmp_path, monkeypat
     with pytest.raises(OutputError, match="is not writable") as e:
         check_writable(tmp_path / "run")
     assert e.value.exit_code == EXIT_OUTPUT
+
+
+def smoke_config(run_dir: Path, *overrides: str):
+    from speechlm.config import load_config
+
+    return load_config(SMOKE, [f"trainer.run_dir={run_dir}", *overrides])
+
+
+def test_resume_auto_without_a_checkpoint_restarts_a_killed_launch_but_not_a_finished_run(tmp_path):
+    """A job requeued with resume=auto after a kill before its first checkpoint must start again; a run
+    that finished without checkpoints (eval.json) is not silently restarted over."""
+    from speechlm.errors import RunDirError
+    from speechlm.train.run_dir import prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    assert prepare_run_dir(smoke_config(run_dir, "trainer.resume=auto"), run_dir, 0) is None
+    with pytest.raises(RunDirError, match="holds another run"):
+        prepare_run_dir(smoke_config(run_dir), run_dir, 0)  # a new run: the records count
+    (run_dir / "eval.json").write_text("{}")
+    with pytest.raises(RunDirError, match="no checkpoint to continue it from") as e:
+        prepare_run_dir(smoke_config(run_dir, "trainer.resume=auto"), run_dir, 0)
+    assert "trainer.overwrite=true" in str(e.value)
+
+
+def test_resume_from_another_runs_checkpoint_into_a_used_run_dir_is_refused(tmp_path):
+    from test_checkpoint_safety import save  # a real (small) checkpoint, no training (same folder)
+
+    from speechlm.errors import RunDirError
+    from speechlm.train.run_dir import prepare_run_dir
+
+    other = save(tmp_path / "other/checkpoints", 2)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "eval.json").write_text("{}")
+    with pytest.raises(RunDirError, match="holds another run"):
+        prepare_run_dir(smoke_config(run_dir, f"trainer.resume={other}"), run_dir, 0)
