@@ -95,9 +95,9 @@ class CheckpointCallback(L.Callback):
         self.every = every
         self.keep_last = keep_last
         self.last_saved_step = -1
-        self.run_id: str | None = (
-            None  # this run's lineage (checkpoint.adopt_lineage); rotation is limited to it
-        )
+        self.run_id: str | None = None  # this run's lineage (checkpoint.adopt_lineage); rotation uses it
+        self.prior_seconds = 0.0  # training time of the run's earlier launches (restored from meta.pt)
+        self.started: float | None = None
 
     def save(self, trainer) -> Path:
         step = trainer.global_step

@@ -290,3 +290,19 @@ def test_data_plan_changes_are_accepted_with_next_epoch_only():
         "sampler.seed: 0 -> 7"
     ]
     assert compare_resume_config(old, new, validate_only=False, resume_data="next_epoch")[0] == []
+
+
+# --- eval.json's train_minutes on resume (newcomer 65) ----------------------------------------------------
+def test_training_time_is_carried_across_launches(tmp_path):
+    from types import SimpleNamespace
+
+    from speechlm.train.callbacks import CheckpointCallback
+    from speechlm.train.entry import total_train_minutes
+
+    cb = CheckpointCallback(tmp_path, every=0)
+    cb.load_state_dict({"train_seconds": 120.0})  # what the resumed checkpoint's meta.pt holds
+    cb.on_train_start(None, None)
+    assert cb.state_dict()["train_seconds"] >= 120.0
+    assert total_train_minutes(SimpleNamespace(callbacks=[cb]), 60.0) == pytest.approx(3.0)
+    fresh = CheckpointCallback(tmp_path, every=0)
+    assert fresh.state_dict() == {"train_seconds": 0.0}
