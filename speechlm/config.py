@@ -179,6 +179,8 @@ class TrainerConfig:
     # the split scored into eval.json: "auto" (val when data.val_manifest is set, else none), "val",
     # "train" (the demo: WER on the training utterances) or "none"
     final_eval_split: str = "auto"
+    # a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time> (never deleted)
+    overwrite: bool = False
 
 
 @dataclass
@@ -571,6 +573,10 @@ FIELDS: dict[str, Rule] = {
     "trainer.final_eval_split": OneOf(
         "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none)",
         choices=("auto", "val", "train", "none"),
+    ),
+    "trainer.overwrite": Flag(
+        "a new run in a run_dir that holds another run moves that run aside to RUN_DIR.old-<UTC time> "
+        "(never deleted); false: such a start is refused"
     ),
 }
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 
+from speechlm.errors import RunDirError
 from speechlm.train.checkpoint import save_checkpoint_atomic, step_dir_name, write_text_atomic
 from speechlm.train.faults import Fault, fault_point, global_rank
 
@@ -46,11 +47,30 @@ class MetricsWriter(L.Callback):
         self.log_every = max(1, log_every)
 
     def truncate_after(self, step: int) -> None:
+        """Keep the records up to `step`. A last line cut short (a kill while writing) is dropped with a
+        note; a bad line elsewhere is a RunDirError naming the file and the line."""
         if not self.path.exists():
             return
-        keep = [
-            ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step
-        ]
+        lines = self.path.read_text(errors="replace").splitlines()
+        keep = []
+        for i, ln in enumerate(lines):
+            if not ln.strip():
+                continue
+            try:
+                rec = json.loads(ln)
+                rec_step = int(rec["step"])
+            except (ValueError, KeyError, TypeError) as e:
+                if i == len(lines) - 1:
+                    print(
+                        f"note: {self.path} line {i + 1} is cut short (a kill while writing?); dropped: {ln[:80]!r}"
+                    )
+                    continue
+                raise RunDirError(
+                    f"{self.path} line {i + 1} is not a metrics record ({e}): {ln[:80]!r}. Remove that line "
+                    f"(or the file, to lose the logged history) and resume again"
+                ) from None
+            if rec_step <= step:
+                keep.append(ln)
         write_text_atomic(self.path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -79,6 +99,9 @@ class CheckpointCallback(L.Callback):
         self.every = every
         self.keep_last = keep_last
         self.last_saved_step = -1
+        self.run_id: str | None = None  # this run's lineage (checkpoint.adopt_lineage); rotation uses it
+        self.prior_seconds = 0.0  # training time of the run's earlier launches (restored from meta.pt)
+        self.started: float | None = None
 
     def save(self, trainer) -> Path:
         step = trainer.global_step
@@ -88,6 +111,7 @@ class CheckpointCallback(L.Callback):
             step_dir_name(step),
             keep_last=self.keep_last,
             data_state=data_state_of(trainer),
+            run_id=self.run_id,
         )
         self.last_saved_step = step
         return path
@@ -99,6 +123,7 @@ class CheckpointCallback(L.Callback):
         SIGTERM_FLAG.install()
         # the state fit starts from is on disk already when it was resumed (nothing to save at step 0)
         self.last_saved_step = trainer.global_step
+        self.started = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -116,6 +141,13 @@ class CheckpointCallback(L.Callback):
                     f"\nSIGTERM: saved checkpoint {path}; exiting. Resume with trainer.resume=auto",
                     flush=True,
                 )
+
+    def state_dict(self) -> dict[str, Any]:
+        now = time.time() - self.started if self.started is not None else 0.0
+        return {"train_seconds": self.prior_seconds + now}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prior_seconds = float(state.get("train_seconds", 0.0))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_step != self.last_saved_step and trainer.global_step > 0:
@@ -143,6 +175,7 @@ class ValidationCallback(L.Callback):
         self.best: float | None = None
         self.bad_evals = 0
         self.root = Path(run_dir) / "checkpoints"
+        self.run_id: str | None = None  # set by checkpoint.adopt_lineage
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -163,7 +196,12 @@ class ValidationCallback(L.Callback):
             self.best = value
             self.bad_evals = 0
             save_checkpoint_atomic(
-                trainer, self.root, "best", update_latest=False, data_state=data_state_of(trainer)
+                trainer,
+                self.root,
+                "best",
+                update_latest=False,
+                data_state=data_state_of(trainer),
+                run_id=self.run_id,
             )
         else:
             self.bad_evals += 1

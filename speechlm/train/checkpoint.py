@@ -24,22 +24,26 @@ checkpoint. `restore_training_state` then gives every rank its own data position
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from speechlm.errors import RunDirError
+from speechlm.errors import OutputError, RunDirError
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 COMPLETE_NAME = "complete.json"
 META_NAME = "meta.pt"
+DCP_METADATA = ".metadata"  # DCP's index of the shards (a pickle: read with read_dcp_metadata)
 RANK_DIR = "speechlm"
 
 
@@ -71,7 +75,8 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
     """The `latest` pointer's checkpoint if it verifies, else the newest one that does (skips are logged).
 
-    None when there is no `step_*` directory; CheckpointError when there are some but none verifies."""
+    None when there is no `step_*` directory; CheckpointError when there are some but none verifies.
+    Every rank runs this on the same files and reaches the same answer (nothing here is random)."""
     pointer = ckpt_root / "latest"
     candidates = [p for _, p in reversed(list_checkpoints(ckpt_root))]
     if pointer.is_file():
@@ -80,13 +85,17 @@ def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
             candidates.remove(target)
             candidates.insert(0, target)
     reasons = []
+    skipped: list[Path] = []
     for p in candidates:
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
             log(f"resume=auto: skipping {p}: {e}")
             reasons.append(str(e))
+            skipped.append(p)
             continue
+        if skipped:
+            log(f"resume=auto: falling back from {skipped[0]} to {p}, the newest checkpoint that verifies")
         return p
     if reasons:  # starting over would silently throw the run away (and keep_last would delete them)
         raise CheckpointError(
@@ -94,6 +103,19 @@ def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
             f"{reasons[0]}); checkpoints written before complete.json existed cannot be loaded safely. Start "
             f"over in a new trainer.run_dir, or remove {ckpt_root} to start over in this one"
         )
+    return None
+
+
+def previous_complete(path: Path) -> Path | None:
+    """The newest checkpoint next to `path`, older than it, that verifies (None if there is none)."""
+    for _, q in reversed(list_checkpoints(path.parent)):
+        if q.name >= path.name:
+            continue
+        try:
+            verify_checkpoint(q)
+        except CheckpointError:
+            continue
+        return q
     return None
 
 
@@ -105,30 +127,65 @@ def resolve_resume(resume: str | None, run_dir: Path, log: Any = print) -> Path 
         return latest_checkpoint(run_dir / "checkpoints", log)
     p = Path(resume)
     if not p.is_dir():
-        raise FileNotFoundError(
+        p = recover_interrupted_resave(p)  # `best` killed between its two renames: the old one is whole
+    if not p.is_dir():
+        raise CheckpointError(
             f"trainer.resume={resume!r}: no checkpoint directory there; use trainer.resume=auto to pick the "
             f"latest checkpoint of trainer.run_dir, or give a path such as {run_dir}/checkpoints/step_000100"
         )
     try:
         verify_checkpoint(p)
     except CheckpointError as e:
-        earlier = [q for step, q in list_checkpoints(p.parent) if q != p and q.name < p.name]
+        earlier = previous_complete(p)
         hint = (
-            f"resume from the previous checkpoint, trainer.resume={earlier[-1]}"
-            if earlier
-            else ("no earlier checkpoint is next to it; start without trainer.resume")
+            f"resume from the previous complete checkpoint, trainer.resume={earlier}"
+            if earlier is not None
+            else "no earlier complete checkpoint is next to it; start without trainer.resume"
         )
         raise CheckpointError(f"{e}; {hint}") from None
     return p
 
 
 # --- writing ----------------------------------------------------------------------------------------
+CONFIG_NAME = "config.yaml"  # the run's config at save time, compared with the current one on resume
+HASH_CHUNK = 1 << 20
+
+
 def list_files(root: Path) -> dict[str, int]:
     return {
         str(f.relative_to(root)): f.stat().st_size
         for f in sorted(root.rglob("*"))
         if f.is_file() and f.name != COMPLETE_NAME
     }
+
+
+def sha256_of(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks (about 1.5 GB/s on one core)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def own_files(ckpt_dir: Path, rank: int) -> list[Path]:
+    """The files this rank wrote: its DCP shards `__<rank>_*.distcp` and its `speechlm/*_rank<rank>.*`."""
+    return sorted([*ckpt_dir.glob(f"__{rank}_*.distcp"), *(ckpt_dir / RANK_DIR).glob(f"*_rank{rank:05d}.*")])
+
+
+def hash_own_files(ckpt_dir: Path, rank: int) -> None:
+    """Each rank hashes what it wrote (the cost is spread over the ranks) into `speechlm/sha256_rank<r>.json`."""
+    hashes = {str(f.relative_to(ckpt_dir)): sha256_of(f) for f in own_files(ckpt_dir, rank)}
+    (ckpt_dir / RANK_DIR).mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / RANK_DIR / f"sha256_rank{rank:05d}.json").write_text(json.dumps(hashes, indent=1))
+
+
+def collect_hashes(ckpt_dir: Path, files: dict[str, int]) -> dict[str, str]:
+    """Every file's SHA-256: the ranks' own (hash_own_files), the rest (.metadata, meta.pt, ...) here."""
+    known: dict[str, str] = {}
+    for f in sorted((ckpt_dir / RANK_DIR).glob("sha256_rank*.json")):
+        known.update(json.loads(f.read_text()))
+    return {rel: known.get(rel) or sha256_of(ckpt_dir / rel) for rel in files}
 
 
 def write_rank_state(ckpt_dir: Path, rank: int, data_state: dict[str, Any] | None) -> None:
@@ -140,6 +197,49 @@ def write_rank_state(ckpt_dir: Path, rank: int, data_state: dict[str, Any] | Non
     torch.save(capture_rng_state(), d / f"rng_rank{rank:05d}.pt")
 
 
+def run_id_of(ckpt: Path) -> str | None:
+    """The run (lineage) that wrote `ckpt`, from its complete.json; None for a checkpoint without one."""
+    try:
+        rid = json.loads((ckpt / COMPLETE_NAME).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def rotate_checkpoints(ckpt_root: Path, keep_last: int | None, run_id: str | None) -> list[Path]:
+    """Delete this run's `step_*` checkpoints beyond the `keep_last` highest steps; return what was deleted.
+
+    Only checkpoints of this run's lineage are candidates (complete.json `run_id` equal to ours: saved
+    by this run, or by the run it resumed from); the one `latest` names is never deleted; `keep_last`
+    None or < 1 keeps everything (validation refuses < 1; this is the belt to its braces)."""
+    if not keep_last or keep_last < 1 or run_id is None:
+        return []
+    pointer = ckpt_root / "latest"
+    protected = ckpt_root / pointer.read_text().strip() if pointer.is_file() else None
+    ours = [p for _, p in list_checkpoints(ckpt_root) if run_id_of(p) == run_id]
+    doomed = [p for p in ours[:-keep_last] if p != protected]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def trash_name(name: str) -> str:
+    return f".old-{name}"
+
+
+def recover_interrupted_resave(path: Path) -> Path:
+    """A re-save of `name` killed between its two renames leaves `.old-<name>` and no `<name>`: the old
+    checkpoint is whole, so put it back (or, if the folder cannot be written, read it where it is)."""
+    trash = path.with_name(trash_name(path.name))
+    if path.exists() or not (trash / COMPLETE_NAME).is_file():
+        return path
+    try:
+        os.replace(trash, path)
+    except OSError:
+        return trash
+    return path
+
+
 def save_checkpoint_atomic(
     trainer: Any,
     ckpt_root: Path,
@@ -148,38 +248,56 @@ def save_checkpoint_atomic(
     keep_last: int | None = None,
     update_latest: bool = True,
     data_state: dict[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> Path:
-    """Save through `trainer.save_checkpoint` into a temp dir, then rename on rank 0 (all ranks call)."""
+    """Save through `trainer.save_checkpoint` into a temp dir, then rename on rank 0 (all ranks call).
+
+    A full disk (or any OS error while writing) removes the temp dir and raises OutputError naming the
+    checkpoint and the previous one, which is kept."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     from speechlm.train.faults import fault_point
 
     strategy = trainer.strategy
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".tmp-{name}"
     final = ckpt_root / name
-    if strategy.is_global_zero and tmp.exists():
-        shutil.rmtree(tmp)
+    if strategy.is_global_zero:
+        recover_interrupted_resave(final)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     strategy.barrier("speechlm_ckpt_pre")
-    trainer.save_checkpoint(str(tmp), weights_only=False)  # full state: optimizer, loops, callbacks
-    write_rank_state(tmp, strategy.global_rank, data_state)
+    try:
+        trainer.save_checkpoint(str(tmp), weights_only=False)  # full state: optimizer, loops, callbacks
+        write_rank_state(tmp, strategy.global_rank, data_state)
+        hash_own_files(tmp, strategy.global_rank)
+    except (Exception, CheckpointException) as e:
+        err = save_failed(e, ckpt_root, tmp, final, strategy.is_global_zero)
+        if err is None:
+            raise
+        raise err from e
     fault_point("save", trainer.global_step)  # the fault-injection harness kills here
     strategy.barrier("speechlm_ckpt_saved")
     if strategy.is_global_zero:
-        manifest = {"step": trainer.global_step, "world_size": strategy.world_size, "files": list_files(tmp)}
-        (tmp / COMPLETE_NAME).write_text(json.dumps(manifest, indent=1))
-        if final.exists():
-            old = ckpt_root / f".old-{name}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        try:
+            config = ckpt_root.parent / CONFIG_NAME
+            if config.is_file():
+                shutil.copyfile(config, tmp / RANK_DIR / CONFIG_NAME)
+            files = list_files(tmp)
+            manifest = {
+                "step": trainer.global_step,
+                "world_size": strategy.world_size,
+                "run_id": run_id,
+                "files": files,
+                "sha256": collect_hashes(tmp, files),
+            }
+            (tmp / COMPLETE_NAME).write_text(json.dumps(manifest, indent=1))
+        except OSError as e:
+            raise save_failed(e, ckpt_root, tmp, final, True) from e  # type: ignore[misc]
+        publish(tmp, final)
         if update_latest:
             write_text_atomic(ckpt_root / "latest", name)
-        if keep_last:
-            for _, p in list_checkpoints(ckpt_root)[:-keep_last]:
-                shutil.rmtree(p, ignore_errors=True)
+        rotate_checkpoints(ckpt_root, keep_last, run_id)
         for p in ckpt_root.glob(".tmp-*"):
             if p != tmp:
                 shutil.rmtree(p, ignore_errors=True)
@@ -187,16 +305,137 @@ def save_checkpoint_atomic(
     return final
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`. Re-saving a name (`best`): the old one goes to `.old-<name>` first, so a
+    kill between the two renames leaves a complete `.old-<name>`, which every reader takes for `<name>`
+    (recover_interrupted_resave); it is deleted only once the new one is in place."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    trash = final.with_name(trash_name(final.name))
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(final, trash)
+    os.replace(tmp, final)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_failed(
+    e: BaseException, ckpt_root: Path, tmp: Path, final: Path, remove: bool
+) -> OutputError | None:
+    """An OS error while writing a checkpoint (disk full, permission): remove the temp dir, keep the rest."""
+    os_error = e if isinstance(e, OSError) else _find_os_error(e)
+    if os_error is None:
+        return None  # not an I/O failure: a bug, let it through
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
+    pointer = ckpt_root / "latest"
+    kept = pointer.read_text().strip() if pointer.is_file() else None
+    previous = (
+        f"the previous checkpoint {ckpt_root / kept} is kept and trainer.resume=auto continues from it"
+        if kept
+        else "no earlier checkpoint exists"
+    )
+    return OutputError(
+        f"cannot write checkpoint {final}: {os_error.strerror or os_error} ({tmp} removed); {previous}. "
+        f"Free space under {ckpt_root} (or fix its permissions) and resume with trainer.resume=auto"
+    )
+
+
+def _find_os_error(e: BaseException) -> OSError | None:
+    """The OSError inside an exception that wraps it (DCP's CheckpointException keeps per-rank failures)."""
+    seen: set[int] = set()
+    stack: list[Any] = [e]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        if isinstance(x, BaseException):
+            stack += [x.__cause__, x.__context__, *x.args]
+            failures = getattr(x, "failures", None)
+            if isinstance(failures, dict):
+                stack += list(failures.values())
+        elif isinstance(x, (list, tuple)):
+            stack += list(x)
+    return None
+
+
 # --- reading ----------------------------------------------------------------------------------------
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's `.metadata` holds: its metadata dataclasses, torch sizes, dtypes, layouts
+    and memory formats, paths and plain containers. Any other global (a function such as `eval`,
+    `os.system`, a class of another module) is refused before it is looked up, so no code runs."""
+
+    DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module in self.DCP_MODULES and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # a dataclass or enum of DCP's metadata, not a function
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
+
+
+def read_dcp_metadata(f: Path) -> Any:
+    """DCP's `.metadata`, unpickled with `_DcpMetadataUnpickler` (CheckpointError names the file)."""
+    try:
+        with f.open("rb") as fh:
+            return _DcpMetadataUnpickler(fh).load()
+    except Exception as e:  # noqa: BLE001 - any failure means the file is not what DCP wrote
+        raise CheckpointError(
+            f"{f} cannot be loaded safely: {e}; the file was altered or written by another program "
+            "(it was not unpickled, no code ran)"
+        ) from None
+
+
+def safe_storage_reader(path: Path) -> Any:
+    """DCP's FileSystemReader whose `read_metadata` uses `read_dcp_metadata` (no code runs on load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_metadata(Path(self.path) / DCP_METADATA)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(path)
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check completeness and sizes against `complete.json`; return it (CheckpointError names the file)."""
+    """Check completeness, sizes and SHA-256 against `complete.json`, and read `meta.pt` and DCP's
+    `.metadata` with loaders that run no code; return the manifest (CheckpointError names the file)."""
     marker = path / COMPLETE_NAME
     if not marker.is_file():
         raise CheckpointError(f"{path} is incomplete: no {COMPLETE_NAME} (the save was interrupted)")
     try:
         manifest = json.loads(marker.read_text())
         files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError) as e:
+        hashes = dict(manifest.get("sha256") or {})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"{marker} is unreadable ({e}): the checkpoint was altered or truncated"
         ) from None
@@ -208,7 +447,17 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{f} is {f.stat().st_size} bytes, {size} when saved: the file was truncated or altered"
             )
+    for rel, digest in hashes.items():  # checkpoints saved before 2026-11-26 have sizes only
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing: the checkpoint is incomplete")
+        if sha256_of(f) != digest:
+            raise CheckpointError(
+                f"{f} does not match the SHA-256 recorded when it was saved: the file was corrupted or altered"
+            )
     load_metadata(path)
+    if (path / DCP_METADATA).is_file():
+        read_dcp_metadata(path / DCP_METADATA)
     return manifest
 
 
@@ -307,7 +556,7 @@ def restore_rng_state(state: dict[str, Any] | None) -> None:
 
 def resume_run(
     cfg: Any,
-    run_dir: Path,
+    ckpt: Path | None,
     loader: Any,
     module: Any,
     trainer: Any,
@@ -316,34 +565,42 @@ def resume_run(
     rank: int,
     world_size: int,
 ) -> Path | None:
-    """Resolve `trainer.resume`, restore this rank's data position and RNG state (the weights,
-    optimizer and loops are restored by `trainer.fit(ckpt_path=...)`), and trim `metrics.jsonl` to the
-    restored step. Returns the checkpoint to hand to fit, or None for a fresh start."""
+    """Restore this rank's data position and RNG state from `ckpt` (resolved and checked by
+    run_dir.prepare_run_dir; the weights, optimizer and loops are restored by `trainer.fit(ckpt_path=...)`),
+    adopt its lineage for rotation, and trim `metrics.jsonl` and the CSV log to the restored step.
+    Returns `ckpt` (None: a fresh start)."""
     from speechlm.train.lightning_compat import set_fit_max_steps
 
     t = cfg.trainer
     step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
-    try:
-        ckpt = resolve_resume(t.resume, run_dir, log=print if rank == 0 else (lambda _m: None))
-        if ckpt is not None:
-            step, pos = restore_training_state(
-                ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
-            )
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
+    if ckpt is not None:
+        step, pos = restore_training_state(
+            ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
+        )
+    adopt_lineage(trainer, run_id_of(ckpt) if ckpt is not None else None)
     if pos is not None and rank == 0:
         metrics.truncate_after(step)
+        for logger in getattr(trainer, "loggers", []):
+            if hasattr(logger, "truncate_after"):
+                logger.truncate_after(step)
         print(f"resuming from {ckpt} (optimizer step {step}, epoch {pos['epoch']}, "
               f"micro-batch {pos['position']} of it; data: {t.resume_data})")  # fmt: skip
     if t.validate_only:
         # evaluation only: restore the checkpoint (if any) through fit, with no optimizer step to take
         set_fit_max_steps(trainer, step if ckpt is not None else 0)
     if ckpt is None and rank == 0:
-        metrics.truncate_after(0)  # a fresh run starts a fresh history
-        old = run_dir / "checkpoints"
-        if any(old.glob("step_*")):
+        if metrics.path.is_file() and metrics.path.read_text(errors="replace").strip():
             print(
-                f"note: {old} holds checkpoints of an earlier run; this run starts from scratch (add "
-                f"trainer.resume=auto to continue that run instead); they are replaced as new ones are saved"
+                f"note: no checkpoint to resume from; {metrics.path} starts over (its steps were not saved)"
             )
+        metrics.truncate_after(0)  # a fresh run starts a fresh history (prepare_run_dir checked it is ours)
     return ckpt
+
+
+def adopt_lineage(trainer: Any, run_id: str | None) -> str:
+    """Give the checkpoint-saving callbacks this run's id: the resumed checkpoint's, or a new one."""
+    rid = run_id or uuid.uuid4().hex
+    for cb in getattr(trainer, "callbacks", []):
+        if hasattr(cb, "run_id"):
+            cb.run_id = rid
+    return rid

@@ -90,6 +90,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     from speechlm.train.evaluate import final_evaluation
     from speechlm.train.module import SpeechLLMModule
     from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
+    from speechlm.train.run_dir import prepare_run_dir
 
     rank, world_size = world_from_env()
     run_dir = Path(cfg.trainer.run_dir)
@@ -98,6 +99,8 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     if dry_run:
         print_resolved_config(cfg, rank)
         return {}
+    # the run dir: writable, not another run's; the resume checkpoint verified and its config compared
+    ckpt = prepare_run_dir(cfg, run_dir, rank)
     # 2. data pipeline, model, callbacks, trainer
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     loader = build_step_loader(cfg, inputs)
@@ -105,12 +108,15 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     announce_model(cfg, module, run_dir, rank)
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
-    ckpt = resume_run(cfg, run_dir, loader, module, trainer, metrics, rank=rank, world_size=world_size)
+    ckpt = resume_run(cfg, ckpt, loader, module, trainer, metrics, rank=rank, world_size=world_size)
     # 4. fit (SIGTERM: a flag the ranks agree on once per step, speechlm/train/preempt.py)
     SIGTERM_FLAG.install()
     elapsed = fit(trainer, module, loader, ckpt)
     # 5. final evaluation: greedy WER per language on the chosen split; the weights are saved already
-    result: dict[str, Any] = {"steps": trainer.global_step, "train_minutes": elapsed / 60}
+    result: dict[str, Any] = {
+        "steps": trainer.global_step,
+        "train_minutes": total_train_minutes(trainer, elapsed),
+    }
     if module.preempted:
         return {**result, "preempted": True}
     try:
@@ -127,6 +133,15 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
             )
         return {**result, "preempted": True}
     return result
+
+
+def total_train_minutes(trainer: Any, elapsed: float) -> float:
+    """Minutes of training of the whole run: the earlier launches' (saved in checkpoints by
+    CheckpointCallback) plus this one's, so a resumed launch does not report only its own."""
+    from speechlm.train.callbacks import CheckpointCallback
+
+    prior = sum(cb.prior_seconds for cb in trainer.callbacks if isinstance(cb, CheckpointCallback))
+    return (prior + elapsed) / 60
 
 
 @dataclass(frozen=True)
@@ -324,9 +339,10 @@ def fit(trainer: Any, module: Any, loader: Any, ckpt: Path | None) -> float:
 
 
 def build_loggers(run_dir: Path) -> list[Any]:
-    from lightning.pytorch.loggers import CSVLogger
+    """CSV (kept whole on resume: lightning_compat.keeping_csv_logger) and TensorBoard if installed."""
+    from speechlm.train.lightning_compat import keeping_csv_logger
 
-    loggers: list[Any] = [CSVLogger(str(run_dir), name="csv", version="")]
+    loggers: list[Any] = [keeping_csv_logger(str(run_dir), name="csv")]
     try:
         import tensorboard  # noqa: F401
         from lightning.pytorch.loggers import TensorBoardLogger

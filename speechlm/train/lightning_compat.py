@@ -92,3 +92,50 @@ def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     save(converted, checkpoint_id=path, no_dist=True)
     torch.save(checkpoint, path / _METADATA_FILENAME)
+
+
+def keeping_csv_logger(save_dir: str, name: str = "csv") -> Any:
+    """Lightning's CSVLogger, except that an existing `metrics.csv` is kept and appended to.
+
+    Lightning's writer deletes `metrics.csv` when its folder is not empty (`_check_log_dir_exists`), so a
+    resumed run lost the CSV history; here the old header's keys are taken over instead, and
+    `truncate_after(step)` (called on resume) drops the rows of the steps that will be trained again."""
+    import csv
+    import os
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class KeepingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            if os.path.isfile(self.metrics_file_path):
+                with open(self.metrics_file_path, newline="") as f:
+                    self.metrics_keys = sorted(next(csv.reader(f), []))
+
+    class KeepingCSVLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> Any:
+            if self._experiment is None:
+                os.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = KeepingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+        def truncate_after(self, step: int) -> None:
+            """Keep the rows of optimizer steps <= `step` (Lightning's `step` column is the step - 1)."""
+            path = os.path.join(self.log_dir, ExperimentWriter.NAME_METRICS_FILE)
+            if not os.path.isfile(path):
+                return
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                fields = list(reader.fieldnames or [])
+                rows = [r for r in reader if not (r.get("step") or "").strip() or float(r["step"]) < step]
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(tmp, path)
+
+    return KeepingCSVLogger(save_dir, name=name, version="")

@@ -14,7 +14,8 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
 
     train: list[dict] = []
     val: list[dict] = []
-    for line in Path(metrics_path).read_text().splitlines():
+    lines = Path(metrics_path).read_text().splitlines() if Path(metrics_path).is_file() else []
+    for line in filter(str.strip, lines):  # an evaluation-only run into a new run dir has no history
         rec = json.loads(line)
         (val if rec.get("kind") == "val" else train).append(rec)
     fig, ax = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), squeeze=False)

@@ -61,8 +61,18 @@ class SpeechParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's DCP loader insists on DTensor parameters; one process has none (no FSDP/TP), so
         the same sharded format is read here with torch's state-dict helpers, which take plain modules."""
+        from speechlm.train.checkpoint import (
+            DCP_METADATA,
+            load_metadata,
+            read_dcp_metadata,
+            safe_storage_reader,
+        )
+
         if has_dtensor_modules(self.model):
-            # meta.pt holds plain containers and tensors only (train/checkpoint.py): no code can run on load
+            # meta.pt holds plain containers and tensors only (train/checkpoint.py); DCP's .metadata is a
+            # pickle that Lightning's loader unpickles: read it first with the restricted unpickler, which
+            # refuses any code in it (verify_checkpoint did too, before the model was built)
+            read_dcp_metadata(Path(checkpoint_path) / DCP_METADATA)
             return super().load_checkpoint(checkpoint_path, weights_only=True)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -75,19 +85,17 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None
         model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(model_state, checkpoint_id=path)
+        dcp.load(model_state, storage_reader=safe_storage_reader(path))
         assert self.lightning_module is not None
         self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(optim_state, checkpoint_id=path)
+            dcp.load(optim_state, storage_reader=safe_storage_reader(path))
             set_optimizer_state_dict(
                 self.model,
                 optimizer,
                 optim_state_dict=optim_state[key],
                 options=StateDictOptions(cpu_offload=True),
             )
-        from speechlm.train.checkpoint import load_metadata
-
         return load_metadata(path)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from speechlm.errors import OutputError
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
     CheckpointError,
@@ -65,7 +66,8 @@ def test_auto_skips_incomplete_checkpoints_and_says_so(tmp_path):
     (tmp_path / "checkpoints/latest").write_text("step_000004")
     said: list[str] = []
     assert resolve_resume("auto", tmp_path, log=said.append).name == "step_000002"
-    assert len(said) == 1 and "step_000004" in said[0] and "incomplete" in said[0]
+    assert "step_000004" in said[0] and "incomplete" in said[0]
+    assert len(said) == 2 and "falling back from" in said[1]  # names both (issue 20)
 
 
 def test_auto_refuses_to_start_over_when_no_checkpoint_verifies(tmp_path):
@@ -156,7 +158,7 @@ def test_save_marks_complete_and_keeps_last(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         save_checkpoint_atomic(
-            FakeTrainer(step), root, f"step_{step:06d}", keep_last=2, data_state={"epoch": 0}
+            FakeTrainer(step), root, f"step_{step:06d}", keep_last=2, data_state={"epoch": 0}, run_id="r"
         )
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000006"]
     assert verify_checkpoint(root / "step_000006")["step"] == 6
@@ -168,7 +170,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
 
     root = tmp_path / "checkpoints"
     save_checkpoint_atomic(FakeTrainer(2), root, "step_000002", keep_last=1)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OutputError, match="No space left"):  # exit 4, naming the kept one (issue 20)
         save_checkpoint_atomic(FakeTrainer(4, fail=True), root, "step_000004", keep_last=1)
     assert not (root / "step_000004").exists() and not (root / ".tmp-step_000004/complete.json").exists()
     assert (root / "latest").read_text() == "step_000002"
