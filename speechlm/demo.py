@@ -62,6 +62,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if rc or args.no_train:
         return rc
     overrides = [
+        # a second `speechlm demo` moves the first run aside (RUN_DIR.old-<time>, printed), never deletes it
+        "trainer.overwrite=true",
         f"data.train_manifest={out / 'train.parquet'}",
         f"data.val_manifest={out / 'val.parquet'}",
         f"data.tokenizer={out / 'tokenizer.model'}",

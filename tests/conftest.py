@@ -10,6 +10,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _lightning_logs_to_the_real_stderr() -> None:
+    """Lightning adds a StreamHandler bound to the sys.stderr of the moment it is first imported; if that is
+    a test's capsys stream, every later test's Lightning log line fails with '--- Logging error ---'
+    (a traceback in their stderr). Import it once, before any test captures."""
+    import lightning.pytorch  # noqa: F401
+
+
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
 
 

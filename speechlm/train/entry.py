@@ -119,6 +119,13 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     }
     if module.preempted:
         return {**result, "preempted": True}
+    if already_evaluated(cfg, run_dir, ckpt, trainer.global_step):
+        if rank == 0:
+            print(
+                f"the run had already finished at step {trainer.global_step} and {run_dir / 'eval.json'} "
+                "holds its evaluation: kept as it is (trainer.validate_only=true evaluates again)"
+            )
+        return result
     try:
         result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
     except EvaluationInterrupted as e:
@@ -133,6 +140,24 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
             )
         return {**result, "preempted": True}
     return result
+
+
+def already_evaluated(cfg: Any, run_dir: Path, ckpt: Path | None, step: int) -> bool:
+    """A resumed launch of a finished run (no step trained, eval.json of that step and split written):
+    its final evaluation would only rewrite eval.json with the same figures."""
+    import json
+
+    from speechlm.config import final_eval_split
+    from speechlm.train.checkpoint import COMPLETE_NAME
+
+    if ckpt is None or cfg.trainer.validate_only:
+        return False
+    try:
+        saved_step = json.loads((Path(ckpt) / COMPLETE_NAME).read_text()).get("step")
+        ev = json.loads((run_dir / "eval.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return saved_step == step and ev.get("steps") == step and ev.get("split") == final_eval_split(cfg)
 
 
 def total_train_minutes(trainer: Any, elapsed: float) -> float:

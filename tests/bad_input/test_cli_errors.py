@@ -163,3 +163,16 @@ def test_faults_replaces_only_an_earlier_scenarios_output(tmp_path: Path) -> Non
     (root / "report.json").write_text("{}")
     clear_run_root(root)
     assert not root.exists()
+
+
+def test_demo_run_twice_moves_the_first_run_aside(tmp_path: Path, monkeypatch) -> None:
+    """The Quick start's `speechlm demo`, run a second time, must not stop on its own earlier run (a used
+    run dir is refused for plain `train`): the demo moves it to RUN_DIR.old-<time> and keeps it."""
+    monkeypatch.chdir(tmp_path)
+    args = ["demo", "trainer.max_steps=1", "trainer.final_eval_split=none", "trainer.run_dir=runs/demo"]
+    assert main(args) == 0
+    assert (tmp_path / "runs/demo/metrics.jsonl").read_text().strip()
+    assert main(args) == 0
+    moved = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("demo.old-"))
+    assert len(moved) == 1, sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert (tmp_path / "runs" / moved[0] / "metrics.jsonl").read_text().strip()

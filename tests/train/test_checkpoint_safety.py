@@ -301,7 +301,7 @@ def test_training_time_is_carried_across_launches(tmp_path):
 
     cb = CheckpointCallback(tmp_path, every=0)
     cb.load_state_dict({"train_seconds": 120.0})  # what the resumed checkpoint's meta.pt holds
-    cb.on_train_start(None, None)
+    cb.on_train_start(SimpleNamespace(global_step=0), None)
     assert cb.state_dict()["train_seconds"] >= 120.0
     assert total_train_minutes(SimpleNamespace(callbacks=[cb]), 60.0) == pytest.approx(3.0)
     fresh = CheckpointCallback(tmp_path, every=0)

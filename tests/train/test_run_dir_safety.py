@@ -132,12 +132,11 @@ def test_resuming_a_finished_run_keeps_its_logs_and_reports_the_whole_training_t
     assert r.returncode == 0, r.stderr[-3000:]
     assert "config changes applied" in r.stdout and "trainer.val_every: 0 -> 5" in r.stdout
     after = snapshot(run_dir)
-    for name in ("csv/metrics.csv", "metrics.jsonl", "eval_decodes.jsonl"):
+    # newcomer 65: the finished run's eval.json (and its train_minutes) is not rewritten by a launch
+    # that trains nothing
+    for name in ("csv/metrics.csv", "metrics.jsonl", "eval_decodes.jsonl", "eval.json"):
         assert after[name] == before[name], name
-    old, new = json.loads(before["eval.json"]), json.loads(after["eval.json"])
-    assert new["steps"] == old["steps"] == 4 and new["wer"] == old["wer"]
-    # the run's training time, not this launch's few seconds (newcomer 65: 0.008 min)
-    assert new["train_minutes"] >= 0.9 * old["train_minutes"]
+    assert "kept as it is" in r.stdout
 
 
 class Payload:
@@ -201,7 +200,8 @@ def test_a_run_dir_or_checkpoints_that_is_a_file_is_refused_before_the_model(
         bad.write_text("")
     r = train_in_process(base(demo_data, run_dir, "trainer.ckpt_every=3"), capsys)
     assert r.returncode == 3, r.stderr[-3000:]
-    assert f"{bad} is a file, not a directory" in r.stderr and "model:" not in r.stdout
+    # the pre-flight (speechlm/preflight.py) finds it first, before any manifest is opened
+    assert f"{bad} exists and is not a directory" in r.stderr and "model:" not in r.stdout
 
 
 # --- without training ----------------------------------------------------------------------------------

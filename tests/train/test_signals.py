@@ -162,8 +162,14 @@ def test_sigterm_during_final_evaluation_keeps_the_weights(demo_data, tmp_path):
     assert "eval.json was not written" in text and not (run_dir / "eval.json").exists()
 
 
+_BEFORE: set[int] = set()
+
+
 def worker_count() -> int:
-    return sum(1 for c in psutil.Process().children(recursive=True) if c.is_running())
+    """Children of this process started since `_BEFORE` was taken (earlier tests may leave some behind)."""
+    return sum(
+        1 for c in psutil.Process().children(recursive=True) if c.is_running() and c.pid not in _BEFORE
+    )
 
 
 def test_epochs_leave_no_dataloader_workers_behind(demo_data, tmp_path):
@@ -182,6 +188,8 @@ def test_epochs_leave_no_dataloader_workers_behind(demo_data, tmp_path):
     table = open_index(str(small))
     ds = SpeechDataset(table, Tokenizer(cfg.data.tokenizer), max_tokens=64)
     loader = StepLoader(build_sampler(cfg, table, dp_rank=0, dp_size=1), ds, grad_accum=1, num_workers=1)
+    _BEFORE.clear()
+    _BEFORE.update(c.pid for c in psutil.Process().children(recursive=True))
     assert worker_count() == 0
     held = []
     for _epoch in range(3):  # a stop mid-epoch leaves its iterator suspended (Lightning holds it)
