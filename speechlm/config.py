@@ -7,6 +7,7 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
 import math
@@ -211,16 +212,18 @@ def _show(value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """The valid values of one key: `check` returns None or why a value is refused."""
+class Rule(abc.ABC):
+    """The valid values of one key (abstract: Num, OneOf, Flag, ... implement both methods)."""
 
     doc: str  # one line of meaning (docs/config.md)
 
+    @abc.abstractmethod
     def check(self, value: Any) -> str | None:
-        raise NotImplementedError
+        """None, or why `value` is refused."""
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """The valid values in words (docs/config.md and error messages)."""
 
 
 @dataclass(frozen=True)

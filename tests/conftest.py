@@ -18,7 +18,15 @@ def _lightning_logs_to_the_real_stderr() -> None:
     import lightning.pytorch  # noqa: F401
 
 
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+_DIST_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
 
 
 @pytest.fixture(autouse=True)
