@@ -29,6 +29,10 @@ FUSED_ATTN_BROKEN_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(12, 0)}
 # A100 (8.0) and H100/H200 (9.0), where TE's CP is developed and NeMo/Megatron run it; add a row only
 # after `pytest -m gpu` and a gradient comparison against the reference backend on that GPU
 TE_CP_VERIFIED_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(8, 0), (9, 0)})
+# compute capabilities where transformer-engine's own PR validated THD context parallelism with fused
+# attention off (NVTE_FUSED_ATTN=0: its flash-attn path, flash-attn installed) in bf16; accepted with a
+# warning because this project has not measured it there (item 8 of issue 21)
+TE_CP_PR_VALIDATED_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(12, 0)})
 # oldest GPU generation each backend's kernels run on (FlashAttention-2 kernels: Ampere, sm_80, and newer)
 MIN_CAPABILITY: dict[str, tuple[int, int]] = {"flash": (8, 0), "torch_varlen": (8, 0)}
 # backends whose forward runs on CPU although the backward does not (validation-only runs are fine)
@@ -107,9 +111,28 @@ def _te_cp(ctx: ValidationContext) -> bool:
     return ctx.backend == "te" and ctx.cp > 1 and ctx.packed
 
 
+def _te_cp_as_the_pr_recommends(ctx: ValidationContext) -> bool:
+    """THD + te + CP on a GPU of TE_CP_PR_VALIDATED_CAPABILITIES, in the setup that PR validated: fused
+    attention off (NVTE_FUSED_ATTN=0), flash-attn installed and enabled, bf16 (trainer.precision bf16 or
+    auto, which autocasts to bf16 on these GPUs)."""
+    return (
+        _te_cp(ctx)
+        and ctx.device_capability in TE_CP_PR_VALIDATED_CAPABILITIES
+        and ctx.env_flag_is_zero("NVTE_FUSED_ATTN")
+        and not ctx.env_flag_is_zero("NVTE_FLASH_ATTN")
+        and ctx.installed.get("flash-attn") is not None
+        and ctx.precision in ("bf16", "auto")
+    )
+
+
 def _te_cp_unverified_gpu(ctx: ValidationContext) -> bool:
     cap = ctx.device_capability
-    return _te_cp(ctx) and cap is not None and cap not in TE_CP_VERIFIED_CAPABILITIES
+    return (
+        _te_cp(ctx)
+        and cap is not None
+        and cap not in TE_CP_VERIFIED_CAPABILITIES
+        and not _te_cp_as_the_pr_recommends(ctx)
+    )
 
 
 def _heads_problems(ctx: ValidationContext) -> list[str]:
@@ -329,7 +352,25 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         "calls per step; its numerics have only been relied on where NeMo and Megatron-LM train with "
         "it (A100, H100/H200). The sm_120 gradient amplification of cuDNN's fused backward (rule "
         "te-fused-attn-sm120) is one reason not to assume other GPUs behave. Without a GPU "
-        "(backend-needs-gpu) this rule does not fire.",
+        "(backend-needs-gpu) this rule does not fire; on sm_120 in the setup transformer-engine's PR "
+        "validated, te-cp-sm120-unmeasured (a warning) replaces it.",
+    ),
+    Rule(
+        id="te-cp-sm120-unmeasured",
+        level=WARNING,
+        when="transformer-engine with cp > 1 on compute capability 12.0 with NVTE_FUSED_ATTN=0, flash-attn "
+        "installed and bf16",
+        applies=_te_cp_as_the_pr_recommends,
+        reason="model.attention_backend=te with cp={cp} on {device}: transformer-engine's PR recommends and "
+        "validated this setup (NVTE_FUSED_ATTN=0, flash-attn, bf16) on sm_120, but this project has not "
+        "measured its gradients there",
+        fix="nothing is required; compare te's gradients against model.attention_backend=reference on this "
+        "GPU (`pytest -m gpu`) and, if they match, add the capability to TE_CP_VERIFIED_CAPABILITIES in "
+        "parallel/validator/rules.py to silence this",
+        doc="On sm_120 transformer-engine's THD context parallelism runs through flash-attn once cuDNN's "
+        "fused attention is off, which is the configuration the transformer-engine PR that added sm_120 "
+        "support recommends and validated. Any other setting on sm_120 stays te-cp-unverified-gpu "
+        "(an error); fused attention left on is also te-fused-attn-sm120.",
     ),
     Rule(
         id="te-fused-attn-sm120",

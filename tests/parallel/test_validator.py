@@ -75,6 +75,9 @@ def _without(name: str) -> dict[str, str | None]:
     return {**INSTALLED, name: None}
 
 
+# the configuration transformer-engine's sm_120 PR recommends (with NVTE_FUSED_ATTN=0 and flash-attn)
+TE_CP_SM120 = ("model.attention_backend=te", "parallel.cp_size=2", "trainer.precision=bf16")
+
 # rule id -> (a case that triggers it, a near miss that does not)
 RULE_CASES: dict[str, tuple[Case, Case]] = {
     "world-size-mismatch": (
@@ -110,6 +113,10 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
     "te-cp-unverified-gpu": (
         Case(("model.attention_backend=te", "parallel.cp_size=2"), world=2, cap=8.9),
         Case(("model.attention_backend=te", "parallel.cp_size=2"), world=2, cap=9.0),
+    ),
+    "te-cp-sm120-unmeasured": (
+        Case(TE_CP_SM120, world=2, cap=12.0, env={"NVTE_FUSED_ATTN": "0"}),
+        Case(TE_CP_SM120, world=2, cap=12.0, env={"NVTE_FUSED_ATTN": "0"}, installed=_without("flash-attn")),
     ),
     "te-fused-attn-sm120": (
         Case(("model.attention_backend=te",), cap=12.0),
@@ -237,7 +244,8 @@ def expected_layout_ids(
     if cp > 1 and not caps.cp:
         out.add("backend-no-cp")
     if packed and cp > 1 and backend == "te" and cap is not None and cap != 9.0:
-        out.add("te-cp-unverified-gpu")
+        # sm_120 with fused attention off (flash-attn installed, precision auto = bf16): accepted, with a warning
+        out.add("te-cp-sm120-unmeasured" if cap == 12.0 and nvte == "0" else "te-cp-unverified-gpu")
     if packed and backend == "te" and nvte != "0" and not validate_only and cap is not None:
         out.add("te-fused-attn-sm120" if cap == 12.0 else "te-fused-attn")
     if cap is None and not caps.cpu and not (validate_only and backend == "flex"):
@@ -355,6 +363,26 @@ def test_te_fused_attn_reads_the_flag_like_transformer_engine() -> None:
     for value, fires in (("0", False), (" 0 ", False), ("00", False), ("1", True), ("", True), ("no", True)):
         ids = [f.rule_id for f in validate(cfg, 1, {"NVTE_FUSED_ATTN": value}, "12.0", INSTALLED)]
         assert ("te-fused-attn-sm120" in ids) == fires, value
+
+
+def test_te_cp_on_sm120_as_the_pr_recommends_is_accepted_with_a_warning() -> None:
+    env = {"NVTE_FUSED_ATTN": "0"}
+    (f,) = validate(make_config(*TE_CP_SM120), 2, env, "12.0", INSTALLED)
+    assert f.level == WARNING and f.rule_id == "te-cp-sm120-unmeasured"
+    assert "not measured" in f.reason and "sm_120" in f.reason
+    check_or_raise([f], log=lambda _: None)  # a warning: training goes on
+    # each missing ingredient of the recommendation leaves it unverified (an error), as before
+    for overrides, env_, installed in (
+        (TE_CP_SM120, {}, INSTALLED),  # fused attention on (also te-fused-attn-sm120)
+        (TE_CP_SM120, {**env, "NVTE_FLASH_ATTN": "0"}, INSTALLED),  # flash-attn turned off
+        (TE_CP_SM120, env, _without("flash-attn")),  # flash-attn missing
+        ((*TE_CP_SM120, "trainer.precision=32"), env, INSTALLED),  # not bf16
+    ):
+        ids = [f.rule_id for f in validate(make_config(*overrides), 2, env_, "12.0", installed)]
+        assert "te-cp-unverified-gpu" in ids and "te-cp-sm120-unmeasured" not in ids, (overrides, env_)
+    # other unlisted GPUs stay unverified even with the same settings
+    ids = [f.rule_id for f in validate(make_config(*TE_CP_SM120), 2, env, "8.9", INSTALLED)]
+    assert ids == ["te-cp-unverified-gpu"]
 
 
 def test_te_with_fused_attention_off_needs_flash_attn_enabled() -> None:
