@@ -87,7 +87,6 @@ class EncoderConfig:
     intermediate_size: int = 704
     subsampling_conv_channels: int = 64
     num_mel_bins: int = 80
-    tensor_parallel: bool = False
     # normalisation in the Conformer conv module: "auto" (layer_norm from scratch, batch_norm for a
     # pretrained encoder), "layer_norm" (over channels, per frame) or "batch_norm" (frozen running stats)
     conv_norm: str = "auto"
@@ -462,7 +461,6 @@ FIELDS: dict[str, Rule] = {
     "model.encoder.intermediate_size": Num(_SIZE, lo=1, integer=True),
     "model.encoder.subsampling_conv_channels": Num(_SIZE, lo=1, integer=True),
     "model.encoder.num_mel_bins": Num("mel bins of the front end", lo=1, integer=True),
-    "model.encoder.tensor_parallel": Flag("shard the encoder over the TP group too"),
     "model.encoder.conv_norm": OneOf(
         "normalisation in the Conformer conv module (auto: layer_norm from "
         "scratch, batch_norm for a pretrained encoder)",
@@ -582,6 +580,18 @@ FIELDS: dict[str, Rule] = {
         "(never deleted); false: such a start is refused"
     ),
 }
+
+
+# keys that existed once: a config that still sets one is refused with this advice instead of "unknown key"
+REMOVED_KEYS: dict[str, str] = {
+    "model.encoder.tensor_parallel": "was removed (issue 21): the audio encoder is never tensor-parallel (FSDP "
+    "shards it, CP splits its clips; only the LLM is split over tp), and the key only changed which head counts "
+    "the validator checked; delete it from the config",
+}
+
+
+def _removed(where: str, key: str) -> ConfigError:
+    return ConfigError(f"{where}: {key} {REMOVED_KEYS[key]}")
 
 
 def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
@@ -727,6 +737,9 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
 def _from_dict(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
+    for name in unknown:
+        if prefix + name in REMOVED_KEYS:
+            raise _removed(where, prefix + name)
     if unknown:
         raise ConfigError(
             f"{where}: unknown key '{prefix}{unknown[0]}'; valid keys under "
@@ -760,6 +773,8 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
     for i, part in enumerate(parts):
         types_ = _field_types(type(obj))
         if part not in types_:
+            if ".".join(parts[: i + 1]) in REMOVED_KEYS:
+                raise _removed(where, ".".join(parts[: i + 1]))
             parent = ".".join(parts[:i]) or "<root>"
             raise ConfigError(
                 f"{where}: unknown key '{key}'; valid keys under '{parent}' are: {', '.join(sorted(types_))}"

@@ -91,8 +91,6 @@ class ValidationContext:
     grad_accum: int
     llm_heads: int
     llm_kv_heads: int
-    encoder_heads: int
-    encoder_tp: bool
     pad_to_multiple: int | None  # configured rounding (model.pad_to_multiple); None: automatic
     cp_split_threshold: int | str  # parallel.cp_split_threshold: "auto" or tokens (0: split all)
     sampler_mode: str
@@ -225,8 +223,6 @@ def build_context(
         grad_accum=int(getattr(trainer, "grad_accum", 1)),
         llm_heads=int(model.llm.num_heads),
         llm_kv_heads=int(getattr(model.llm, "num_kv_heads", None) or model.llm.num_heads),
-        encoder_heads=int(model.encoder.num_heads),
-        encoder_tp=bool(getattr(model.encoder, "tensor_parallel", False)),
         pad_to_multiple=None if pad is None else int(pad),
         cp_split_threshold=getattr(par, "cp_split_threshold", "auto"),
         sampler_mode=str(getattr(sampler, "mode", "temperature")),

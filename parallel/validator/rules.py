@@ -139,8 +139,6 @@ def _heads_problems(ctx: ValidationContext) -> list[str]:
     if ctx.tp <= 1:
         return []
     heads = [("model.llm.num_heads", ctx.llm_heads), ("model.llm.num_kv_heads", ctx.llm_kv_heads)]
-    if ctx.encoder_tp:
-        heads.append(("model.encoder.num_heads", ctx.encoder_heads))
     return [f"{name}={n} is not divisible by tp={ctx.tp}" for name, n in heads if n % ctx.tp]
 
 
@@ -420,8 +418,8 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         reason="tensor parallelism splits attention heads evenly over tp={tp} ranks: {details}",
         fix="choose a parallel.tp_size that divides every listed head count",
         doc="Column-parallel Q/K/V projections give each TP rank num_heads/tp query heads and "
-        "num_kv_heads/tp key/value heads. The encoder's heads count only when "
-        "model.encoder.tensor_parallel is true.",
+        "num_kv_heads/tp key/value heads. The audio encoder is not tensor-parallel, so its heads do not "
+        "count.",
     ),
     Rule(
         id="rounding-not-divisible",

@@ -322,11 +322,9 @@ def test_world_size_messages_give_the_numbers() -> None:
     )
 
 
-def test_encoder_heads_count_only_when_the_encoder_is_tensor_parallel() -> None:
+def test_encoder_heads_do_not_count_the_encoder_is_not_tensor_parallel() -> None:
     base = ("parallel.tp_size=2", "model.encoder.num_heads=3")
     assert validate(make_config(*base), 2, {}, 9.0, INSTALLED) == []
-    (f,) = validate(make_config(*base, "model.encoder.tensor_parallel=true"), 2, {}, 9.0, INSTALLED)
-    assert "model.encoder.num_heads=3" in f.reason
     (f,) = validate(make_config("parallel.tp_size=2", "model.llm.num_kv_heads=1"), 2, {}, 9.0, INSTALLED)
     assert "num_kv_heads=1" in f.reason and "num_heads=4" not in f.reason
 
