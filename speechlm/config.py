@@ -73,8 +73,8 @@ class Section:
     KEY: ClassVar[str] = ""  # dotted prefix of the section's keys ("model.encoder")
 
     def validate(self, origin: Mapping[str, str] | None = None) -> None:
-        """Raise `ConfigError` on the first bad value; `origin` maps dotted keys to where they were set."""
-        origin = origin or {}
+        """Raise `ConfigError` on the first bad value; `origin` maps dotted keys to where they were set
+        (None: not known, e.g. a config built in code; a key missing from it: the default)."""
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, Section):
@@ -1009,12 +1009,12 @@ def _keys_in(data: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def _check_key(key: str, value: Any, origin: Mapping[str, str]) -> None:
+def _check_key(key: str, value: Any, origin: Mapping[str, str] | None) -> None:
     """`value` against the `FIELDS` entry of `key`; the message says where the value was set."""
     rule = FIELDS[key]
     reason = rule.check(value)
     if reason is not None:
-        where = f" (set {origin[key]})" if key in origin else " (the default)"
+        where = "" if origin is None else f" (set {origin[key]})" if key in origin else " (the default)"
         raise ConfigError(f"{key}={_show(value)}{where}: {reason}; use {rule.describe()} ({rule.doc})")
 
 

@@ -111,7 +111,7 @@ def test_a_choice_in_a_file_is_refused_while_parsing(tmp_path: Path) -> None:
 
 
 def test_each_section_validates_its_own_keys() -> None:
-    with pytest.raises(ConfigError, match=r"optim\.lr=-1 \(the default\): out of range; use number > 0"):
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1: out of range; use number > 0"):
         OptimConfig(lr=-1).validate()
     with pytest.raises(ConfigError, match=r"optim\.lr=-1 \(set on the command line\)"):
         OptimConfig(lr=-1).validate({"optim.lr": "on the command line"})

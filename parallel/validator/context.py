@@ -201,9 +201,17 @@ def build_context(
     installed: Mapping[str, str | None],
     manifest_summary: Mapping[str, Any] | None = None,
 ) -> ValidationContext:
-    """Read everything the rules need from the arguments, once."""
+    """Read everything the rules need from the arguments, once.
+
+    The rules tie keys together; the range or choice set of each single key is the config's own
+    (`speechlm.config`'s sections). A config with a `validate()` method is checked by it first, so a
+    value its section refuses (parallel.cp_size=0, an unknown attention backend, ...) raises that
+    section's ValueError here instead of turning into a finding."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check = getattr(config, "validate", None)
+    if callable(check):
+        check()
     par, model, trainer, sampler = config.parallel, config.model, config.trainer, config.sampler
     dp_replicate, dp_shard = int(par.dp_replicate), int(par.dp_shard)
     cp, tp = int(par.cp_size), int(par.tp_size)

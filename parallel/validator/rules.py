@@ -6,7 +6,9 @@ rule does not fire, or True / a detail string / a list of detail strings when it
 (ctx, details)). A level that depends on the context is two rows with distinct ids (e.g.
 `te-fused-attn-sm120`, an error, and `te-fused-attn`, a warning), so each id always has one level.
 
-The rows cover the world size and mesh, head counts under TP, the rounding unit, attention backends
+Every row ties several keys (or a key and the machine) together; a single key's range or choices is
+checked by the config's sections (`speechlm.config`), before any rule runs. The rows cover the world
+size and mesh, head counts under TP, the rounding unit, attention backends
 against the layout, CP, the environment, the GPU and the installed packages, and fp32 into
 half-precision kernels. Rules about training rather than parallelism (the sampler's budget, the
 encoder's packed path, gradient accumulation) live in `speechlm.validate_rules`.
@@ -64,13 +66,7 @@ class Rule:
 
 
 def _world_size_problems(ctx: ValidationContext) -> list[str]:
-    out = [
-        f"parallel.{name}={value} must be >= 1"
-        for name, value in (("dp_replicate", ctx.dp_replicate), ("cp_size", ctx.cp), ("tp_size", ctx.tp))
-        if value < 1
-    ]
-    if out:
-        return out
+    out = []
     fixed = ctx.dp_replicate * ctx.cp * ctx.tp
     if ctx.dp_shard == -1:
         if ctx.dp_shard_resolved is None:
@@ -78,8 +74,6 @@ def _world_size_problems(ctx: ValidationContext) -> list[str]:
                 f"dp_shard=-1 takes the rest of world size {ctx.world_size}, but {ctx.world_size} is not a "
                 f"positive multiple of dp_replicate*cp*tp = {ctx.dp_replicate}*{ctx.cp}*{ctx.tp} = {fixed}"
             )
-    elif ctx.dp_shard < 1:
-        out.append(f"parallel.dp_shard={ctx.dp_shard} must be -1 (the rest) or >= 1")
     elif fixed * ctx.dp_shard != ctx.world_size:
         out.append(
             f"dp_replicate*dp_shard*cp*tp = {ctx.dp_replicate}*{ctx.dp_shard}*{ctx.cp}*{ctx.tp} = "
@@ -146,8 +140,6 @@ def _rounding_problem(ctx: ValidationContext) -> str:
     m = ctx.pad_to_multiple
     if m is None:
         return ""
-    if m < 1:
-        return f"model.pad_to_multiple={m} must be >= 1"
     if ctx.packed and m % ctx.rounding_unit:
         return (
             f"model.pad_to_multiple={m} is not a multiple of {ctx.rounding_unit} "
@@ -241,10 +233,8 @@ def _reference_at_scale(ctx: ValidationContext) -> str:
 
 def _split_threshold_problem(ctx: ValidationContext) -> str:
     t = ctx.cp_split_threshold
-    if t == "auto" or t == 0:
+    if not isinstance(t, int) or t == 0:  # "auto", or 0: split all
         return ""
-    if not isinstance(t, int) or t < 0:
-        return f"parallel.cp_split_threshold={t!r} is neither 'auto' nor a number of tokens >= 0"
     if ctx.cp == 1:
         return f"parallel.cp_split_threshold={t} has no effect without context parallelism (cp=1)"
     if t < 2 * ctx.cp:
@@ -266,16 +256,6 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         "(parallel.dp_shard=-1 takes the rest), or launch that many processes",
         doc="The device mesh is dp_replicate x dp_shard x cp x tp and must tile the launched processes "
         "exactly. With dp_shard=-1 the world size must be a multiple of dp_replicate*cp*tp.",
-    ),
-    Rule(
-        id="backend-unknown",
-        level=ERROR,
-        when="model.attention_backend is not in parallel/backend_caps.py",
-        applies=lambda c: c.caps is None,
-        reason="model.attention_backend={backend} is not a known attention backend",
-        fix="set model.attention_backend to one of: {known_backends}",
-        doc="Every other backend rule reads the capability table; a backend missing from it cannot be "
-        "checked.",
     ),
     Rule(
         id="bshd-with-cp",
