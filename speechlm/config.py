@@ -929,12 +929,23 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return fix(out)
 
 
+def is_override(word: str) -> bool:
+    """A command-line word that is a dotted override (KEY=VALUE) rather than an option or a file."""
+    return "=" in word and not word.startswith("-")
+
+
+def split_override(text: str, where: str = "command line") -> tuple[str, str]:
+    """`a.b.c=value` -> ("a.b.c", "value"): the one reader of dotted overrides (train, validate, plan, sweep
+    specs and filters). The key is stripped; the value is kept as written (`apply_override` reads it as YAML)."""
+    key, eq, raw = text.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"{where}: override {text!r} must look like key.path=value")
+    return key.strip(), raw
+
+
 def apply_override(cfg: ExperimentConfig, override: str, where: str = "command line") -> None:
     """Apply one `a.b.c=value` override in place; the value is parsed as YAML then type-checked."""
-    if "=" not in override:
-        raise ConfigError(f"{where}: override {override!r} must look like key.path=value")
-    key, raw = override.split("=", 1)
-    key = key.strip()
+    key, raw = split_override(override, where)
     parts = key.split(".")
     obj: Any = cfg
     for i, part in enumerate(parts):
@@ -994,7 +1005,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         origin = {key: f"in {p}" for key in _keys_in(data)}
     for ov in overrides:
         apply_override(cfg, ov)
-        origin[ov.split("=", 1)[0].strip()] = "on the command line"
+        origin[split_override(ov)[0]] = "on the command line"
     check_config(cfg, origin)
     return cfg
 

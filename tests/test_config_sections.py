@@ -140,3 +140,27 @@ def test_each_section_validates_its_own_keys() -> None:
     TrainerConfig(val_every=2).validate()
     with pytest.raises(ConfigError, match=r"trainer\.val_every=2 but data\.val_manifest"):
         ExperimentConfig(trainer=TrainerConfig(val_every=2)).validate()
+
+
+# --- one dotted-override parser ---------------------------------------------------------------------
+
+
+def test_one_override_parser_for_config_sweep_and_validate() -> None:
+    from speechlm.config import is_override, split_override
+    from speechlm.sweep.dispatch import _matches, parse_only
+    from speechlm.sweep.spec import format_override
+
+    assert split_override(" model.x =a=b") == ("model.x", "a=b")  # the key stripped, the value as written
+    for bad in ("model.dropout", "=3", " =3"):
+        with pytest.raises(ConfigError, match="must look like key.path=value"):
+            split_override(bad)
+    assert is_override("trainer.max_steps=3") and not is_override("--env=X=1") and not is_override("cfg.yaml")
+    # the sweep's --only filter and job matching read overrides the same way (key stripped)
+    assert parse_only(["trainer.seed =1"]) == {"trainer.seed": "1"}
+    with pytest.raises(ValueError, match="--only 'seed'.*key.path=value"):
+        parse_only(["seed"])
+    assert _matches({"id": "a", "overrides": [" trainer.seed=1"]}, {"trainer.seed": "1"})
+    assert split_override(format_override("optim.betas", [0.9, 0.98])) == ("optim.betas", "[0.9, 0.98]")
+    # the origin of a key set with spaces around it is the command line
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1.0 \(set on the command line\)"):
+        load_config(None, [" optim.lr =-1"])
