@@ -1,8 +1,11 @@
 """Typed experiment config: dataclasses composed into one `ExperimentConfig`.
 
 YAML is for storage; dotted overrides (`model.packed_sequences=true`) change single fields on the
-command line. Unknown keys are errors that name the key and list the valid ones, so a typo never
-silently falls back to a default.
+command line (`split_override` reads them, for every command). Unknown keys are errors that name the
+key and list the valid ones, so a typo never silently falls back to a default. A choice field is a
+`Literal` type, refused while parsing when the value is not one of its members; each section's
+`validate()` checks its keys' ranges (`FIELDS`) and the rules among them, and `ExperimentConfig.validate()`
+the rules across sections. Rules of the parallel layout live in the validator (parallel/validator/).
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class MissingInputError(ConfigError):
 
 
 class Section:
-    """A config section: `validate()` checks each key against its `FIELDS` entry (sub-sections first, in
-    declaration order), then the section's own rules across its keys (`problems`)."""
+    """A config section: `validate()` checks each key against its `FIELDS` entry in declaration order (a
+    sub-section through its own `validate()`), then the section's own rules across its keys (`problems`)."""
 
     KEY: ClassVar[str] = ""  # dotted prefix of the section's keys ("model.encoder")
 
