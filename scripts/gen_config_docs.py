@@ -41,7 +41,10 @@ Every value is checked against the range or choices below when the config is loa
 `speechlm validate`, `speechlm train` (before anything is built), `speechlm plan` and
 `speechlm sweep init` refuse the same values with the same message, `KEY=VALUE (set in FILE | on the
 command line): why; use VALID (meaning)` (`speechlm validate` and `speechlm train` exit with code
-2). NaN and infinities are refused for every number.
+2). NaN and infinities are refused for every number. A *choice* key is a `Literal` type in
+`speechlm/config.py`, the one list of its values: a value outside it is refused while the file or
+override is parsed. Each section (`DataConfig`, ..., `TrainerConfig`) checks its own keys and the
+rules among them in `validate()`; `ExperimentConfig.validate()` adds the rules across sections.
 
 ## Paths
 
@@ -70,6 +73,8 @@ def type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is typing.Literal:  # a choice field: the valid column lists the choices
+        return "choice" if all(isinstance(a, str) for a in args) else type_name(type(args[0]))
     if origin is list:
         return f"list of {type_name(args[0]) if args and args[0] is not Any else 'entries'}"
     if origin is tuple:

@@ -51,6 +51,11 @@ the model is built, and train stops on an error, before its first step; train al
 `trainer.run_dir` and its `checkpoints` folder are (or can be made) writable directories and that
 an explicit `trainer.resume` path is a complete checkpoint.
 
+The rules below tie keys together (or a key and the machine). The range or choice set of a single
+key is the config's own, checked when it is loaded (`ExperimentConfig.validate()`, one `validate()`
+per section; docs/config.md), so a bad single value (`parallel.cp_size=0`, an unknown attention
+backend) is a config error, exit status 2, before any rule runs.
+
 ```
 speechlm validate CONFIG [--manifest M] [--world-size N] [--cp-size C] [--tp-size T]
                          [--env KEY=VALUE ...] [--device-capability 9.0]

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from speechlm.config import is_override
 from speechlm.errors import EXIT_CODES, run_guarded
 
 EXIT_CODES_HELP = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         # dotted overrides may come after options (`train CONFIG --cp-size 2 trainer.max_steps=3`)
-        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extras):
+        if hasattr(args, "overrides") and all(is_override(e) for e in extras):
             args.overrides = [*(args.overrides or []), *extras]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -1,8 +1,11 @@
 """Typed experiment config: dataclasses composed into one `ExperimentConfig`.
 
 YAML is for storage; dotted overrides (`model.packed_sequences=true`) change single fields on the
-command line. Unknown keys are errors that name the key and list the valid ones, so a typo never
-silently falls back to a default.
+command line (`split_override` reads them, for every command). Unknown keys are errors that name the
+key and list the valid ones, so a typo never silently falls back to a default. A choice field is a
+`Literal` type, refused while parsing when the value is not one of its members; each section's
+`validate()` checks its keys' ranges (`FIELDS`) and the rules among them, and `ExperimentConfig.validate()`
+the rules across sections. Rules of the parallel layout live in the validator (parallel/validator/).
 """
 
 from __future__ import annotations
@@ -14,16 +17,46 @@ import math
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 from parallel.backend_caps import BACKENDS
 from speechlm.errors import EXIT_DATA, UsageError
 
-ATTENTION_BACKENDS = tuple(BACKENDS)  # one owner: the capability table (parallel/backend_caps.py)
+# --- choice fields: one Literal type each, the single source of the allowed values --------------------
+# `FIELDS` reads them (`OneOf(choices=choices_of(T))`), parsing refuses anything else (`_coerce`), and
+# mypy checks the code that compares against them.
+ReadMode = Literal["indexed", "streaming"]
+SampleRate = Literal[16000]  # the encoders' front end reads 16 kHz (model/features.py)
+SamplerMode = Literal["temperature", "exhaustive"]
+EncoderKind = Literal["parakeet", "whisper", "nemo"]
+ConvNorm = Literal["auto", "layer_norm", "batch_norm"]
+LLMFamily = Literal["llama", "qwen2"]  # speechlm/model/llm.py builds these from a config
+# the capability table (parallel/backend_caps.py) owns the backends; this type must name the same ones
+AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "sdpa"]
+CPAttention = Literal["ring", "allgather"]
+Precision = Literal["auto", "32", "bf16"]
+BestMetric = Literal["wer", "loss"]  # what a validation computes (train/evaluate.py Evaluator)
+ResumeData = Literal["exact", "next_epoch"]
+FinalEvalSplit = Literal["auto", "val", "train", "none"]
+SplitAuto = Literal["auto"]  # parallel.cp_split_threshold's word (else a token count)
+
+
+def choices_of(tp: Any) -> tuple[Any, ...]:
+    """The values a Literal type admits, in declaration order."""
+    return typing.get_args(tp)
+
+
+ATTENTION_BACKENDS: tuple[str, ...] = choices_of(AttentionBackend)
+if set(ATTENTION_BACKENDS) != set(BACKENDS):  # pragma: no cover - a developer error, caught on import
+    raise ImportError(
+        f"speechlm.config.AttentionBackend {ATTENTION_BACKENDS} and parallel/backend_caps.py "
+        f"{tuple(BACKENDS)} name different backends; add the new backend to both"
+    )
 
 
 class ConfigError(UsageError):
@@ -36,14 +69,38 @@ class MissingInputError(ConfigError):
     exit_code = EXIT_DATA
 
 
+class Section:
+    """A config section: `validate()` checks each key against its `FIELDS` entry in declaration order (a
+    sub-section through its own `validate()`), then the section's own rules across its keys (`problems`)."""
+
+    KEY: ClassVar[str] = ""  # dotted prefix of the section's keys ("model.encoder")
+
+    def validate(self, origin: Mapping[str, str] | None = None) -> None:
+        """Raise `ConfigError` on the first bad value; `origin` maps dotted keys to where they were set
+        (None: not known, e.g. a config built in code; a key missing from it: the default)."""
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, Section):
+                value.validate(origin)
+            else:
+                _check_key(f"{self.KEY}.{f.name}", value, origin)
+        for problem in self.problems():
+            raise ConfigError(problem)
+
+    def problems(self) -> list[str]:
+        """Rules that tie keys of this section together (each message names every key involved)."""
+        return []
+
+
 @dataclass
-class DataConfig:
+class DataConfig(Section):
+    KEY: ClassVar[str] = "data"
     # input paths: relative ones in a config file resolve against the file's folder, on the command line
     # against the working directory; stored absolute (docs/config.md)
     train_manifest: str | None = None  # required unless data.input_cfg is set
     val_manifest: str | None = None  # None: no validation
     tokenizer: str | None = None  # required to train
-    sample_rate: int = 16000  # the encoders' front end reads 16 kHz (model/features.py)
+    sample_rate: SampleRate = 16000  # the encoders' front end reads 16 kHz (model/features.py)
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
@@ -56,7 +113,7 @@ class DataConfig:
     # "indexed": the sampler's epoch plan, each clip read by position (tar member or file); "streaming":
     # tar shards read front to back per DataLoader worker, for filesystems where random reads are slow
     # (speechlm.data.sampler.streaming); buffers in utterances
-    read_mode: str = "indexed"
+    read_mode: ReadMode = "indexed"
     # several datasets weighted against each other (speechlm/data/sources/input_cfg.py): a list of
     # {path, type?, weight?, lang?, name?, tags?} or {group, weight?, inputs: [...]}, or a YAML file of
     # one; replaces train_manifest
@@ -64,10 +121,20 @@ class DataConfig:
     shuffle_buffer: int = 2000
     sort_buffer: int = 500
 
+    def problems(self) -> list[str]:
+        if self.input_cfg is not None and self.train_manifest is not None:
+            return [
+                f"data.input_cfg and data.train_manifest={self.train_manifest!r} are both set: give the training "
+                "data one way (add data.train_manifest=null, or make the manifest one entry of data.input_cfg)"
+            ]
+        return []
+
 
 @dataclass
-class SamplerConfig:
-    mode: str = "temperature"  # "temperature" (default) or "exhaustive" (the inherited algorithm)
+class SamplerConfig(Section):
+    KEY: ClassVar[str] = "sampler"
+
+    mode: SamplerMode = "temperature"  # "temperature" (default) or "exhaustive" (the inherited algorithm)
     temperature: float = 0.3
     max_batch_duration: float | None = 90.0  # seconds of audio per micro-batch
     max_batch_tokens: int | None = None  # token budget instead of seconds (overrides duration)
@@ -78,8 +145,10 @@ class SamplerConfig:
 
 
 @dataclass
-class EncoderConfig:
-    kind: str = "parakeet"  # "parakeet", "whisper" or "nemo"
+class EncoderConfig(Section):
+    KEY: ClassVar[str] = "model.encoder"
+
+    kind: EncoderKind = "parakeet"  # "parakeet", "whisper" or "nemo"
     pretrained: str | None = None  # local directory (transformers) or .nemo file
     hidden_size: int = 176
     num_layers: int = 3
@@ -87,18 +156,43 @@ class EncoderConfig:
     intermediate_size: int = 704
     subsampling_conv_channels: int = 64
     num_mel_bins: int = 80
-    tensor_parallel: bool = False
     # normalisation in the Conformer conv module: "auto" (layer_norm from scratch, batch_norm for a
     # pretrained encoder), "layer_norm" (over channels, per frame) or "batch_norm" (frozen running stats)
-    conv_norm: str = "auto"
+    conv_norm: ConvNorm = "auto"
     # padding-free encoder (features, subsampling, conformer layers on real frames only); None: on
     # where the encoder kind supports it (parakeet), off elsewhere. true with whisper/nemo: validator error
     packed: bool | None = None
 
+    def problems(self) -> list[str]:
+        out = []
+        if self.pretrained is None and self.hidden_size % 2:
+            out.append(
+                f"model.encoder.hidden_size={self.hidden_size} must be even (sinusoidal/relative position "
+                "embeddings split it in halves)"
+            )
+        if self.kind == "nemo" and self.pretrained is None:
+            out.append(
+                "model.encoder.kind='nemo' needs model.encoder.pretrained=<path of a .nemo file> (a NeMo encoder "
+                "is only loaded, never built from sizes); or use kind parakeet or whisper"
+            )
+        if self.pretrained is not None and self.conv_norm == "layer_norm":
+            out.append(
+                f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={self.pretrained!r}: the "
+                "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
+            )
+        if self.pretrained is None and self.hidden_size % self.num_heads:
+            out.append(
+                f"model.encoder.hidden_size={self.hidden_size} is not a multiple of model.encoder.num_heads="
+                f"{self.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
+            )
+        return out
+
 
 @dataclass
-class LLMConfig:
-    family: str = "llama"  # "llama" or "qwen2" when built from a config
+class LLMConfig(Section):
+    KEY: ClassVar[str] = "model.llm"
+
+    family: LLMFamily = "llama"  # "llama" or "qwen2" when built from a config
     pretrained: str | None = None  # local directory for AutoModelForCausalLM
     hidden_size: int = 256
     num_layers: int = 4
@@ -107,9 +201,33 @@ class LLMConfig:
     intermediate_size: int = 704
     max_position_embeddings: int = 4096
 
+    def problems(self) -> list[str]:
+        if self.pretrained is not None:  # a pretrained LLM brings its own sizes
+            return []
+        out = []
+        if self.num_heads % self.num_kv_heads:
+            out.append(
+                f"model.llm.num_heads={self.num_heads} is not a multiple of model.llm.num_kv_heads="
+                f"{self.num_kv_heads}: every key/value head serves the same number of query heads; choose "
+                "num_kv_heads among the divisors of num_heads"
+            )
+        if self.hidden_size % self.num_heads:
+            out.append(
+                f"model.llm.hidden_size={self.hidden_size} is not a multiple of model.llm.num_heads="
+                f"{self.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
+            )
+        elif (self.hidden_size // self.num_heads) % 2:
+            out.append(
+                f"model.llm.hidden_size={self.hidden_size} / model.llm.num_heads={self.num_heads} gives an odd "
+                f"head size ({self.hidden_size // self.num_heads}); rotary position embeddings need an even one"
+            )
+        return out
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
+    KEY: ClassVar[str] = "model"
+
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     projector_stack: int = 2  # frames stacked by the projector
@@ -118,27 +236,31 @@ class ModelConfig:
     # multiple of the packed total (THD) or of the padded length (BSHD); None: the smallest legal one,
     # lcm(2*cp, cp*tp) (tp when cp=1). Set e.g. 64 for tensor cores; it must be a multiple of that unit.
     pad_to_multiple: int | None = None
-    attention_backend: str = "reference"
+    attention_backend: AttentionBackend = "reference"
     dropout: float = 0.0  # 0 turns off every source of randomness in the forward pass
     ctc_weight: float = 0.3  # auxiliary CTC loss on the encoder output; 0 disables it
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
+    KEY: ClassVar[str] = "parallel"
+
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever is left of the world size
     cp_size: int = 1
     tp_size: int = 1
-    cp_attention: str = "ring"  # "ring" or "allgather" (reference backend under CP)
+    cp_attention: CPAttention = "ring"  # "ring" or "allgather" (reference backend under CP)
     # dynamic CP: sequences longer than this many tokens are split over the CP group, shorter ones live
     # whole on one CP rank; "auto": per micro-batch, split the fewest longest ones that keep the CP
     # ranks' modelled cost within 5% of the mean; 0 splits all (the layout before dynamic CP)
-    cp_split_threshold: int | str = "auto"
+    cp_split_threshold: int | SplitAuto = "auto"
     activation_checkpointing: bool = False
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
+    KEY: ClassVar[str] = "optim"
+
     lr: float = 1e-3
     encoder_lr: float | None = None  # default: lr
     weight_decay: float = 0.01
@@ -151,11 +273,13 @@ class OptimConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
+    KEY: ClassVar[str] = "trainer"
+
     max_steps: int = 1000
     max_minutes: float | None = None  # wall-clock limit (checked between optimizer steps)
     grad_accum: int = 1
-    precision: str = "auto"  # "auto" (bf16 autocast where supported), "32", "bf16"
+    precision: Precision = "auto"  # "auto" (bf16 autocast where supported), "32", "bf16"
     seed: int = 0
     run_dir: str = "runs/demo"
     log_every: int = 1
@@ -167,25 +291,36 @@ class TrainerConfig:
     eval_batch_duration: float | None = None
     ckpt_every: int = 0  # optimizer steps; 0 disables periodic checkpoints
     keep_last: int = 2
-    best_metric: str = "wer"
+    best_metric: BestMetric = "wer"
     early_stopping_patience: int = 0  # validations without improvement; 0 disables
     resume: str | None = None  # "auto" or a checkpoint directory
     # "exact": continue the saved epoch plan at the next unconsumed micro-batch (same dp size, seed and
     # manifest required); "next_epoch": restore model, optimizer and step but start the data at the next
     # epoch — for resuming into a different data-parallel layout, where the old plan has no meaning
-    resume_data: str = "exact"
+    resume_data: ResumeData = "exact"
     validate_only: bool = (
         False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
     )
     # the split scored into eval.json: "auto" (val when data.val_manifest is set, else none), "val",
     # "train" (the demo: WER on the training utterances) or "none"
-    final_eval_split: str = "auto"
+    final_eval_split: FinalEvalSplit = "auto"
     # a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time> (never deleted)
     overwrite: bool = False
 
+    def problems(self) -> list[str]:
+        if self.early_stopping_patience > 0 and self.val_every == 0:
+            return [
+                f"trainer.early_stopping_patience={self.early_stopping_patience} but trainer.val_every=0 (no "
+                "validation, so it could never stop early): set trainer.val_every=N, or "
+                "trainer.early_stopping_patience=0"
+            ]
+        return []
+
 
 @dataclass
-class ExperimentConfig:
+class ExperimentConfig(Section):
+    """The whole experiment; `validate()` checks every section, then the rules across sections."""
+
     data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -193,15 +328,31 @@ class ExperimentConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def problems(self) -> list[str]:
+        d, t = self.data, self.trainer
+        out = []
+        if d.val_manifest is None:
+            if t.final_eval_split == "val":
+                out.append(
+                    "trainer.final_eval_split='val' but data.val_manifest is not set: set "
+                    "data.val_manifest=PATH, or use trainer.final_eval_split=train or none"
+                )
+            if t.val_every > 0:
+                out.append(
+                    f"trainer.val_every={t.val_every} but data.val_manifest is not set, so nothing would be "
+                    "validated: set data.val_manifest=PATH, or trainer.val_every=0"
+                )
+        return out
+
 
 # --- valid values: one table, keyed by dotted key ---------------------------------------------------
 # `check_config` (run by `load_config`, so by `speechlm validate`, `speechlm train` and every tool that
 # loads a config) checks every key against its entry; docs/config.md is generated from it
 # (scripts/gen_config_docs.py). A new field without an entry fails tests/bad_input/test_config_ranges.py.
 
-ENCODER_KINDS = ("parakeet", "whisper", "nemo")
-LLM_FAMILIES = ("llama", "qwen2")  # speechlm/model/llm.py builds these from a config
-BEST_METRICS = ("wer", "loss")  # what a validation computes (train/evaluate.py Evaluator)
+ENCODER_KINDS: tuple[str, ...] = choices_of(EncoderKind)
+LLM_FAMILIES: tuple[str, ...] = choices_of(LLMFamily)
+BEST_METRICS: tuple[str, ...] = choices_of(BestMetric)
 SEED_MAX = 2**32 - 1  # numpy's seed range
 
 
@@ -396,7 +547,8 @@ FIELDS: dict[str, Rule] = {
         null="none; required to train",
     ),
     "data.sample_rate": OneOf(
-        "audio is resampled to this rate (Hz); the encoders' front end reads 16 kHz", choices=(16000,)
+        "audio is resampled to this rate (Hz); the encoders' front end reads 16 kHz",
+        choices=choices_of(SampleRate),
     ),
     "data.max_tokens": Num("text tokens per utterance after tokenization", lo=1, integer=True),
     "data.num_workers": Num(
@@ -416,7 +568,7 @@ FIELDS: dict[str, Rule] = {
     ),
     "data.read_mode": OneOf(
         "'indexed': clips read by position; 'streaming': tar shards read front to back",
-        choices=("indexed", "streaming"),
+        choices=choices_of(ReadMode),
     ),
     "data.input_cfg": InputList(
         "several weighted datasets, replacing data.train_manifest (docs/data.md)",
@@ -427,7 +579,7 @@ FIELDS: dict[str, Rule] = {
     # sampler
     "sampler.mode": OneOf(
         "batch sampler: temperature-weighted languages or the exhaustive algorithm",
-        choices=("temperature", "exhaustive"),
+        choices=choices_of(SamplerMode),
     ),
     "sampler.temperature": Num(
         "language sampling temperature (p ~ n^T; 1: proportional, ->0: uniform)", lo=0, lo_open=True
@@ -462,11 +614,10 @@ FIELDS: dict[str, Rule] = {
     "model.encoder.intermediate_size": Num(_SIZE, lo=1, integer=True),
     "model.encoder.subsampling_conv_channels": Num(_SIZE, lo=1, integer=True),
     "model.encoder.num_mel_bins": Num("mel bins of the front end", lo=1, integer=True),
-    "model.encoder.tensor_parallel": Flag("shard the encoder over the TP group too"),
     "model.encoder.conv_norm": OneOf(
         "normalisation in the Conformer conv module (auto: layer_norm from "
         "scratch, batch_norm for a pretrained encoder)",
-        choices=("auto", "layer_norm", "batch_norm"),
+        choices=choices_of(ConvNorm),
     ),
     "model.encoder.packed": Flag("padding-free encoder", null="on where the encoder kind supports it"),
     # model.llm
@@ -503,10 +654,10 @@ FIELDS: dict[str, Rule] = {
     "parallel.dp_shard": Either("FSDP shards", rules=(OneOf("", choices=(-1,)), _POS_INT)),
     "parallel.cp_size": Num("context-parallel group size", lo=1, integer=True),
     "parallel.tp_size": Num("tensor-parallel group size", lo=1, integer=True),
-    "parallel.cp_attention": OneOf("attention under CP (reference backend)", choices=("ring", "allgather")),
+    "parallel.cp_attention": OneOf("attention under CP (reference backend)", choices=choices_of(CPAttention)),
     "parallel.cp_split_threshold": Either(
         "sequences longer than this many tokens are split over the CP group (0: all; auto: per micro-batch)",
-        rules=(OneOf("", choices=("auto",)), Num("", lo=0, integer=True)),
+        rules=(OneOf("", choices=choices_of(SplitAuto)), Num("", lo=0, integer=True)),
     ),
     "parallel.activation_checkpointing": Flag("recompute activations in the backward pass"),
     # optim
@@ -529,7 +680,7 @@ FIELDS: dict[str, Rule] = {
     "trainer.grad_accum": Num("micro-batches per optimizer step", lo=1, integer=True),
     "trainer.precision": OneOf(
         "'auto': bf16 autocast where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 autocast",
-        choices=("auto", "32", "bf16"),
+        choices=choices_of(Precision),
         advice=(
             ("bf16-mixed", "bf16-mixed: use trainer.precision=bf16"),
             ("bf16-true", "bf16-true: use trainer.precision=bf16 (parameters stay fp32)"),
@@ -570,18 +721,30 @@ FIELDS: dict[str, Rule] = {
     "trainer.resume_data": OneOf(
         "'exact': continue the saved epoch plan; 'next_epoch': start the data at "
         "the next epoch (another data-parallel layout)",
-        choices=("exact", "next_epoch"),
+        choices=choices_of(ResumeData),
     ),
     "trainer.validate_only": Flag("evaluate only (restoring trainer.resume if set): no optimizer step"),
     "trainer.final_eval_split": OneOf(
         "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none)",
-        choices=("auto", "val", "train", "none"),
+        choices=choices_of(FinalEvalSplit),
     ),
     "trainer.overwrite": Flag(
         "a new run in a run_dir that holds another run moves that run aside to RUN_DIR.old-<UTC time> "
         "(never deleted); false: such a start is refused"
     ),
 }
+
+
+# keys that existed once: a config that still sets one is refused with this advice instead of "unknown key"
+REMOVED_KEYS: dict[str, str] = {
+    "model.encoder.tensor_parallel": "was removed (issue 21): the audio encoder is never tensor-parallel (FSDP "
+    "shards it, CP splits its clips; only the LLM is split over tp), and the key only changed which head counts "
+    "the validator checked; delete it from the config",
+}
+
+
+def _removed(where: str, key: str) -> ConfigError:
+    return ConfigError(f"{where}: {key} {REMOVED_KEYS[key]}")
 
 
 def leaf_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
@@ -663,10 +826,27 @@ def _type_error(where: str, key: str, value: Any, what: str) -> str:
     return f"{where}: {key}={_show(value)} must be {what}{valid}"
 
 
+def _coerce_choice(value: Any, choices: tuple[Any, ...], key: str, where: str) -> Any:
+    """A value of a Literal field: one of `choices` (a number read by YAML matches a string choice such as
+    trainer.precision's "32"), or a ConfigError with the FIELDS message (its hints for near misses)."""
+    for choice in choices:
+        if isinstance(choice, str) and not isinstance(value, (dict, list, bool)) and str(value) == choice:
+            return choice
+        if not isinstance(choice, str) and type(value) is type(choice) and value == choice:
+            return choice
+    rule = FIELDS.get(key)
+    if rule is None:
+        raise ConfigError(_type_error(where, key, value, "one of " + ", ".join(_show(c) for c in choices)))
+    reason = rule.check(value) or "not a valid choice"
+    raise ConfigError(f"{where}: {key}={_show(value)}: {reason}; use {rule.describe()} ({rule.doc})")
+
+
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     """Convert a YAML/override value to the declared type, or raise naming the key."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Literal:
+        return _coerce_choice(value, args, key, where)
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
@@ -727,6 +907,9 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
 def _from_dict(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
+    for name in unknown:
+        if prefix + name in REMOVED_KEYS:
+            raise _removed(where, prefix + name)
     if unknown:
         raise ConfigError(
             f"{where}: unknown key '{prefix}{unknown[0]}'; valid keys under "
@@ -749,17 +932,30 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return fix(out)
 
 
+def is_override(word: str) -> bool:
+    """A command-line word that is a dotted override (KEY=VALUE) rather than an option or a file."""
+    return "=" in word and not word.startswith("-")
+
+
+def split_override(text: str, where: str = "command line") -> tuple[str, str]:
+    """`a.b.c=value` -> ("a.b.c", "value"): the one reader of dotted overrides (train, validate, plan, sweep
+    specs and filters). The key is stripped; the value is kept as written (`apply_override` reads it as YAML)."""
+    key, eq, raw = text.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"{where}: override {text!r} must look like key.path=value")
+    return key.strip(), raw
+
+
 def apply_override(cfg: ExperimentConfig, override: str, where: str = "command line") -> None:
     """Apply one `a.b.c=value` override in place; the value is parsed as YAML then type-checked."""
-    if "=" not in override:
-        raise ConfigError(f"{where}: override {override!r} must look like key.path=value")
-    key, raw = override.split("=", 1)
-    key = key.strip()
+    key, raw = split_override(override, where)
     parts = key.split(".")
     obj: Any = cfg
     for i, part in enumerate(parts):
         types_ = _field_types(type(obj))
         if part not in types_:
+            if ".".join(parts[: i + 1]) in REMOVED_KEYS:
+                raise _removed(where, ".".join(parts[: i + 1]))
             parent = ".".join(parts[:i]) or "<root>"
             raise ConfigError(
                 f"{where}: unknown key '{key}'; valid keys under '{parent}' are: {', '.join(sorted(types_))}"
@@ -812,7 +1008,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         origin = {key: f"in {p}" for key in _keys_in(data)}
     for ov in overrides:
         apply_override(cfg, ov)
-        origin[ov.split("=", 1)[0].strip()] = "on the command line"
+        origin[split_override(ov)[0]] = "on the command line"
     check_config(cfg, origin)
     return cfg
 
@@ -827,24 +1023,26 @@ def _keys_in(data: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def check_config(cfg: ExperimentConfig, origin: dict[str, str] | None = None) -> None:
-    """Every key against its entry in `FIELDS`, then the cross-field rules of single sections.
+def _check_key(key: str, value: Any, origin: Mapping[str, str] | None) -> None:
+    """`value` against the `FIELDS` entry of `key`; the message says where the value was set."""
+    rule = FIELDS[key]
+    reason = rule.check(value)
+    if reason is not None:
+        where = "" if origin is None else f" (set {origin[key]})" if key in origin else " (the default)"
+        raise ConfigError(f"{key}={_show(value)}{where}: {reason}; use {rule.describe()} ({rule.doc})")
+
+
+def check_config(cfg: ExperimentConfig, origin: Mapping[str, str] | None = None) -> None:
+    """`cfg.validate(origin)`: every section's keys against `FIELDS` and its own rules, then the rules
+    across sections.
 
     The parallel layout rules (sizes against the world size, backends, ...) live in the validator.
     `origin` maps dotted keys to where they were set (a file or the command line) for the message.
     """
-    origin = origin or {}
-    for key, rule in FIELDS.items():
-        value = get_key(cfg, key)
-        reason = rule.check(value)
-        if reason is not None:
-            where = f" (set {origin[key]})" if key in origin else " (the default)"
-            raise ConfigError(f"{key}={_show(value)}{where}: {reason}; use {rule.describe()} ({rule.doc})")
-    for problem in _cross_field_problems(cfg):
-        raise ConfigError(problem)
+    cfg.validate(origin)
 
 
-# the rules of `_cross_field_problems`, for docs/config.md
+# the rules of the sections' `problems`, for docs/config.md
 CROSS_FIELD_RULES = (
     "`data.train_manifest` and `data.input_cfg` are exclusive (set the other to `null`); training needs "
     "one of them and `data.tokenizer` (checked when a run starts, not by `speechlm validate` of a layout)",
@@ -858,73 +1056,6 @@ CROSS_FIELD_RULES = (
     "the parallel layout (sizes against the world size, heads against `tp_size`, backends, padding units) "
     "is checked by the validator: docs/validator.md",
 )
-
-
-def _cross_field_problems(cfg: ExperimentConfig) -> list[str]:
-    """Rules that tie keys of the config together (each message names every key involved)."""
-    d, t, m = cfg.data, cfg.trainer, cfg.model
-    out = []
-    if d.input_cfg is not None and d.train_manifest is not None:
-        out.append(
-            f"data.input_cfg and data.train_manifest={d.train_manifest!r} are both set: give the training "
-            "data one way (add data.train_manifest=null, or make the manifest one entry of data.input_cfg)"
-        )
-    if d.val_manifest is None:
-        if t.final_eval_split == "val":
-            out.append(
-                "trainer.final_eval_split='val' but data.val_manifest is not set: set data.val_manifest=PATH, "
-                "or use trainer.final_eval_split=train or none"
-            )
-        if t.val_every > 0:
-            out.append(
-                f"trainer.val_every={t.val_every} but data.val_manifest is not set, so nothing would be "
-                "validated: set data.val_manifest=PATH, or trainer.val_every=0"
-            )
-    if t.early_stopping_patience > 0 and t.val_every == 0:
-        out.append(
-            f"trainer.early_stopping_patience={t.early_stopping_patience} but trainer.val_every=0 (no "
-            "validation, so it could never stop early): set trainer.val_every=N, or "
-            "trainer.early_stopping_patience=0"
-        )
-    llm, enc = m.llm, m.encoder
-    if llm.pretrained is None:  # a pretrained LLM brings its own sizes
-        if llm.num_heads % llm.num_kv_heads:
-            out.append(
-                f"model.llm.num_heads={llm.num_heads} is not a multiple of model.llm.num_kv_heads="
-                f"{llm.num_kv_heads}: every key/value head serves the same number of query heads; choose "
-                "num_kv_heads among the divisors of num_heads"
-            )
-        if llm.hidden_size % llm.num_heads:
-            out.append(
-                f"model.llm.hidden_size={llm.hidden_size} is not a multiple of model.llm.num_heads="
-                f"{llm.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
-            )
-        elif (llm.hidden_size // llm.num_heads) % 2:
-            out.append(
-                f"model.llm.hidden_size={llm.hidden_size} / model.llm.num_heads={llm.num_heads} gives an odd "
-                f"head size ({llm.hidden_size // llm.num_heads}); rotary position embeddings need an even one"
-            )
-    if enc.pretrained is None and enc.hidden_size % 2:
-        out.append(
-            f"model.encoder.hidden_size={enc.hidden_size} must be even (sinusoidal/relative position "
-            "embeddings split it in halves)"
-        )
-    if enc.kind == "nemo" and enc.pretrained is None:
-        out.append(
-            "model.encoder.kind='nemo' needs model.encoder.pretrained=<path of a .nemo file> (a NeMo encoder "
-            "is only loaded, never built from sizes); or use kind parakeet or whisper"
-        )
-    if enc.pretrained is not None and enc.conv_norm == "layer_norm":
-        out.append(
-            f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={enc.pretrained!r}: the "
-            "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
-        )
-    if enc.pretrained is None and enc.hidden_size % enc.num_heads:
-        out.append(
-            f"model.encoder.hidden_size={enc.hidden_size} is not a multiple of model.encoder.num_heads="
-            f"{enc.num_heads}: choose sizes with hidden_size = num_heads * head_dim"
-        )
-    return out
 
 
 def require_inputs(cfg: ExperimentConfig) -> None:

@@ -53,6 +53,7 @@ from parallel.validator import (
     parse_capability,
 )
 from speechlm import errors
+from speechlm.config import is_override, split_override
 from speechlm.validate_rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
@@ -163,7 +164,7 @@ class _TrailingOverrides:
         self, args: Any = None, namespace: Any = None
     ) -> tuple[argparse.Namespace, list[str]]:
         ns, extras = super().parse_known_args(args, namespace)  # type: ignore[misc]
-        moved = [a for a in extras if "=" in a and not a.startswith("-")]
+        moved = [a for a in extras if is_override(a)]
         if moved:
             ns.overrides = [*(getattr(ns, "overrides", None) or []), *moved]
         return ns, [a for a in extras if a not in moved]
@@ -241,8 +242,8 @@ def _split_pairs(items: Sequence[str], flag: str, allow_bare: bool) -> list[tupl
 def _gather_overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides or [])
     for item in overrides:
-        key = item.partition("=")[0]
-        if "=" in item and "." not in key:
+        key, _ = split_override(item)
+        if "." not in key:
             raise UsageError(
                 f"{item!r} is not a dotted config override (section.key=value); "
                 f"pass an environment variable as --env {item}"

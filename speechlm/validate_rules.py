@@ -23,8 +23,6 @@ PACKED_ENCODER_KINDS: frozenset[str] = frozenset({"parakeet"})
 def _budget_problems(ctx: ValidationContext) -> list[str]:
     tokens, seconds = ctx.max_batch_tokens, ctx.max_batch_duration
     if tokens is not None:
-        if tokens <= 0:
-            return [f"sampler.max_batch_tokens={tokens} must be positive"]
         if tokens < ctx.rounding_unit:
             return [
                 f"sampler.max_batch_tokens={tokens} is below one rounded sequence "
@@ -33,8 +31,6 @@ def _budget_problems(ctx: ValidationContext) -> list[str]:
         return []
     if seconds is None:
         return ["neither sampler.max_batch_duration nor sampler.max_batch_tokens is set"]
-    if seconds <= 0:
-        return [f"sampler.max_batch_duration={seconds} must be positive"]
     return []
 
 
@@ -93,13 +89,13 @@ TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         id="sampler-budget-invalid",
         level=ERROR,
-        when="no micro-batch budget, a non-positive one, or a token budget below one rounded sequence",
+        when="no micro-batch budget, or a token budget below one rounded sequence",
         applies=_budget_problems,
         reason="the micro-batch budget cannot hold any sequence: {details}",
         fix="set sampler.max_batch_duration (seconds) or sampler.max_batch_tokens to a positive budget "
         "of at least one rounded sequence ({rounding_unit} tokens)",
         doc="The sampler packs utterances up to a budget of seconds or tokens (max_batch_tokens wins when "
-        "set) and refuses a missing or non-positive one. A token budget below one rounded sequence "
+        "set) and refuses a missing one (a non-positive one is refused with the config). A token budget below one rounded sequence "
         "(lcm(2*cp, cp*tp) tokens) cannot hold even the shortest utterance after CP/TP rounding.",
     ),
     Rule(

@@ -20,7 +20,9 @@ One concern per module:
 encoder packing, gradient accumulation); `speechlm validate` and the trainer run that full table.
 
 The config is duck-typed (the attributes of `speechlm.config.ExperimentConfig`); fields that the
-config may not have yet are read with getattr and a default. No torch import; the standard library
+config may not have yet are read with getattr and a default. The rules tie keys together (sizes
+against the world size, backends against the layout and the GPU); the range or choice set of a
+single key is the config's (`ExperimentConfig.validate()`, which `build_context` runs first). No torch import; the standard library
 only, except `packaging` (a dependency of the project) for reading versions in `versions`.
 """
 

@@ -91,8 +91,6 @@ class ValidationContext:
     grad_accum: int
     llm_heads: int
     llm_kv_heads: int
-    encoder_heads: int
-    encoder_tp: bool
     pad_to_multiple: int | None  # configured rounding (model.pad_to_multiple); None: automatic
     cp_split_threshold: int | str  # parallel.cp_split_threshold: "auto" or tokens (0: split all)
     sampler_mode: str
@@ -203,9 +201,17 @@ def build_context(
     installed: Mapping[str, str | None],
     manifest_summary: Mapping[str, Any] | None = None,
 ) -> ValidationContext:
-    """Read everything the rules need from the arguments, once."""
+    """Read everything the rules need from the arguments, once.
+
+    The rules tie keys together; the range or choice set of each single key is the config's own
+    (`speechlm.config`'s sections). A config with a `validate()` method is checked by it first, so a
+    value its section refuses (parallel.cp_size=0, an unknown attention backend, ...) raises that
+    section's ValueError here instead of turning into a finding."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check = getattr(config, "validate", None)
+    if callable(check):
+        check()
     par, model, trainer, sampler = config.parallel, config.model, config.trainer, config.sampler
     dp_replicate, dp_shard = int(par.dp_replicate), int(par.dp_shard)
     cp, tp = int(par.cp_size), int(par.tp_size)
@@ -225,8 +231,6 @@ def build_context(
         grad_accum=int(getattr(trainer, "grad_accum", 1)),
         llm_heads=int(model.llm.num_heads),
         llm_kv_heads=int(getattr(model.llm, "num_kv_heads", None) or model.llm.num_heads),
-        encoder_heads=int(model.encoder.num_heads),
-        encoder_tp=bool(getattr(model.encoder, "tensor_parallel", False)),
         pad_to_multiple=None if pad is None else int(pad),
         cp_split_threshold=getattr(par, "cp_split_threshold", "auto"),
         sampler_mode=str(getattr(sampler, "mode", "temperature")),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speechlm.config import ConfigError, split_override
 from speechlm.errors import EXIT_SIGTERM  # 143: the trainer saved a checkpoint after SIGTERM
 from speechlm.sweep.spec import read_matrix
 from speechlm.sweep.store import StatusStore, claim_next, mark_stale
@@ -282,7 +283,7 @@ class Dispatcher:
 
 def _matches(job: dict[str, Any], only: dict[str, str], keys_only: bool = False) -> bool:
     """True if the job sets every KEY=VALUE of `--only` (compared as the override text)."""
-    sets = dict(o.split("=", 1) for o in job.get("overrides", []))
+    sets = dict(split_override(o) for o in job.get("overrides", []))
     for key, value in only.items():
         if key not in sets and key != "id":
             return False
@@ -299,8 +300,9 @@ def _matches(job: dict[str, Any], only: dict[str, str], keys_only: bool = False)
 def parse_only(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"--only {item!r}: use KEY=VALUE, e.g. --only sampler.temperature=0.3")
-        k, v = item.split("=", 1)
+        try:
+            k, v = split_override(item, f"--only {item!r}")
+        except ConfigError as e:
+            raise ValueError(f"{e}, e.g. --only sampler.temperature=0.3") from None
         out[k] = v
     return out

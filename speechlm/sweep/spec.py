@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from speechlm.config import is_override
+
 SPEC_KEYS = ("base", "overrides", "grid", "jobs", "gpus_per_job")
 JOB_KEYS = ("name", "overrides")
 # config paths that a job reads: made absolute at init so a job runs from any working directory
@@ -65,7 +67,7 @@ def _overrides_of(value: Any, where: str) -> list[str]:
         return []
     if isinstance(value, dict):
         return [format_override(str(k), v) for k, v in value.items()]
-    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+    if isinstance(value, list) and all(isinstance(v, str) and is_override(v) for v in value):
         return list(value)
     raise SpecError(f"{where} must be a mapping of dotted keys to values or a list of KEY=VALUE strings")
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speechlm.config import ExperimentConfig
 from speechlm.errors import OutputError, RunDirError
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -555,7 +556,7 @@ def restore_rng_state(state: dict[str, Any] | None) -> None:
 
 
 def resume_run(
-    cfg: Any,
+    cfg: ExperimentConfig,
     ckpt: Path | None,
     loader: Any,
     module: Any,

@@ -30,9 +30,11 @@ from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
 from parallel.dist_encode import encode_placed
 from parallel.fsdp import clip_grad_norm_
+from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
 from parallel.varlen import VarlenMeta, build_varlen_meta, varlen_attention
+from speechlm.config import ExperimentConfig
 from speechlm.model.speech_llm import ParallelBinding
 from speechlm.packing import PackedBatch
 from speechlm.train.step import StepContext
@@ -168,7 +170,7 @@ class PlacedCPAttention:
         )
 
 
-def mixed_precision_policy(cfg: Any, device_type: str) -> Any:
+def mixed_precision_policy(cfg: ExperimentConfig, device_type: str) -> Any:
     """FSDP2 bf16 compute with fp32 gradient reduction on GPUs, unless `trainer.precision` asks for fp32."""
     from parallel.fsdp import default_mp_policy
 
@@ -195,7 +197,7 @@ def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
     return blocks
 
 
-def parallelize_speech_llm(model: Any, dims: Any, cfg: Any, device_type: str) -> Any:
+def parallelize_speech_llm(model: Any, dims: ParallelDims, cfg: ExperimentConfig, device_type: str) -> Any:
     if dims.tp > 1:
         from parallel.tp import check_tp_heads
 
@@ -236,7 +238,9 @@ def group_sum(group: Any, device: torch.device) -> Any:
     return sum_
 
 
-def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.device) -> StepContext:
+def build_distributed_context(
+    model: Any, dims: ParallelDims, cfg: ExperimentConfig, device: torch.device
+) -> StepContext:
     """Parallelize `model` in place (TP, activation checkpointing, FSDP2), bind its CP hooks, and return
     the step's frozen context. Called once per layout (`SpeechLLMModule.configure_model`)."""
     rank = dist.get_rank()
@@ -286,7 +290,9 @@ def build_distributed_context(model: Any, dims: Any, cfg: Any, device: torch.dev
     )
 
 
-def cp_binding(cfg: Any, cp: int, tp: int, cp_rank: int, cp_group: Any, hidden: int) -> ParallelBinding:
+def cp_binding(
+    cfg: ExperimentConfig, cp: int, tp: int, cp_rank: int, cp_group: Any, hidden: int
+) -> ParallelBinding:
     """The model's dynamic-CP hooks for this rank (`parallel.cp_placement`; threshold 0 splits all)."""
     threshold = cfg.parallel.cp_split_threshold  # "auto" or tokens
     pad_to = cfg.model.pad_to_multiple

@@ -13,7 +13,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from parallel.mesh import ParallelDims
+    from speechlm.config import ExperimentConfig
+    from speechlm.train.module import TokenizerInfo
 
 OVERRIDES_HELP = """\
 dotted overrides (KEY=VALUE, any field of the config), for example:
@@ -82,7 +87,7 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
+def train(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any] | None:
     """The recipe; each step is a function of its own below or in the module that owns it."""
     import lightning as L
 
@@ -142,7 +147,7 @@ def train(cfg: Any, *, dry_run: bool = False) -> dict[str, Any] | None:
     return result
 
 
-def already_evaluated(cfg: Any, run_dir: Path, ckpt: Path | None, step: int) -> bool:
+def already_evaluated(cfg: ExperimentConfig, run_dir: Path, ckpt: Path | None, step: int) -> bool:
     """A resumed launch of a finished run (no step trained, eval.json of that step and split written):
     its final evaluation would only rewrite eval.json with the same figures."""
     import json
@@ -175,14 +180,14 @@ class RunInputs:
 
     train_table: Any
     val_table: Any
-    dims: Any  # parallel.mesh.ParallelDims
+    dims: ParallelDims
     rank: int
     tokenizer: Any
-    tok: Any  # speechlm.train.module.TokenizerInfo
+    tok: TokenizerInfo
     sampler: Any
 
 
-def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
+def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInputs:
     """Open and check everything the run reads, before the model is built (speechlm/preflight.py).
 
     `speechlm validate` runs the same checks that need only files (`preflight.check_inputs`,
@@ -234,7 +239,7 @@ def prepare_inputs(cfg: Any, rank: int, world_size: int) -> RunInputs:
     return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
 
 
-def print_resolved_config(cfg: Any, rank: int) -> None:
+def print_resolved_config(cfg: ExperimentConfig, rank: int) -> None:
     if rank == 0:
         import yaml
 
@@ -243,7 +248,7 @@ def print_resolved_config(cfg: Any, rank: int) -> None:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def build_step_loader(cfg: Any, inputs: RunInputs) -> Any:
+def build_step_loader(cfg: ExperimentConfig, inputs: RunInputs) -> Any:
     import torch
 
     from speechlm.data.dataset import SpeechDataset
@@ -269,7 +274,7 @@ def build_step_loader(cfg: Any, inputs: RunInputs) -> Any:
     )
 
 
-def announce_model(cfg: Any, module: Any, run_dir: Path, rank: int) -> None:
+def announce_model(cfg: ExperimentConfig, module: Any, run_dir: Path, rank: int) -> None:
     """Print the model size and write RUN_DIR/config.yaml (rank 0)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank != 0:
@@ -286,7 +291,7 @@ def announce_model(cfg: Any, module: Any, run_dir: Path, rank: int) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def build_trainer(cfg: Any, inputs: RunInputs, run_dir: Path) -> tuple[Any, Any]:
+def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tuple[Any, Any]:
     """(metrics writer, Lightning Trainer) with the callbacks in the order they must run."""
     import lightning as L
     import torch

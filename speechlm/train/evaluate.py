@@ -31,6 +31,8 @@ from typing import Any
 import jiwer
 import torch
 
+from parallel.mesh import ParallelDims
+from speechlm.config import ExperimentConfig
 from speechlm.errors import DataError
 
 
@@ -91,7 +93,7 @@ class EvalComm:
     sum_over_cp: Callable[..., tuple[torch.Tensor, ...]] = field(default=lambda *xs: xs)
 
     @staticmethod
-    def from_dims(dims: Any, rank: int, device: torch.device, sum_over_cp: Any = None) -> EvalComm:
+    def from_dims(dims: ParallelDims, rank: int, device: torch.device, sum_over_cp: Any = None) -> EvalComm:
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -250,10 +252,10 @@ class Evaluator:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ExperimentConfig,
         tokenizer: Any,
         table: Any,
-        dims: Any,
+        dims: ParallelDims,
         rank: int,
         max_batches: Any = "config",
         *,
@@ -435,7 +437,7 @@ class Evaluator:
 
 
 def final_evaluation(
-    cfg: Any, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
+    cfg: ExperimentConfig, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
 ) -> dict[str, Any]:
     """Greedy WER per language on `trainer.final_eval_split` after training; rank 0 prints the table
     and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics.

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speechlm.config import ExperimentConfig
 from speechlm.errors import OutputError, RunDirError
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
@@ -222,7 +223,7 @@ def saved_config(ckpt: Path, run_dir: Path) -> tuple[dict[str, Any] | None, Path
     return None, None
 
 
-def check_resume_config(cfg: Any, ckpt: Path, run_dir: Path, log: Any = print) -> None:
+def check_resume_config(cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Any = print) -> None:
     from speechlm.config import to_dict
 
     saved, source = saved_config(ckpt, run_dir)
@@ -256,7 +257,7 @@ def check_resume_config(cfg: Any, ckpt: Path, run_dir: Path, log: Any = print) -
         log(f"resume: config changes applied (saved in {source}): " + "; ".join(applied))
 
 
-def prepare_run_dir(cfg: Any, run_dir: Path, rank: int) -> Path | None:
+def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, rank: int) -> Path | None:
     """Steps 1-4 of the module docstring; returns the verified checkpoint to resume, or None."""
     t = cfg.trainer
     log = print if rank == 0 else (lambda _m: None)

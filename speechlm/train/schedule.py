@@ -14,9 +14,12 @@ moves a restored scheduler onto this run's schedule.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from speechlm.config import ExperimentConfig
 
 
 def warmup_cosine(
@@ -62,7 +65,7 @@ def encoder_frozen(step: int, unfreeze_step: int) -> bool:
     return unfreeze_step > 0 and step < unfreeze_step
 
 
-def build_optimizer(model: Any, cfg: Any) -> tuple[torch.optim.Optimizer, Any]:
+def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group."""
     o, t = cfg.optim, cfg.trainer
     enc_ids = {id(p) for p in model.encoder_parameters()}

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from speechlm.config import ExperimentConfig
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.schedule import encoder_frozen as is_encoder_frozen
 
@@ -98,7 +99,7 @@ def run_optimizer_step(
     ctx: Any,
     opt: Any,
     sched: Any,
-    cfg: Any,
+    cfg: ExperimentConfig,
     *,
     step: int,
     backward: Any = None,

@@ -1,0 +1,166 @@
+"""Issue 21, config: choice fields typed as Literal (parsing refuses bad values with the FIELDS message), a
+`validate()` per section, one dotted-override parser, and the removed `model.encoder.tensor_parallel`."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from parallel.backend_caps import BACKENDS
+from speechlm.config import (
+    FIELDS,
+    AttentionBackend,
+    ConfigError,
+    DataConfig,
+    EncoderConfig,
+    ExperimentConfig,
+    LLMConfig,
+    ModelConfig,
+    OneOf,
+    OptimConfig,
+    ParallelConfig,
+    SamplerConfig,
+    TrainerConfig,
+    apply_override,
+    leaf_keys,
+    load_config,
+)
+
+
+def test_removed_encoder_tensor_parallel_is_named_in_a_file(tmp_path: Path) -> None:
+    p = tmp_path / "old.yaml"
+    p.write_text("model:\n  encoder:\n    tensor_parallel: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert str(p) in msg and "model.encoder.tensor_parallel" in msg
+    assert "removed" in msg and "delete" in msg
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_removed_encoder_tensor_parallel_is_named_on_the_command_line(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"model\.encoder\.tensor_parallel.*removed"):
+        load_config(None, [f"model.encoder.tensor_parallel={value}"])
+
+
+# --- choice fields are Literal types; the allowed set has one source --------------------------------
+
+
+def _choice_fields() -> dict[str, tuple[object, ...]]:
+    """Dotted key -> the values its Literal type admits (Literal members of a union included)."""
+    out: dict[str, tuple[object, ...]] = {}
+    for key in leaf_keys():
+        *parents, name = key.split(".")
+        cls: type = ExperimentConfig
+        for part in parents:
+            cls = typing.get_type_hints(cls)[part]
+        tp = typing.get_type_hints(cls)[name]
+        members = (
+            [tp, *typing.get_args(tp)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+        )
+        allowed = tuple(
+            a for m in members if typing.get_origin(m) is typing.Literal for a in typing.get_args(m)
+        )
+        if allowed:
+            out[key] = allowed
+    return out
+
+
+def test_every_choice_field_is_a_literal_and_its_rule_reads_the_type() -> None:
+    choices = _choice_fields()
+    one_of = {k: r for k, r in FIELDS.items() if isinstance(r, OneOf)}
+    assert set(one_of) <= set(choices), sorted(set(one_of) - set(choices))
+    for key, rule in one_of.items():
+        assert rule.choices == choices[key], key
+    assert {"trainer.precision", "model.attention_backend", "data.read_mode", "model.encoder.kind"} <= set(
+        choices
+    )
+    assert set(typing.get_args(AttentionBackend)) == set(BACKENDS)
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("trainer.precision=bf16-mixed", ["trainer.precision='bf16-mixed'", "use trainer.precision=bf16"]),
+        ("model.attention_backend=magic", ["model.attention_backend='magic'", "'reference'"]),
+        ("sampler.mode=greedy", ["sampler.mode='greedy'", "'temperature', 'exhaustive'"]),
+        ("data.sample_rate=8000", ["data.sample_rate=8000", "16000"]),
+    ],
+)
+def test_parsing_refuses_a_bad_choice_with_the_fields_message(override: str, words: list[str]) -> None:
+    cfg = ExperimentConfig()
+    with pytest.raises(ConfigError) as e:
+        apply_override(cfg, override)  # parsing alone, before any check_config
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_a_choice_in_a_file_is_refused_while_parsing(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  precision: fp16\n")
+    with pytest.raises(ConfigError, match=r"trainer\.precision='fp16'.*fp16 is not supported"):
+        load_config(p)
+    p.write_text("trainer:\n  precision: 32\n")  # YAML reads a number; the choice is the string "32"
+    assert load_config(p).trainer.precision == "32"
+
+
+# --- validate() per section ---------------------------------------------------------------------------
+
+
+def test_each_section_validates_its_own_keys() -> None:
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1: out of range; use number > 0"):
+        OptimConfig(lr=-1).validate()
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1 \(set on the command line\)"):
+        OptimConfig(lr=-1).validate({"optim.lr": "on the command line"})
+    with pytest.raises(
+        ConfigError, match=r"model\.llm\.num_heads=4 is not a multiple of model\.llm\.num_kv_heads=3"
+    ):
+        LLMConfig(num_kv_heads=3).validate()
+    with pytest.raises(ConfigError, match=r"model\.encoder\.hidden_size=27 must be even"):
+        EncoderConfig(hidden_size=27, num_heads=3).validate()
+    with pytest.raises(ConfigError, match=r"model\.encoder\.hidden_size=27"):
+        ModelConfig(
+            encoder=EncoderConfig(hidden_size=27, num_heads=3)
+        ).validate()  # a section checks its children
+    with pytest.raises(ConfigError, match=r"parallel\.dp_shard=0"):
+        ParallelConfig(dp_shard=0).validate()
+    for section in (
+        DataConfig(),
+        SamplerConfig(),
+        ModelConfig(),
+        ParallelConfig(),
+        OptimConfig(),
+        TrainerConfig(),
+    ):
+        section.validate()  # the defaults are valid
+    # rules across sections stay with the experiment
+    TrainerConfig(val_every=2).validate()
+    with pytest.raises(ConfigError, match=r"trainer\.val_every=2 but data\.val_manifest"):
+        ExperimentConfig(trainer=TrainerConfig(val_every=2)).validate()
+
+
+# --- one dotted-override parser ---------------------------------------------------------------------
+
+
+def test_one_override_parser_for_config_sweep_and_validate() -> None:
+    from speechlm.config import is_override, split_override
+    from speechlm.sweep.dispatch import _matches, parse_only
+    from speechlm.sweep.spec import format_override
+
+    assert split_override(" model.x =a=b") == ("model.x", "a=b")  # the key stripped, the value as written
+    for bad in ("model.dropout", "=3", " =3"):
+        with pytest.raises(ConfigError, match="must look like key.path=value"):
+            split_override(bad)
+    assert is_override("trainer.max_steps=3") and not is_override("--env=X=1") and not is_override("cfg.yaml")
+    # the sweep's --only filter and job matching read overrides the same way (key stripped)
+    assert parse_only(["trainer.seed =1"]) == {"trainer.seed": "1"}
+    with pytest.raises(ValueError, match="--only 'seed'.*key.path=value"):
+        parse_only(["seed"])
+    assert _matches({"id": "a", "overrides": [" trainer.seed=1"]}, {"trainer.seed": "1"})
+    assert split_override(format_override("optim.betas", [0.9, 0.98])) == ("optim.betas", "[0.9, 0.98]")
+    # the origin of a key set with spaces around it is the command line
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1.0 \(set on the command line\)"):
+        load_config(None, [" optim.lr =-1"])
