@@ -479,3 +479,16 @@ def test_doc_command_runs_as_written(
     if cmd.key in CHECK_OUTPUT and cmd.output:  # what the doc shows is the standard output
         shown = [line.rstrip() for line in cmd.output if line.strip()]
         assert [line.rstrip() for line in out.splitlines() if line.strip()] == shown, where
+
+
+def test_the_readme_shows_the_mix_file_it_plans() -> None:
+    """issue 21: the README planned `configs/mix_example.yaml` but never showed it; the YAML block it
+    shows now is the file's content (comments aside), so the two cannot drift apart."""
+    import yaml
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    shown = [b for _, lang, b in fenced_blocks(readme) if lang == "yaml"]
+    assert len(shown) == 1
+    path = REPO / "configs" / "mix_example.yaml"
+    assert yaml.safe_load("\n".join(shown[0])) == yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert "configs/mix_example.yaml" in readme
