@@ -16,7 +16,13 @@ from speechlm.cli import main
 from speechlm.data.dataset import Sample, SpeechDataset
 from speechlm.data.manifest import ManifestError, manifest_arrays
 from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
-from speechlm.data.sources.input_cfg import compute_shares, load_input_cfg, mix_of_table, parse_input_cfg
+from speechlm.data.sources.input_cfg import (
+    compute_shares,
+    leaves,
+    load_input_cfg,
+    mix_of_table,
+    parse_input_cfg,
+)
 from speechlm.data.tokenizer import Tokenizer
 
 
@@ -154,3 +160,63 @@ def test_read_mode_per_dataset(sources):
     assert np.all(layout.shard_codes[mix_of_table(table).dataset_codes == 1] == -1)  # the tars, indexed
     with pytest.raises(ManifestError, match="read_mode='random'"):
         parse_input_cfg([{"path": sources["files"], "read_mode": "random"}])
+
+
+def _data_md_input_cfg(tmp_path):
+    """docs/data.md's `data.input_cfg` YAML block as written, its /data/... paths made to exist."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text(encoding="utf-8")
+    block = re.search(r"```yaml\n(data:\n  input_cfg:\n.*?)```", text, re.S)
+    assert block is not None, "docs/data.md no longer shows the data.input_cfg block"
+    for path in re.findall(r"path: (/data/[^,}]+)", block.group(1)):
+        target = tmp_path / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
+    return block.group(1).replace("path: /data/", f"path: {tmp_path}/data/")
+
+
+def test_the_yaml_form_of_data_md_is_read_as_a_file_and_in_a_config(tmp_path):
+    """issue 21: docs/data.md shows `data: input_cfg: [...]`; saved as mix.yaml for `--input-cfg` or
+    `data.input_cfg=mix.yaml` it was refused ('must be a non-empty list'). A file holding a list (NeMo's
+    input_cfg file), `input_cfg: [...]` (NeMo's key) or `data: input_cfg: [...]` all give one tree."""
+    import yaml
+
+    from speechlm.config import load_config
+
+    form = _data_md_input_cfg(tmp_path)
+    entries = yaml.safe_load(form)["data"]["input_cfg"]
+    files = {
+        "config.yaml": form,
+        "key.yaml": yaml.safe_dump({"input_cfg": entries}),
+        "list.yaml": yaml.safe_dump(entries),
+    }
+    trees = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        trees.append(parse_input_cfg(str(tmp_path / name)))
+    assert all([leaf.name for leaf in leaves(t)] == ["en_read", "cv_hi", "shrutilipi"] for t in trees)
+    assert all(leaves(t)[2].tags == ("broadcast",) and leaves(t)[1].type == "nemo_tarred" for t in trees)
+    cfg = load_config(str(tmp_path / "config.yaml"), [])  # the block as a config: unchanged
+    assert [leaf.name for leaf in leaves(parse_input_cfg(cfg.data.input_cfg))] == [
+        "en_read",
+        "cv_hi",
+        "shrutilipi",
+    ]
+
+
+def test_a_yaml_file_of_something_else_names_the_forms_it_takes(sources, tmp_path):
+    import yaml
+
+    f = tmp_path / "mix.yaml"
+    f.write_text(yaml.safe_dump({"data": {"input_cfg": _cfg(sources), "tokenizer": "x.model"}}))
+    with pytest.raises(ManifestError, match=r"mix.yaml: .*a list of datasets.*input_cfg: \[\.\.\.\]"):
+        parse_input_cfg(str(f))
+
+
+def test_tags_as_a_mapping_as_nemo_writes_them(sources):
+    tree = parse_input_cfg([{"path": sources["files"], "tags": {"lang": "en", "task": "asr"}}])
+    assert leaves(tree)[0].tags == ("lang=en", "task=asr")
+    with pytest.raises(ManifestError, match=r"tags=3: give a list of strings or a mapping"):
+        parse_input_cfg([{"path": sources["files"], "tags": 3}])

@@ -8,10 +8,16 @@ An entry is a dataset or a group::
       lang: hi                     # optional: the language of rows that carry none
       name: cv_hi                  # optional: how plans and logs call it (default: the path)
       read_mode: streaming         # optional: this dataset's read mode (default data.read_mode)
-      tags: [read, clean]          # optional, free-form, shown by `speechlm plan`
+      tags: [read, clean]          # optional, free-form, shown by `speechlm plan` (a mapping, as NeMo
+                                   # writes it, is kept as ["key=value", ...])
     - group: indic_asr             # a group splits its weight over its inputs
       weight: 1.0
       inputs: [ ... entries ... ]
+
+A YAML file of entries (`data.input_cfg: mix.yaml`, `speechlm plan --input-cfg mix.yaml`) holds the
+list, as NeMo's input_cfg files do, or the list under `input_cfg:` or under `data: input_cfg:` (the
+form of an experiment config, as docs/data.md shows it). NeMo's own entry keys (`type: group` with a
+nested `input_cfg`, `manifest_filepath`, `shar_path`) are not read: a dataset is a `path` of any kind.
 
 Shares: at each level the entries' weights are normalised among siblings, so a dataset's share of
 an epoch is the product of its normalised weights down the tree. Siblings of which none gives a
@@ -83,9 +89,28 @@ def _weight(entry: dict[str, Any], where: str) -> float | None:
 
 def _tags(entry: dict[str, Any], where: str) -> tuple[str, ...]:
     tags = entry.get("tags") or []
+    if isinstance(tags, dict):  # NeMo writes tags as a mapping (`tags: {lang: en}`): kept as "lang=en"
+        return tuple(f"{k}={v}" for k, v in tags.items())
     if isinstance(tags, str) or not isinstance(tags, list):
-        raise ManifestError(f"{where}.tags={tags!r}: give a list of strings")
+        raise ManifestError(f"{where}.tags={tags!r}: give a list of strings or a mapping")
     return tuple(str(t) for t in tags)
+
+
+def _entries_of_file(doc: Any, path: Path) -> Any:
+    """The list a YAML file of `data.input_cfg` holds: the list itself (as NeMo's input_cfg files do), or
+    under `input_cfg:` (NeMo's key), or under `data: input_cfg:` (an experiment config's form, as
+    docs/data.md shows it); a mapping with other keys is refused, naming the forms."""
+    if isinstance(doc, dict) and set(doc) == {"data"} and isinstance(doc["data"], dict):
+        doc = doc["data"]
+    if isinstance(doc, dict) and set(doc) == {"input_cfg"}:
+        return doc["input_cfg"]
+    if isinstance(doc, dict):
+        raise ManifestError(
+            f"{path}: holds {', '.join(map(repr, sorted(doc)))}; a data.input_cfg file holds a list of datasets "
+            "or groups, `input_cfg: [...]`, or `data: {input_cfg: [...]}` and nothing else (give a whole "
+            "experiment config with --config instead)"
+        )
+    return doc
 
 
 def parse_input_cfg(entries: Any, where: str = "data.input_cfg", base: Path | None = None) -> InputGroup:
@@ -93,7 +118,7 @@ def parse_input_cfg(entries: Any, where: str = "data.input_cfg", base: Path | No
     if isinstance(entries, str | os.PathLike):
         path = Path(entries)
         try:
-            entries = yaml.safe_load(path.read_text())
+            entries = _entries_of_file(yaml.safe_load(path.read_text()), path)
         except (OSError, yaml.YAMLError) as e:
             raise ManifestError(f"{where}: cannot read {path} ({e})") from None
         base = path.resolve().parent
