@@ -116,7 +116,7 @@ def measure(
 ) -> dict[str, float]:
     from speechlm.config import ExperimentConfig
     from speechlm.data.dataset import SpeechDataset, build_dataloader
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
 
     cfg = ExperimentConfig()
     cfg.data.read_mode = read_mode

@@ -363,8 +363,8 @@ def test_two_processes_building_at_once_build_once(audio: Path, tmp_path: Path) 
 
 def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_path: Path) -> None:
     from speechlm.config import ExperimentConfig
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sources.input_cfg import load_input_cfg, mix_of_table, read_modes_of_table
-    from speechlm.train.data import build_sampler
 
     for name, n in (("a", 3), ("b", 5)):
         pq.write_table(manifest(audio, [{"path": str(audio / "one.wav")}] * n), tmp_path / f"{name}.parquet")

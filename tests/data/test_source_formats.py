@@ -158,7 +158,7 @@ def _tokenizer(demo_data):
 
 def _plan(table: pa.Table) -> list[list[int]]:
     from speechlm.config import load_config
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
 
     cfg = load_config(REPO / "configs/smoke.yaml")
     return [list(b) for b in build_sampler(cfg, table, dp_rank=0, dp_size=1)]

@@ -132,7 +132,7 @@ def test_next_epoch_into_another_dp_size(demo_data, tmp_path):  # noqa: F811
     """Saved at dp=1 mid-epoch 0; resumed at dp=2: `exact` refuses, `next_epoch` starts epoch 1 of dp=2."""
     from speechlm.config import load_config
     from speechlm.data.manifest import load_manifest
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
 
     config, overrides = scenario_args(demo_data, 3)
     run_dir, log = tmp_path / "run", tmp_path / "log.txt"
