@@ -282,10 +282,10 @@ def test_parquet_relative_paths_resolve_against_the_manifest_folder(
 
 
 def test_load_manifest_resolves_relative_paths_too(audio: Path, tmp_path: Path) -> None:
-    from speechlm.data.manifest.load import load_manifest
+    from speechlm.data.manifest.load import read_parquet_manifest
 
     pq.write_table(manifest(audio, [{"path": "sub/a.wav"}]), tmp_path / "m.parquet")
-    assert load_manifest(tmp_path / "m.parquet").column("audio_filepath")[0].as_py() == str(
+    assert read_parquet_manifest(tmp_path / "m.parquet").column("audio_filepath")[0].as_py() == str(
         tmp_path.resolve() / "sub/a.wav"
     )
 

@@ -25,7 +25,9 @@ def _config(*overrides: str):
 
 
 def _table(durations: list[float], texts: list[str]) -> pa.Table:
-    return pa.table({"duration": pa.array(durations, pa.float32()), "lang": ["en"] * len(texts), "text": texts})
+    return pa.table(
+        {"duration": pa.array(durations, pa.float32()), "lang": ["en"] * len(texts), "text": texts}
+    )
 
 
 @pytest.mark.parametrize(

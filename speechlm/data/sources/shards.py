@@ -42,34 +42,13 @@ from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.outputs import prepare_dir
 from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, duration_mismatch
 from speechlm.data.sources.join import locate_members, with_tar_locators
+from speechlm.data.sources.report import SourceReport
 from speechlm.errors import OutputError
 
 INDEX_NAME = "index.parquet"
 PARTIAL_PATTERNS = ("shard-*.tar", ".shard-*.tar.tmp", f".{INDEX_NAME}.tmp")
 SHARDS_KEY = b"speechlm.shards"
 FORMAT_VERSION = 1
-
-
-@dataclass
-class SourceReport:
-    """What loading a source dropped, per shard and reason (printed by the loader, never silent)."""
-
-    dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # shard -> reason -> rows
-
-    def drop(self, shard: str, reason: str, n: int = 1) -> None:
-        if n:
-            per = self.dropped.setdefault(shard, {})
-            per[reason] = per.get(reason, 0) + int(n)
-
-    @property
-    def total(self) -> int:
-        return sum(sum(v.values()) for v in self.dropped.values())
-
-    def lines(self) -> list[str]:
-        return [
-            f"{shard}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(per.items()))
-            for shard, per in sorted(self.dropped.items())
-        ]
 
 
 def member_name(segment_id: str, suffix: str) -> str:
