@@ -161,12 +161,6 @@ def format_skipped(skipped: list[tuple[int, str, str, str]], limit: int = 5) -> 
     return f"skipped {len(skipped)} rows ({detail}): {listed}{more}"
 
 
-def plan_members(table: pa.Table, base_dir: Path | None) -> tuple[list[str], list[str]]:
-    """(member name, audio file) of every row about to be packed; the checks of `plan_audio`."""
-    plan = plan_audio(table, base_dir)
-    return plan.names, plan.resolved
-
-
 def check_out_dir(out: Path, complete: str, partial: tuple[str, ...]) -> list[Path]:
     """Refuse an output folder that holds anything but an interrupted write of this format.
 
@@ -363,9 +357,6 @@ def read_shards(path: str | os.PathLike[str], report: SourceReport | None = None
         loc = locate_members(tars, codes[rows], members, report, what=str(index_path))
         offsets[rows], sizes[rows], headers[rows], keep[rows] = loc.offsets, loc.sizes, loc.headers, loc.keep
     return with_tar_locators(index, codes, tars, offsets, sizes, headers, keep)
-
-
-LOCATOR_COLUMNS = ("tar_path", "offset", "nbytes", "header_bytes")
 
 
 def tar_rows(table: pa.Table) -> np.ndarray:
