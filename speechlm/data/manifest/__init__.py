@@ -17,7 +17,7 @@ One concern per module:
 - `outputs`: output folders and files of the data tools (`OutputError` naming the path, written
   under a temporary name and renamed).
 
-Imports run one way: nemo uses schema; load uses schema and nemo; split uses schema; build uses
+Imports run one way: nemo uses schema; load uses schema; split uses schema; build uses
 schema, load, report and split; stats uses load and report. None of them imports torch.
 """
 
