@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from speechlm.config import eval_batch_duration, load_config
     from speechlm.data.dataset import SpeechDataset, build_dataloader
-    from speechlm.data.manifest import load_manifest
+    from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.model.speech_llm import SpeechLLM
     from speechlm.train.data import build_eval_batches
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     batches = []
     for split in args.splits.split(","):
-        table = load_manifest(data / f"{split}.parquet")
+        table = load_source(data / f"{split}.parquet")
         ds = SpeechDataset(table, tok, max_tokens=cfg.data.max_tokens)
         budget = args.batch_duration or eval_batch_duration(cfg)
         plan = build_eval_batches(table, max_batch_duration=budget)

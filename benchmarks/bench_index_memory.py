@@ -45,7 +45,9 @@ def synthetic_shard_index(n: int) -> pa.Table:
     ids = table.column("segment_id")
     members = pa.compute.binary_join_element_wise(ids, ".flac", "")
     rng = np.random.default_rng(1)
-    sizes = (table.column("duration").to_numpy() * 16000 * 2 * 0.6 * rng.uniform(0.9, 1.1, n)).astype(np.int64)
+    sizes = (table.column("duration").to_numpy() * 16000 * 2 * 0.6 * rng.uniform(0.9, 1.1, n)).astype(
+        np.int64
+    )
     tar = np.arange(n) // PER_TAR
     blocks = 512 + (sizes + 511) // 512 * 512
     starts = np.cumsum(blocks) - blocks
@@ -68,8 +70,9 @@ class _Tok:
 
 def child(mode: str, path: str, cache: str) -> dict[str, float]:
     from speechlm.data.dataset import SpeechDataset
-    from speechlm.data.manifest import load_manifest, manifest_arrays
+    from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
+    from speechlm.data.sources.detect import load_source
     from speechlm.data.sources.mmap_cache import open_index
 
     if mode == "cache":
@@ -80,13 +83,17 @@ def child(mode: str, path: str, cache: str) -> dict[str, float]:
         return {"build_s": time.perf_counter() - t0, "peak_rss": int(hwm.split()[1]) * 1024}
     base = rss()
     t0 = time.perf_counter()
-    table = load_manifest(path) if mode == "memory" else open_index(path, cache_dir=cache)
+    table = load_source(path) if mode == "memory" else open_index(path, cache_dir=cache)
     ds = SpeechDataset(table, _Tok())  # type: ignore[arg-type]
     open_s = time.perf_counter() - t0
     index = rss()
     arr = manifest_arrays(table)
     sampler = DurationBucketBatchSampler(
-        arr.durations, arr.lang_codes, arr.lang_names, SamplerSettings(dp_size=8, mode="temperature"), dp_rank=0
+        arr.durations,
+        arr.lang_codes,
+        arr.lang_names,
+        SamplerSettings(dp_size=8, mode="temperature"),
+        dp_rank=0,
     )
     n_batches = len(sampler)
     with_sampler = rss()
@@ -133,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
         cache = str(Path(tmp) / "cache")
         built = run_child("cache", str(path), cache)
-        print(f"index cache built in {built['build_s']:.0f} s, peak RSS {built['peak_rss'] / 2**20:,.0f} MiB", flush=True)
+        print(
+            f"index cache built in {built['build_s']:.0f} s, peak RSS {built['peak_rss'] / 2**20:,.0f} MiB",
+            flush=True,
+        )
         results = {"cache": built}
         for mode in ("memory", "mmap"):
             r = run_child(mode, str(path), cache)

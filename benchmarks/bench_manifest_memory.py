@@ -8,7 +8,7 @@ What it does:
    language's script of about 12 characters per second of audio, taken from a pool of 20,000
    sentences per language (every row still owns its own copy of the bytes, as after a real build).
    It writes the table to parquet (zstd) in a temporary folder.
-2. In a fresh child process, loads that parquet with `load_manifest` and measures the resident set
+2. In a fresh child process, loads that parquet with `load_source` and measures the resident set
    (psutil RSS, after gc) before and after, then the extra RSS of `manifest_arrays`, then the RSS
    left once the table is dropped and only the arrays are kept. The Arrow figures are also given as
    `table.nbytes` and Arrow's allocated bytes, which do not depend on the allocator's caching.
@@ -42,7 +42,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest import MANIFEST_SCHEMA, build_manifest_table, load_manifest, manifest_arrays
+from speechlm.data.manifest import MANIFEST_SCHEMA, build_manifest_table, manifest_arrays
+from speechlm.data.sources.detect import load_source
 
 LANGS = ("bn", "en", "hi", "mr", "ta", "te")
 WEIGHTS = (0.12, 0.35, 0.25, 0.1, 0.1, 0.08)
@@ -123,7 +124,7 @@ def build_synthetic_manifest(n: int, seed: int = 0) -> pa.Table:
 def child_measure_table(path: str) -> dict[str, float]:
     base = rss()
     t0 = time.perf_counter()
-    table = load_manifest(path)
+    table = load_source(path)
     load_s = time.perf_counter() - t0
     with_table = rss()
     arrow_bytes = pa.total_allocated_bytes()

@@ -49,14 +49,15 @@ def prepare_demo(out: Path) -> None:
 
 def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:
     from speechlm.data.dataset import Collator, SpeechDataset
-    from speechlm.data.manifest import load_manifest, manifest_arrays
+    from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
+    from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.train.module import TokenizerInfo
 
     prepare_demo(data)
     tok = Tokenizer(data / "tokenizer.model")
-    table = load_manifest(data / "train.parquet")
+    table = load_source(data / "train.parquet")
     arr = manifest_arrays(table)
     sampler = DurationBucketBatchSampler(
         arr.durations, arr.lang_codes, arr.lang_names, SamplerSettings(max_batch_duration=budget, seed=0)

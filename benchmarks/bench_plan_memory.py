@@ -38,7 +38,7 @@ def _columns_reader(path: str) -> object:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from speechlm.data.plan import PlanInputs
+    from speechlm.data.sampler.build import SamplerInputs
 
     table = pq.read_table(path, columns=["duration", "lang", "text"])
     lang = table.column("lang")
@@ -46,7 +46,7 @@ def _columns_reader(path: str) -> object:
         lang = lang.cast(lang.type.value_type)
     names = sorted(pc.unique(lang).to_pylist())
     codes = pc.index_in(lang, value_set=pa.array(names, type=lang.type)).to_numpy()
-    return PlanInputs(
+    return SamplerInputs(
         durations=table.column("duration").cast(pa.float32()).to_numpy(),
         lang_codes=codes.astype(np.int32),
         lang_names=names,

@@ -116,7 +116,7 @@ def measure(
 ) -> dict[str, float]:
     from speechlm.config import ExperimentConfig
     from speechlm.data.dataset import SpeechDataset, build_dataloader
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
 
     cfg = ExperimentConfig()
     cfg.data.read_mode = read_mode
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
 
-    from speechlm.data.manifest import load_manifest
+    from speechlm.data.sources.detect import load_source
     from speechlm.data.sources.shards import write_shards
     from speechlm.data.tokenizer import Tokenizer
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         build_corpus(folder, args.clips)
         # the demo's random-bytes FLAC is not audio: shards write refuses it unless skipped (issue 20)
-        write_shards(load_manifest(manifest), folder / "tars", shard_size=1000, skip_bad_audio=True)
+        write_shards(load_source(manifest), folder / "tars", shard_size=1000, skip_bad_audio=True)
     print(f"corpus: {args.clips:,} clips in {folder} ({time.perf_counter() - t0:.0f} s to build)", flush=True)
     tok_prefix = folder / "tok"
     if not tok_prefix.with_suffix(".model").is_file():
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         cli(["tokenizer", "train", "--manifest", str(folder / "demo/train.parquet"), "--out", str(tok_prefix),
              "--vocab-size", "300"])  # fmt: skip
     tok = Tokenizer(str(tok_prefix.with_suffix(".model")))
-    files_table = load_manifest(manifest)
-    tars_table = load_manifest(folder / "tars")
+    files_table = load_source(manifest)
+    tars_table = load_source(folder / "tars")
     audio_files = [Path(p) for p in files_table.column("audio_filepath").to_pylist()]
     tar_files = sorted((folder / "tars").glob("*.tar"))
     results: dict[str, dict[str, float]] = {}

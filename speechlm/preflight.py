@@ -276,23 +276,29 @@ def check_resume(resume: str | None, run_dir: Path) -> None:
 
 
 # --- the figures of the validator's data-side rules ---------------------------------------------------
-def summarize(table: Any) -> dict[str, Any]:
-    """manifest_summary for the validator's data rules: n_rows and max_duration (seconds)."""
+def summarize(table: Any, cfg: Any) -> dict[str, Any]:
+    """manifest_summary for the validator's data rules: n_rows, max_duration (seconds) and, under a token
+    budget, max_tokens (the longest row's audio + text + prompt tokens, as the sampler counts them)."""
     durations = table.column("duration").to_numpy()
-    return {"n_rows": len(table), "max_duration": float(durations.max()) if len(durations) else 0.0}
+    summary = {"n_rows": len(table), "max_duration": float(durations.max()) if len(durations) else 0.0}
+    if cfg.sampler.max_batch_tokens is not None:
+        from speechlm.data.sampler.build import longest_row_tokens
+
+        summary["max_tokens"] = longest_row_tokens(cfg, table)
+    return summary
 
 
 def summarize_plan(cfg: Any, table: Any, world_size: int, *, dp_rank: int = 0) -> tuple[dict[str, Any], Any]:
     """(the plan's figures for `epoch-plan-too-short`, the sampler of `dp_rank`, or None when it has no plan).
 
     Call it once the validator's other rules pass (a valid layout and budget, enough rows): it builds
-    epoch 0's plan as training does (`speechlm.train.data.build_sampler`), once, and returns
+    epoch 0's plan as training does (`speechlm.data.sampler.build.build_sampler`), once, and returns
     `plan_micro_batches` (packed in the epoch) and `plan_batches_per_rank` (0 when the plan cannot give
     every dp rank a full optimizer step, which the sampler would raise on).
     """
     from parallel.mesh import ParallelDims
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sampler.epoch_plan import EpochTooShortError
-    from speechlm.train.data import build_sampler
 
     p = cfg.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
@@ -345,4 +351,4 @@ def validate_data(cfg: Any, manifest: str | None = None) -> tuple[dict[str, Any]
         notes.append(
             f"languages and tags not checked: data.tokenizer {cfg.data.tokenizer} does not exist here"
         )
-    return summarize(train_table), cfg, train_table, notes
+    return summarize(train_table, cfg), cfg, train_table, notes

@@ -111,3 +111,65 @@ def test_the_command_line_does_not_import_torch_or_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The import cycles (strongly connected components of 2+ modules) among the modules of `package`,
+    counting imports inside functions too; a module importing its own parent package is not an edge."""
+    root = REPO / package.replace(".", "/")
+    modules = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(REPO).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph: dict[str, set[str]] = {}
+    for name, f in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_data_layer_has_no_import_cycles():
+    """manifest/load <-> sources/detect and sources/join <-> sources/shards were cycles (issue 21)."""
+    assert import_cycles("speechlm.data") == []
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (pkg / "b.py").write_text("from pkg import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert import_cycles("pkg") == [["pkg.a", "pkg.b"]]

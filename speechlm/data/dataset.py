@@ -18,7 +18,7 @@ recording, a decoded length that differs from the manifest's duration by more th
 `data.duration_tolerance`: `manifest.schema.duration_mismatch`) and for their text (not UTF-8,
 `check_transcript`'s empty/untagged/mistagged, more than `max_tokens` tokens: a transcript is never
 cut, since an EOS after a cut would teach the model to stop mid-sentence). Workers are separate processes, so drop counts travel inside the
-batches and the trainer adds them up with `DropCounter`; nothing is shared between processes.
+batches (`Batch.dropped`) and the step adds them up (`StepBatch.dropped`); nothing is shared between processes.
 
 The manifest stays columnar (Arrow string arrays, numpy codes for the language), so that forked
 workers do not touch millions of Python objects and slowly copy the parent's memory.
@@ -41,7 +41,6 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -178,24 +177,11 @@ class Batch:
 
 
 def _read_table(path: Path) -> pa.Table:
-    """Read a manifest with `speechlm.data.manifest.load_manifest` (parquet or NeMo JSON).
+    """The manifest at `path`, any kind `sources.detect` knows, read in memory as it is: training passes
+    the table of `sources.mmap_cache.open_index` instead (memory-mapped, its durations checked)."""
+    from speechlm.data.sources.detect import load_source
 
-    Falls back to reading the needed parquet columns directly when that module is not installed.
-    """
-    try:
-        from speechlm.data.manifest import load_manifest
-    except ModuleNotFoundError as e:
-        if e.name != "speechlm.data.manifest":
-            raise
-    else:
-        return load_manifest(path)
-    if not path.exists():
-        raise FileNotFoundError(f"manifest {path} does not exist: build one with `speechlm manifest build`")
-    names = pq.ParquetDataset(path).schema.names
-    missing = [c for c in REQUIRED_COLUMNS if c not in names]
-    if missing:
-        raise ValueError(f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest")
-    return pq.read_table(path, columns=[c for c in (*REQUIRED_COLUMNS, "segment_id") if c in names])
+    return load_source(path)
 
 
 def _dataset_paths(table: pa.Table) -> tuple[IntColumn | None, list[str] | None]:
@@ -503,40 +489,6 @@ class Collator:
             dropped=dict(dropped),
             dropped_files=dropped_files,
         )
-
-
-class DropCounter:
-    """Running totals of dropped rows per reason, fed from `Batch.dropped` in the training loop."""
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-
-    def update(self, dropped: Mapping[str, int]) -> None:
-        for reason, n in dropped.items():
-            if n < 0:
-                raise ValueError(f"drop count for {reason!r} is negative ({n})")
-            if n:
-                self._counts[reason] += int(n)
-
-    @property
-    def total(self) -> int:
-        return sum(self._counts.values())
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(sorted(self._counts.items()))
-
-    def state_dict(self) -> dict[str, int]:
-        return self.as_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self._counts = Counter()
-        self.update(state)
-
-    def __str__(self) -> str:
-        if not self._counts:
-            return "no rows dropped"
-        parts = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
-        return f"{self.total} rows dropped ({parts})"
 
 
 def seed_worker(worker_id: int, *, seed: int) -> None:

@@ -117,12 +117,13 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest import format_stats, load_manifest, manifest_stats, plot_stats
+    from speechlm.data.manifest import format_stats, manifest_stats, plot_stats
     from speechlm.data.manifest.outputs import prepare_parent, write_atomic
+    from speechlm.data.sources.detect import load_source
 
     if args.plot:
         prepare_parent(args.plot, "--plot")
-    stats = manifest_stats(load_manifest(args.manifest, default_lang=args.lang), where=str(args.manifest))
+    stats = manifest_stats(load_source(args.manifest, default_lang=args.lang), where=str(args.manifest))
     print(
         json.dumps(stats, indent=2, ensure_ascii=False)
         if args.json

@@ -1,8 +1,7 @@
 """`speechlm plan`: show one epoch's plan before training on it.
 
-Builds the same `build_epoch_plan` the trainer's sampler builds (same manifest coding: languages
-sorted by name, durations as float32; text tokens are not part of the budget, as in
-`speechlm.train.data.build_sampler`) and prints:
+Builds the sampler training builds (`speechlm.data.sampler.build`: the same settings, token cost model,
+dataset mix and, when ``data.read_mode`` streams, the streaming plan) and prints its epoch:
 
 - micro-batches per dp rank and optimizer steps per epoch (micro-batches / grad_accum);
 - audio hours per optimizer step, summed over all dp ranks;
@@ -11,7 +10,7 @@ sorted by name, durations as float32; text tokens are not part of the budget, as
 - the padding efficiency (real tokens / computed tokens) of a padded BSHD batch, which computes
   B * max_len per micro-batch, and of a packed THD batch, which computes the sum of the lengths
   plus the CP/TP rounding of `speechlm.packing.round_lengths`. Token counts per utterance follow
-  the sampler's token-cost formula (audio + prompt) plus an estimate of the text tokens,
+  the sampler's token cost model (audio + prompt) plus its estimate of the text tokens,
   ceil(characters / CHARS_PER_TOKEN), when the manifest has a `text` column.
 
 `--json FILE` writes the summary plus `ranks`: one list per dp rank of micro-batches, each a list
@@ -33,27 +32,18 @@ import numpy as np
 from parallel.cp_placement import (  # stdlib only
     place_sequences,
 )
-from speechlm.data.sampler import (
-    EpochPlan,
-    SamplerSettings,
-    assign_buckets,
-    build_epoch_plan,
-    compute_language_targets,
+from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
+from speechlm.data.sampler.build import (
+    CHARS_PER_TOKEN,
+    SamplerInputs,
+    make_sampler,
+    sampler_inputs,
+    sampler_settings,
+    text_tokens_of,
 )
 
-CHARS_PER_TOKEN = 3.0  # text-token estimate for the padding figures only (a small SentencePiece vocab)
 
-
-@dataclass
-class PlanInputs:
-    durations: np.ndarray  # float32 [N] seconds
-    lang_codes: np.ndarray  # int16 or int32 [N], index into lang_names
-    lang_names: list[str]  # sorted
-    text_chars: np.ndarray | None  # int32 [N] characters of `text`, when the manifest has it
-    mix: Any = None  # speechlm.data.sampler.DatasetMix of a data.input_cfg
-
-
-def read_plan_inputs(path: str | Path) -> PlanInputs:
+def read_plan_inputs(path: str | Path) -> SamplerInputs:
     """Durations, languages and text lengths of any source `speechlm train` accepts.
 
     A parquet manifest is read row group by row group, three columns only, the texts reduced to their
@@ -136,7 +126,7 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
         raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
     lang_names = sorted(seen)
     order = np.array([lang_names.index(name) for name in seen], np.int16)
-    inputs = PlanInputs(
+    inputs = SamplerInputs(
         durations=durations,
         lang_codes=order[codes] if len(order) else codes,
         lang_names=lang_names,
@@ -145,25 +135,29 @@ def read_plan_inputs(path: str | Path) -> PlanInputs:
     return inputs
 
 
-def _plan_inputs_of_table(table: Any) -> PlanInputs:
-    from speechlm.data.manifest import manifest_arrays
-    from speechlm.data.sources.input_cfg import mix_of_table
+def _plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
+    from speechlm.config import ExperimentConfig
 
-    arr = manifest_arrays(table)
-    return PlanInputs(
-        durations=arr.durations,
-        lang_codes=arr.lang_codes.astype(np.int32),
-        lang_names=list(arr.lang_names),
-        text_chars=arr.text_lengths.astype(np.int32),
-        mix=mix_of_table(table),
-    )
+    return sampler_inputs(cfg if cfg is not None else ExperimentConfig(), table)
 
 
-def plan_inputs_of_input_cfg(entries: Any) -> PlanInputs:
+def plan_inputs_of_input_cfg(entries: Any, cfg: Any = None) -> SamplerInputs:
     """The plan inputs of a `data.input_cfg` (a list of entries or a YAML file of one)."""
     from speechlm.data.sources.input_cfg import load_input_cfg
 
-    return _plan_inputs_of_table(load_input_cfg(entries))
+    return _plan_inputs_of_table(load_input_cfg(entries), cfg)
+
+
+def plan_inputs(req: PlanRequest) -> SamplerInputs:
+    """The inputs `req` plans: its data.input_cfg, or its manifest (read as training reads it when the
+    run streams: the streaming plan needs every row's tar and offset from the index)."""
+    if req.input_cfg is not None:
+        return plan_inputs_of_input_cfg(req.input_cfg, req.cfg)
+    if req.cfg is not None and req.cfg.data.read_mode == "streaming":
+        from speechlm.data.sources.mmap_cache import open_index
+
+        return _plan_inputs_of_table(open_index(req.manifest), req.cfg)
+    return read_plan_inputs(req.manifest)
 
 
 def cp_padding(
@@ -213,52 +207,78 @@ def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: 
 
 def summarize_plan(
     plan: EpochPlan,
-    inputs: PlanInputs,
+    inputs: SamplerInputs,
     settings: SamplerSettings,
     *,
     cp_size: int = 1,
     tp_size: int = 1,
     cp_split_threshold: int | str = 0,
     pair_cost: float = 0.0,
+    max_text_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`)."""
-    grad_accum, bucket_boundaries = settings.grad_accum, settings.bucket_boundaries
-    used = plan.rank_batches.reshape(-1)
-    lengths = plan.batch_offsets[used + 1] - plan.batch_offsets[used]
-    offsets = np.concatenate(([0], np.cumsum(lengths)))
-    rows = _used_rows(plan, used, lengths, offsets)
-    dur = inputs.durations[rows]  # float32: 10M rows stay small (the sums below run in float64)
-    codes = inputs.lang_codes[rows]
-    n_langs = len(inputs.lang_names)
-    steps = plan.batches_per_rank // grad_accum
+    used = PlannedRows.of(plan, inputs)
+    steps = plan.batches_per_rank // settings.grad_accum
+    languages, datasets = mix_figures(used, inputs, settings.temperature)
+    tokens = planned_tokens(used.rows, inputs, settings, max_text_tokens)
+    total_hours = float(used.durations.sum(dtype=np.float64)) / 3600
+    return {
+        "mode": plan.mode,
+        "epoch": plan.epoch,
+        "seed": plan.seed,
+        "manifest_rows": plan.manifest_rows,
+        "dp_size": plan.dp_size,
+        "grad_accum": settings.grad_accum,
+        "micro_batches_per_rank": plan.batches_per_rank,
+        "optimizer_steps_per_epoch": steps,
+        "planned_utterances": int(len(used.rows)),
+        "planned_hours": total_hours,
+        "dropped_utterances": int(len(plan.rows) - len(used.rows)),
+        "audio_hours_per_step": total_hours / steps if steps else 0.0,
+        "languages": languages,
+        "datasets": datasets,
+        "buckets": bucket_figures(used, inputs, settings.bucket_boundaries),
+        "padding": padding_figures(
+            tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
+        ),
+    }
 
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """The rows of the micro-batches every dp rank gets, back to back, with their micro-batch bounds."""
+
+    rows: np.ndarray  # [R] manifest rows
+    lengths: np.ndarray  # [M] rows per micro-batch
+    offsets: np.ndarray  # [M + 1] where each micro-batch starts in `rows`
+    durations: np.ndarray  # float32 [R] (10M rows stay small; the sums run in float64)
+    lang_codes: np.ndarray  # [R]
+
+    @classmethod
+    def of(cls, plan: EpochPlan, inputs: SamplerInputs) -> PlannedRows:
+        used = plan.rank_batches.reshape(-1)
+        lengths = plan.batch_offsets[used + 1] - plan.batch_offsets[used]
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        rows = _used_rows(plan, used, lengths, offsets)
+        return cls(rows, lengths, offsets, inputs.durations[rows], inputs.lang_codes[rows])
+
+
+def mix_figures(
+    used: PlannedRows, inputs: SamplerInputs, temperature: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(per language, per dataset of a mix): natural and target shares next to what the plan uses."""
+    n_langs = len(inputs.lang_names)
     natural = np.bincount(inputs.lang_codes, minlength=n_langs)
-    targets = compute_language_targets(natural, settings.temperature)
+    targets = compute_language_targets(natural, temperature)
     datasets = []
     if inputs.mix is not None:  # the targets are per (dataset, language) cell: add them up both ways
         from speechlm.data.sampler.mix import mix_groups
 
-        _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, settings.temperature)
-        cells = cells.reshape(len(inputs.mix.names), n_langs)
-        targets = cells.sum(axis=0)
-        set_codes = np.asarray(inputs.mix.dataset_codes)
-        set_rows = np.bincount(set_codes, minlength=len(inputs.mix.names))
-        set_utt = np.bincount(set_codes[rows], minlength=len(inputs.mix.names))
-        set_hours = np.bincount(set_codes[rows], weights=dur, minlength=len(inputs.mix.names)) / 3600
-        datasets = [
-            {
-                "dataset": name,
-                "rows": int(set_rows[d]),
-                "natural_share": set_rows[d] / max(set_rows.sum(), 1),
-                "target_share": float(inputs.mix.shares[d]),
-                "planned_utterances": int(set_utt[d]),
-                "planned_share": set_utt[d] / max(set_utt.sum(), 1),
-                "planned_hours": float(set_hours[d]),
-            }
-            for d, name in enumerate(inputs.mix.names)
-        ]
-    utt = np.bincount(codes, minlength=n_langs)
-    hours = np.bincount(codes, weights=dur, minlength=n_langs) / 3600
+        _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, temperature)
+        targets = cells.reshape(len(inputs.mix.names), n_langs).sum(axis=0)
+        datasets = dataset_figures(used, inputs.mix)
+    utt = np.bincount(used.lang_codes, minlength=n_langs)
+    hours = np.bincount(used.lang_codes, weights=used.durations, minlength=n_langs) / 3600
     languages = [
         {
             "lang": name,
@@ -271,16 +291,43 @@ def summarize_plan(
         }
         for i, name in enumerate(inputs.lang_names)
     ]
+    return languages, datasets
 
-    first_rows = rows[offsets[:-1]]
+
+def dataset_figures(used: PlannedRows, mix: Any) -> list[dict[str, Any]]:
+    """Per dataset of a `data.input_cfg`: rows, natural and target shares, and what the plan uses."""
+    n_sets = len(mix.names)
+    set_codes = np.asarray(mix.dataset_codes)
+    set_rows = np.bincount(set_codes, minlength=n_sets)
+    set_utt = np.bincount(set_codes[used.rows], minlength=n_sets)
+    set_hours = np.bincount(set_codes[used.rows], weights=used.durations, minlength=n_sets) / 3600
+    return [
+        {
+            "dataset": name,
+            "rows": int(set_rows[d]),
+            "natural_share": set_rows[d] / max(set_rows.sum(), 1),
+            "target_share": float(mix.shares[d]),
+            "planned_utterances": int(set_utt[d]),
+            "planned_share": set_utt[d] / max(set_utt.sum(), 1),
+            "planned_hours": float(set_hours[d]),
+        }
+        for d, name in enumerate(mix.names)
+    ]
+
+
+def bucket_figures(
+    used: PlannedRows, inputs: SamplerInputs, bucket_boundaries: tuple[float, ...]
+) -> list[dict[str, Any]]:
+    """Per duration bucket (of each micro-batch's first row): utterances, micro-batches, hours."""
+    first_rows = used.rows[used.offsets[:-1]]
     batch_bucket = assign_buckets(inputs.durations[first_rows], bucket_boundaries)
-    row_bucket = np.repeat(batch_bucket, lengths)
+    row_bucket = np.repeat(batch_bucket, used.lengths)
     edges = [0.0, *bucket_boundaries, math.inf]
     n_buckets = len(edges) - 1
     b_utt = np.bincount(row_bucket, minlength=n_buckets)
     b_batches = np.bincount(batch_bucket, minlength=n_buckets)
-    b_hours = np.bincount(row_bucket, weights=dur, minlength=n_buckets) / 3600
-    buckets = [
+    b_hours = np.bincount(row_bucket, weights=used.durations, minlength=n_buckets) / 3600
+    return [
         {
             "from_s": edges[b],
             "to_s": None if math.isinf(edges[b + 1]) else edges[b + 1],
@@ -291,51 +338,51 @@ def summarize_plan(
         for b in range(n_buckets)
     ]
 
+
+def planned_tokens(
+    rows: np.ndarray, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
+) -> np.ndarray:
+    """Tokens per planned row (int32) by the sampler's token cost model, text estimated as it does."""
     tokens = np.empty(len(rows), np.int32)
     for lo in range(0, len(rows), CHUNK):  # in pieces: the float64 temporaries stay small
         piece = rows[lo : lo + CHUNK]
         text = None
         if inputs.text_chars is not None:
-            text = np.ceil(inputs.text_chars[piece] / CHARS_PER_TOKEN).astype(np.int64)
+            text = text_tokens_of(inputs.text_chars[piece], max_text_tokens)
         tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(inputs.durations[piece], text)
-    text = inputs.text_chars
+    return tokens
+
+
+def padding_figures(
+    tokens: np.ndarray,
+    used: PlannedRows,
+    cp_size: int,
+    tp_size: int,
+    cp_split_threshold: int | str,
+    pair_cost: float,
+    text_estimated: bool,
+) -> dict[str, Any]:
+    """Real over computed tokens of padded BSHD and packed THD micro-batches, and the CP placement's."""
     real = int(tokens.sum(dtype=np.int64))
+    offsets = used.offsets
     longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
-    bshd = int((lengths * longest.astype(np.int64)).sum())
+    bshd = int((used.lengths * longest.astype(np.int64)).sum())
     cp = cp_padding(tokens, offsets, cp_size, tp_size, cp_split_threshold, pair_cost)
     thd = cp["computed"]
-    total_hours = float(dur.sum(dtype=np.float64)) / 3600
     return {
-        "mode": plan.mode,
-        "epoch": plan.epoch,
-        "seed": plan.seed,
-        "manifest_rows": plan.manifest_rows,
-        "dp_size": plan.dp_size,
-        "grad_accum": grad_accum,
-        "micro_batches_per_rank": plan.batches_per_rank,
-        "optimizer_steps_per_epoch": steps,
-        "planned_utterances": int(len(rows)),
-        "planned_hours": total_hours,
-        "dropped_utterances": int(len(plan.rows) - len(rows)),
-        "audio_hours_per_step": total_hours / steps if steps else 0.0,
-        "languages": languages,
-        "datasets": datasets,
-        "buckets": buckets,
-        "padding": {
-            "real_tokens": real,
-            "bshd_computed_tokens": bshd,
-            "thd_computed_tokens": thd,
-            "bshd_efficiency": real / max(bshd, 1),
-            "thd_efficiency": real / max(thd, 1),
-            "cp_size": cp_size,
-            "tp_size": tp_size,
-            "cp_split_threshold": cp_split_threshold,
-            "thd_efficiency_split_all": real / max(cp["computed_split_all"], 1),
-            "cp_max_over_mean": cp["max_over_mean"],
-            "cp_ring_token_share": cp["ring_tokens"] / max(thd, 1),
-            "text_tokens_estimated": text is not None,
-            "chars_per_token": CHARS_PER_TOKEN,
-        },
+        "real_tokens": real,
+        "bshd_computed_tokens": bshd,
+        "thd_computed_tokens": thd,
+        "bshd_efficiency": real / max(bshd, 1),
+        "thd_efficiency": real / max(thd, 1),
+        "cp_size": cp_size,
+        "tp_size": tp_size,
+        "cp_split_threshold": cp_split_threshold,
+        "thd_efficiency_split_all": real / max(cp["computed_split_all"], 1),
+        "cp_max_over_mean": cp["max_over_mean"],
+        "cp_ring_token_share": cp["ring_tokens"] / max(thd, 1),
+        "text_tokens_estimated": text_estimated,
+        "chars_per_token": CHARS_PER_TOKEN,
     }
 
 
@@ -403,6 +450,7 @@ class PlanRequest:
     cp_split_threshold: int | str = 0  # tokens, or "auto"
     pair_cost: float = 0.0  # attention pair cost in token units: 1 / (6 * LLM hidden size)
     input_cfg: Any = None  # data.input_cfg entries (or a YAML file of them) instead of one manifest
+    cfg: Any = None  # the speechlm.config.ExperimentConfig: data.read_mode, data.max_tokens, ...
 
     def as_json(self) -> dict[str, Any]:
         """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
@@ -417,6 +465,7 @@ class PlanRequest:
             "tp_size": self.tp_size,
             "cp_split_threshold": self.cp_split_threshold,
             "projector_stack": self.settings.token_cost.projector_stack,
+            "encoder_subsampling": self.settings.token_cost.encoder_subsampling,
         }
 
 
@@ -426,9 +475,7 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
 
     cfg = load_config(args.config)
     dp = cfg.parallel.dp_replicate * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
-    settings = SamplerSettings.from_config(
-        cfg.sampler, dp_size=dp, grad_accum=cfg.trainer.grad_accum, projector_stack=cfg.model.projector_stack
-    )
+    settings = sampler_settings(cfg, dp_size=dp)
     flags = {
         key: getattr(args, key)
         for key in ("dp_size", "grad_accum", "mode", "temperature", "seed", "epoch_size")
@@ -463,6 +510,7 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
         cp_split_threshold=threshold,
         pair_cost=1.0 / (6 * cfg.model.llm.hidden_size),
         input_cfg=input_cfg,
+        cfg=cfg,
     )
 
 
@@ -473,24 +521,16 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     try:
-        inputs = (
-            plan_inputs_of_input_cfg(req.input_cfg)
-            if req.input_cfg is not None
-            else read_plan_inputs(req.manifest)
-        )
+        inputs = plan_inputs(req)
     except (OSError, ValueError) as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     settings = req.settings
-    try:
-        plan = build_epoch_plan(
-            inputs.durations,
-            inputs.lang_codes,
-            settings,
-            req.epoch,
-            n_langs=len(inputs.lang_names),
-            mix=inputs.mix,
+    try:  # the sampler training builds (rank 0's; the plan covers every dp rank)
+        sampler = make_sampler(
+            settings, inputs, dp_rank=0, epoch=req.epoch, max_text_tokens=req.cfg.data.max_tokens
         )
+        plan = sampler.plan
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
@@ -502,6 +542,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tp_size=req.tp_size,
         cp_split_threshold=req.cp_split_threshold,
         pair_cost=req.pair_cost,
+        max_text_tokens=req.cfg.data.max_tokens,
     )
     budget = (
         f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"

@@ -41,9 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_write(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speechlm.data.manifest import load_manifest
+    from speechlm.data.sources.detect import load_source
 
-    table = load_manifest(args.manifest)
+    table = load_source(args.manifest)
     from speechlm.data.sources.shards import format_skipped
 
     base = Path(args.manifest).resolve().parent

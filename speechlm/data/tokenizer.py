@@ -396,7 +396,7 @@ def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
     """Return (texts, sorted languages) from the `text` and `lang` columns of a manifest.
 
     A ``.parquet`` file needs only those two columns; any other manifest the project reads (NeMo
-    JSON, Lhotse cuts, a shard folder, ...) goes through `speechlm.data.manifest.load_manifest`.
+    JSON, Lhotse cuts, a shard folder, ...) goes through the index (`sources.mmap_cache.open_index`).
     A missing or unreadable manifest, a missing column, a null ``lang`` or text that is not UTF-8
     is a ManifestError naming the file (and the row).
     """
@@ -404,7 +404,7 @@ def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from speechlm.data.manifest import ManifestError, load_manifest
+    from speechlm.data.manifest import ManifestError
     from speechlm.data.manifest.checks import check_utf8
 
     if not path.exists():
@@ -426,7 +426,9 @@ def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
                 f"{path} is not a readable parquet file ({e}); rebuild the manifest"
             ) from None
     else:
-        table = load_manifest(path)
+        from speechlm.data.sources.mmap_cache import open_index
+
+        table = open_index(path)
     lang_col = table.column("lang")
     if lang_col.null_count:
         raise ManifestError(

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speechlm.config import ExperimentConfig
 from speechlm.errors import DataError
 
 
@@ -207,76 +206,6 @@ def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: in
         f"{n_dropped} of {total} utterances of micro-batch {position} (epoch {epoch}) could not be read, more "
         f"than data.max_dropped_fraction={limit}:\n  {files}{more}\nRestore or remove these files (then "
         f"rebuild the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
-    )
-
-
-def build_sampler(
-    cfg: ExperimentConfig, table: Any, *, dp_rank: int, dp_size: int, token_lengths: Any = None
-) -> Any:
-    """The epoch plan of one data-parallel rank, built exactly as `speechlm plan` builds it."""
-    from speechlm.data.manifest import manifest_arrays
-    from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
-    from speechlm.data.sources.input_cfg import mix_of_table
-
-    arr = manifest_arrays(table)
-    streaming = streaming_layout(cfg, table)
-    settings = SamplerSettings.from_config(
-        cfg.sampler,
-        dp_size=dp_size,
-        grad_accum=cfg.trainer.grad_accum,
-        projector_stack=cfg.model.projector_stack,
-    )
-    return DurationBucketBatchSampler(
-        arr.durations,
-        arr.lang_codes,
-        arr.lang_names,
-        settings,
-        token_lengths=token_lengths,
-        dp_rank=dp_rank,
-        streaming=streaming,
-        mix=mix_of_table(table),
-    )
-
-
-def streaming_layout(cfg: ExperimentConfig, table: Any) -> Any:
-    """The rows' places in their tar shards when `data.read_mode` is streaming (None when indexed).
-
-    Rows of a tar shard share its code and are ordered by byte offset; rows that are plain files
-    (no tar), and rows of `data.input_cfg` datasets whose own `read_mode` is indexed, get a shard of
-    their own (-1), so they are spread like indexed-mode reads. The streaming plan is used when the
-    run's or any dataset's read mode is streaming.
-    """
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from speechlm.data.sampler import StreamingLayout
-    from speechlm.data.sources.input_cfg import mix_of_table, read_modes_of_table
-
-    d = cfg.data
-    if d.read_mode not in ("indexed", "streaming"):
-        raise ValueError(f"data.read_mode={d.read_mode!r}: use 'indexed' (default) or 'streaming'")
-    per_dataset = [m or d.read_mode for m in (read_modes_of_table(table) or [])]
-    if "streaming" not in (per_dataset or [d.read_mode]):
-        return None
-    n = len(table)
-    codes = np.full(n, -1, np.int64)
-    positions = np.zeros(n, np.int64)
-    if "tar_path" in table.column_names:
-        col = table.column("tar_path").combine_chunks()
-        if not pa.types.is_dictionary(col.type):
-            col = pc.dictionary_encode(col)
-        codes = col.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-        positions = table.column("offset").fill_null(0).to_numpy().astype(np.int64)
-    if per_dataset and "indexed" in per_dataset:  # those datasets' rows are spread like indexed reads
-        indexed = np.flatnonzero(np.array([m == "indexed" for m in per_dataset]))
-        codes[np.isin(mix_of_table(table).dataset_codes, indexed)] = -1
-    return StreamingLayout(
-        codes,
-        positions,
-        streams_per_rank=max(1, d.num_workers),
-        shuffle_buffer=d.shuffle_buffer,
-        sort_buffer=d.sort_buffer,
     )
 
 

@@ -208,7 +208,7 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     train_table, val_table = preflight.open_manifests(cfg)
     tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
     preflight.check_inputs(cfg, train_table, val_table, tokenizer)  # languages, tags, nulls: train and val
-    summary = preflight.summarize(train_table)
+    summary = preflight.summarize(train_table, cfg)
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
     p = cfg.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)

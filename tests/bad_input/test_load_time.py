@@ -282,10 +282,10 @@ def test_parquet_relative_paths_resolve_against_the_manifest_folder(
 
 
 def test_load_manifest_resolves_relative_paths_too(audio: Path, tmp_path: Path) -> None:
-    from speechlm.data.manifest.load import load_manifest
+    from speechlm.data.manifest.load import read_parquet_manifest
 
     pq.write_table(manifest(audio, [{"path": "sub/a.wav"}]), tmp_path / "m.parquet")
-    assert load_manifest(tmp_path / "m.parquet").column("audio_filepath")[0].as_py() == str(
+    assert read_parquet_manifest(tmp_path / "m.parquet").column("audio_filepath")[0].as_py() == str(
         tmp_path.resolve() / "sub/a.wav"
     )
 
@@ -363,8 +363,8 @@ def test_two_processes_building_at_once_build_once(audio: Path, tmp_path: Path) 
 
 def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_path: Path) -> None:
     from speechlm.config import ExperimentConfig
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sources.input_cfg import load_input_cfg, mix_of_table, read_modes_of_table
-    from speechlm.train.data import build_sampler
 
     for name, n in (("a", 3), ("b", 5)):
         pq.write_table(manifest(audio, [{"path": str(audio / "one.wav")}] * n), tmp_path / f"{name}.parquet")

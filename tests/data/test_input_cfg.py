@@ -141,7 +141,7 @@ def test_input_cfg_from_a_yaml_file_and_exclusive_with_train_manifest(sources, t
 
 def test_read_mode_per_dataset(sources):
     from speechlm.config import ExperimentConfig
-    from speechlm.train.data import streaming_layout
+    from speechlm.data.sampler.build import streaming_layout
 
     cfg = ExperimentConfig()
     entries = [{"path": sources["files"], "name": "files"}, {"path": sources["tars"], "name": "tars"}]

@@ -24,13 +24,13 @@ from speechlm.data.manifest import (
     ManifestError,
     build_manifest,
     hash_uniform,
-    load_manifest,
     manifest_arrays,
     manifest_stats,
     plot_stats,
     read_nemo_manifest,
     split_val,
 )
+from speechlm.data.sources.detect import load_source
 from speechlm.data.text import clean_text
 
 SR = 16000
@@ -91,7 +91,7 @@ def make_shard(
 
 
 def read_split(out: Path) -> tuple[pa.Table, pa.Table]:
-    return load_manifest(out / "train.parquet"), load_manifest(out / "val.parquet")
+    return load_source(out / "train.parquet"), load_source(out / "val.parquet")
 
 
 def all_rows(out: Path) -> dict[str, dict]:
@@ -491,7 +491,7 @@ def test_read_nemo_manifest(tmp_path: Path) -> None:
     assert [r["text"] for r in rows] == ["<|en|> Hello world", "<|hi|> नमस्ते", "<|bn|> বাংলা"]
     assert [r["lang"] for r in rows] == ["en", "hi", "bn"]
     assert {r["source"] for r in rows} == {"nemo"} and rows[0]["shard_id"] == "train.jsonl"
-    assert load_manifest(path, default_lang="bn").equals(table)
+    assert load_source(path, default_lang="bn").equals(table)
 
 
 @pytest.mark.parametrize(
@@ -523,22 +523,22 @@ def test_read_nemo_manifest_errors(tmp_path: Path, lines: list[str], match: str)
 def test_load_manifest_checks_schema(tmp_path: Path) -> None:
     make_shard(tmp_path / "s", "hi_000", [row("a"), row("b")], audio=False)
     build_manifest(tmp_path / "s", tmp_path / "out", val_fraction=0.0)
-    table = load_manifest(tmp_path / "out" / "train.parquet")
+    table = load_source(tmp_path / "out" / "train.parquet")
     pq.write_table(table.drop_columns(["text", "lang"]), tmp_path / "broken.parquet")
     with pytest.raises(ManifestError, match=r"broken\.parquet is missing column 'text', 'lang'"):
-        load_manifest(tmp_path / "broken.parquet")
+        load_source(tmp_path / "broken.parquet")
     plain = table.set_column(5, "lang", table.column("lang").cast(pa.string()))  # plain strings are cast
     pq.write_table(plain, tmp_path / "plain.parquet")
-    assert load_manifest(tmp_path / "plain.parquet").equals(table)
+    assert load_source(tmp_path / "plain.parquet").equals(table)
     bad_type = table.set_column(3, "duration", pa.array(["x", "y"]))
     pq.write_table(bad_type, tmp_path / "badtype.parquet")
     with pytest.raises(ManifestError, match="column 'duration' has type string"):
-        load_manifest(tmp_path / "badtype.parquet")
+        load_source(tmp_path / "badtype.parquet")
     (tmp_path / "garbage.parquet").write_bytes(b"nope")
     with pytest.raises(ManifestError, match="not a readable parquet"):
-        load_manifest(tmp_path / "garbage.parquet")
+        load_source(tmp_path / "garbage.parquet")
     with pytest.raises(ManifestError, match="unknown manifest format"):
-        load_manifest(tmp_path / "x.csv")
+        load_source(tmp_path / "x.csv")
 
 
 def test_cuts_to_manifest(tmp_path: Path) -> None:
@@ -586,7 +586,7 @@ def test_manifest_arrays_and_stats(tmp_path: Path) -> None:
     make_shard(tmp_path / "s", "hi_000", rows, audio=False)
     make_shard(tmp_path / "s", "bn_000", [row("b0", "ক", duration=2.5)], audio=False)
     build_manifest(tmp_path / "s", tmp_path / "out", val_fraction=0.0)
-    table = load_manifest(tmp_path / "out" / "train.parquet")
+    table = load_source(tmp_path / "out" / "train.parquet")
     arr = manifest_arrays(table)
     assert arr.durations.dtype == np.float32 and arr.lang_codes.dtype == np.int16
     assert arr.text_lengths.dtype == np.int32 and arr.lang_names == ["bn", "hi"] and len(arr) == 5
@@ -642,7 +642,7 @@ def test_cli_build_stats_convert(tmp_path: Path, capsys: pytest.CaptureFixture[s
         tmp_path / "n.jsonl", [{"audio_filepath": "a.wav", "duration": 1.0, "text": "hi there"}]
     )
     assert main(["manifest", "convert", str(nemo), "--out", str(tmp_path / "n.parquet"), "--lang", "en"]) == 0
-    assert load_manifest(tmp_path / "n.parquet").column("text").to_pylist() == ["<|en|> hi there"]
+    assert load_source(tmp_path / "n.parquet").column("text").to_pylist() == ["<|en|> hi there"]
     capsys.readouterr()
 
     (tmp_path / "s" / "hi_000" / "audio_index.parquet").write_bytes(b"junk")

@@ -28,9 +28,9 @@ import pytest
 import soundfile as sf
 
 from speechlm.data.dataset import DroppedSample, Sample, SpeechDataset
-from speechlm.data.manifest import ManifestError, load_manifest
+from speechlm.data.manifest import ManifestError
 from speechlm.data.sources.detect import SOURCE_READERS, _import_readers, detect_source_type, load_source
-from speechlm.data.sources.shards import SourceReport
+from speechlm.data.sources.report import SourceReport
 from speechlm.data.text import split_lang_tag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def formats(demo_data, tmp_path_factory) -> dict[str, Path]:
     from speechlm.data.sources.shards import write_shards
 
     root = tmp_path_factory.mktemp("formats")
-    table = load_manifest(demo_data["train"])
+    table = load_source(demo_data["train"])
     rows = table.to_pylist()
     good = [r for r in rows if r["segment_id"] not in BROKEN]
     # issue 20: a file that is not audio is never packed (the writers read each header first)
@@ -158,7 +158,7 @@ def _tokenizer(demo_data):
 
 def _plan(table: pa.Table) -> list[list[int]]:
     from speechlm.config import load_config
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
 
     cfg = load_config(REPO / "configs/smoke.yaml")
     return [list(b) for b in build_sampler(cfg, table, dp_rank=0, dp_size=1)]
@@ -171,7 +171,7 @@ def test_format_gives_the_extracted_manifests_samples_and_plan(kind, formats, de
     path = formats[kind]
     assert detect_source_type(path) == ("wenet" if kind.startswith("wenet") else kind)
     table = load_source(path)
-    full = load_manifest(demo_data["train"])
+    full = load_source(demo_data["train"])
     ids = table.column("segment_id").to_pylist()
     ref = full.filter(pc.is_in(full.column("segment_id"), pa.array(ids)))
     assert ref.column("segment_id").to_pylist() == ids  # same rows, same order
@@ -243,7 +243,7 @@ def test_manifest_convert_lhotse_keeps_offsets(formats, tmp_path):
         main(["manifest", "convert", str(formats["lhotse_cuts"]), "--format", "lhotse", "--out", str(out)])
         == 0
     )
-    converted = load_manifest(out)
+    converted = load_source(out)
     assert converted.equals(load_source(formats["lhotse_cuts"]))
     assert converted.column("start").null_count == 0
 
@@ -412,7 +412,7 @@ def test_eight_training_steps_from_tars_give_the_extracted_manifests_losses(form
     import pyarrow.parquet as pq
 
     helpers = _training_helpers()
-    full = load_manifest(demo_data["train"])
+    full = load_source(demo_data["train"])
     shar_ids = load_source(formats["lhotse_shar"]).column("segment_id")
     pq.write_table(
         full.filter(pc.is_in(full.column("segment_id"), shar_ids)), tmp_path / "without_broken.parquet"

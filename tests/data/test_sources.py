@@ -19,10 +19,11 @@ import pytest
 
 from speechlm.cli import main
 from speechlm.data.dataset import DroppedSample, Sample, SpeechDataset
-from speechlm.data.manifest import ManifestError, load_manifest
-from speechlm.data.sources.detect import detect_source_type
+from speechlm.data.manifest import ManifestError
+from speechlm.data.sources.detect import detect_source_type, load_source
 from speechlm.data.sources.members import MemberError, MemberReader
-from speechlm.data.sources.shards import SourceReport, read_shards, write_shards
+from speechlm.data.sources.report import SourceReport
+from speechlm.data.sources.shards import read_shards, write_shards
 from speechlm.data.sources.tar_index import TarIndexError, scan_tar, tar_member_index
 from speechlm.data.tokenizer import Tokenizer
 
@@ -52,8 +53,8 @@ def test_shards_give_the_same_samples_as_extracted_files(demo_data, shards):
     assert detect_source_type(shards) == "speechlm_shards"
     assert len(extracted) == 221 and len(packed) == 220  # en_001_00056, not audio, is not packed
     assert len(list(shards.glob("shard-*.tar"))) == 6  # 220 rows in shards of 40
-    ids = load_manifest(demo_data["train"]).column("segment_id").to_pylist()
-    at = {s: i for i, s in enumerate(load_manifest(shards).column("segment_id").to_pylist())}
+    ids = load_source(demo_data["train"]).column("segment_id").to_pylist()
+    at = {s: i for i, s in enumerate(load_source(shards).column("segment_id").to_pylist())}
     dropped = 0
     for i in range(len(extracted)):
         if ids[i] == "en_001_00056":
@@ -67,7 +68,7 @@ def test_shards_give_the_same_samples_as_extracted_files(demo_data, shards):
         assert torch_equal(a.audio, b.audio) and torch_equal(a.tokens, b.tokens)
         assert (a.lang, a.duration) == (b.lang, b.duration)
     assert dropped >= 1
-    table = load_manifest(shards)
+    table = load_source(shards)
     assert table.column("segment_id").to_pylist() == [s for s in ids if s != "en_001_00056"]
 
 
@@ -76,7 +77,7 @@ def torch_equal(a, b) -> bool:
 
 
 def test_members_hold_the_audio_bytes_unchanged(demo_data, shards):
-    table = load_manifest(demo_data["train"])
+    table = load_source(demo_data["train"])
     first = table.column("audio_filepath")[0].as_py()
     with tarfile.open(shards / "shard-000000.tar") as tf:
         member = tf.getmembers()[0]
@@ -140,7 +141,7 @@ def test_stale_offsets_are_refused_not_decoded(demo_data, shards, tmp_path):
     assert isinstance(got, DroppedSample) and got.reason == "stale_index"
     assert "shard-000000.tar" in got.path
     with pytest.raises(MemberError, match="offset index is stale"):
-        row = load_manifest(copy).slice(1, 1).to_pylist()[0]
+        row = load_source(copy).slice(1, 1).to_pylist()[0]
         MemberReader().read(
             row["tar_path"], row["audio_filepath"], row["offset"], row["nbytes"], row["header_bytes"]
         )
@@ -158,7 +159,7 @@ def test_truncated_shard_drops_its_lost_rows_and_names_the_shard(demo_data, shar
     reasons = {ds[i].reason for i in range(len(ds)) if isinstance(ds[i], DroppedSample)}
     assert reasons <= {"undecodable"}  # the demo's one corrupt FLAC, nothing from the cut tar
     with caplog.at_level("WARNING"):
-        load_manifest(copy)
+        load_source(copy)
     assert "shard-000001.tar" in caplog.text and "truncated_shard" in caplog.text
 
 
@@ -193,7 +194,7 @@ def test_missing_shard_stops_with_its_name(shards, tmp_path):
     copy = _copy_shards(shards, tmp_path / "gone")
     (copy / "shard-000003.tar").unlink()
     with pytest.raises(ManifestError, match="shard-000003.tar.*does not exist"):
-        load_manifest(copy)
+        load_source(copy)
 
 
 def test_interrupted_write_is_refused(demo_data, tmp_path, monkeypatch):
@@ -209,15 +210,15 @@ def test_interrupted_write_is_refused(demo_data, tmp_path, monkeypatch):
 
     monkeypatch.setattr("speechlm.data.sources.shards.write_one_tar", dies_on_third)
     with pytest.raises(OSError, match="No space"):
-        write_shards(load_manifest(demo_data["train"]), out, shard_size=40, skip_bad_audio=True)
+        write_shards(load_source(demo_data["train"]), out, shard_size=40, skip_bad_audio=True)
     assert not (out / "index.parquet").exists()
     with pytest.raises(ManifestError, match="interrupted; run it again"):
-        load_manifest(out)
+        load_source(out)
     monkeypatch.undo()
     write_shards(
-        load_manifest(demo_data["train"]), out, shard_size=40, skip_bad_audio=True
+        load_source(demo_data["train"]), out, shard_size=40, skip_bad_audio=True
     )  # a rerun completes it
-    assert len(load_manifest(out)) == 220
+    assert len(load_source(out)) == 220
 
 
 def test_compressed_or_foreign_tar_is_refused_with_its_name(tmp_path):
@@ -235,7 +236,7 @@ def test_compressed_or_foreign_tar_is_refused_with_its_name(tmp_path):
 
 
 def test_write_refuses_a_manifest_with_missing_audio(demo_data, tmp_path):
-    table = load_manifest(demo_data["train"])
+    table = load_source(demo_data["train"])
     paths = table.column("audio_filepath").to_pylist()
     paths[5] = "/nonexistent/clip.flac"
     broken = table.set_column(2, "audio_filepath", pa.array(paths, pa.string()))
@@ -277,7 +278,7 @@ def test_index_is_memory_mapped_and_keyed_by_the_source(demo_data, shards, tmp_p
     # texts, ids and paths are not copied into arrow's memory pool: they are pages of the cache file
     texts = sum(len(t.encode()) for t in table.column("text").to_pylist())
     assert pa.total_allocated_bytes() - before < texts // 4
-    assert table.drop_columns(["text_chars"]) == load_manifest(demo_data["train"])
+    assert table.drop_columns(["text_chars"]) == load_source(demo_data["train"])
     assert table.column("text_chars").to_pylist() == [len(t) for t in table.column("text").to_pylist()]
     assert isinstance(ds[0], Sample)
     assert len(list(cache.glob("train.parquet.*.arrow"))) == 1
@@ -285,8 +286,7 @@ def test_index_is_memory_mapped_and_keyed_by_the_source(demo_data, shards, tmp_p
     assert len(list(cache.glob("*.arrow"))) == 1
     sharded = open_index(shards, cache_dir=cache)
     assert (
-        sharded.drop_columns(["text_chars"]) == load_manifest(shards)
-        and len(list(cache.glob("*.arrow"))) == 2
+        sharded.drop_columns(["text_chars"]) == load_source(shards) and len(list(cache.glob("*.arrow"))) == 2
     )
 
 
@@ -296,7 +296,7 @@ def test_index_cache_follows_a_changed_manifest_and_survives_a_full_disk(demo_da
     from speechlm.data.sources import mmap_cache
 
     src = tmp_path / "m.parquet"
-    table = load_manifest(demo_data["train"])
+    table = load_source(demo_data["train"])
     pq.write_table(table, src)
     cache = tmp_path / "cache"
     assert len(mmap_cache.open_index(src, cache_dir=cache)) == 221

@@ -131,8 +131,8 @@ def test_torchrun_cp2_sigkill_in_save(demo_data, tmp_path):  # noqa: F811
 def test_next_epoch_into_another_dp_size(demo_data, tmp_path):  # noqa: F811
     """Saved at dp=1 mid-epoch 0; resumed at dp=2: `exact` refuses, `next_epoch` starts epoch 1 of dp=2."""
     from speechlm.config import load_config
-    from speechlm.data.manifest import load_manifest
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
+    from speechlm.data.sources.detect import load_source
 
     config, overrides = scenario_args(demo_data, 3)
     run_dir, log = tmp_path / "run", tmp_path / "log.txt"
@@ -150,7 +150,7 @@ def test_next_epoch_into_another_dp_size(demo_data, tmp_path):  # noqa: F811
     got = read_train_metrics(run_dir)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5] and [m["epoch"] for m in got][3:] == [1, 1]
     cfg = load_config(config, overrides)
-    sampler = build_sampler(cfg, load_manifest(cfg.data.train_manifest), dp_rank=0, dp_size=2)
+    sampler = build_sampler(cfg, load_source(cfg.data.train_manifest), dp_rank=0, dp_size=2)
     sampler.set_epoch(1)
     rows = [i for _, b in zip(range(2), sampler) for i in b]  # rank 0's first step of epoch 1 at dp=2
     assert got[3]["rows_digest"] == f"{zlib.crc32(','.join(map(str, rows)).encode()):08x}"

@@ -47,11 +47,11 @@ def own_corpus(tmp_path_factory) -> dict[str, str]:
 
 def rows_of_first_micro_batch(args: list[str]) -> list[int]:
     from speechlm.config import load_config
-    from speechlm.data.manifest import load_manifest
-    from speechlm.train.data import build_sampler
+    from speechlm.data.sampler.build import build_sampler
+    from speechlm.data.sources.detect import load_source
 
     cfg = load_config(args[0], args[1:])
-    return next(iter(build_sampler(cfg, load_manifest(cfg.data.train_manifest), dp_rank=0, dp_size=1)))
+    return next(iter(build_sampler(cfg, load_source(cfg.data.train_manifest), dp_rank=0, dp_size=1)))
 
 
 def test_file_gone_after_manifest_build_is_dropped_counted_or_stops_the_run(own_corpus, tmp_path):

@@ -106,8 +106,8 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(demo_data, tmp_path, or
 def rows_of_rank(demo_data, dp_rank: int, micro_batches: int, overrides: list[str]) -> set[int]:
     """Manifest rows of the first `micro_batches` micro-batches of one dp rank (of 2)."""
     from speechlm.config import load_config
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sources.mmap_cache import open_index
-    from speechlm.train.data import build_sampler
 
     cfg = load_config(SMOKE, [*data_overrides(demo_data), *overrides])
     sampler = build_sampler(cfg, open_index(demo_data["train"]), dp_rank=dp_rank, dp_size=2)
@@ -176,9 +176,10 @@ def test_epochs_leave_no_dataloader_workers_behind(demo_data, tmp_path):
     """Each epoch's loader is shut down when the next epoch starts (also an epoch left mid-way) or on close()."""
     from speechlm.config import load_config
     from speechlm.data.dataset import SpeechDataset
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sources.mmap_cache import open_index
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.data import StepLoader, build_sampler
+    from speechlm.train.data import StepLoader
 
     small = tmp_path / "small.parquet"
     pq.write_table(pq.read_table(demo_data["train"]).slice(0, 30), small)
@@ -251,8 +252,9 @@ def test_lightning_cannot_move_the_step_loaders_epoch(demo_data):
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     from speechlm.config import load_config
+    from speechlm.data.sampler.build import build_sampler
     from speechlm.data.sources.mmap_cache import open_index
-    from speechlm.train.data import StepLoader, build_sampler
+    from speechlm.train.data import StepLoader
 
     cfg = load_config(SMOKE, data_overrides(demo_data))
     sampler = build_sampler(cfg, open_index(demo_data["train"]), dp_rank=0, dp_size=1)

@@ -3,7 +3,8 @@
 One concern per module:
 - `schema`: `MANIFEST_SCHEMA` (the columns and their types), `ManifestError`, and
   `build_manifest_table`, which assembles columns into that schema;
-- `load`: `load_manifest` (a parquet manifest checked against the schema, or NeMo JSON),
+- `load`: `read_parquet_manifest` (a parquet manifest checked against the schema; any path goes
+  through `speechlm.data.sources.detect.load_source`),
   `manifest_arrays` / `ManifestArrays` (per-row numbers as flat numpy arrays), and the checked
   reading of shard parquet files;
 - `build`: `build_manifest`, raw shards -> ``train.parquet``, ``val.parquet`` and
@@ -16,7 +17,7 @@ One concern per module:
 - `outputs`: output folders and files of the data tools (`OutputError` naming the path, written
   under a temporary name and renamed).
 
-Imports run one way: nemo uses schema; load uses schema and nemo; split uses schema; build uses
+Imports run one way: nemo uses schema; load uses schema; split uses schema; build uses
 schema, load, report and split; stats uses load and report. None of them imports torch.
 """
 
@@ -33,7 +34,12 @@ from speechlm.data.manifest.build import (
     list_shards,
     shard_language,
 )
-from speechlm.data.manifest.load import NOT_NULL_COLUMNS, ManifestArrays, load_manifest, manifest_arrays
+from speechlm.data.manifest.load import (
+    NOT_NULL_COLUMNS,
+    ManifestArrays,
+    manifest_arrays,
+    read_parquet_manifest,
+)
 from speechlm.data.manifest.nemo import read_nemo_manifest
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
 from speechlm.data.manifest.schema import (
@@ -69,11 +75,11 @@ __all__ = [
     "format_stats",
     "hash_uniform",
     "list_shards",
-    "load_manifest",
     "manifest_arrays",
     "manifest_stats",
     "plot_stats",
     "read_nemo_manifest",
+    "read_parquet_manifest",
     "shard_language",
     "split_val",
 ]

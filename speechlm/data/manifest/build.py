@@ -169,14 +169,12 @@ def build_manifest(
     seed: int = 0,
     skip_bad_shards: bool = False,
 ) -> BuildReport:
-    """Build ``train.parquet``, ``val.parquet`` and ``build_report.json`` in `out_dir` (see module doc)."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ManifestError(f"val_fraction={val_fraction} is outside [0, 1); pass e.g. 0.05 for 5 %")
-    if not 0.0 <= min_duration <= max_duration:
-        raise ManifestError(
-            f"min_duration={min_duration} and max_duration={max_duration} must satisfy "
-            "0 <= min_duration <= max_duration"
-        )
+    """Build ``train.parquet``, ``val.parquet`` and ``build_report.json`` in `out_dir` (see module doc).
+
+    The steps: check the settings, read the shards (`read_shard_rows`), mark the rows the filters drop
+    (`filter_rows`), clean and check the texts (`clean_texts`), drop repeated ids (`first_of_each_id`),
+    assemble the manifest and its split (`assemble_manifest`), count, and write (`write_build`)."""
+    check_build_settings(min_duration, max_duration, val_fraction)
     start = time.perf_counter()
     report = BuildReport(
         shards_dir=str(shards_dir),
@@ -189,6 +187,41 @@ def build_manifest(
             "seed": seed,
         },
     )
+    rows, shard, shard_names = read_shard_rows(shards_dir, report, skip_bad_shards=skip_bad_shards)
+    duration = _as_float64(rows.column("duration"))
+    reason = filter_rows(
+        rows, duration, min_duration=min_duration, max_duration=max_duration, min_quality=min_quality
+    )
+    survivors, cleaned = clean_texts(rows, reason)
+    keep, seg_ids, cleaned = first_of_each_id(rows, survivors, cleaned, reason)
+    table, lang_codes, lang_names = assemble_manifest(
+        rows, keep, seg_ids, cleaned, duration, shard, shard_names
+    )
+    is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction)
+    _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
+    report.elapsed_s = round(time.perf_counter() - start, 3)
+    write_build(table, is_val, report, shards_dir, out_dir)
+    return report
+
+
+def check_build_settings(min_duration: float, max_duration: float, val_fraction: float) -> None:
+    """ManifestError unless 0 <= val_fraction < 1 and 0 <= min_duration <= max_duration."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ManifestError(f"val_fraction={val_fraction} is outside [0, 1); pass e.g. 0.05 for 5 %")
+    if not 0.0 <= min_duration <= max_duration:
+        raise ManifestError(
+            f"min_duration={min_duration} and max_duration={max_duration} must satisfy "
+            "0 <= min_duration <= max_duration"
+        )
+
+
+def read_shard_rows(
+    shards_dir: str | os.PathLike[str], report: BuildReport, *, skip_bad_shards: bool
+) -> tuple[pa.Table, np.ndarray, list[str]]:
+    """(every usable shard's rows, one after the other; each row's shard code; the shard names).
+
+    An unusable shard stops the build (ManifestError listing them all) unless `skip_bad_shards`; then
+    it is recorded in `report.failed_shards`. No usable shard at all is an error either way."""
     shards = list_shards(shards_dir)
     tables: list[pa.Table] = []
     shard_codes: list[np.ndarray] = []
@@ -217,29 +250,40 @@ def build_manifest(
             f"no usable shard in {shards_dir}: all {len(shards)} failed:\n"
             + "\n".join(f"  - {p}: {m}" for p, m in failures.items())
         )
-
     rows = pa.concat_tables(tables)
-    shard = np.concatenate(shard_codes)
-    n = len(rows)
-    report.rows_read = n
-    reason = np.full(n, -1, dtype=np.int8)
+    report.rows_read = len(rows)
+    return rows, np.concatenate(shard_codes), shard_names
 
-    def drop(mask: np.ndarray, name: str) -> None:
-        reason[(reason < 0) & mask] = DROP_REASONS.index(name)
 
-    duration = _as_float64(rows.column("duration"))
+def _drop(reason: np.ndarray, mask: np.ndarray, name: str) -> None:
+    """Mark the rows of `mask` not yet dropped as dropped for `name` (the first reason wins)."""
+    reason[(reason < 0) & mask] = DROP_REASONS.index(name)
+
+
+def filter_rows(
+    rows: pa.Table, duration: np.ndarray, *, min_duration: float, max_duration: float, min_quality: float
+) -> np.ndarray:
+    """Per row, the index into DROP_REASONS of the first filter that drops it, or -1 (kept so far)."""
+    reason = np.full(len(rows), -1, dtype=np.int8)
     quality = _as_float64(rows.column("quality"))
     with np.errstate(invalid="ignore"):
-        drop(rows.column("audio_filepath").is_null().to_numpy(zero_copy_only=False), "no_audio_index")
-        drop(rows.column("lang").is_null().to_numpy(zero_copy_only=False), "missing_language")
-        drop(~np.isfinite(duration) | (duration <= 0), "invalid_duration")
-        drop(duration < min_duration, "too_short")
-        drop(duration > max_duration, "too_long")
-        drop(~(quality >= min_quality), "low_quality")
-    raw_text = rows.column("text")
-    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(raw_text), ""), True)
-    drop(blank.to_numpy(zero_copy_only=False), "empty_text")
+        _drop(
+            reason, rows.column("audio_filepath").is_null().to_numpy(zero_copy_only=False), "no_audio_index"
+        )
+        _drop(reason, rows.column("lang").is_null().to_numpy(zero_copy_only=False), "missing_language")
+        _drop(reason, ~np.isfinite(duration) | (duration <= 0), "invalid_duration")
+        _drop(reason, duration < min_duration, "too_short")
+        _drop(reason, duration > max_duration, "too_long")
+        _drop(reason, ~(quality >= min_quality), "low_quality")
+    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(rows.column("text")), ""), True)
+    _drop(reason, blank.to_numpy(zero_copy_only=False), "empty_text")
+    return reason
 
+
+def clean_texts(rows: pa.Table, reason: np.ndarray) -> tuple[np.ndarray, pa.ChunkedArray]:
+    """(the rows still kept, their cleaned texts): rows whose text cleans to nothing, or whose leading
+    <|xx|> tag names another language than the row's, are marked in `reason`."""
+    raw_text = rows.column("text")
     survivors = np.flatnonzero(reason < 0)
     cleaned = clean_text_column(raw_text.take(survivors))
     empty = pc.equal(cleaned, "").to_numpy(zero_copy_only=False)
@@ -252,18 +296,34 @@ def build_manifest(
     wrong = pc.not_equal(pc.utf8_lower(tags), rows.column("lang").take(survivors))
     wrong = pc.fill_null(wrong, False).to_numpy(zero_copy_only=False)
     reason[survivors[wrong]] = DROP_REASONS.index("tag_mismatch")
-    cleaned = cleaned.filter(pa.array(~wrong))
-    survivors = survivors[~wrong]
+    return survivors[~wrong], cleaned.filter(pa.array(~wrong))
 
+
+def first_of_each_id(
+    rows: pa.Table, survivors: np.ndarray, cleaned: pa.ChunkedArray, reason: np.ndarray
+) -> tuple[np.ndarray, pa.ChunkedArray, pa.ChunkedArray]:
+    """(kept rows, their segment ids, their texts): a repeated ``segment_id`` keeps its first row, the
+    others are marked ``duplicate`` in `reason`."""
     seg_ids = rows.column("segment_id").take(survivors)
     seg_codes = pc.dictionary_encode(seg_ids.cast(pa.large_string()).combine_chunks()).indices.to_numpy()
     _, first = np.unique(seg_codes, return_index=True)
     is_first = np.zeros(survivors.size, bool)
     is_first[first] = True
     reason[survivors[~is_first]] = DROP_REASONS.index("duplicate")
-    keep = survivors[is_first]
-    seg_ids, cleaned = seg_ids.filter(pa.array(is_first)), cleaned.filter(pa.array(is_first))
+    return survivors[is_first], seg_ids.filter(pa.array(is_first)), cleaned.filter(pa.array(is_first))
 
+
+def assemble_manifest(
+    rows: pa.Table,
+    keep: np.ndarray,
+    seg_ids: pa.ChunkedArray,
+    cleaned: pa.ChunkedArray,
+    duration: np.ndarray,
+    shard: np.ndarray,
+    shard_names: list[str],
+) -> tuple[pa.Table, np.ndarray, list[str]]:
+    """(the manifest table of the kept rows, each one's language code, the sorted language names);
+    every text gets its language's ``<|xx|>`` tag in front."""
     langs = rows.column("lang").take(keep)
     lang_codes, lang_names = _encode_sorted(langs, "lang", 127)
     tags = pa.array([lang_tag(name) for name in lang_names], pa.string())
@@ -277,10 +337,17 @@ def build_manifest(
         shard_ids=_dictionary(shard[keep], shard_names, pa.int32()),
         source="shards",
     )
-    is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction)
+    return table, lang_codes, lang_names
 
-    _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
-    report.elapsed_s = round(time.perf_counter() - start, 3)
+
+def write_build(
+    table: pa.Table,
+    is_val: np.ndarray,
+    report: BuildReport,
+    shards_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+) -> None:
+    """Write the report, then (unless nothing passed the filters: an error) the train and val parquets."""
     out = prepare_dir(out_dir)
     write_atomic(out / "build_report.json", report.write_json)
     if not len(table):
@@ -290,7 +357,6 @@ def build_manifest(
         )
     for name, mask in (("train", ~is_val), ("val", is_val)):
         write_atomic(out / f"{name}.parquet", _parquet_writer(table.filter(pa.array(mask))))
-    return report
 
 
 def _parquet_writer(table: pa.Table) -> Callable[[Path], None]:

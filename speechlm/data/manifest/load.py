@@ -1,6 +1,8 @@
 """Reading parquet with checks: a shard file against the columns it must have (`_read_checked`),
-a training manifest against `MANIFEST_SCHEMA` (`load_manifest`; NeMo JSON goes to `nemo`), and the
-per-row numbers a sampler needs as flat arrays (`manifest_arrays`, decoding dictionary columns).
+a training manifest against `MANIFEST_SCHEMA` (`read_parquet_manifest`, the ``parquet`` reader of
+`speechlm.data.sources.detect`), and the per-row numbers a sampler needs as flat arrays
+(`manifest_arrays`, decoding dictionary columns). Nothing here detects a format: that is
+`sources.detect`'s one job, and it imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.nemo import read_nemo_manifest
 from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError, _encode_sorted
 
 NOT_NULL_COLUMNS = ("segment_id",)
@@ -122,22 +123,12 @@ def check_durations(table: pa.Table, path: Path, kind: str | None = None) -> Non
     )
 
 
-def load_manifest(path: str | os.PathLike[str], *, default_lang: str | None = None) -> pa.Table:
-    """Load a training manifest: ``.parquet`` (checked against `MANIFEST_SCHEMA`) or NeMo ``.json(l)``."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    from speechlm.data.sources.detect import detect_source_type, load_source
+def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
+    """A parquet training manifest, checked against `MANIFEST_SCHEMA` (locator columns kept), in memory.
 
-    kind = detect_source_type(path)
-    if kind not in ("parquet", "nemo"):
-        return load_source(path, kind, default_lang=default_lang)
-    if suffix in (".json", ".jsonl"):
-        return read_nemo_manifest(path, default_lang=default_lang)
-    if suffix != ".parquet":
-        raise ManifestError(
-            f"{path}: unknown manifest format {suffix!r}; expected .parquet (from "
-            "`speechlm manifest build`) or a NeMo .json/.jsonl"
-        )
+    The reader of the ``parquet`` kind; any path goes through `speechlm.data.sources.detect.load_source`
+    (or, cached and memory-mapped, `speechlm.data.sources.mmap_cache.open_index`)."""
+    path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist; build it with `speechlm manifest build`")
     try:

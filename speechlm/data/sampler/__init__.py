@@ -10,7 +10,9 @@ One concern per module:
 - `epoch_plan`: `EpochPlan` and the pure `build_epoch_plan` (the algorithm is described there);
 - `streaming`: the pure `build_streaming_plan` (shards read front to back; the streaming read mode);
 - `stateful`: `DurationBucketBatchSampler`, the resumable per-rank wrapper used by the trainer
-  (`StreamingLayout` switches it to the streaming plan).
+  (`StreamingLayout` switches it to the streaming plan);
+- `build`: `build_sampler`, the one builder `speechlm train` and `speechlm plan` share (settings with
+  the encoder's token cost, inputs from the index, the sampler of one dp rank).
 """
 
 from speechlm.data.sampler.cost import SECOND_UNITS, TOKEN_UNITS, TokenCostModel

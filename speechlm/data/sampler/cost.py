@@ -5,6 +5,7 @@ audio tokens = ceil(ceil(d * fps / subsampling) / projector_stack), plus text to
 `prompt_tokens`; cost = tokens + length_penalty * tokens^2 (the quadratic term charges long rows
 for attention, whose work grows with length squared). The packer compares integers: costs in
 microseconds or thousandths of a token, rounded up, against the budget rounded down.
+`build.token_cost_of` fills the model in from the encoder (its subsampling) and the projector.
 """
 
 from __future__ import annotations

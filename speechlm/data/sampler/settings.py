@@ -48,13 +48,23 @@ class SamplerSettings:
 
     @classmethod
     def from_config(
-        cls, sampler_cfg: Any, *, dp_size: int, grad_accum: int, projector_stack: int = 2
+        cls,
+        sampler_cfg: Any,
+        *,
+        dp_size: int,
+        grad_accum: int,
+        projector_stack: int = 2,
+        token_cost: TokenCostModel | None = None,
     ) -> SamplerSettings:
-        """From a `speechlm.config.SamplerConfig` (duck-typed, so data/ does not import config)."""
+        """From a `speechlm.config.SamplerConfig` (duck-typed, so data/ does not import config).
+
+        `token_cost` (`build.token_cost_of`: the encoder's) wins over the default model with `projector_stack`.
+        """
         fields = ("mode", "temperature", "max_batch_duration", "max_batch_tokens", "length_penalty",
                   "bucket_boundaries", "epoch_size", "seed")  # fmt: skip
         return cls(
-            dp_size=dp_size, grad_accum=grad_accum, token_cost=TokenCostModel(projector_stack=projector_stack),
+            dp_size=dp_size, grad_accum=grad_accum,
+            token_cost=token_cost or TokenCostModel(projector_stack=projector_stack),
             **{name: getattr(sampler_cfg, name) for name in fields},
         )  # fmt: skip
 

@@ -85,7 +85,8 @@ def build_streaming_plan(
     sort_buffer: int = 500,
     mix: DatasetMix | None = None,
 ) -> EpochPlan:
-    """Plan one streaming epoch for all dp ranks (pure; see the module docstring).
+    """Plan one streaming epoch for all dp ranks (pure; see the module docstring, whose steps 1-5 are
+    `epoch_rows`, `order_by_stream`, `shuffle_in_streams`, `pack_windows` and `deal_to_ranks`).
 
     `shard_codes[i]` is row i's shard (any int; -1: a shard of its own) and `shard_positions[i]`
     its place inside that shard (byte offset or row number).
@@ -108,64 +109,18 @@ def build_streaming_plan(
     if codes.shape != (n,) or positions.shape != (n,):
         raise ValueError(f"shard_codes and shard_positions need one entry per row ({n})")
 
-    lang_counts = np.bincount(lang_codes, minlength=n_langs)
-    if s.mode == "temperature":
-        rows = draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix).astype(np.int64)
-    elif mix is not None:
-        raise ValueError(
-            "dataset weights (data.input_cfg) need sampler.mode=temperature: exhaustive uses every row once"
-        )
-    else:
-        rows = np.arange(n, dtype=np.int64)
-
-    # 2. shards shuffled, dealt to streams; rows in stream, shard, offset order
-    shard_ids, shard_of_row = np.unique(codes[rows], return_inverse=True)
-    rng = make_generator(s.seed, "stream-shards", epoch)
-    shard_rank = np.empty(len(shard_ids), np.int64)
-    shard_rank[rng.permutation(len(shard_ids))] = np.arange(len(shard_ids))
-    secs = np.bincount(shard_of_row, weights=durations[rows], minlength=len(shard_ids))
+    rows = epoch_rows(lang_codes, n_langs, s, epoch, mix)
     n_streams = s.dp_size * streams_per_rank
-    stream_by_rank = _deal_shards(secs[np.argsort(shard_rank)], n_streams)
-    stream_of_shard = stream_by_rank[shard_rank]
-    stream = stream_of_shard[shard_of_row]
-    order = np.lexsort((positions[rows], shard_rank[shard_of_row], stream))
-    rows, stream = rows[order], stream[order]
-    starts = np.searchsorted(stream, np.arange(n_streams + 1))
-
-    # 3. bounded-displacement shuffle inside each stream
-    rng = make_generator(s.seed, "stream-buffer", epoch)
-    place = np.arange(len(rows), dtype=np.float64) - np.repeat(starts[:-1], np.diff(starts))
-    keys = place + rng.uniform(0.0, float(shuffle_buffer), len(rows))
-    order = np.lexsort((keys, stream))
-    rows = rows[order]
-
-    # 4. sort windows by duration, pack to the budget, shuffle each window's micro-batches
-    window = (np.arange(len(rows)) - np.repeat(starts[:-1], np.diff(starts))) // sort_buffer
-    order = np.lexsort((durations[rows], window, stream))
-    rows, window = rows[order], window[order]
-    seg = np.flatnonzero(np.diff(stream * (window.max(initial=0) + 1) + window, prepend=-1))
-    _, costs, budget = row_costs(durations, token_lengths, rows, s)
-    batch_starts = pack_greedy(costs, budget, seg)
-    offsets = np.append(batch_starts, len(rows))
-    batch_stream = stream[batch_starts]
-    batch_window = window[batch_starts]
-    rng = make_generator(s.seed, "stream-batches", epoch)
-    batch_order = np.lexsort((rng.random(len(batch_starts)), batch_window, batch_stream))
-
-    # 5. per rank: interleave its streams round-robin, then balance the counts
-    per_stream: list[list[int]] = [[] for _ in range(n_streams)]
-    for b in batch_order.tolist():
-        per_stream[int(batch_stream[b])].append(b)
-    per_rank: list[list[int]] = []
-    for r in range(s.dp_size):
-        mine = per_stream[r * streams_per_rank : (r + 1) * streams_per_rank]
-        longest = max((len(x) for x in mine), default=0)
-        per_rank.append([x[k] for k in range(longest) for x in mine if k < len(x)])
-    rank_batches = _balance(per_rank, s.grad_accum)
+    rows, stream, starts = order_by_stream(rows, codes, positions, durations, n_streams, s.seed, epoch)
+    rows = shuffle_in_streams(rows, stream, starts, shuffle_buffer, s.seed, epoch)
+    rows, offsets, batch_stream, batch_order = pack_windows(
+        rows, stream, starts, durations, token_lengths, s, epoch, sort_buffer
+    )
+    rank_batches = deal_to_ranks(batch_order, batch_stream, s.dp_size, streams_per_rank, s.grad_accum)
     if rank_batches.shape[1] == 0:
         raise EpochTooShortError(
-            len(batch_starts),
-            f"the streaming epoch packs into {len(batch_starts)} micro-batches, fewer than dp_size * grad_accum = "
+            len(batch_stream),
+            f"the streaming epoch packs into {len(batch_stream)} micro-batches, fewer than dp_size * grad_accum = "
             f"{s.dp_size * s.grad_accum}; lower the batch budget, grad_accum or dp_size, or use more data",
         )
     return EpochPlan(
@@ -177,3 +132,93 @@ def build_streaming_plan(
         epoch=epoch,
         manifest_rows=n,
     )
+
+
+def epoch_rows(
+    lang_codes: np.ndarray, n_langs: int, s: SamplerSettings, epoch: int, mix: DatasetMix | None
+) -> np.ndarray:
+    """1. This epoch's rows: temperature mode's draw (as indexed mode draws), or every row once."""
+    if s.mode == "temperature":
+        lang_counts = np.bincount(lang_codes, minlength=n_langs)
+        return draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix).astype(np.int64)
+    if mix is not None:
+        raise ValueError(
+            "dataset weights (data.input_cfg) need sampler.mode=temperature: exhaustive uses every row once"
+        )
+    return np.arange(len(lang_codes), dtype=np.int64)
+
+
+def order_by_stream(
+    rows: np.ndarray,
+    codes: np.ndarray,
+    positions: np.ndarray,
+    durations: np.ndarray,
+    n_streams: int,
+    seed: int,
+    epoch: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """2. Shards shuffled and dealt to streams; (rows in stream, shard, offset order, their stream,
+    where each stream starts)."""
+    shard_ids, shard_of_row = np.unique(codes[rows], return_inverse=True)
+    rng = make_generator(seed, "stream-shards", epoch)
+    shard_rank = np.empty(len(shard_ids), np.int64)
+    shard_rank[rng.permutation(len(shard_ids))] = np.arange(len(shard_ids))
+    secs = np.bincount(shard_of_row, weights=durations[rows], minlength=len(shard_ids))
+    stream_by_rank = _deal_shards(secs[np.argsort(shard_rank)], n_streams)
+    stream = stream_by_rank[shard_rank][shard_of_row]
+    order = np.lexsort((positions[rows], shard_rank[shard_of_row], stream))
+    rows, stream = rows[order], stream[order]
+    return rows, stream, np.searchsorted(stream, np.arange(n_streams + 1))
+
+
+def _place_in_stream(n_rows: int, starts: np.ndarray) -> np.ndarray:
+    """Each row's position inside its stream (the rows are grouped by stream, `starts` their bounds)."""
+    return np.arange(n_rows) - np.repeat(starts[:-1], np.diff(starts))
+
+
+def shuffle_in_streams(
+    rows: np.ndarray, stream: np.ndarray, starts: np.ndarray, shuffle_buffer: int, seed: int, epoch: int
+) -> np.ndarray:
+    """3. A bounded-displacement shuffle inside each stream: no row moves more than `shuffle_buffer`."""
+    rng = make_generator(seed, "stream-buffer", epoch)
+    keys = _place_in_stream(len(rows), starts) + rng.uniform(0.0, float(shuffle_buffer), len(rows))
+    return rows[np.lexsort((keys, stream))]
+
+
+def pack_windows(
+    rows: np.ndarray,
+    stream: np.ndarray,
+    starts: np.ndarray,
+    durations: np.ndarray,
+    token_lengths: np.ndarray | None,
+    s: SamplerSettings,
+    epoch: int,
+    sort_buffer: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """4. Windows of `sort_buffer` rows sorted by duration and packed to the budget; (rows in packed order,
+    micro-batch offsets, each micro-batch's stream, the micro-batches shuffled within each window)."""
+    window = _place_in_stream(len(rows), starts) // sort_buffer
+    order = np.lexsort((durations[rows], window, stream))
+    rows, window = rows[order], window[order]
+    seg = np.flatnonzero(np.diff(stream * (window.max(initial=0) + 1) + window, prepend=-1))
+    _, costs, budget = row_costs(durations, token_lengths, rows, s)
+    batch_starts = pack_greedy(costs, budget, seg)
+    batch_stream = stream[batch_starts]
+    rng = make_generator(s.seed, "stream-batches", epoch)
+    batch_order = np.lexsort((rng.random(len(batch_starts)), window[batch_starts], batch_stream))
+    return rows, np.append(batch_starts, len(rows)), batch_stream, batch_order
+
+
+def deal_to_ranks(
+    batch_order: np.ndarray, batch_stream: np.ndarray, dp_size: int, streams_per_rank: int, grad_accum: int
+) -> np.ndarray:
+    """5. Per rank, its streams interleaved round-robin, then the counts balanced: [dp_size, per rank]."""
+    per_stream: list[list[int]] = [[] for _ in range(dp_size * streams_per_rank)]
+    for b in batch_order.tolist():
+        per_stream[int(batch_stream[b])].append(b)
+    per_rank: list[list[int]] = []
+    for r in range(dp_size):
+        mine = per_stream[r * streams_per_rank : (r + 1) * streams_per_rank]
+        longest = max((len(x) for x in mine), default=0)
+        per_rank.append([x[k] for k in range(longest) for x in mine if k < len(x)])
+    return _balance(per_rank, grad_accum)

@@ -14,8 +14,11 @@ Every source becomes the same in-memory index the sampler and the dataset use: a
 ``wenet``                 a WeNet ``data.list`` (raw: one JSON per line; shard: one tar per line)
 ========================  ==============================================================
 
-Readers register themselves in `SOURCE_READERS`; an explicit ``type`` (`data.input_cfg`) skips
-detection.
+`load_source` is the one dispatcher from a path to a manifest table, in memory: it detects the kind
+(`detect_source_type`) unless given, and calls that kind's reader. Readers register themselves in
+`SOURCE_READERS`; an explicit ``type`` (`data.input_cfg`) skips detection. Whatever trains or plans
+reads through the index instead (`mmap_cache.open_index`), which calls `load_source` once and maps
+the result; this module imports the manifest readers and nothing imports it back from there.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from speechlm.data.manifest.load import read_parquet_manifest
+from speechlm.data.manifest.nemo import read_nemo_manifest
 from speechlm.data.manifest.schema import ManifestError
-from speechlm.data.sources.shards import SourceReport, is_shard_dir, read_shards
+from speechlm.data.sources.report import SourceReport
+from speechlm.data.sources.shards import is_shard_dir, read_shards
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,16 @@ def register_source(kind: str) -> Callable[[SourceReader], SourceReader]:
         return fn
 
     return wrap
+
+
+@register_source("parquet")
+def _read_parquet(path: Path, *, report: SourceReport, default_lang: str | None = None, **_: Any) -> pa.Table:
+    return read_parquet_manifest(path)
+
+
+@register_source("nemo")
+def _read_nemo(path: Path, *, report: SourceReport, default_lang: str | None = None, **_: Any) -> pa.Table:
+    return read_nemo_manifest(path, default_lang=default_lang)
 
 
 @register_source("speechlm_shards")
@@ -113,10 +129,6 @@ def load_source(
     """Read `path` as `kind` (detected when None) into a manifest table; drops are logged per shard."""
     path = Path(path)
     kind = kind or detect_source_type(path)
-    if kind in ("parquet", "nemo"):
-        from speechlm.data.manifest.load import load_manifest
-
-        return load_manifest(path, default_lang=default_lang)
     if kind not in SOURCE_READERS:
         _import_readers()
     reader = SOURCE_READERS.get(kind)

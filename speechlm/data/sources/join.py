@@ -14,16 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError
+from speechlm.data.sources.report import SourceReport
 from speechlm.data.sources.tar_index import TarIndexError, TarScan, tar_member_index
-
-if TYPE_CHECKING:
-    from speechlm.data.sources.shards import SourceReport
 
 TAR_LOCATORS = ("tar_path", "offset", "nbytes", "header_bytes")
 KeyMap = Callable[[TarScan], dict[str, int]]  # a tar's members -> {row key: member position}

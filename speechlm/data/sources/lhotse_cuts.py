@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from speechlm.data.lhotse_adapter import cuts_to_manifest
 from speechlm.data.sources.detect import register_source
-from speechlm.data.sources.shards import SourceReport
+from speechlm.data.sources.report import SourceReport
 
 
 @register_source("lhotse_cuts")

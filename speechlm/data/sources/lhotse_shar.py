@@ -30,7 +30,7 @@ from speechlm.data.lhotse_adapter import check_cut, checked_default_lang, load_c
 from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import locate_members, with_tar_locators
-from speechlm.data.sources.shards import SourceReport
+from speechlm.data.sources.report import SourceReport
 from speechlm.data.sources.tar_index import TarScan
 from speechlm.data.text import clean_text, tag_text
 

@@ -42,34 +42,13 @@ from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.outputs import prepare_dir
 from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, duration_mismatch
 from speechlm.data.sources.join import locate_members, with_tar_locators
+from speechlm.data.sources.report import SourceReport
 from speechlm.errors import OutputError
 
 INDEX_NAME = "index.parquet"
 PARTIAL_PATTERNS = ("shard-*.tar", ".shard-*.tar.tmp", f".{INDEX_NAME}.tmp")
 SHARDS_KEY = b"speechlm.shards"
 FORMAT_VERSION = 1
-
-
-@dataclass
-class SourceReport:
-    """What loading a source dropped, per shard and reason (printed by the loader, never silent)."""
-
-    dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # shard -> reason -> rows
-
-    def drop(self, shard: str, reason: str, n: int = 1) -> None:
-        if n:
-            per = self.dropped.setdefault(shard, {})
-            per[reason] = per.get(reason, 0) + int(n)
-
-    @property
-    def total(self) -> int:
-        return sum(sum(v.values()) for v in self.dropped.values())
-
-    def lines(self) -> list[str]:
-        return [
-            f"{shard}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(per.items()))
-            for shard, per in sorted(self.dropped.items())
-        ]
 
 
 def member_name(segment_id: str, suffix: str) -> str:
@@ -180,12 +159,6 @@ def format_skipped(skipped: list[tuple[int, str, str, str]], limit: int = 5) -> 
     listed = "; ".join(f"row {r} (segment {s}) {p}: {why}" for r, s, p, why in skipped[:limit])
     more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
     return f"skipped {len(skipped)} rows ({detail}): {listed}{more}"
-
-
-def plan_members(table: pa.Table, base_dir: Path | None) -> tuple[list[str], list[str]]:
-    """(member name, audio file) of every row about to be packed; the checks of `plan_audio`."""
-    plan = plan_audio(table, base_dir)
-    return plan.names, plan.resolved
 
 
 def check_out_dir(out: Path, complete: str, partial: tuple[str, ...]) -> list[Path]:
@@ -384,9 +357,6 @@ def read_shards(path: str | os.PathLike[str], report: SourceReport | None = None
         loc = locate_members(tars, codes[rows], members, report, what=str(index_path))
         offsets[rows], sizes[rows], headers[rows], keep[rows] = loc.offsets, loc.sizes, loc.headers, loc.keep
     return with_tar_locators(index, codes, tars, offsets, sizes, headers, keep)
-
-
-LOCATOR_COLUMNS = ("tar_path", "offset", "nbytes", "header_bytes")
 
 
 def tar_rows(table: pa.Table) -> np.ndarray:

@@ -37,7 +37,7 @@ from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, Manif
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import scan_or_fail, with_tar_locators
 from speechlm.data.sources.members import MemberError, MemberReader
-from speechlm.data.sources.shards import SourceReport
+from speechlm.data.sources.report import SourceReport
 from speechlm.data.sources.tar_index import (
     TarFingerprint,
     TarScan,
