@@ -128,3 +128,33 @@ def test_a_checkpoint_with_positions_per_global_rank_resumes_by_dp_rank(tmp_path
         (ckpt / RANK_DIR / f"data_rank{rank:05d}.json").write_text(json.dumps(state))
     (ckpt / COMPLETE_NAME).write_text(json.dumps({"step": 3, "world_size": 4, "files": list_files(ckpt)}))
     assert [resume_rank(ckpt, ParallelDims(2), r)["position"] for r in (0, 1)] == [4, 6]
+
+
+@pytest.mark.multiproc
+def test_cp2_checkpoint_resumes_exactly_in_one_process(demo_data, tmp_path):
+    """Trained at dp=1 x cp=2 (2 gloo ranks) to step 3 of a 4-step epoch, resumed as one process
+    (dp=1 x cp=1) to step 6: the same rows, learning rates and losses as an uninterrupted one-process run
+    (losses to fp32 rounding: the first 3 steps ran under CP)."""
+    from test_resume import base_args
+
+    from speechlm.train.faults import build_command, launch, read_train_metrics
+
+    config, *overrides = base_args(demo_data)
+    overrides += ["trainer.final_eval_split=none"]
+    log = tmp_path / "log.txt"
+    steps = ["trainer.max_steps=6"]
+    assert launch(build_command(config, [*overrides, *steps], 1, 1), tmp_path / "straight", [], log, 600) == 0
+    run = tmp_path / "run"
+    assert launch(build_command(config, [*overrides, "trainer.max_steps=3"], 2, 2), run, [], log, 600) == 0
+    ckpt = run / "checkpoints/step_000003"
+    assert data_files(ckpt) == ["data_dp00000.json"]  # written once for dp rank 0, not by its cp peer
+    assert len(list((ckpt / RANK_DIR).glob("rng_rank*.pt"))) == 2
+    resume = [*overrides, *steps, "trainer.resume=auto"]
+    assert launch(build_command(config, resume, 1, 1), run, [], log, 600) == 0, log.read_text()[-3000:]
+    assert "(optimizer step 3, epoch 0, micro-batch 6 of it; data: exact)" in log.read_text()
+    a, b = read_train_metrics(tmp_path / "straight"), read_train_metrics(run)
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    assert [m["epoch"] for m in b] == [m["epoch"] for m in a] == [0, 0, 0, 0, 1, 1]
+    assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
+    assert [m["lr"] for m in b] == [m["lr"] for m in a]
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5)
