@@ -17,6 +17,7 @@ import lightning as L
 
 from speechlm.errors import RunDirError
 from speechlm.train.checkpoint import (
+    layout_of,
     save_checkpoint_atomic,
     step_dir_name,
     write_text_atomic,
@@ -42,6 +43,11 @@ def data_state_of(trainer) -> dict[str, Any] | None:
     if pipeline is None or not writes_data_position(getattr(module, "dims", None), trainer.global_rank):
         return None
     return pipeline.state_dict()
+
+
+def layout_of_trainer(trainer) -> dict[str, int] | None:
+    """The run's (dp_replicate, dp_shard, cp, tp), recorded in each checkpoint's complete.json."""
+    return layout_of(getattr(trainer.lightning_module, "dims", None))
 
 
 class MetricsWriter(L.Callback):
@@ -121,6 +127,7 @@ class CheckpointCallback(L.Callback):
             keep_last=self.keep_last,
             data_state=data_state_of(trainer),
             run_id=self.run_id,
+            layout=layout_of_trainer(trainer),
         )
         self.last_saved_step = step
         return path
@@ -211,6 +218,7 @@ class ValidationCallback(L.Callback):
                 update_latest=False,
                 data_state=data_state_of(trainer),
                 run_id=self.run_id,
+                layout=layout_of_trainer(trainer),
             )
         else:
             self.bad_evals += 1

@@ -207,6 +207,13 @@ def writes_data_position(dims: Any, rank: int) -> bool:
     return dims is None or (dims.cp_rank(rank) == 0 and dims.tp_rank(rank) == 0)
 
 
+def layout_of(dims: Any) -> dict[str, int] | None:
+    """The (dp_replicate, dp_shard, cp, tp) sizes of `dims` as complete.json records them (None: unknown)."""
+    if dims is None:
+        return None
+    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
+
+
 def write_rank_state(ckpt_dir: Path, rank: int, data_state: dict[str, Any] | None) -> list[Path]:
     """This rank's RNG states (tensors) and, when given (once per dp rank), the data position of its dp
     rank (JSON, keyed by the state's `dp_rank`), next to the model shards; returns the files written."""
@@ -272,11 +279,13 @@ def save_checkpoint_atomic(
     update_latest: bool = True,
     data_state: dict[str, Any] | None = None,
     run_id: str | None = None,
+    layout: dict[str, int] | None = None,
 ) -> Path:
     """Save through `trainer.save_checkpoint` into a temp dir, then rename on rank 0 (all ranks call).
 
     `data_state`: the data position of this rank's dp rank, given by the first rank of each dp group
-    only (`writes_data_position`; None on its cp/tp peers). A full disk (or any OS error while
+    only (`writes_data_position`; None on its cp/tp peers); `layout`: the run's `layout_of(dims)`,
+    recorded in complete.json (the RNG states are restored only into the same layout). A full disk (or any OS error while
     writing) removes the temp dir and raises OutputError naming the checkpoint and the previous one,
     which is kept."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -312,6 +321,7 @@ def save_checkpoint_atomic(
             manifest = {
                 "step": trainer.global_step,
                 "world_size": strategy.world_size,
+                "layout": layout,
                 "run_id": run_id,
                 "files": files,
                 "sha256": collect_hashes(tmp, files),
@@ -547,15 +557,28 @@ def read_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
 
 
 def restore_training_state(
-    ckpt: Path, loader: Any, module: Any, *, resume_data: str, rank: int, world_size: int
+    ckpt: Path,
+    loader: Any,
+    module: Any,
+    *,
+    resume_data: str,
+    rank: int,
+    world_size: int,
+    dims: Any = None,
 ) -> tuple[int, dict[str, int]]:
     """Give this rank the data position of its dp rank and its RNG states from `ckpt`; return
     (global step, position).
 
     `resume_data="exact"` continues the data after the last trained micro-batch and needs the saved
-    dp size (any cp/tp); `"next_epoch"` starts the epoch after the saved one in this run's layout."""
+    dp size (any cp/tp); `"next_epoch"` starts the epoch after the saved one in this run's layout.
+    The RNG states are per process and belong to its place in the layout: they come back only into
+    the saved layout (`dims`; the same number of processes for a checkpoint that has no layout),
+    elsewhere every rank keeps the run's seeding."""
     meta = load_metadata(ckpt)
-    saved_world = json.loads((ckpt / COMPLETE_NAME).read_text()).get("world_size", world_size)
+    complete = json.loads((ckpt / COMPLETE_NAME).read_text())
+    saved_world = complete.get("world_size", world_size)
+    saved_layout, layout = complete.get("layout"), layout_of(dims)
+    same_layout = saved_layout == layout if saved_layout and layout else saved_world == world_size
     dp_rank, dp_size = loader.dp_rank, loader.sampler.dp_size
     state = read_data_position(ckpt, dp_rank if resume_data == "exact" else 0)
     if state is None:
@@ -567,7 +590,7 @@ def restore_training_state(
             f"cannot continue the data order of {ckpt}: {e}\nTo resume the model and optimizer into this layout "
             f"anyway, add trainer.resume_data=next_epoch (the data restarts at the next epoch)"
         ) from None
-    module.pending_rng = read_rng_state(ckpt, rank) if saved_world == world_size else None
+    module.pending_rng = read_rng_state(ckpt, rank) if same_layout else None
     return int(meta.get("global_step", 0)), dict(loader.consumed)
 
 
@@ -645,7 +668,13 @@ def resume_run(
     step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
     if ckpt is not None:
         step, pos = restore_training_state(
-            ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
+            ckpt,
+            loader,
+            module,
+            resume_data=t.resume_data,
+            rank=rank,
+            world_size=world_size,
+            dims=module.dims,
         )
     adopt_lineage(trainer, run_id_of(ckpt) if ckpt is not None else None)
     if pos is not None and rank == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,8 +23,10 @@ from speechlm.train.checkpoint import (
     COMPLETE_NAME,
     RANK_DIR,
     CheckpointError,
+    layout_of,
     list_files,
     restore_training_state,
+    save_checkpoint_atomic,
     write_rank_state,
 )
 
@@ -59,15 +62,22 @@ def save_ranks(
         dp_rank = dims.dp_rank(rank)
         state = data_state_of(fake_trainer(dims, rank, make_loader(dp_rank, dims.dp, consumed[dp_rank])))
         write_rank_state(ckpt, rank, None if dp_rank == skip_dp else state)
-    manifest = {"step": 3, "world_size": dims.world_size, "files": list_files(ckpt)}
+    manifest = {
+        "step": 3,
+        "world_size": dims.world_size,
+        "layout": layout_of(dims),
+        "files": list_files(ckpt),
+    }
     (ckpt / COMPLETE_NAME).write_text(json.dumps(manifest))
 
 
-def resume_rank(ckpt: Path, dims: ParallelDims, rank: int, resume_data: str = "exact") -> dict[str, int]:
+def resume_rank(
+    ckpt: Path, dims: ParallelDims, rank: int, resume_data: str = "exact", module: Any = None
+) -> dict[str, int]:
     loader = make_loader(dims.dp_rank(rank), dims.dp)
-    module = SimpleNamespace(pending_rng=None)
+    module = module or SimpleNamespace(pending_rng=None)
     _, pos = restore_training_state(
-        ckpt, loader, module, resume_data=resume_data, rank=rank, world_size=dims.world_size
+        ckpt, loader, module, resume_data=resume_data, rank=rank, world_size=dims.world_size, dims=dims
     )
     return pos
 
@@ -128,6 +138,44 @@ def test_a_checkpoint_with_positions_per_global_rank_resumes_by_dp_rank(tmp_path
         (ckpt / RANK_DIR / f"data_rank{rank:05d}.json").write_text(json.dumps(state))
     (ckpt / COMPLETE_NAME).write_text(json.dumps({"step": 3, "world_size": 4, "files": list_files(ckpt)}))
     assert [resume_rank(ckpt, ParallelDims(2), r)["position"] for r in (0, 1)] == [4, 6]
+
+
+def test_rng_states_come_back_only_into_the_layout_they_were_saved_in(tmp_path):
+    """Each rank's RNG stream belongs to its place in the layout (cp ranks draw for other tokens than tp
+    peers, which must draw alike): under another cp/tp they are not handed to another rank's role."""
+    save_ranks(tmp_path / "ckpt", ParallelDims(2, cp=2), {0: 4})
+    for dims, restored in ((ParallelDims(2, cp=2), True), (ParallelDims(2, tp=2), False)):
+        module = SimpleNamespace(pending_rng=None)
+        resume_rank(tmp_path / "ckpt", dims, 1, module=module)
+        assert (module.pending_rng is not None) is restored
+
+
+class FakeStrategy:
+    is_global_zero, global_rank, world_size = True, 0, 1
+
+    def barrier(self, name: str) -> None:
+        pass
+
+
+class FakeTrainer:
+    def __init__(self, step: int):
+        self.strategy, self.global_step = FakeStrategy(), step
+
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        Path(path).mkdir(parents=True)
+        torch.save({"global_step": self.global_step}, Path(path) / "meta.pt")
+
+
+def test_the_layout_is_recorded_in_complete_json(tmp_path):
+    dims = ParallelDims(1)
+    state = make_loader(0, 1, 2).state_dict()
+    ckpt = save_checkpoint_atomic(
+        FakeTrainer(2), tmp_path, "step_000002", data_state=state, layout=layout_of(dims)
+    )
+    complete = json.loads((ckpt / COMPLETE_NAME).read_text())
+    assert complete["layout"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert "speechlm/data_dp00000.json" in complete["sha256"]  # hashed like the weights
+    assert resume_rank(ckpt, dims, 0) == {"epoch": 0, "position": 2}
 
 
 @pytest.mark.multiproc
