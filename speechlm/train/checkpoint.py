@@ -579,10 +579,10 @@ def restore_training_state(
     saved_world = complete.get("world_size", world_size)
     saved_layout, layout = complete.get("layout"), layout_of(dims)
     same_layout = saved_layout == layout if saved_layout and layout else saved_world == world_size
-    dp_rank, dp_size = loader.dp_rank, loader.sampler.dp_size
-    state = read_data_position(ckpt, dp_rank if resume_data == "exact" else 0)
+    dp_rank = loader.dp_rank if resume_data == "exact" else 0  # next_epoch takes the saved epoch only
+    state = read_data_position(ckpt, dp_rank)
     if state is None:
-        raise missing_position(ckpt, dp_rank if resume_data == "exact" else 0, dp_size)
+        raise missing_position(ckpt, dp_rank, loader.sampler.dp_size)
     try:
         loader.restore(state, next_epoch=resume_data == "next_epoch")
     except ValueError as e:
