@@ -1,4 +1,5 @@
-"""The data position in a checkpoint is keyed by dp rank (issue 21 item 4), without any process.
+"""The data position in a checkpoint is keyed by dp rank (issue 21 item 4): pure tests of what the
+ranks write and read (no process group), and one 2-process run resumed in one process.
 
 A checkpoint holds one data position per data-parallel rank, written by the first rank of that dp
 group (its cp/tp peers train on the same batches); on resume every rank reads its dp rank's entry,
@@ -55,7 +56,8 @@ def fake_trainer(dims: ParallelDims, rank: int, loader) -> SimpleNamespace:
 def save_ranks(
     ckpt: Path, dims: ParallelDims, consumed: dict[int, int], *, skip_dp: int | None = None
 ) -> None:
-    """What every rank of `dims` writes of its state into `ckpt`, then complete.json (no weights)."""
+    """What every rank of `dims` writes of its state into `ckpt`, then complete.json as
+    save_checkpoint_atomic writes it (no weights)."""
     ckpt.mkdir(parents=True)
     torch.save({"global_step": 3}, ckpt / "meta.pt")
     for rank in range(dims.world_size):
