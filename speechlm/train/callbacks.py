@@ -16,7 +16,13 @@ from typing import Any
 import lightning as L
 
 from speechlm.errors import RunDirError
-from speechlm.train.checkpoint import save_checkpoint_atomic, step_dir_name, write_text_atomic
+from speechlm.train.checkpoint import (
+    layout_of,
+    save_checkpoint_atomic,
+    step_dir_name,
+    write_text_atomic,
+    writes_data_position,
+)
 from speechlm.train.faults import Fault, fault_point, global_rank
 
 
@@ -30,9 +36,18 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def data_state_of(trainer) -> dict[str, Any] | None:
-    """The data pipeline's state of this rank (what the last trained step leaves behind), if any."""
-    pipeline = getattr(trainer.lightning_module, "data_pipeline", None)
-    return pipeline.state_dict() if pipeline is not None else None
+    """The data position of this rank's dp rank (what the last trained step leaves behind) on the
+    first rank of each dp group, which writes it into the checkpoint; None on its cp/tp peers."""
+    module = trainer.lightning_module
+    pipeline = getattr(module, "data_pipeline", None)
+    if pipeline is None or not writes_data_position(getattr(module, "dims", None), trainer.global_rank):
+        return None
+    return pipeline.state_dict()
+
+
+def layout_of_trainer(trainer) -> dict[str, int] | None:
+    """The run's (dp_replicate, dp_shard, cp, tp), recorded in each checkpoint's complete.json."""
+    return layout_of(getattr(trainer.lightning_module, "dims", None))
 
 
 class MetricsWriter(L.Callback):
@@ -112,6 +127,7 @@ class CheckpointCallback(L.Callback):
             keep_last=self.keep_last,
             data_state=data_state_of(trainer),
             run_id=self.run_id,
+            layout=layout_of_trainer(trainer),
         )
         self.last_saved_step = step
         return path
@@ -202,6 +218,7 @@ class ValidationCallback(L.Callback):
                 update_latest=False,
                 data_state=data_state_of(trainer),
                 run_id=self.run_id,
+                layout=layout_of_trainer(trainer),
             )
         else:
             self.bad_evals += 1

@@ -5,21 +5,27 @@ Layout of `RUN_DIR/checkpoints/step_000100/`:
     .metadata, __*_*.distcp   model and optimizer shards (PyTorch Distributed Checkpoint, one per rank)
     meta.pt                   Lightning's loop/scheduler/callback state and our counters: plain
                               containers and tensors only, loaded with `torch.load(weights_only=True)`
-    speechlm/data_rank00000.json  the data pipeline's `state_dict()` of every rank (JSON)
+    speechlm/data_dp00000.json    the data position of each data-parallel rank (JSON), written once per
+                                  dp rank by the first rank of its dp group (cp rank 0, tp rank 0)
     speechlm/rng_rank00000.pt     every rank's own RNG states (tensors only)
-    complete.json             written last: the step and the size of every file above
+    complete.json             written last: the step, the size and SHA-256 of every file above
 
 Saving: every rank writes into `checkpoints/.tmp-step_000100`; after a barrier rank 0 writes
 `complete.json` and renames the directory to `step_000100` (`os.replace`, atomic), then rewrites the
 `latest` pointer atomically and only then deletes checkpoints beyond `keep_last`. A process killed at
 any moment leaves either a `.tmp-*` directory (never resumed from, removed by the next save) or a
 complete checkpoint; the previous good checkpoint is deleted only after a newer one is complete.
+The data positions are files of the same directory, listed and hashed in `complete.json`: they are
+published by the same rename as the weights, never one without the other.
 
 Loading: `verify_checkpoint` checks `complete.json` against the files (a missing or truncated file is
 an error naming it) and reads `meta.pt` with `weights_only=True`, so a checkpoint directory from
 someone else cannot run code. `resume=auto` takes the newest checkpoint that verifies and says which
 incomplete ones it skipped; an explicit path that does not verify is an error suggesting the previous
-checkpoint. `restore_training_state` then gives every rank its own data position and RNG states.
+checkpoint. `restore_training_state` then gives every rank the data position of its dp rank and its
+own RNG states. The position depends on the dp rank only (cp/tp peers train on the same batches), so
+a checkpoint resumes exactly under another cp/tp with the same dp size; another dp size cannot
+continue the saved data order and is refused, naming `trainer.resume_data=next_epoch`.
 """
 
 from __future__ import annotations
@@ -174,9 +180,11 @@ def own_files(ckpt_dir: Path, rank: int) -> list[Path]:
     return sorted([*ckpt_dir.glob(f"__{rank}_*.distcp"), *(ckpt_dir / RANK_DIR).glob(f"*_rank{rank:05d}.*")])
 
 
-def hash_own_files(ckpt_dir: Path, rank: int) -> None:
-    """Each rank hashes what it wrote (the cost is spread over the ranks) into `speechlm/sha256_rank<r>.json`."""
-    hashes = {str(f.relative_to(ckpt_dir)): sha256_of(f) for f in own_files(ckpt_dir, rank)}
+def hash_own_files(ckpt_dir: Path, rank: int, also: list[Path] | None = None) -> None:
+    """Each rank hashes what it wrote (`own_files` and `also`: its dp rank's data position) into
+    `speechlm/sha256_rank<r>.json`, so the cost is spread over the ranks."""
+    files = sorted({*own_files(ckpt_dir, rank), *(also or [])})
+    hashes = {str(f.relative_to(ckpt_dir)): sha256_of(f) for f in files}
     (ckpt_dir / RANK_DIR).mkdir(parents=True, exist_ok=True)
     (ckpt_dir / RANK_DIR / f"sha256_rank{rank:05d}.json").write_text(json.dumps(hashes, indent=1))
 
@@ -189,13 +197,35 @@ def collect_hashes(ckpt_dir: Path, files: dict[str, int]) -> dict[str, str]:
     return {rel: known.get(rel) or sha256_of(ckpt_dir / rel) for rel in files}
 
 
-def write_rank_state(ckpt_dir: Path, rank: int, data_state: dict[str, Any] | None) -> None:
-    """This rank's data position (JSON) and RNG states (tensors), next to the model shards."""
+def data_position_name(dp_rank: int) -> str:
+    return f"data_dp{dp_rank:05d}.json"
+
+
+def writes_data_position(dims: Any, rank: int) -> bool:
+    """Whether `rank` writes its dp rank's data position: the first rank of each dp group (cp rank 0,
+    tp rank 0) does, its cp/tp peers hold the same position (they train on the same batches).
+    `dims` None: one process."""
+    return dims is None or (dims.cp_rank(rank) == 0 and dims.tp_rank(rank) == 0)
+
+
+def layout_of(dims: Any) -> dict[str, int] | None:
+    """The (dp_replicate, dp_shard, cp, tp) sizes of `dims` as complete.json records them (None: unknown)."""
+    if dims is None:
+        return None
+    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
+
+
+def write_rank_state(ckpt_dir: Path, rank: int, data_state: dict[str, Any] | None) -> list[Path]:
+    """This rank's RNG states (tensors) and, when given (once per dp rank), the data position of its dp
+    rank (JSON, keyed by the state's `dp_rank`), next to the model shards; returns the files written."""
     d = ckpt_dir / RANK_DIR
     d.mkdir(parents=True, exist_ok=True)
+    written = [d / f"rng_rank{rank:05d}.pt"]
+    torch.save(capture_rng_state(), written[0])
     if data_state is not None:
-        (d / f"data_rank{rank:05d}.json").write_text(json.dumps(data_state, indent=1))
-    torch.save(capture_rng_state(), d / f"rng_rank{rank:05d}.pt")
+        written.append(d / data_position_name(int(data_state.get("dp_rank", 0))))
+        written[-1].write_text(json.dumps(data_state, indent=1))
+    return written
 
 
 def run_id_of(ckpt: Path) -> str | None:
@@ -250,11 +280,15 @@ def save_checkpoint_atomic(
     update_latest: bool = True,
     data_state: dict[str, Any] | None = None,
     run_id: str | None = None,
+    layout: dict[str, int] | None = None,
 ) -> Path:
     """Save through `trainer.save_checkpoint` into a temp dir, then rename on rank 0 (all ranks call).
 
-    A full disk (or any OS error while writing) removes the temp dir and raises OutputError naming the
-    checkpoint and the previous one, which is kept."""
+    `data_state`: the data position of this rank's dp rank, given by the first rank of each dp group
+    only (`writes_data_position`; None on its cp/tp peers); `layout`: the run's `layout_of(dims)`,
+    recorded in complete.json (the RNG states are restored only into the same layout). A full disk (or any OS error while
+    writing) removes the temp dir and raises OutputError naming the checkpoint and the previous one,
+    which is kept."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from speechlm.train.faults import fault_point
@@ -270,8 +304,8 @@ def save_checkpoint_atomic(
     strategy.barrier("speechlm_ckpt_pre")
     try:
         trainer.save_checkpoint(str(tmp), weights_only=False)  # full state: optimizer, loops, callbacks
-        write_rank_state(tmp, strategy.global_rank, data_state)
-        hash_own_files(tmp, strategy.global_rank)
+        written = write_rank_state(tmp, strategy.global_rank, data_state)
+        hash_own_files(tmp, strategy.global_rank, written)
     except (Exception, CheckpointException) as e:
         err = save_failed(e, ckpt_root, tmp, final, strategy.is_global_zero)
         if err is None:
@@ -288,6 +322,7 @@ def save_checkpoint_atomic(
             manifest = {
                 "step": trainer.global_step,
                 "world_size": strategy.world_size,
+                "layout": layout,
                 "run_id": run_id,
                 "files": files,
                 "sha256": collect_hashes(tmp, files),
@@ -475,14 +510,41 @@ def load_metadata(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def read_data_state(path: Path, rank: int) -> dict[str, Any] | None:
-    f = path / RANK_DIR / f"data_rank{rank:05d}.json"
-    if not f.is_file():
-        return None
+def _read_json(f: Path) -> dict[str, Any]:
     try:
-        return json.loads(f.read_text())
+        data = json.loads(f.read_text())
     except ValueError as e:
         raise CheckpointError(f"{f} is not valid JSON ({e}): the checkpoint was altered") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f} holds no data position (a JSON object): the checkpoint was altered")
+    return data
+
+
+def read_data_position(path: Path, dp_rank: int) -> dict[str, Any] | None:
+    """The data position of `dp_rank` in checkpoint `path` (None if it has none).
+
+    Checkpoints saved before positions were keyed by dp rank hold one `data_rankRRRRR.json` per
+    process, each naming its `dp_rank`: the first one of `dp_rank` is taken (its peers hold the same)."""
+    f = path / RANK_DIR / data_position_name(dp_rank)
+    if f.is_file():
+        return _read_json(f)
+    for legacy in sorted((path / RANK_DIR).glob("data_rank*.json")):
+        state = _read_json(legacy)
+        if state.get("dp_rank", 0) == dp_rank:
+            return state
+    return None
+
+
+def saved_dp_size(path: Path) -> int | None:
+    """The number of data-parallel ranks `path` was saved with, from its data positions (None: none)."""
+    files = sorted((path / RANK_DIR).glob("data_dp*.json")) or sorted(
+        (path / RANK_DIR).glob("data_rank*.json")
+    )
+    for f in files:
+        size = _read_json(f).get("dp_size")
+        if isinstance(size, int):
+            return size
+    return None
 
 
 def read_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
@@ -496,21 +558,32 @@ def read_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
 
 
 def restore_training_state(
-    ckpt: Path, loader: Any, module: Any, *, resume_data: str, rank: int, world_size: int
+    ckpt: Path,
+    loader: Any,
+    module: Any,
+    *,
+    resume_data: str,
+    rank: int,
+    world_size: int,
+    dims: Any = None,
 ) -> tuple[int, dict[str, int]]:
-    """Give this rank its data position and RNG states from `ckpt`; return (global step, position).
+    """Give this rank the data position of its dp rank and its RNG states from `ckpt`; return
+    (global step, position).
 
     `resume_data="exact"` continues the data after the last trained micro-batch and needs the saved
-    layout; `"next_epoch"` starts the epoch after the saved one in this run's layout."""
+    dp size (any cp/tp); `"next_epoch"` starts the epoch after the saved one in this run's layout.
+    The RNG states are per process and belong to its place in the layout: they come back only into
+    the saved layout (`dims`; the same number of processes for a checkpoint that has no layout),
+    elsewhere every rank keeps the run's seeding."""
     meta = load_metadata(ckpt)
-    saved_world = json.loads((ckpt / COMPLETE_NAME).read_text()).get("world_size", world_size)
-    state = read_data_state(ckpt, rank if resume_data == "exact" else 0)
+    complete = json.loads((ckpt / COMPLETE_NAME).read_text())
+    saved_world = complete.get("world_size", world_size)
+    saved_layout, layout = complete.get("layout"), layout_of(dims)
+    same_layout = saved_layout == layout if saved_layout and layout else saved_world == world_size
+    dp_rank = loader.dp_rank if resume_data == "exact" else 0  # next_epoch takes the saved epoch only
+    state = read_data_position(ckpt, dp_rank)
     if state is None:
-        raise CheckpointError(
-            f"{ckpt / RANK_DIR} has no data state for rank {rank} (saved by {saved_world} processes, this run "
-            f"has {world_size}); add trainer.resume_data=next_epoch to resume the model and optimizer into "
-            f"this layout (the data restarts at the next epoch)"
-        )
+        raise missing_position(ckpt, dp_rank, loader.sampler.dp_size)
     try:
         loader.restore(state, next_epoch=resume_data == "next_epoch")
     except ValueError as e:
@@ -518,8 +591,28 @@ def restore_training_state(
             f"cannot continue the data order of {ckpt}: {e}\nTo resume the model and optimizer into this layout "
             f"anyway, add trainer.resume_data=next_epoch (the data restarts at the next epoch)"
         ) from None
-    module.pending_rng = read_rng_state(ckpt, rank) if saved_world == world_size else None
+    module.pending_rng = read_rng_state(ckpt, rank) if same_layout else None
     return int(meta.get("global_step", 0)), dict(loader.consumed)
+
+
+def missing_position(ckpt: Path, dp_rank: int, dp_size: int) -> CheckpointError:
+    """The error for a checkpoint without a data position for `dp_rank`: saved with this dp size, the
+    entry was lost (an altered checkpoint); saved with another, the data order cannot continue."""
+    saved = saved_dp_size(ckpt)
+    f = ckpt / RANK_DIR / data_position_name(dp_rank)
+    if saved == dp_size:
+        return CheckpointError(
+            f"{ckpt} has no data position for dp rank {dp_rank} ({f} is missing) although it was saved with "
+            f"{saved} data-parallel ranks: the checkpoint was altered. Resume from an earlier checkpoint, or "
+            f"add trainer.resume_data=next_epoch to resume the model and optimizer (the data restarts at the "
+            f"next epoch)"
+        )
+    was = f"saved with {saved} data-parallel ranks" if saved is not None else "it holds no data position"
+    return CheckpointError(
+        f"{ckpt} has no data position for dp rank {dp_rank} ({was}, this run has {dp_size}); add "
+        f"trainer.resume_data=next_epoch to resume the model and optimizer into this layout (the data "
+        f"restarts at the next epoch)"
+    )
 
 
 # --- RNG states as tensors and plain values (weights_only-safe) ---------------------------------------
@@ -576,7 +669,13 @@ def resume_run(
     step, pos = 0, None  # type: tuple[int, dict[str, int] | None]
     if ckpt is not None:
         step, pos = restore_training_state(
-            ckpt, loader, module, resume_data=t.resume_data, rank=rank, world_size=world_size
+            ckpt,
+            loader,
+            module,
+            resume_data=t.resume_data,
+            rank=rank,
+            world_size=world_size,
+            dims=module.dims,
         )
     adopt_lineage(trainer, run_id_of(ckpt) if ckpt is not None else None)
     if pos is not None and rank == 0:

@@ -8,8 +8,9 @@ It is the one owner of the data position. The DataLoader (and Lightning's fetche
 sampler's own position runs ahead of training; the module therefore calls `mark_consumed(position)` for
 every step it trains on, and `state_dict()` reports that consumed position together with the layout
 (dp rank and size, grad_accum), the seed, the sampler settings and the manifest fingerprint. A
-checkpoint stores this state per rank as JSON; `restore(state)` continues at the next unconsumed
-micro-batch of the saved epoch, and later epochs start at position 0 as in an uninterrupted run.
+checkpoint stores this state once per dp rank as JSON (cp/tp peers hold the same one; see
+`speechlm/train/checkpoint.py`); `restore(state)` continues at the next unconsumed micro-batch of the
+saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def corrupt_same_size(f: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "victim", ["__0_0.distcp", "speechlm/data_rank00000.json", "speechlm/rng_rank00000.pt"]
+    "victim", ["__0_0.distcp", "speechlm/data_dp00000.json", "speechlm/rng_rank00000.pt"]
 )
 def test_same_size_corruption_is_found_and_auto_falls_back_naming_both(tmp_path, victim):
     root = tmp_path / "checkpoints"

@@ -98,8 +98,8 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(demo_data, tmp_path, or
     ckpt = run_dir / "checkpoints" / latest
     complete = json.loads((ckpt / "complete.json").read_text())
     assert complete["step"] == step and complete["world_size"] == 2
-    for r in (0, 1):  # both ranks saved their data position of that same step
-        assert (ckpt / f"speechlm/data_rank{r:05d}.json").is_file()
+    for r in (0, 1):  # both ranks (dp ranks 0 and 1) saved their data position of that same step
+        assert (ckpt / f"speechlm/data_dp{r:05d}.json").is_file()
     assert not (run_dir / "eval.json").exists()
 
 
