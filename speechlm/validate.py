@@ -53,7 +53,7 @@ from parallel.validator import (
     parse_capability,
 )
 from speechlm import errors
-from speechlm.config import is_override, split_override
+from speechlm.config import ExperimentConfig, is_override, split_override
 from speechlm.validate_rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
@@ -121,7 +121,7 @@ def detect_device_capability() -> tuple[int, int] | None:
 
 
 def validate_at_fit_start(
-    config: Any,
+    config: ExperimentConfig,
     world_size: int,
     *,
     rank: int = 0,
@@ -255,7 +255,9 @@ def _gather_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def _resolve_world_size(args: argparse.Namespace, env: Mapping[str, str], config: Any) -> tuple[int, str]:
+def _resolve_world_size(
+    args: argparse.Namespace, env: Mapping[str, str], config: ExperimentConfig
+) -> tuple[int, str]:
     if args.world_size is not None:
         if args.world_size < 1:
             raise UsageError(f"--world-size {args.world_size}: the world size must be at least 1")
