@@ -1,6 +1,6 @@
 """Run a function on several local processes with an initialised process group (for tests).
 
-Usage (``fn`` must be a module-level function so the spawned children can import it):
+Usage (``fn`` is best a module-level function: spawned children must import it):
 
     def _worker(rank: int, world_size: int, n: int) -> torch.Tensor:
         x = torch.full((n,), float(rank))
@@ -20,8 +20,16 @@ group is initialised before ``fn`` runs and destroyed after. With backend "nccl"
 Failures never hang the caller: an exception in a rank is re-raised in the parent as a
 RuntimeError carrying that rank's traceback (the other ranks are killed), a rank that dies
 without a result is reported with its exit code, and the whole run is killed after
-``timeout_s`` with a TimeoutError that says which ranks had not finished. Spawning costs a few
-seconds per rank (each child imports torch), so pack several checks into one call.
+``timeout_s`` with a TimeoutError that says which ranks had not finished.
+
+Start method: gloo ranks are forked by default (``start_method="fork"``): a forked child has torch and
+the test's modules already imported, so a rank starts in milliseconds instead of the ~3 s a spawned
+child spends importing torch. Each forked child reseeds torch's default generator non-deterministically,
+as a spawned child's torch import does, instead of inheriting the parent's state. NCCL ranks are spawned
+(CUDA cannot be used in a child forked from a parent that initialised it); pass
+``start_method="spawn"`` to get spawn for gloo too (``fn`` must then be a module-level function).
+Starting ranks costs little either way, but a group per check still costs a rendezvous and a
+teardown: pack several checks (layouts, cases) into one call where they share a world size.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -39,7 +48,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "find_free_port"]
+__all__ = ["run_distributed", "find_free_port", "default_start_method"]
+
+
+def default_start_method(backend: str) -> str:
+    """The start method for ``backend``: fork for gloo (no torch import per rank), spawn for NCCL."""
+    return "spawn" if backend == "nccl" else "fork"
 
 
 def find_free_port() -> int:
@@ -70,6 +84,7 @@ def _child(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    torch.seed()  # a fresh, non-deterministic seed, as a spawned rank's torch import draws (not the parent's state)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -107,9 +122,10 @@ def _run_once(
     kwargs: dict[str, Any],
     timeout_s: float,
     out_dir: str,
+    start_method: str,
 ) -> tuple[list[Any] | None, dict[int, str]]:
     """One attempt: (results or None, {rank: error text}); raises TimeoutError on a hang."""
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(start_method)
     port = find_free_port()
     procs = [
         ctx.Process(
@@ -119,6 +135,8 @@ def _run_once(
         )
         for rank in range(world_size)
     ]
+    sys.stdout.flush()  # a forked child would write the parent's buffered output a second time
+    sys.stderr.flush()
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -160,19 +178,27 @@ def run_distributed(
     backend: str = "gloo",
     *args: Any,
     timeout_s: float = 120,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local processes.
 
     Returns the per-rank return values in rank order. Raises RuntimeError with the failing
     ranks' tracebacks if any rank fails, TimeoutError after ``timeout_s`` seconds. If the free
     port was taken by someone else before rank 0 bound it, the run is retried on a new port.
+    ``start_method`` None means `default_start_method(backend)` (fork for gloo, spawn for NCCL).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    method = start_method or default_start_method(backend)
+    if method not in mp.get_all_start_methods():
+        raise ValueError(
+            f"start_method {method!r} is not available here (available: {mp.get_all_start_methods()}); "
+            'pass start_method="spawn"'
+        )
     for attempt in range(3):
         with tempfile.TemporaryDirectory(prefix="run_distributed_") as out_dir:
-            results, errors = _run_once(fn, world_size, backend, args, kwargs, timeout_s, out_dir)
+            results, errors = _run_once(fn, world_size, backend, args, kwargs, timeout_s, out_dir, method)
         if results is not None:
             return results
         port_race = any(

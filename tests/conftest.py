@@ -58,28 +58,8 @@ def _index_cache(tmp_path_factory) -> None:
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> dict[str, str]:
-    """The bundled demo corpus as a manifest plus a tokenizer (built once per session)."""
-    from speechlm.cli import main
+    """The bundled demo corpus as a manifest plus a tokenizer (built once per session; the one demo corpus
+    fixture of the suite: test files use it instead of building their own)."""
+    from helpers import build_corpus
 
-    out = tmp_path_factory.mktemp("demo_manifest")
-    assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)]) == 0
-    assert (
-        main(
-            [
-                "tokenizer",
-                "train",
-                "--manifest",
-                str(out / "train.parquet"),
-                "--out",
-                str(out / "tok"),
-                "--vocab-size",
-                "300",
-            ]
-        )
-        == 0
-    )
-    return {
-        "train": str(out / "train.parquet"),
-        "val": str(out / "val.parquet"),
-        "tok": str(out / "tok.model"),
-    }
+    return build_corpus(REPO / "data/demo/shards", tmp_path_factory.mktemp("demo_manifest"))

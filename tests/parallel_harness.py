@@ -8,7 +8,8 @@ are the same optimisation problem).
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,7 +24,11 @@ TOK = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
 
 
 def tiny_config(
-    cp: int = 1, tp: int = 1, cp_attention: str = "ring", ctc_weight: float = 0.3, split_threshold: int | str = 9
+    cp: int = 1,
+    tp: int = 1,
+    cp_attention: str = "ring",
+    ctc_weight: float = 0.3,
+    split_threshold: int | str = 9,
 ) -> ExperimentConfig:
     return load_config(
         None,
@@ -131,6 +136,11 @@ def reference_run(cfg: ExperimentConfig, steps: list[list[Batch]]) -> dict[str, 
     return run_steps(model, ctx, cfg, steps)
 
 
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
 def rank_run(
     rank: int,
     world: int,
@@ -140,18 +150,54 @@ def rank_run(
     n_steps: int,
     ctc_weight: float = 0.3,
     split_threshold: int | str = 9,
+    backend: str = "gloo",
 ) -> dict[str, Any] | None:
-    """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share."""
+    """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share (on cuda:rank
+    under NCCL; the results come back on the CPU)."""
+    from helpers import device_for, to_cpu
+
     from parallel.mesh import ParallelDims
     from speechlm.train.distributed import build_distributed_context
 
     torch.set_num_threads(1)
+    device = device_for(backend, rank)
     dims = ParallelDims(world, 1, -1, cp, tp)
-    dims.build_mesh("cpu")
+    dims.build_mesh(device.type)
     cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold)
-    model = build_model(cfg)
-    ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
+    model = build_model(cfg).to(device)
+    ctx = build_distributed_context(model, dims, cfg, device)
     steps = global_steps(n_steps, dims.dp)
     d = dims.dp_rank(rank)
-    out = run_steps(model, ctx, cfg, [[s[d]] for s in steps])
+    out = to_cpu(run_steps(model, ctx, cfg, [[batch_to(s[d], device)] for s in steps]))
     return out if rank == 0 else {"losses": out["losses"]}
+
+
+class Layout(NamedTuple):
+    """One (dp, cp, tp) layout of the equivalence tests, with its CP attention and placement threshold."""
+
+    id: str
+    dp: int
+    cp: int
+    tp: int
+    cp_attention: str = "ring"
+    split_threshold: int | str = 9
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp
+
+
+def rank_layouts(
+    rank: int, world: int, layouts: list[Layout], n_steps: int, backend: str = "gloo"
+) -> list[dict[str, Any] | None]:
+    """Every layout of one world size, one after the other, in one process group (one start and one
+    rendezvous for all of them); result i is `rank_run`'s for layouts[i]."""
+    out = []
+    for lay in layouts:
+        assert lay.world == world, f"{lay.id} needs {lay.world} ranks, the group has {world}"
+        out.append(
+            rank_run(
+                rank, world, lay.cp, lay.tp, lay.cp_attention, n_steps, 0.3, lay.split_threshold, backend
+            )
+        )
+    return out

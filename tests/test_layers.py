@@ -96,7 +96,9 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     bad.parent.mkdir()
     bad.write_text("def f():\n    from speechlm.model import speech_llm\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert violations("parallel", lambda f: ["torch", "parallel"]) == ["parallel/x.py:2 imports speechlm.model"]
+    assert violations("parallel", lambda f: ["torch", "parallel"]) == [
+        "parallel/x.py:2 imports speechlm.model"
+    ]
 
 
 def test_the_command_line_does_not_import_torch_or_lightning():
@@ -113,63 +115,116 @@ def test_the_command_line_does_not_import_torch_or_lightning():
     assert out.stdout.strip() == "[]"
 
 
-def import_cycles(package: str) -> list[list[str]]:
-    """The import cycles (strongly connected components of 2+ modules) among the modules of `package`,
-    counting imports inside functions too; a module importing its own parent package is not an edge."""
-    root = REPO / package.replace(".", "/")
-    modules = {}
-    for f in sorted(root.rglob("*.py")):
-        parts = list(f.relative_to(REPO).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
-    graph: dict[str, set[str]] = {}
-    for name, f in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+# ----------------------------------------------------------------------------- import cycles
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = ("speechlm", "parallel")) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (at any depth: a function-level import is still a
+    dependency). `from pkg import name` points at pkg.name where that is a module, else at pkg;
+    relative imports are resolved against the importing module."""
+    paths = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
             if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            for t in targets:
+                while t and t not in paths:  # `import a.b.c` of a name inside a module: its module
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a -> b -> ... -> a) per strongly connected component with more than one module."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    cycles = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:  # Tarjan; the graph has ~150 nodes, recursion is fine
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in graph[v]:
+        on_stack.add(v)
+        for w in sorted(graph[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
-            elif w in stack:
+            elif w in on_stack:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            component = []
+            comp = set()
             while True:
                 w = stack.pop()
-                component.append(w)
+                on_stack.discard(w)
+                comp.add(w)
                 if w == v:
                     break
-            if len(component) > 1:
-                cycles.append(sorted(component))
+            if len(comp) > 1:
+                components.append(comp)
 
-    for v in graph:
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    return cycles
+    cycles = []
+    for comp in components:  # shortest path back to the start inside the component (BFS)
+        start = min(comp)
+        prev: dict[str, str] = {}
+        frontier = [start]
+        while start not in prev:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & comp):
+                    if w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        path = [start]
+        while prev[path[-1]] != start:
+            path.append(prev[path[-1]])
+        cycles.append([start, *path[::-1][:-1], start])
+    return sorted(cycles)
 
 
-def test_the_data_layer_has_no_import_cycles():
-    """manifest/load <-> sources/detect and sources/join <-> sources/shards were cycles (issue 21)."""
-    assert import_cycles("speechlm.data") == []
+def fmt_cycle(cycle: list[str]) -> str:
+    return " -> ".join(cycle)
 
 
-def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
+@pytest.mark.xfail(strict=True, reason="cycles broken by i21-cplayout/i21-data")
+def test_no_import_cycles():
+    """speechlm/ and parallel/ import each other in one direction only; a cycle (even through an import
+    inside a function) means two modules that cannot be read, tested or moved apart."""
+    cycles = [fmt_cycle(c) for c in import_cycles(import_graph(REPO))]
+    assert cycles == []
+
+
+def test_the_cycle_checker_names_a_cycle(tmp_path):
+    pkg = tmp_path / "speechlm"
+    (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n")
-    (pkg / "b.py").write_text("from pkg import a\n")
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert import_cycles("pkg") == [["pkg.a", "pkg.b"]]
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\nfrom speechlm.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .c import g\n")  # relative, inside a function
+    (pkg / "sub" / "c.py").write_text("from speechlm.a import x\n")
+    (pkg / "d.py").write_text("from speechlm import a\n")  # imports into the cycle, not part of it
+    (tmp_path / "parallel").mkdir()
+    graph = import_graph(tmp_path)
+    assert graph["speechlm.sub.b"] == {"speechlm.sub.c"} and graph["speechlm.d"] == {"speechlm.a"}
+    assert [fmt_cycle(c) for c in import_cycles(graph)] == [
+        "speechlm.a -> speechlm.sub.b -> speechlm.sub.c -> speechlm.a"
+    ]

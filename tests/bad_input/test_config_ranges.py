@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from helpers import train_in_process
 
 from speechlm.cli import main as cli_main
 from speechlm.config import (
@@ -388,7 +389,7 @@ def test_demo_config_names_the_repo_demo_data_from_any_directory(tmp_path, monke
     assert cfg.data.tokenizer == str(REPO / "data/demo_manifest/tokenizer.model")
 
 
-def test_train_dry_run_from_another_directory_reads_the_configs_files(demo_data, tmp_path):
+def test_train_dry_run_from_another_directory_reads_the_configs_files(demo_data, tmp_path, monkeypatch, capsys):
     """newcomer row 115: a config with relative paths, run from elsewhere, finds its files."""
     data = Path(demo_data["train"]).parent
     p = data / "rel.yaml"
@@ -398,10 +399,8 @@ def test_train_dry_run_from_another_directory_reads_the_configs_files(demo_data,
     p.write_text(yaml.safe_dump(base))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "speechlm.train", str(p), "--dry-run",
-                        f"trainer.run_dir={elsewhere / 'run'}"], cwd=elsewhere, capture_output=True,
-                       text=True, timeout=300, env=env)  # fmt: skip
+    monkeypatch.chdir(elsewhere)  # `python -m speechlm.train` run from there, in this process
+    r = train_in_process([str(p), "--dry-run", f"trainer.run_dir={elsewhere / 'run'}"], capsys)
     assert r.returncode == 0, r.stderr[-3000:]
     assert str(data / "train.parquet") in r.stdout + r.stderr
 

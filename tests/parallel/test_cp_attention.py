@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import BACKENDS, device_for, skip_unless_backend
 
 from parallel.allgather_attention import allgather_attention_thd
 from parallel.attention_ops import varlen_attention_reference
@@ -63,8 +64,15 @@ def _global_inputs(case: Case, index: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad
 
 
-def _run_case(case: Case, index: int, group: dist.ProcessGroup | None, cp: int, rank: int) -> dict:
-    q, k, v, grad = _global_inputs(case, index)
+def _run_case(
+    case: Case,
+    index: int,
+    group: dist.ProcessGroup | None,
+    cp: int,
+    rank: int,
+    device: torch.device | str = "cpu",
+) -> dict:
+    q, k, v, grad = (x.to(device) for x in _global_inputs(case, index))
     local, cu_local, _ = shard_thd({"q": q, "k": k, "v": v, "grad": grad}, case.cu_seqlens, cp, rank)
     results = {}
     for name, impl in IMPLS.items():
@@ -73,16 +81,17 @@ def _run_case(case: Case, index: int, group: dist.ProcessGroup | None, cp: int, 
             ql, kl, vl, cu_local, group=group, cp_size=cp, cp_rank=rank, scale=D**-0.5, causal=case.causal
         )
         out.backward(local["grad"].to(case.dtype))
-        results[name] = [x.detach().float() for x in (out, ql.grad, kl.grad, vl.grad)]
+        results[name] = [x.detach().float().cpu() for x in (out, ql.grad, kl.grad, vl.grad)]
     return results
 
 
-def _worker(rank: int, world_size: int, cases: list[Case]) -> dict:
-    results = {"world": [_run_case(c, i, None, world_size, rank) for i, c in enumerate(cases)]}
+def _worker(rank: int, world_size: int, cases: list[Case], backend: str = "gloo") -> dict:
+    dev = device_for(backend, rank)
+    results = {"world": [_run_case(c, i, None, world_size, rank, dev) for i, c in enumerate(cases)]}
     if world_size == 4:  # CP over non-contiguous sub-groups {0, 2} and {1, 3}: global-rank mapping
         subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         group = subgroups[rank % 2]
-        results["sub"] = [_run_case(c, i, group, 2, rank // 2) for i, c in enumerate(_cases(2)[:2])]
+        results["sub"] = [_run_case(c, i, group, 2, rank // 2, dev) for i, c in enumerate(_cases(2)[:2])]
     return results
 
 
@@ -105,10 +114,12 @@ def _check(case: Case, index: int, per_rank: list[dict], cp: int, label: str) ->
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_attention_matches_reference(cp: int) -> None:
+def test_cp_attention_matches_reference(cp: int, backend: str) -> None:
+    skip_unless_backend(backend, cp)
     cases = _cases(cp)
-    results = run_distributed(_worker, cp, "gloo", cases, timeout_s=180)
+    results = run_distributed(_worker, cp, backend, cases, backend, timeout_s=180)
     for i, case in enumerate(cases):
         _check(case, i, [r["world"][i] for r in results], cp, f"cp={cp} case {i}")
     if cp == 4:

@@ -2,8 +2,9 @@
 
 Gradients are compared per parameter tensor in norm (see `assert_matches`). Every layout runs the training step of `speechlm.train.module.run_optimizer_step` with the real mesh,
 TP plan, FSDP2, distributed audio encoding and CP attention, on gloo/CPU. fp32, relative 1e-5.
-The 8-process layout (2, 2, 2) is marked `slow`; every other layout, and the all-gather backend,
-is in the default run.
+All layouts of one world size run in one process group, one after the other. The 8-process layout
+(2, 2, 2) is marked `slow`; every other layout, and the all-gather backend, is in the default run. Each
+check runs on gloo/CPU and, marked `gpu`, on NCCL/cuda (one GPU per rank).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import functools
 
 import pytest
 import torch
-from parallel_harness import global_steps, rank_run, reference_run, tiny_config
+from helpers import BACKENDS, skip_unless_backend
+from parallel_harness import Layout, global_steps, rank_layouts, reference_run, tiny_config
 
 from parallel.testing import run_distributed
 
@@ -45,24 +47,41 @@ def assert_matches(ref: dict, got: list[dict]) -> None:
     assert any(n.startswith("projector.") and grads[n].abs().sum() > 0 for n in grads)
 
 
+# Every layout of one world size runs in one process group (one start, one rendezvous): a test per world
+# size and backend. Dynamic CP (parallel.cp_placement): the harness' threshold of 9 tokens mixes whole and
+# split utterances (the harness' sequences are 6-12 tokens); the *-split-all / *-all-whole layouts pin the
+# two ends and the cases the placement must survive (see test_harness_batches_cover_the_dynamic_cp_cases).
 LAYOUTS = [
-    pytest.param(2, 1, 1, "ring", id="dp2"),
-    pytest.param(1, 2, 1, "ring", id="cp2-ring"),
-    pytest.param(1, 1, 2, "ring", id="tp2"),
-    pytest.param(1, 2, 1, "allgather", id="cp2-allgather"),
-    pytest.param(1, 2, 2, "ring", id="cp2-tp2"),
-    pytest.param(1, 4, 1, "ring", id="cp4"),
-    pytest.param(2, 2, 1, "ring", id="dp2-cp2"),
-    pytest.param(2, 2, 2, "ring", id="dp2-cp2-tp2", marks=pytest.mark.slow),
+    Layout("dp2", 2, 1, 1),
+    Layout("cp2-ring", 1, 2, 1),
+    Layout("tp2", 1, 1, 2),
+    Layout("cp2-allgather", 1, 2, 1, "allgather"),
+    Layout("cp2-split-all", 1, 2, 1, split_threshold=0),
+    Layout("cp2-all-whole", 1, 2, 1, split_threshold=1000),
+    Layout("cp2-tp2", 1, 2, 2),
+    Layout("cp4", 1, 4, 1),
+    Layout("dp2-cp2", 2, 2, 1),
+    Layout("cp4-split-all", 1, 4, 1, split_threshold=0),
+    Layout("cp4-all-whole", 1, 4, 1, split_threshold=1000),
+    Layout("dp2-cp2-tp2", 2, 2, 2),
 ]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("dp,cp,tp,kind", LAYOUTS)
-def test_layout_matches_single_process(dp, cp, tp, kind):
-    world = dp * cp * tp
-    got = run_distributed(rank_run, world, "gloo", cp, tp, kind, N_STEPS, timeout_s=600)
-    assert_matches(reference(dp), got)
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_layouts_match_single_process(world, backend):
+    skip_unless_backend(backend, world)
+    layouts = [lay for lay in LAYOUTS if lay.world == world]
+    got = run_distributed(rank_layouts, world, backend, layouts, N_STEPS, backend, timeout_s=1100)
+    failed = []
+    for i, lay in enumerate(layouts):
+        try:
+            assert_matches(reference(lay.dp), [per_rank[i] for per_rank in got])
+        except AssertionError as e:
+            failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, tp={lay.tp}, {lay.cp_attention}): {e}")
+    assert not failed, "\n".join(failed)
 
 
 def test_reference_losses_fall_and_grads_cover_every_part():
@@ -72,26 +91,6 @@ def test_reference_losses_fall_and_grads_cover_every_part():
     names = set(ref["grads"])
     for prefix in ("encoder.", "projector.", "llm.", "ctc_head."):
         assert any(n.startswith(prefix) for n in names), prefix
-
-
-# Dynamic CP (parallel.cp_placement): the layouts above use the harness' threshold of 9 tokens, which mixes
-# whole and split utterances (the harness' sequences are 6-12 tokens). These pin the two ends and the cases
-# the placement must survive (see test_harness_batches_cover_the_dynamic_cp_cases).
-DYNAMIC = [
-    pytest.param(1, 2, 1, 0, id="cp2-split-all"),
-    pytest.param(1, 2, 1, 1000, id="cp2-all-whole"),
-    pytest.param(1, 4, 1, 0, id="cp4-split-all"),
-    pytest.param(1, 4, 1, 1000, id="cp4-all-whole"),
-]
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("dp,cp,tp,threshold", DYNAMIC)
-def test_dynamic_cp_extremes_match_single_process(dp, cp, tp, threshold):
-    got = run_distributed(
-        rank_run, dp * cp * tp, "gloo", cp, tp, "ring", N_STEPS, split_threshold=threshold, timeout_s=600
-    )
-    assert_matches(reference(dp), got)
 
 
 def test_harness_batches_cover_the_dynamic_cp_cases():

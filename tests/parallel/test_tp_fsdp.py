@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import BACKENDS, device_for, skip_unless_backend, to_cpu
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -210,15 +211,16 @@ def test_fsdp2_averages_gradients_over_dp_shard_cp_and_replicas(
 # ------------------------------------------------------------------------------------- (c) TP x FSDP2
 
 
-def _tp_fsdp_worker(rank: int, world_size: int) -> dict[str, Any]:
+def _tp_fsdp_worker(rank: int, world_size: int, backend: str = "gloo") -> dict[str, Any]:
+    device = device_for(backend, rank)
     dims = ParallelDims(world_size=world_size, tp=2)  # dp_shard = 2
-    dims.build_mesh("cpu")
-    model = build_llm()
+    dims.build_mesh(device.type)
+    model = build_llm().to(device)
     parallelize(
-        model, dims, blocks_fn=blocks_fn, tp_fn=tp_fn, activation_checkpointing=True, device_type="cpu"
+        model, dims, blocks_fn=blocks_fn, tp_fn=tp_fn, activation_checkpointing=True, device_type=device.type
     )
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    ids = batches()[dims.dp_rank(rank)]  # TP peers share a batch
+    ids = batches()[dims.dp_rank(rank)].to(device)  # TP peers share a batch
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     norm = clip_grad_norm_(
@@ -226,17 +228,21 @@ def _tp_fsdp_worker(rank: int, world_size: int) -> dict[str, Any]:
     )  # grads on two meshes: (dp_shard_cp, tp) and dp_shard_cp
     opt.step()
     q = model.model.layers[0].self_attn.q_proj.weight
-    return {
-        "loss": loss.detach(),
-        "norm": norm,
-        "params": params_of(model),
-        "q_mesh_dims": q.device_mesh.mesh_dim_names,
-    }
+    return to_cpu(
+        {
+            "loss": loss.detach(),
+            "norm": norm,
+            "params": params_of(model),
+            "q_mesh_dims": q.device_mesh.mesh_dim_names,
+        }
+    )
 
 
 @pytest.mark.multiproc
-def test_tp2_x_fsdp2_one_step_matches_single_process() -> None:
-    results = run_distributed(_tp_fsdp_worker, 4)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp2_x_fsdp2_one_step_matches_single_process(backend: str) -> None:
+    skip_unless_backend(backend, 4)
+    results = run_distributed(_tp_fsdp_worker, 4, backend, backend)
     ref = reference([0, 1], step=True)
     losses = [r["loss"] for r in results]
     torch.testing.assert_close(losses[0], losses[1])  # TP peers compute the same loss

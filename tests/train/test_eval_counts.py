@@ -8,13 +8,12 @@ In-process: the smoke model, untrained, on the demo val split (12 utterances, 3 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import run_train
 
 from speechlm.errors import DataError
 
@@ -146,11 +145,6 @@ def test_evaluation_streams_its_batches(demo_data):
     assert result["utterances"] == 12 and len(seen_at_decode) >= 3
     assert seen_at_decode[0] < 12  # not everything loaded before the first decode
     assert seen_at_decode == sorted(seen_at_decode) and seen_at_decode[-1] == 12
-
-
-def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speechlm.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)  # fmt: skip
 
 
 def test_training_on_no_decodable_utterance_is_an_error(demo_data, tmp_path):

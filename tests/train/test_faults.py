@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume import SMALL_EPOCHS, base_args, demo_data, read_train_metrics  # noqa: F401  (fixture)
+from test_resume import base_args, read_train_metrics
 
 from speechlm.train.faults import Fault, build_command, launch, parse_faults, run_scenario
 

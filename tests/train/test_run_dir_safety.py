@@ -8,36 +8,13 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_train, train_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs/smoke.yaml")
-
-
-def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "speechlm.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def train_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
-    """The same entry point in this process: for launches refused before any training (no subprocess)."""
-    from speechlm.train.__main__ import main
-
-    capsys.readouterr()
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, rc, out, err)
 
 
 def base(d: dict[str, str], run_dir: Path, *extra: str) -> list[str]:

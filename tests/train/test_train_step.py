@@ -79,36 +79,19 @@ def test_validation_keeps_best_and_stops_after_patience(tmp_path, monkeypatch):
     assert cb.state_dict() == {"best": 0.4, "bad_evals": 2}
 
 
-def test_bundled_broken_files_are_dropped_and_counted(tmp_path):
+def test_bundled_broken_files_are_dropped_and_counted(demo_data):
     """The demo corpus ships two undecodable files: the loader drops them, counts them, never substitutes."""
     from collections import Counter
 
-    from speechlm.cli import main
     from speechlm.data.dataset import SpeechDataset, build_dataloader
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
 
-    assert main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(tmp_path)]) == 0
-    assert (
-        main(
-            [
-                "tokenizer",
-                "train",
-                "--manifest",
-                str(tmp_path / "train.parquet"),
-                "--out",
-                str(tmp_path / "tok"),
-                "--vocab-size",
-                "300",
-            ]
-        )
-        == 0
-    )
     rows = []
     counter: Counter[str] = Counter()
     for split in ("train", "val"):
-        table = load_source(tmp_path / f"{split}.parquet")
-        ds = SpeechDataset(table, Tokenizer(tmp_path / "tok.model"))
+        table = load_source(demo_data[split])
+        ds = SpeechDataset(table, Tokenizer(demo_data["tok"]))
         batches = [list(range(i, min(i + 16, len(table)))) for i in range(0, len(table), 16)]
         ids = table.column("segment_id").to_pylist()
         for b in build_dataloader(ds, batches):

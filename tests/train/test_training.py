@@ -1,4 +1,6 @@
-"""End-to-end training through `speechlm train` (subprocesses: each run gets a fresh process group).
+"""End-to-end training through `speechlm train`: the runs that train are subprocesses (each gets a fresh
+process group); the launches refused before any model is built, and --dry-run, call the same `main` in
+this process.
 
 Covers: resume gives the same batches and losses as an uninterrupted run; SIGTERM saves a checkpoint
 and exits 143; packed and padded layouts give the same per-step losses with dropout 0; the validator
@@ -16,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import read_train_metrics as read_metrics
+from helpers import run_train, train_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs/smoke.yaml")
@@ -25,19 +29,12 @@ def data_overrides(d: dict[str, str]) -> list[str]:
     return [f"data.train_manifest={d['train']}", f"data.val_manifest={d['val']}", f"data.tokenizer={d['tok']}"]
 
 
-def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "speechlm.train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(ln) for ln in lines if ln.strip() and json.loads(ln).get("kind") == "train"]
+# runs whose losses are compared end without the greedy decode of a final evaluation
+NO_FINAL_EVAL = ["trainer.final_eval_split=none"]
 
 
 def test_resume_continues_with_same_batches_and_losses(demo_data, tmp_path):
-    base = [SMOKE, *data_overrides(demo_data), "trainer.ckpt_every=3"]
+    base = [SMOKE, *data_overrides(demo_data), "trainer.ckpt_every=3", *NO_FINAL_EVAL]
     full = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'full'}"])
     assert full.returncode == 0, full.stderr[-3000:]
     first = run_train([*base, "trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'part'}"])
@@ -73,7 +70,7 @@ def test_sigterm_saves_checkpoint_and_exits_143(demo_data, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "speechlm.train", SMOKE, *data_overrides(demo_data), "trainer.max_steps=500",
-         f"trainer.run_dir={run_dir}", *FLAT_LR], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         f"trainer.run_dir={run_dir}", *FLAT_LR, *NO_FINAL_EVAL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=env,
         cwd=REPO,
     )
@@ -90,7 +87,7 @@ def test_sigterm_saves_checkpoint_and_exits_143(demo_data, tmp_path):
     assert 2 <= step < 500
     assert read_metrics(run_dir)[-1]["step"] == step  # the checkpoint holds the last finished step
     resumed = run_train([SMOKE, *data_overrides(demo_data), f"trainer.max_steps={step + 2}",
-                         f"trainer.run_dir={run_dir}", "trainer.resume=auto", *FLAT_LR])
+                         f"trainer.run_dir={run_dir}", "trainer.resume=auto", *FLAT_LR, *NO_FINAL_EVAL])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)][-3:] == [step, step + 1, step + 2]
 
@@ -100,7 +97,8 @@ def test_packed_and_padded_give_the_same_losses(demo_data, tmp_path):
     for packed in ("true", "false"):
         run_dir = tmp_path / f"packed_{packed}"
         r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=8", "trainer.grad_accum=1",
-                       "model.dropout=0", f"model.packed_sequences={packed}", f"trainer.run_dir={run_dir}"])
+                       "model.dropout=0", f"model.packed_sequences={packed}", f"trainer.run_dir={run_dir}",
+                       *NO_FINAL_EVAL])
         assert r.returncode == 0, r.stderr[-3000:]
         losses[packed] = [m["loss"] for m in read_metrics(run_dir)]
     assert len(losses["true"]) == 8
@@ -125,22 +123,22 @@ def test_run_writes_metrics_eval_and_curve(demo_data, tmp_path):
     assert "final greedy WER" in r.stdout
 
 
-def test_validator_stops_bad_layout_before_model_load(demo_data):
-    r = run_train([SMOKE, *data_overrides(demo_data), "model.packed_sequences=false", "--cp-size", "2"],
-                  timeout=120)
+def test_validator_stops_bad_layout_before_model_load(demo_data, capsys):
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "model.packed_sequences=false", "--cp-size", "2"],
+                         capsys)
     assert r.returncode == 1
     assert "bshd-with-cp" in r.stdout + r.stderr
     assert "parameters" not in r.stdout  # no model was built
 
 
-def test_unknown_override_is_rejected(demo_data):
-    r = run_train([SMOKE, "trainer.max_stepz=3"], timeout=120)
+def test_unknown_override_is_rejected(demo_data, capsys):
+    r = train_in_process([SMOKE, "trainer.max_stepz=3"], capsys)
     assert r.returncode == 2
     assert "trainer.max_stepz" in r.stderr
 
 
-def test_dry_run_prints_layout_and_config(demo_data):
-    r = run_train([SMOKE, *data_overrides(demo_data), "--dry-run"], timeout=120)
+def test_dry_run_prints_layout_and_config(demo_data, capsys):
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "--dry-run"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "layout: world=1" in r.stdout and "optimizer steps per epoch" in r.stdout
     assert "packed_sequences: true" in r.stdout
