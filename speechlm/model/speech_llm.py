@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout
 from speechlm.config import ModelConfig
 from speechlm.model.attention import ensure_registered, get_backend
-from speechlm.model.encoder import build_encoder
+from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames

@@ -16,7 +16,7 @@ import torch
 from parallel.cp_layout import DynamicCPLayout, NullCPLayout
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
 from speechlm.model.attention import ensure_registered
-from speechlm.model.encoder import (
+from speechlm.model.encoders import (
     NemoAudioEncoder,
     build_encoder,
     build_whisper_encoder,
@@ -259,7 +259,7 @@ def test_parakeet_encoder_loads_from_local_pretrained_dir(tmp_path):
 
 
 def test_whisper_encoder_loads_from_local_dir(tmp_path):
-    from speechlm.model.encoder import load_whisper_encoder
+    from speechlm.model.encoders import load_whisper_encoder
 
     torch.manual_seed(0)
     enc = build_whisper_encoder(
@@ -506,7 +506,7 @@ def test_configs_are_not_mutated():
 def test_fresh_encoder_is_batch_invariant_without_calling_train():
     """BatchNorm is frozen at construction: a clip encodes the same alone or in a batch, train() or not."""
     from speechlm.config import EncoderConfig
-    from speechlm.model.encoder import build_encoder
+    from speechlm.model.encoders import build_encoder
     from speechlm.model.features import LogMelFeatures
 
     torch.manual_seed(0)
@@ -538,7 +538,7 @@ def test_fresh_encoder_is_batch_invariant_without_calling_train():
 
 def test_conv_norm_auto_uses_layer_norm_from_scratch_and_rejects_it_for_pretrained(tmp_path):
     from speechlm.config import EncoderConfig
-    from speechlm.model.encoder import ChannelLayerNorm, build_encoder
+    from speechlm.model.encoders import ChannelLayerNorm, build_encoder
 
     small = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, subsampling_conv_channels=8)
     enc = build_encoder(EncoderConfig(**small), dropout=0.0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from parallel.dist_encode import encode_placed
 from parallel.testing import run_distributed
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
-from speechlm.model.encoder import build_encoder, build_whisper_encoder
+from speechlm.model.encoders import build_encoder, build_whisper_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.packed_encoder import PackedFrames, plan_subsampling_segments
 from speechlm.model.projector import FrameStackProjector
