@@ -458,7 +458,9 @@ class SpeechLLM(nn.Module):
             enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
             bos = self.embed_tokens(torch.tensor([self.bos_id], device=device))
             instr = self.embed_tokens(torch.tensor(self.instruction_ids, dtype=torch.long, device=device))
-            prompts = [torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds_of(enc.ctc_rows)]
+            prompts = [
+                torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds_of(range(len(enc.embeds)))
+            ]
             budget, prefix = max_new_tokens, []
             if lang_id is not None and max_new_tokens > 0:
                 tag = self.embed_tokens(torch.tensor([lang_id], device=device))
