@@ -51,9 +51,9 @@ def one_layer(
 
     import torch.distributed as dist
 
+    from parallel.cp_attention import CPAttention
     from parallel.cp_placement import place_sequences
     from parallel.cp_shard import shard_placed_thd
-    from speechlm.train.distributed import CPAttention
 
     group = dist.group.WORLD
     local = place_sequences(lengths, world, threshold=threshold, pair_cost=1 / (6 * 1024)).local(rank)

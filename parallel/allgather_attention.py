@@ -58,7 +58,7 @@ from parallel.ring_step import (
     ring_step_bwd,
     ring_step_fwd,
 )
-from parallel.varlen import build_varlen_meta
+from parallel.varlen_meta import build_varlen_meta
 
 __all__ = ["allgather_attention_thd", "plan_allgather", "AllGatherPlan", "simulate_allgather_attention"]
 

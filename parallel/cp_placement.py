@@ -154,6 +154,15 @@ class LocalPlacement:
     def n_split(self) -> int:
         return len(self.placement.split_indices)
 
+    @property
+    def clip_owners(self) -> list[int]:
+        return self.placement.clip_owners()
+
+    @property
+    def gathered(self) -> list[bool]:
+        """Per clip: its sequence is split, so its embeddings go to every rank."""
+        return list(self.placement.split)
+
 
 def place_sequences(
     lengths: Sequence[int],

@@ -1,7 +1,10 @@
-"""Load-balanced context-parallel (CP) sharding of packed THD and padded BSHD batches.
+"""Load-balanced context-parallel (CP) sharding of packed THD batches.
 
-Letters: T tokens (global), t tokens (local to one CP rank), N sequences, B batch, S sequence
-length (BSHD), H hidden or heads, R CP ranks.
+Letters: T tokens (global), t tokens (local to one CP rank), N sequences, H hidden or heads, R CP
+ranks.
+
+There is no BSHD sharding: padded batches under CP are refused (the validator's BSHD + cp > 1 rule;
+padding cannot be masked in the CP attention path).
 
 Chunk pairing. A sequence of padded length L (a multiple of 2*cp) is cut into 2*cp chunks of
 c = L / (2*cp) tokens. CP rank r keeps chunk r and chunk 2*cp-1-r, in that order:
@@ -24,19 +27,18 @@ Labels must be shifted by the packer on the *global* sequence before sharding: a
 sharding would pair a token with its neighbour in the local stream, which is a different
 position (or a different document) at every chunk boundary.
 
-Everything here is a pure function of (cu_seqlens, cp_size, cp_rank): no process group.
+Everything here is a pure function of (cu_seqlens, cp_size, cp_rank): no process group. The
+inverse (every rank's piece back to global order) is a gather by the inverse of
+``cp_all_rank_indices_thd(..).flatten()`` (`inverse_permutation`), which the all-gather attention does.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import overload
 
 import torch
 from torch import Tensor
-
-from parallel.rounding import rounding_unit
 
 __all__ = [
     "check_cp_args",
@@ -45,11 +47,6 @@ __all__ = [
     "inverse_permutation",
     "shard_thd",
     "shard_placed_thd",
-    "unshard_thd",
-    "bshd_cp_multiple",
-    "pad_bshd_for_cp",
-    "shard_bshd",
-    "unshard_bshd",
 ]
 
 
@@ -198,80 +195,3 @@ def shard_placed_thd(
     lengths = cu_seqlens[n_split + 1 :] - cu_seqlens[n_split:-1]
     max_local = max(max_split, int(lengths.max()) if lengths.numel() else 0)
     return out, cu_local, max_local
-
-
-def unshard_thd(local_pieces: Sequence[Tensor], cu_seqlens: Tensor, cp_size: int) -> Tensor:
-    """Inverse of :func:`shard_thd`: given every rank's local piece [t, ...], return [T, ...].
-
-    Pure (no collective). The pieces concatenated rank-major are the global tokens permuted by
-    ``cp_all_rank_indices_thd(..).flatten()``; gathering with its inverse restores global order.
-    Differentiable (a gather).
-    """
-    if len(local_pieces) != cp_size:
-        raise ValueError(f"expected {cp_size} local pieces (one per CP rank), got {len(local_pieces)}")
-    perm_T = cp_all_rank_indices_thd(cu_seqlens, cp_size).flatten()
-    stacked = torch.cat(list(local_pieces), dim=0)
-    if stacked.shape[0] != perm_T.numel():
-        raise ValueError(
-            f"the local pieces hold {stacked.shape[0]} rows in all but cu_seqlens[-1] = {perm_T.numel()}"
-        )
-    return stacked.index_select(0, inverse_permutation(perm_T).to(stacked.device))
-
-
-def bshd_cp_multiple(cp_size: int, tp_size: int = 1) -> int:
-    """Smallest multiple m such that a BSHD length S % m == 0 is legal for (cp, tp).
-
-    S must split into 2*cp chunks and each rank's S/cp tokens must split over tp sequence-parallel
-    ranks: m = lcm(2*cp, cp*tp) (2*cp*tp is always a multiple of it).
-    """
-    check_cp_args(cp_size)
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    return rounding_unit(cp_size, tp_size) if cp_size > 1 else math.lcm(2, tp_size)
-
-
-def pad_bshd_for_cp(x: Tensor, cp_size: int, tp_size: int = 1, dim: int = 1, value: float = 0) -> Tensor:
-    """Right-pad ``x`` along ``dim`` with ``value`` to a multiple of :func:`bshd_cp_multiple`."""
-    m = bshd_cp_multiple(cp_size, tp_size)
-    dim = dim % x.dim()
-    pad = (-x.shape[dim]) % m
-    if pad == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x, x.new_full(shape, value)], dim=dim)
-
-
-def shard_bshd(x: Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> Tensor:
-    """Keep chunks r and 2cp-1-r of every row along ``dim`` (length S must be a multiple of 2*cp).
-
-    View dim S as (2cp, c), select the two chunks, flatten back to 2c = S/cp.
-    """
-    check_cp_args(cp_size, cp_rank)
-    dim = dim % x.dim()
-    s = x.shape[dim]
-    if s % (2 * cp_size) != 0:
-        raise ValueError(
-            f"BSHD sequence length {s} (dim {dim}) is not a multiple of 2*cp = {2 * cp_size}; "
-            "pad it first with pad_bshd_for_cp"
-        )
-    chunks = x.unflatten(dim, (2 * cp_size, s // (2 * cp_size)))
-    keep = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=x.device)
-    return chunks.index_select(dim, keep).flatten(dim, dim + 1)
-
-
-def unshard_bshd(local_pieces: Sequence[Tensor], cp_size: int, dim: int = 1) -> Tensor:
-    """Inverse of :func:`shard_bshd` given every rank's piece (pure, differentiable).
-
-    Rank-major, the pieces hold chunks [0, 2cp-1, 1, 2cp-2, ...]; global chunk k sits at
-    position 2k (first half of rank k) if k < cp, else 2(2cp-1-k)+1.
-    """
-    check_cp_args(cp_size)
-    if len(local_pieces) != cp_size:
-        raise ValueError(f"expected {cp_size} local pieces (one per CP rank), got {len(local_pieces)}")
-    dim = dim % local_pieces[0].dim()
-    c = local_pieces[0].shape[dim] // 2
-    stacked = torch.cat([p.unflatten(dim, (2, c)) for p in local_pieces], dim=dim)  # 2cp chunks
-    k = torch.arange(2 * cp_size, device=stacked.device)
-    order = torch.where(k < cp_size, 2 * k, 2 * (2 * cp_size - 1 - k) + 1)
-    return stacked.index_select(dim, order).flatten(dim, dim + 1)

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from parallel.attention_ops import merge_partials
-from parallel.varlen import VarlenMeta, build_varlen_meta, varlen_bwd, varlen_fwd
+from parallel.varlen import varlen_bwd, varlen_fwd
+from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
 __all__ = [
     "RingStepPlan",

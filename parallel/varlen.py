@@ -13,9 +13,9 @@ K/V keep their G heads (no expansion at the interface; a kernel without native G
 With ``causal`` every sequence must have as many queries as keys (square blocks), so top-left and
 bottom-right causal alignment agree on every device.
 
-Host-side integers: `VarlenMeta` carries cu_seqlens on the device (int32) *and* as host tuples
-with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and handed to every
-layer, so no layer syncs the device to read lengths.
+Host-side integers: `VarlenMeta` (`parallel.varlen_meta`) carries cu_seqlens on the device (int32)
+*and* as host tuples with the max lengths. It is built once per micro-batch (`build_varlen_meta`) and
+handed to every layer, so no layer syncs the device to read lengths.
 
 Kernels: `VARLEN_KERNELS` maps a name to its (fwd, bwd) pair; `select_varlen_kernel` picks one by
 device, dtype and compute capability among those registered:
@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from torch import Tensor
 
 from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
 from parallel.varlen_flash import installed_flash_kernels
+from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
 __all__ = [
     "VarlenMeta",
@@ -55,60 +55,6 @@ __all__ = [
 ]
 
 KERNEL_CALLS: Counter[str] = Counter()  # "fwd"/"bwd" -> calls into the interface since the last clear()
-
-
-@dataclass(frozen=True)
-class VarlenMeta:
-    """cu_seqlens of one pack on the device and on the host, with the max lengths: built once."""
-
-    cu_seqlens_q: Tensor  # int32 (N+1,) on the attention's device
-    cu_seqlens_k: Tensor
-    cu_q: tuple[int, ...]  # the same boundaries as host integers
-    cu_k: tuple[int, ...]
-    max_q: int
-    max_k: int
-
-
-def _check_boundaries(name: str, cu: Sequence[int]) -> tuple[int, ...]:
-    cu = tuple(int(x) for x in cu)
-    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
-        raise ValueError(
-            f"{name}={list(cu)[:8]}{'...' if len(cu) > 8 else ''} is not a cumulative length list "
-            "(it must start at 0 and never decrease): build it with torch.cumsum over sequence lengths"
-        )
-    return cu
-
-
-def build_varlen_meta(
-    cu_seqlens_q: Sequence[int] | Tensor,
-    cu_seqlens_k: Sequence[int] | Tensor | None = None,
-    device: torch.device | str = "cpu",
-) -> VarlenMeta:
-    """Read the boundaries to the host once (one sync per micro-batch) and keep both copies."""
-    host_q = cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, Tensor) else cu_seqlens_q
-    cu_q = _check_boundaries("cu_seqlens_q", host_q)
-    if cu_seqlens_k is None:
-        cu_k = cu_q
-    else:
-        host_k = cu_seqlens_k.tolist() if isinstance(cu_seqlens_k, Tensor) else cu_seqlens_k
-        cu_k = _check_boundaries("cu_seqlens_k", host_k)
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_q has {len(cu_q) - 1} sequences and cu_seqlens_k {len(cu_k) - 1}: "
-            "pass one boundary list per side for the same sequences"
-        )
-
-    def span(cu: tuple[int, ...]) -> int:
-        return max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
-
-    return VarlenMeta(
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-        cu_q=cu_q,
-        cu_k=cu_k,
-        max_q=span(cu_q),
-        max_k=span(cu_k),
-    )
 
 
 def _check_call(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool) -> None:

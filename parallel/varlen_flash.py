@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from parallel.varlen import VarlenMeta
+    from parallel.varlen_meta import VarlenMeta
 
 __all__ = ["installed_flash_kernels", "flash_fwd", "flash_bwd", "flash3_fwd", "flash3_bwd"]
 

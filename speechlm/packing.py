@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parallel.rounding import rounding_unit, sequence_multiple
+from parallel.rounding import round_lengths
+from parallel.rounding import rounding_unit as rounding_unit  # re-exported: the rule packing follows
+from parallel.rounding import sequence_multiple as sequence_multiple
 
 IGNORE_INDEX = -100
 
@@ -80,40 +82,6 @@ def shift_labels_within(ids_L: Tensor, target_mask_L: Tensor, cu_seqlens: Tensor
         next_is_target[starts - 1] = False  # position start-1 is the last one of the previous sequence
     labels_L[:-1] = torch.where(next_is_target, ids_L[1:], labels_L[:-1])
     return labels_L
-
-
-def round_lengths(
-    lengths: Sequence[int], cp: int = 1, tp: int = 1, total_multiple: int | None = None
-) -> list[int]:
-    """Round sequence lengths so that the packed stream can be sharded over ``cp`` and ``tp``.
-
-    ``cp == 1``: unchanged, except the last length padded so that the total divides by ``tp``.
-    ``cp > 1``: each length up to a multiple of ``2 * cp``, then the last one padded further so
-    that the total divides by ``lcm(2 * cp, cp * tp)`` (each CP rank's ``total / cp`` divides by
-    ``tp``). The extra padding of the last length is a multiple of ``2 * cp``, so it stays legal.
-    ``total_multiple`` (``model.pad_to_multiple``) replaces that automatic multiple of the total, for
-    example 64 for tensor cores; it must itself be a multiple of `rounding_unit(cp, tp)`.
-    """
-    if cp < 1 or tp < 1:
-        raise ValueError(f"cp and tp must be >= 1, got cp={cp}, tp={tp}")
-    unit = rounding_unit(cp, tp)
-    if total_multiple is not None and (total_multiple < 1 or total_multiple % unit):
-        raise ValueError(
-            f"pad_to_multiple={total_multiple} is not a multiple of lcm(2*cp, cp*tp) = {unit} (cp={cp}, "
-            f"tp={tp}); each CP rank's share would not divide by tp. Use a multiple of {unit}"
-        )
-    out = [int(n) for n in lengths]
-    for i, n in enumerate(out):
-        if n < 1:
-            raise ValueError(f"sequence {i} has length {n}; every packed sequence needs at least one token")
-    if not out:
-        return out
-    chunk = sequence_multiple(cp)
-    if chunk > 1:
-        out = [-(-n // chunk) * chunk for n in out]
-    total = sum(out)
-    out[-1] += -total % (total_multiple or unit)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

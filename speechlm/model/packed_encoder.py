@@ -254,24 +254,13 @@ def forward_packed_parakeet(
 
 @dataclass
 class PackedFrames:
-    """Encoder frames of B clips packed one after the other: ``data_UE`` [sum U_b, E], ``lens_B``.
-
-    ``slice_clips`` lets `parallel.dist_encode.slice_extra` cut it per clip (CP: each rank keeps the
-    frames of the clips it encoded for the CTC loss)."""
+    """Encoder frames of B clips packed one after the other: ``data_UE`` [sum U_b, E], ``lens_B``."""
 
     data_UE: Tensor
     lens_B: Tensor
 
     def __len__(self) -> int:
         return int(self.lens_B.numel())
-
-    def slice_clips(self, sl: slice) -> PackedFrames:
-        lens = self.lens_B.to(torch.long)
-        cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(lens.cpu(), 0)
-        start, stop, _ = sl.indices(lens.numel())
-        stop = max(start, stop)
-        return PackedFrames(self.data_UE[int(cu[start]) : int(cu[stop])], self.lens_B[start:stop])
 
     def split(self) -> list[Tensor]:
         return list(torch.split(self.data_UE, [int(n) for n in self.lens_B.tolist()]))

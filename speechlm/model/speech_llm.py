@@ -4,15 +4,21 @@ Letters: B batch, N audio samples, T feature frames, F mel bins, U encoder frame
 A_i projected audio frames of clip i, H LLM hidden, V vocabulary, L tokens, M labelled positions.
 
 `forward(batch)` is the one training entry point: it returns a micro-batch's `MicroLosses` through
+one path, whatever the layout (``self.cp_layout``, a `parallel.cp_layout.CPLayout`):
 
-    encode_audio(audio_BN, audio_lens_B)   -> EncoderOutput(embeds=[A_i x H], enc_hidden, enc_lens_B)
     build_prompts(tokens, token_lens)      -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
-    speechlm.packing.pack_thd(prompts, embeds, self.embed_tokens, cp, tp) -> PackedBatch (or pack_bshd)
+    cp_layout.place(seq_lens)              -> plan: this rank's sequences, which are split, padded how
+    encode_for_layout(audio, lens, plan)   -> EncoderOutput(embeds, enc_hidden, enc_lens_B, ctc_rows, ctc_weight)
+                                              (encode_audio on this rank's clips, split ones gathered)
+    pack_for_layout(prompts, enc, plan)    -> PackedBatch: pack_thd, then cp_layout.shard (or pack_bshd)
     forward_packed(packed)                 -> (ce_sum, n_labelled)        (or forward_padded)
 
-Under context parallelism the training layer binds a `ParallelBinding` once when it parallelizes the
-model: each rank then encodes 1/cp of the clips and gathers them, keeps its chunks of the packed
-stream, and attends through the bound CP attention. The model never touches ``torch.distributed``.
+With one CP rank the layout is `NullCPLayout` (every sequence whole, one encoder call, no sharding, no
+CP attention context). Under context parallelism the training layer sets a `DynamicCPLayout` once
+when it parallelizes the model: each clip is encoded on one CP rank, only the split sequences' clips
+are gathered, each rank keeps its chunks of the split sequences and its whole ones, and the
+attention backends get the layout's CP attention context. The model never touches
+``torch.distributed`` and never asks which layout it holds.
 
 Token cross-entropy is a sum over labelled positions (fp32), so the caller divides by the global
 count. Only the labelled positions' logits are computed (``logits_to_keep``): most positions are
@@ -35,46 +41,22 @@ registers (``register_fsdp_forward_method``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout
 from speechlm.config import ModelConfig
 from speechlm.model.attention import ensure_registered, get_backend
-from speechlm.model.encoder import build_encoder
+from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
-from speechlm.packing import IGNORE_INDEX
-
-
-@dataclass(frozen=True)
-class ParallelBinding:
-    """The model's parallel layout, bound once (`SpeechLLM.bind_parallel`) by the training layer when it
-    parallelizes the model; the model calls these hooks and never touches ``torch.distributed``.
-
-    ``cp``/``tp`` round the packed lengths (`speechlm.packing.pack_thd`). Under CP (dynamic context
-    parallelism, `parallel.cp_placement`), ``place`` says which sequences of the micro-batch are
-    split over the CP group and which live whole on this rank; ``encode_audio`` encodes this rank's
-    clips and gathers only the split sequences' embeddings; ``shard_packed`` keeps this rank's
-    chunks of the split sequences and its whole ones; ``cp_attention`` is handed to the attention
-    backend (ring/all-gather over the split part, local attention over the whole part)."""
-
-    cp: int = 1
-    tp: int = 1
-    # .for_split_prefix(n, meta) once per micro-batch -> the per-layer .attention(q, k, v, cu_local, scale)
-    # (n: the sequences split over CP; all of them without dynamic CP; see below)
-    cp_attention: Any = None
-    # seq_lens -> this rank's `parallel.cp_placement.LocalPlacement` (which sequences it packs, padded how)
-    place: Callable[[list[int]], Any] | None = None
-    shard_packed: Callable[[Any, Any], Any] | None = None  # (PackedBatch, placement) -> this rank's share
-    # (model, audio_BN, lens_B, placement, *, freeze_encoder) -> an output with embeds (None where a clip
-    # is not on this rank), enc_hidden/enc_lens/ctc_slice/ctc_weight of the clips it encoded
-    encode_audio: Callable[..., Any] | None = None
+from speechlm.packing import IGNORE_INDEX, PackedBatch
 
 
 @dataclass
@@ -90,15 +72,31 @@ class MicroLosses:
 
 @dataclass
 class EncoderOutput:
-    embeds: list[Tensor]  # per utterance [A_i, H], ready to splice into the prompt
-    # encoder output: PackedFrames ([sum U_b, E], the padding-free encoder) or [B, U, E] (padded
-    # encoder; frames past each clip are zero)
+    """A micro-batch's audio side on this rank: what `encode_audio` returns for every clip, and what
+    `SpeechLLM.forward` gets back from its CP layout (`parallel.cp_layout.CPLayout.encode`)."""
+
+    # per clip [A_i, H], ready to splice into the prompt; None where the clip lives on another CP rank
+    embeds: list[Tensor | None]
+    # encoder output of the clips this rank encoded (`ctc_rows`): PackedFrames ([sum U_b, E], the
+    # padding-free encoder) or [B, U, E] (padded encoder; frames past each clip are zero)
     enc_hidden: PackedFrames | Tensor
-    enc_lens_B: Tensor  # int64 encoder frames per clip
+    enc_lens_B: Tensor  # int64 encoder frames per clip of enc_hidden
+    # the batch rows of enc_hidden's clips, in order (CP: only those this rank encoded, so each clip's
+    # CTC counts once); empty: enc_hidden is a dummy clip's, kept in the graph with ctc_weight 0
+    ctc_rows: list[int]
+    ctc_weight: float = 1.0
 
     @property
     def enc_lens(self) -> Tensor:
         return self.enc_lens_B
+
+    def embeds_of(self, clips: Sequence[int]) -> list[Tensor]:
+        """The embeddings of ``clips``, which must all be on this rank."""
+        out = [self.embeds[i] for i in clips]
+        missing = [i for i, e in zip(clips, out) if e is None]
+        if missing:
+            raise ValueError(f"clips {missing} were encoded on another CP rank and not gathered to this one")
+        return [e for e in out if e is not None]
 
 
 def resolve_encoder_packed(model_cfg: ModelConfig, supports_packed: bool) -> bool:
@@ -174,7 +172,8 @@ class SpeechLLM(nn.Module):
             dropout=model_cfg.dropout,
         )
         self.ctc_head = nn.Linear(self.encoder.output_dim, vocab_size) if model_cfg.ctc_weight > 0 else None
-        self.parallel = ParallelBinding()  # one process until the training layer binds its layout
+        # one CP rank until the training layer sets its layout (`set_cp_layout`)
+        self.cp_layout: CPLayout = NullCPLayout(tp=1, pad_to_multiple=model_cfg.pad_to_multiple)
 
     # ------------------------------------------------------------------------------------------
     # Audio side
@@ -194,11 +193,12 @@ class SpeechLLM(nn.Module):
                 feats, feat_lens_B = self.features(audio_BN, audio_lens_B)
             enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
         proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
+        rows = list(range(int(proj_lens_B.numel())))
         if packed:
-            embeds = list(torch.split(proj, [int(n) for n in proj_lens_B.tolist()]))
-            return EncoderOutput(embeds, PackedFrames(enc_hidden, enc_lens_B), enc_lens_B)
+            embeds: list[Tensor | None] = list(torch.split(proj, [int(n) for n in proj_lens_B.tolist()]))
+            return EncoderOutput(embeds, PackedFrames(enc_hidden, enc_lens_B), enc_lens_B, rows)
         embeds = [proj[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
-        return EncoderOutput(embeds, enc_hidden, enc_lens_B)
+        return EncoderOutput(embeds, enc_hidden, enc_lens_B, rows)
 
     def audio_embed_lengths(self, audio_lens_B: Tensor) -> list[int]:
         """Projected audio frames per clip, from the sample counts alone (host integers): what
@@ -264,9 +264,11 @@ class SpeechLLM(nn.Module):
     def embed_tokens(self, ids: Tensor) -> Tensor:
         return self.llm.get_input_embeddings()(ids)
 
-    def forward_packed(self, packed: Any, *, return_logits: bool = False) -> tuple[Tensor, int] | Tensor:
-        """Decode a THD ``PackedBatch`` (this rank's CP shard when CP is bound); ``(ce_sum, n_labelled)``,
-        or the ``[T, V]`` logits."""
+    def forward_packed(
+        self, packed: PackedBatch, *, return_logits: bool = False
+    ) -> tuple[Tensor, int] | Tensor:
+        """Decode a THD ``PackedBatch`` (this rank's share under CP: its first ``cp_split_seqs`` sequences
+        are split over the CP group); ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
         cu = packed.cu_seqlens
         kwargs: dict[str, Any] = dict(
             inputs_embeds=packed.inputs_embeds[None],
@@ -276,18 +278,14 @@ class SpeechLLM(nn.Module):
             max_length_q=int(packed.max_seqlen),
             max_length_k=int(packed.max_seqlen),
         )
-        from parallel.varlen import build_varlen_meta
+        from parallel.varlen_meta import build_varlen_meta
 
         # the pack's boundaries as host integers, read once here for every layer (one sync per micro-batch)
         meta = build_varlen_meta(cu, device=cu.device)
-        cp_attention = self.parallel.cp_attention
-        if cp_attention is not None:
-            split = getattr(packed, "cp_split_seqs", None)
-            # per micro-batch: the split prefix (all sequences without dynamic CP) and its ring plans
-            n_split = len(meta.cu_q) - 1 if split is None else split
-            kwargs["cp_context"] = cp_attention.for_split_prefix(n_split, meta)
-        else:
-            kwargs["varlen_meta"] = meta
+        kwargs["varlen_meta"] = meta
+        # under CP: the split prefix (every sequence without dynamic CP) and its ring plans; None without CP
+        n_split = len(meta.cu_q) - 1 if packed.cp_split_seqs is None else packed.cp_split_seqs
+        kwargs["cp_context"] = self.cp_layout.attention_context(meta, n_split)
         if return_logits:
             return self.llm(**kwargs).logits[0]
         labels_T = packed.labels
@@ -326,74 +324,67 @@ class SpeechLLM(nn.Module):
             instruction_ids=self.instruction_ids,
         )
 
-    def bind_parallel(self, binding: ParallelBinding) -> None:
-        """Called once by the training layer when it parallelizes this model (see `ParallelBinding`)."""
-        self.parallel = binding
+    def set_cp_layout(self, layout: CPLayout) -> None:
+        """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
+        self.cp_layout = layout
+
+    def encode_for_layout(
+        self, audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan, *, freeze_encoder: bool = False
+    ) -> EncoderOutput:
+        """`encode_audio` through the CP layout: this rank's clips, the split sequences' clips gathered."""
+
+        def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], tuple[PackedFrames | Tensor, Tensor]]:
+            out = self.encode_audio(a, lens, freeze_encoder=freeze_encoder)
+            return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B)
+
+        res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan)
+        enc_hidden, enc_lens_B = res.extra
+        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight)
+
+    def ctc_of(self, enc: EncoderOutput, tokens_BL: Tensor, token_lens_B: Tensor) -> Tensor:
+        """Weighted CTC sum of the clips in ``enc`` (a dummy clip's with weight 0: the head stays in
+        the graph, FSDP's reduce-scatter of it runs on every rank)."""
+        if enc.ctc_rows:
+            tokens, lens = tokens_BL[enc.ctc_rows], token_lens_B[enc.ctc_rows]
+        else:
+            n = len(enc.enc_lens_B)
+            tokens = torch.full((n, 2), self.eos_id, dtype=torch.long, device=tokens_BL.device)
+            lens = torch.full((n,), 2, dtype=torch.long, device=tokens_BL.device)
+        ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens, lens)
+        return ctc_sum * enc.ctc_weight
 
     def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
         """One micro-batch (``audio`` [B, N], ``audio_lens`` [B], ``tokens`` [B, L] with the language tag
         first, ``token_lens`` [B]; attributes or mapping keys, already on the model's device) to its
-        loss sums: encode, build prompts, pack (THD, rounded and CP-sharded per `self.parallel`) or pad
-        (BSHD), decode. Training, the teacher-forced validation loss and the tests all run this.
+        loss sums: place, encode, build prompts, pack (THD, rounded and CP-sharded per
+        ``self.cp_layout``) or pad (BSHD), decode. Training, the teacher-forced validation loss and the
+        tests all run this.
 
         A frozen encoder runs without autograd inside `encode_audio`; the projector still trains."""
-        lay = self.parallel
+        lay = self.cp_layout
+        if not self.cfg.packed_sequences and lay.cp_size > 1:
+            raise ValueError(
+                "model.packed_sequences=false (BSHD) with cp > 1: padding cannot be masked in the CP "
+                "attention path; set model.packed_sequences=true"
+            )
         audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
         tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
         prompts = self.build_prompts(tokens_BL, token_lens_B)
-        placement = None
-        if lay.place is not None:  # CP: placement first, from lengths known before encoding
-            audio_lens = self.audio_embed_lengths(audio_lens_B)
-            placement = lay.place([int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)])
-        if lay.encode_audio is not None:
-            enc = lay.encode_audio(self, audio_BN, audio_lens_B, placement, freeze_encoder=encoder_frozen)
-        else:
-            enc = self.encode_audio(audio_BN, audio_lens_B, freeze_encoder=encoder_frozen)
-        ctc_sum = None
-        if self.ctc_head is not None:
-            ctc_slice = getattr(enc, "ctc_slice", slice(None))  # under CP: only the clips this rank encoded
-            if ctc_slice is None:  # this rank encoded only a dummy clip: keep the head in the graph, weight 0
-                n = len(enc.enc_lens)
-                tokens = torch.full((n, 2), self.eos_id, dtype=torch.long, device=tokens_BL.device)
-                lens = torch.full((n,), 2, dtype=torch.long, device=tokens_BL.device)
-            else:
-                tokens, lens = tokens_BL[ctc_slice], token_lens_B[ctc_slice]
-            ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens, tokens, lens)
-            ctc_sum = ctc_sum * getattr(enc, "ctc_weight", 1.0)
+        # placement first, from lengths known before encoding
+        audio_lens = self.audio_embed_lengths(audio_lens_B)
+        plan = lay.place([int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)])
+        enc = self.encode_for_layout(audio_BN, audio_lens_B, plan, freeze_encoder=encoder_frozen)
+        ctc_sum = self.ctc_of(enc, tokens_BL, token_lens_B) if self.ctc_head is not None else None
         if self.cfg.packed_sequences:
-            from speechlm.packing import pack_thd
-
-            if placement is not None:
-                local = placement.indices
-                packed = pack_thd(
-                    [prompts[i] for i in local],
-                    [enc.embeds[i] for i in local],
-                    self.embed_tokens,
-                    audio_id=self.audio_id,
-                    padded_lengths=placement.padded_lengths,
-                    device=audio_BN.device,
-                )
-                n_labelled = sum(int(mask.sum()) for _, mask in prompts)
-                assert lay.shard_packed is not None
-                packed = lay.shard_packed(packed, placement)
-            else:
-                packed = pack_thd(
-                    prompts,
-                    enc.embeds,
-                    self.embed_tokens,
-                    audio_id=self.audio_id,
-                    cp=lay.cp,
-                    tp=lay.tp,
-                    pad_to_multiple=self.cfg.pad_to_multiple,
-                )
-                n_labelled = packed.num_labelled()
+            packed = self.pack_for_layout(prompts, enc, plan, audio_BN.device)
             ce_sum, _ = self.forward_packed(packed)
+            n_labelled = sum(int(mask.sum()) for _, mask in prompts)  # the whole micro-batch's
         else:
             from speechlm.packing import pack_bshd
 
             padded = pack_bshd(
                 prompts,
-                enc.embeds,
+                enc.embeds_of(range(len(prompts))),
                 self.embed_tokens,
                 audio_id=self.audio_id,
                 pad_to_multiple=self.cfg.pad_to_multiple or lay.tp,
@@ -401,6 +392,38 @@ class SpeechLLM(nn.Module):
             ce_sum, n_labelled = self.forward_padded(padded)
         return MicroLosses(
             ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=len(prompts)
+        )
+
+    def pack_for_layout(
+        self, prompts: list[tuple[Tensor, Tensor]], enc: EncoderOutput, plan: CPPlan, device: torch.device
+    ) -> PackedBatch:
+        """This rank's THD stream: its sequences of ``plan`` packed to their padded lengths, then its
+        share of them (`CPLayout.shard`)."""
+        from speechlm.packing import pack_thd
+
+        local = plan.indices
+        packed = pack_thd(
+            [prompts[i] for i in local],
+            enc.embeds_of(local),
+            self.embed_tokens,
+            audio_id=self.audio_id,
+            padded_lengths=plan.padded_lengths,
+            device=device,
+        )
+        parts, cu, max_len = self.cp_layout.shard(
+            {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
+            packed.cu_seqlens,
+            packed.max_seqlen,
+            plan,
+        )
+        return PackedBatch(
+            parts["x"],
+            parts["labels"],
+            parts["pos"],
+            cu,
+            max_len,
+            packed.seq_lens,
+            cp_split_seqs=plan.n_split,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -435,7 +458,9 @@ class SpeechLLM(nn.Module):
             enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
             bos = self.embed_tokens(torch.tensor([self.bos_id], device=device))
             instr = self.embed_tokens(torch.tensor(self.instruction_ids, dtype=torch.long, device=device))
-            prompts = [torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds]
+            prompts = [
+                torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds_of(range(len(enc.embeds)))
+            ]
             budget, prefix = max_new_tokens, []
             if lang_id is not None and max_new_tokens > 0:
                 tag = self.embed_tokens(torch.tensor([lang_id], device=device))

@@ -8,8 +8,9 @@ Who sums over what (dims from `parallel.mesh.ParallelDims`):
   multiplied by dp*cp (`StepContext.grad_scale`) to turn that average into the sum the objective needs;
 - TP peers compute identical losses; nothing is summed over `tp`.
 
-The model's CP hooks (distributed encoding, sharding of the packed stream, CP attention) are bound to
-it once here (`SpeechLLM.bind_parallel`), and the step's collectives go into a frozen `StepContext`.
+The model's CP layout (`parallel.cp_layout`: placement, placed encoding, sharding of the packed stream,
+CP attention) is built here from the mesh and handed to it once (`SpeechLLM.set_cp_layout`), and the
+step's collectives go into a frozen `StepContext`.
 
 FSDP2 hooks `forward()`: the training step calls `model(batch)` once per micro-batch, and evaluation
 calls `generate_greedy`, the one other registered entry point. Inside, the model calls its pieces
@@ -19,155 +20,18 @@ embedding, the rest of the LLM (norm, LM head), the encoder, the projector and t
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parallel.cp_placement import LocalPlacement, place_sequences
-from parallel.cp_shard import shard_placed_thd
-from parallel.dist_encode import encode_placed
+from parallel.cp_layout import CPLayout, DynamicCPLayout, NullCPLayout
 from parallel.fsdp import clip_grad_norm_
 from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
-from parallel.varlen import VarlenMeta, build_varlen_meta, varlen_attention
 from speechlm.config import ExperimentConfig
-from speechlm.model.speech_llm import ParallelBinding
-from speechlm.packing import PackedBatch
 from speechlm.train.step import StepContext
-
-
-class CPAttention:
-    """The object the reference attention backend delegates to under CP (ring or all-gather-KV)."""
-
-    def __init__(self, group: Any, cp_size: int, cp_rank: int, kind: str):
-        from parallel.allgather_attention import allgather_attention_thd
-        from parallel.ring_attention import ring_attention_thd
-
-        self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
-        self.kind = kind
-        self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
-        # the group's members as global ranks (transformer-engine's set_context_parallel_group wants them)
-        if group is not None and dist.is_initialized():
-            self.global_ranks = list(dist.get_process_group_ranks(group))
-        else:
-            self.global_ranks = list(range(cp_size))
-
-    def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
-        """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
-        the ring's step plans, or the all-gather's calls and permutation. No device sync in any layer."""
-        if self.kind == "ring":
-            from parallel.ring_attention import plan_ring
-
-            return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
-        from parallel.allgather_attention import plan_allgather
-
-        return {"plan": plan_allgather(host_cu, self.cp_size, self.cp_rank, True, device)}
-
-    def attention(
-        self,
-        q_THD: torch.Tensor,
-        k_THD: torch.Tensor,
-        v_THD: torch.Tensor,
-        cu_seqlens_local: torch.Tensor,
-        scale: float | None,
-        prepared: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        return self.fn(
-            q_THD,
-            k_THD,
-            v_THD,
-            cu_seqlens_local,
-            group=self.group,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
-            scale=scale,
-            causal=True,
-            **(prepared or {}),
-        )
-
-    def for_split_prefix(self, n_split: int, meta: VarlenMeta) -> PlacedCPAttention:
-        return PlacedCPAttention(self, n_split, meta)
-
-
-class PlacedCPAttention:
-    """Dynamic CP: the first ``n_split`` sequences of the local stream are split over the CP group
-    (ring or all-gather attention, their K/V travel); the rest are whole on this rank and attend
-    locally with no communication. The placement is identical on every CP rank, so either all ranks
-    run the collective part or none does.
-
-    Built once per micro-batch from its host boundaries. `attention` is what the reference backend
-    calls; a backend with its own CP kernels (transformer-engine) calls `run` with its own two calls
-    and reads the split part's *global* boundaries (`split_cu_global`, `split_max_global`: each split
-    sequence's full length, the local one times cp) and the group (`group`, `global_ranks`, `kind`)."""
-
-    def __init__(self, cp: CPAttention, n_split: int, meta: VarlenMeta):
-        self.cp, self.n_split = cp, n_split
-        self.group, self.global_ranks, self.kind = cp.group, cp.global_ranks, cp.kind
-        self.cp_size, self.cp_rank = cp.cp_size, cp.cp_rank
-        # the whole part's boundaries, from the micro-batch's host integers: no device sync per layer
-        t = meta.cu_q[n_split]
-        self.t_split = t
-        device = meta.cu_seqlens_q.device
-        self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=device)
-        self._split_cu, self._device = list(meta.cu_q[: n_split + 1]), device
-
-    # built on first use (by the first layer), from host integers: what the ring/all-gather needs, or
-    # what a backend with its own CP kernels needs
-
-    @functools.cached_property
-    def prepared(self) -> dict[str, Any] | None:
-        return self.cp.prepare(self._split_cu, self._device) if self.n_split else None
-
-    @functools.cached_property
-    def split_cu_global(self) -> torch.Tensor:
-        return torch.tensor(
-            [c * self.cp_size for c in self._split_cu], dtype=torch.int32, device=self._device
-        )
-
-    @functools.cached_property
-    def split_max_global(self) -> int:
-        cu = self._split_cu
-        return self.cp_size * max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
-
-    def run(
-        self,
-        q_THD: torch.Tensor,
-        k_THD: torch.Tensor,
-        v_THD: torch.Tensor,
-        split_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-        whole_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta], torch.Tensor],
-    ) -> torch.Tensor:
-        """``split_fn(q, k, v)`` over the split prefix's rows, ``whole_fn(q, k, v, meta)`` over the whole
-        sequences' rows (with their local boundaries), concatenated in the local stream's order."""
-        t = self.t_split
-        parts = []
-        if self.n_split:
-            parts.append(split_fn(q_THD[:t], k_THD[:t], v_THD[:t]))
-        if q_THD.shape[0] > t:
-            parts.append(whole_fn(q_THD[t:], k_THD[t:], v_THD[t:], self.whole))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def attention(
-        self,
-        q_THD: torch.Tensor,
-        k_THD: torch.Tensor,
-        v_THD: torch.Tensor,
-        cu_seqlens_local: torch.Tensor,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """Ring or all-gather attention over the split part, one varlen call over the whole part."""
-        n = self.n_split
-        return self.run(
-            q_THD,
-            k_THD,
-            v_THD,
-            lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
-            lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
-        )
 
 
 def mixed_precision_policy(cfg: ExperimentConfig, device_type: str) -> Any:
@@ -249,7 +113,6 @@ def build_distributed_context(
 
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     dp_cp_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
-    cp_rank = dims.cp_rank(rank)
     sum_over_dp = group_sum(dp_group, device)
 
     def sum_counts_over_dp(values: list[float]) -> list[float]:
@@ -271,13 +134,8 @@ def build_distributed_context(
         dist.all_gather_object(parts, obj)
         return parts
 
-    binding = ParallelBinding(cp=dims.cp, tp=dims.tp)
-    sum_over_cp = group_sum(None, device)
-    if dims.cp > 1:
-        cp_group = mesh["cp"].get_group()
-        sum_over_cp = group_sum(cp_group, device)
-        binding = cp_binding(cfg, dims.cp, dims.tp, cp_rank, cp_group, model.llm.config.hidden_size)
-    model.bind_parallel(binding)
+    sum_over_cp = group_sum(mesh["cp"].get_group() if dims.cp > 1 else None, device)
+    model.set_cp_layout(build_cp_layout(cfg, dims, rank, model.llm.config.hidden_size))
     return StepContext(
         grad_scale=float(dims.dp_cp),
         sum_counts_over_dp=sum_counts_over_dp,
@@ -290,82 +148,18 @@ def build_distributed_context(
     )
 
 
-def cp_binding(
-    cfg: ExperimentConfig, cp: int, tp: int, cp_rank: int, cp_group: Any, hidden: int
-) -> ParallelBinding:
-    """The model's dynamic-CP hooks for this rank (`parallel.cp_placement`; threshold 0 splits all)."""
-    threshold = cfg.parallel.cp_split_threshold  # "auto" or tokens
-    pad_to = cfg.model.pad_to_multiple
-
-    def place(seq_lens: list[int]) -> LocalPlacement:
-        placement = place_sequences(
-            seq_lens, cp, threshold=threshold, tp=tp, pair_cost=1.0 / (6 * hidden), pad_to_multiple=pad_to
-        )
-        return placement.local(cp_rank)
-
-    def shard_packed(packed: PackedBatch, placement: LocalPlacement) -> PackedBatch:
-        n_split = placement.n_split
-        parts, cu_local, max_local = shard_placed_thd(
-            {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
-            packed.cu_seqlens,
-            n_split,
-            cp,
-            cp_rank,
-        )
-        x, labels, pos = parts["x"], parts["labels"], parts["pos"]
-        return PackedBatch(x, labels, pos, cu_local, int(max_local), packed.seq_lens, cp_split_seqs=n_split)
-
-    def encode_audio(
-        model: Any,
-        audio_BN: torch.Tensor,
-        audio_lens_B: torch.Tensor,
-        placement: LocalPlacement,
-        *,
-        freeze_encoder: bool = False,
-    ) -> Any:
-        def encode_fn(a: torch.Tensor, lens: torch.Tensor) -> Any:
-            out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder)
-            return out.embeds, (out.enc_hidden, out.enc_lens)
-
-        res = encode_placed(
-            encode_fn,
-            audio_BN,
-            audio_lens_B,
-            owners=placement.placement.clip_owners(),
-            gathered=list(placement.placement.split),
-            group=cp_group,
-            cp_rank=cp_rank,
-            cp_size=cp,
-        )
-        return CPEncoderOutput(res)
-
-    return ParallelBinding(
-        cp=cp,
-        tp=tp,
-        cp_attention=CPAttention(cp_group, cp, cp_rank, cfg.parallel.cp_attention),
-        place=place,
-        shard_packed=shard_packed,
-        encode_audio=encode_audio,
+def build_cp_layout(cfg: ExperimentConfig, dims: ParallelDims, rank: int, hidden: int) -> CPLayout:
+    """The model's CP layout on this rank (`parallel.cp_layout`): the null one at cp = 1, else dynamic
+    CP over the mesh's CP group (``parallel.cp_split_threshold``; 0 splits every sequence)."""
+    if dims.cp == 1:
+        return NullCPLayout(tp=dims.tp, pad_to_multiple=cfg.model.pad_to_multiple)
+    return DynamicCPLayout(
+        group=dims.mesh["cp"].get_group(),
+        cp_size=dims.cp,
+        cp_rank=dims.cp_rank(rank),
+        kind=cfg.parallel.cp_attention,
+        tp=dims.tp,
+        threshold=cfg.parallel.cp_split_threshold,  # "auto" or tokens
+        pair_cost=1.0 / (6 * hidden),
+        pad_to_multiple=cfg.model.pad_to_multiple,
     )
-
-
-class CPEncoderOutput:
-    """Placed encoding (`parallel.dist_encode.encode_placed`) in the shape `SpeechLLM.forward` expects.
-
-    `embeds` holds the clips of the split sequences (gathered, differentiable) and this rank's whole
-    sequences' clips (None elsewhere); `enc_hidden`/`enc_lens` the clips this rank encoded (for the
-    auxiliary CTC loss, so each clip counts once across CP ranks), and `ctc_slice` says which rows of
-    the batch they are. A rank that encoded only a dummy gets its hidden states with `ctc_weight` 0,
-    so the CTC head still takes part in FSDP's reduce-scatter.
-    """
-
-    def __init__(self, res: Any):
-        self.embeds = res.embeds
-        if res.local_clips:
-            self.enc_hidden, self.enc_lens = res.local_extra
-            self.ctc_slice: list[int] | None = list(res.local_clips)
-            self.ctc_weight = 1.0
-        else:
-            self.enc_hidden, self.enc_lens = res.dummy_extra
-            self.ctc_slice = None
-            self.ctc_weight = 0.0

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from parallel.cp_layout import DynamicCPLayout, NullCPLayout
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
 from speechlm.model.attention import ensure_registered
-from speechlm.model.encoder import (
+from speechlm.model.encoders import (
     NemoAudioEncoder,
     build_encoder,
     build_whisper_encoder,
@@ -26,7 +27,7 @@ from speechlm.model.features import FeatureSettings, LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
-from speechlm.model.speech_llm import ParallelBinding, SpeechLLM
+from speechlm.model.speech_llm import SpeechLLM
 
 VOCAB, PAD, BOS, EOS, AUDIO, LANG = 48, 0, 2, 3, 4, 5
 
@@ -258,7 +259,7 @@ def test_parakeet_encoder_loads_from_local_pretrained_dir(tmp_path):
 
 
 def test_whisper_encoder_loads_from_local_dir(tmp_path):
-    from speechlm.model.encoder import load_whisper_encoder
+    from speechlm.model.encoders import load_whisper_encoder
 
     torch.manual_seed(0)
     enc = build_whisper_encoder(
@@ -380,7 +381,7 @@ def test_nemo_missing_gives_install_hint(tmp_path, monkeypatch):
 def micro_losses(model: SpeechLLM, batch, *, packed: bool, cp: int = 1, tp: int = 1):
     """The training path (`SpeechLLM.forward`) with the decoder layout and the cp/tp rounding chosen."""
     model.cfg.packed_sequences = packed
-    model.bind_parallel(ParallelBinding(cp=cp, tp=tp))  # rounding only: one process holds every chunk
+    model.set_cp_layout(NullCPLayout(round_cp=cp, tp=tp))  # rounding only: one process holds every chunk
     return model(batch)
 
 
@@ -404,6 +405,15 @@ def test_packed_and_padded_losses_agree_and_gradients_reach_the_encoder():
         grads = [p.grad for p in module.parameters() if p.requires_grad]
         assert grads and all(g is not None for g in grads), name
         assert sum(float(g.abs().sum()) for g in grads) > 0, name
+
+
+def test_a_model_starts_on_the_null_cp_layout_and_refuses_bshd_under_cp():
+    model = build_tiny_model()
+    assert model.cp_layout == NullCPLayout(tp=1, pad_to_multiple=model.cfg.pad_to_multiple)
+    model.cfg.packed_sequences = False
+    model.set_cp_layout(DynamicCPLayout(group=None, cp_size=2, cp_rank=0, kind="ring", threshold=0))
+    with pytest.raises(ValueError, match="BSHD.* with cp > 1"):
+        model(make_batch())
 
 
 def test_ctc_loss_sum_drops_the_language_tag_and_sums_utterances():
@@ -496,7 +506,7 @@ def test_configs_are_not_mutated():
 def test_fresh_encoder_is_batch_invariant_without_calling_train():
     """BatchNorm is frozen at construction: a clip encodes the same alone or in a batch, train() or not."""
     from speechlm.config import EncoderConfig
-    from speechlm.model.encoder import build_encoder
+    from speechlm.model.encoders import build_encoder
     from speechlm.model.features import LogMelFeatures
 
     torch.manual_seed(0)
@@ -528,7 +538,7 @@ def test_fresh_encoder_is_batch_invariant_without_calling_train():
 
 def test_conv_norm_auto_uses_layer_norm_from_scratch_and_rejects_it_for_pretrained(tmp_path):
     from speechlm.config import EncoderConfig
-    from speechlm.model.encoder import ChannelLayerNorm, build_encoder
+    from speechlm.model.encoders import ChannelLayerNorm, build_encoder
 
     small = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, subsampling_conv_channels=8)
     enc = build_encoder(EncoderConfig(**small), dropout=0.0)

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.dist_encode import encode_distributed, slice_extra
+from parallel.dist_encode import encode_placed
 from parallel.testing import run_distributed
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
-from speechlm.model.encoder import build_encoder, build_whisper_encoder
+from speechlm.model.encoders import build_encoder, build_whisper_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.packed_encoder import PackedFrames, plan_subsampling_segments
 from speechlm.model.projector import FrameStackProjector
@@ -222,13 +222,6 @@ def test_whole_loss_equal_with_packed_and_padded_encoder():
     torch.testing.assert_close(a.ctc_sum, b.ctc_sum, **TOL)
 
 
-def test_packed_frames_slice_by_clip_for_distributed_encoding():
-    frames = PackedFrames(torch.arange(10.0)[:, None], torch.tensor([3, 0, 5, 2]))
-    got = slice_extra((frames, torch.tensor([3, 0, 5, 2])), slice(1, 3))
-    assert torch.equal(got[0].data_UE[:, 0], torch.arange(3.0, 8.0)) and got[0].lens_B.tolist() == [0, 5]
-    assert len(slice_extra(frames, slice(4, 4))) == 0
-
-
 def test_packed_true_is_refused_where_unsupported():
     whisper = build_whisper_encoder(encoder_cfg(kind="whisper"), dropout=0.0, max_source_positions=64)
     assert not whisper.supports_packed
@@ -258,10 +251,19 @@ def _cp_worker(rank: int, world_size: int, frozen: bool) -> dict[str, Any]:
         out = packed.encode_audio(a, n, freeze_encoder=frozen)
         return out.embeds, (out.enc_hidden, out.enc_lens)
 
-    res = encode_distributed(encode_fn, audio, lens, group=dist.group.WORLD, cp_rank=rank, cp_size=world_size)
-    hidden, enc_lens = res.local_extra
-    r = res.local_range
-    ctc, _ = packed.ctc_loss_sum(hidden, enc_lens, tokens[r.start : r.stop], token_lens[r.start : r.stop])
+    owners = [0, 0, 0, 1, 1]  # every clip gathered (every sequence split over CP)
+    res = encode_placed(
+        encode_fn,
+        audio,
+        lens,
+        owners=owners,
+        gathered=[True] * 5,
+        group=dist.group.WORLD,
+        cp_rank=rank,
+        cp_size=world_size,
+    )
+    hidden, enc_lens = res.extra
+    ctc, _ = packed.ctc_loss_sum(hidden, enc_lens, tokens[res.clips], token_lens[res.clips])
     embed_loss = sum((e * (i + 1)).sum() for i, e in enumerate(res.embeds)) / world_size
     (embed_loss + ctc).backward()
     return {k: p.grad.clone() for k, p in packed.named_parameters() if p.grad is not None}

@@ -13,10 +13,10 @@ import pytest
 import torch
 from te_stub import install_te_module
 
+from parallel.cp_attention import CPAttention
 from parallel.testing import run_distributed
 from parallel.varlen import build_varlen_meta, varlen_attention
 from speechlm.model.attention.te import _CORES, attend_te
-from speechlm.train.distributed import CPAttention
 
 H, G, D, SCALE = 4, 2, 8, 0.3
 

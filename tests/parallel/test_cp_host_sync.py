@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.cp_attention import CPAttention
 from parallel.varlen import build_varlen_meta, varlen_attention
-from speechlm.train.distributed import CPAttention
 
 
 class NoHostReads(torch.Tensor):

@@ -1,11 +1,11 @@
-"""Distributed audio encoding across CP ranks: shares, dummies, differentiable gather, CTC once.
+"""Placed audio encoding across CP ranks (`parallel.dist_encode.encode_placed`): owners, dummies,
+differentiable gather of the split sequences' clips, whole clips kept on their owner, CTC once.
 
 Letters: B clips, N audio samples, U frames, C conv channels, H embedding width.
 """
 
 from __future__ import annotations
 
-from collections import namedtuple
 from typing import Any
 
 import pytest
@@ -14,15 +14,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from parallel.dist_encode import cp_clip_ranges, encode_distributed, slice_extra
+from parallel.cp_layout import NullCPLayout
+from parallel.dist_encode import encode_placed
 from parallel.fsdp import apply_fsdp
 from parallel.testing import run_distributed
 
 STRIDE = 4
 DUMMY_LEN = 16
-# (audio lengths in samples) per case: 3 clips over cp=2 (rank 1 gets one clip + a dummy),
-# 1 clip (rank 1 encodes only a dummy), 4 clips (no dummy).
-CASES = {"three": [40, 27, 33], "one": [21], "four": [12, 40, 8, 29]}
+# per case: (audio lengths in samples, the CP rank that encodes each clip, whether it is gathered).
+# "three": every clip gathered, uneven owners; "one": rank 1 encodes only a dummy; "four": every clip
+# gathered; "mixed": two gathered clips and two whole ones that stay on their owner.
+CASES = {
+    "three": ([40, 27, 33], [0, 0, 1], [True, True, True]),
+    "one": ([21], [0], [True]),
+    "four": ([12, 40, 8, 29], [0, 1, 0, 1], [True, True, True, True]),
+    "mixed": ([12, 40, 8, 29], [1, 0, 0, 1], [True, False, True, False]),
+}
 
 
 class TinyEncoder(nn.Module):
@@ -43,7 +50,7 @@ class TinyEncoder(nn.Module):
 def build_case(name: str) -> tuple[TinyEncoder, Tensor, Tensor, list[Tensor]]:
     torch.manual_seed(0)
     enc = TinyEncoder()
-    lens = CASES[name]
+    lens = CASES[name][0]
     audio_BN = torch.randn(len(lens), max(lens))
     for i, n in enumerate(lens):
         audio_BN[i, n:] = 0.0
@@ -56,9 +63,16 @@ def ctc_like(hidden_BUC: Tensor, lens_B: Tensor) -> Tensor:
     return sum((hidden_BUC[i, : int(n)] ** 2).sum() for i, n in enumerate(lens_B)) + hidden_BUC.new_zeros(())
 
 
-def rank_loss(embeds: list[Tensor], weights: list[Tensor], rank: int) -> Tensor:
-    """The part of the loss one CP rank computes: every rank uses every clip's embeddings."""
-    return sum(((rank + 1) * e * w).sum() for e, w in zip(embeds, weights)) + embeds[0].new_zeros(())
+def on_rank(name: str, rank: int) -> list[int]:
+    """The clips whose embeddings rank ``rank`` holds: the gathered ones and its own whole ones."""
+    _, owners, gathered = CASES[name]
+    return [i for i, (o, g) in enumerate(zip(owners, gathered)) if g or o == rank]
+
+
+def rank_loss(embeds: list[Tensor | None], weights: list[Tensor], clips: list[int], rank: int) -> Tensor:
+    """The part of the loss one CP rank computes, from the clips it holds."""
+    parts = [((rank + 1) * e * weights[i]).sum() for i in clips if (e := embeds[i]) is not None]
+    return sum(parts) + weights[0].new_zeros(())
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -66,27 +80,30 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fsdp in [(n, False) for n in CASES] + [("three", True), ("one", True)]:
         enc, audio_BN, lens_B, weights = build_case(name)
+        _, owners, gathered = CASES[name]
         if fsdp:  # the encoder sharded over the CP ranks, as in training; needs the dummy on rank 1
             apply_fsdp(enc, mesh, blocks=[enc.conv], mp_policy=None)
-        res = encode_distributed(
+        res = encode_placed(
             enc,
             audio_BN,
             lens_B,
+            owners=owners,
+            gathered=gathered,
             group=dist.group.WORLD,
             cp_rank=rank,
             cp_size=world_size,
             dummy_len=DUMMY_LEN,
         )
-        hidden_bUC, out_lens_b = res.local_extra
-        ctc = ctc_like(hidden_bUC, out_lens_b)
-        (rank_loss(res.embeds, weights, rank) + ctc).backward()
+        hidden_bUC, out_lens_b = res.extra
+        ctc = ctc_like(hidden_bUC, out_lens_b) * res.weight
+        (rank_loss(res.embeds, weights, on_rank(name, rank), rank) + ctc).backward()
         grads = {k: (None if p.grad is None else p.grad) for k, p in enc.named_parameters()}
         if fsdp:  # FSDP2 averaged over the 2 ranks: undo it to get the sum
             grads = {k: g.full_tensor() * world_size for k, g in grads.items()}
         out[f"fsdp_{name}" if fsdp else name] = {
-            "embeds": [e.detach() for e in res.embeds],
-            "local_range": res.local_range,
-            "has_dummy": res.dummy_extra is not None,
+            "embeds": [None if e is None else e.detach() for e in res.embeds],
+            "clips": res.clips,
+            "weight": res.weight,
             "ctc": ctc.detach(),
             "grads": {k: (None if g is None else g.detach().clone()) for k, g in grads.items()},
         }
@@ -98,7 +115,7 @@ def reference(name: str, cp: int) -> dict[str, Any]:
     enc, audio_BN, lens_B, weights = build_case(name)
     embeds, (hidden_BUC, out_lens_B) = enc(audio_BN, lens_B)
     ctc = ctc_like(hidden_BUC, out_lens_B)
-    total = sum(rank_loss(embeds, weights, r) for r in range(cp)) + ctc
+    total = sum(rank_loss(list(embeds), weights, on_rank(name, r), r) for r in range(cp)) + ctc
     total.backward()
     return {
         "embeds": [e.detach() for e in embeds],
@@ -107,55 +124,31 @@ def reference(name: str, cp: int) -> dict[str, Any]:
     }
 
 
-def test_cp_clip_ranges() -> None:
-    assert cp_clip_ranges(3, 2) == [range(0, 2), range(2, 3)]
-    assert cp_clip_ranges(1, 2) == [range(0, 1), range(1, 1)]
-    assert cp_clip_ranges(4, 2) == [range(0, 2), range(2, 4)]
-    assert cp_clip_ranges(5, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 5)]
-    assert cp_clip_ranges(0, 3) == [range(0, 0)] * 3
-    assert cp_clip_ranges(7, 1) == [range(0, 7)]
-    for num_clips in range(0, 12):
-        for cp in range(1, 6):
-            shares = cp_clip_ranges(num_clips, cp)
-            assert [i for s in shares for i in s] == list(range(num_clips))  # contiguous, in order, once
-            assert max(len(s) for s in shares) <= max(1, -(-num_clips // cp))
-    with pytest.raises(ValueError, match="cp >= 1"):
-        cp_clip_ranges(3, 0)
-
-
-def test_slice_extra() -> None:
-    pair = namedtuple("pair", "hidden lens")
-    extra = {
-        "h": torch.arange(6).view(3, 2),
-        "parts": (torch.arange(3), [10, 11, 12]),
-        "p": pair(torch.ones(3), None),
-    }
-    got = slice_extra(extra, slice(1, 3))
-    assert torch.equal(got["h"], torch.tensor([[2, 3], [4, 5]]))
-    assert torch.equal(got["parts"][0], torch.tensor([1, 2])) and got["parts"][1] == [11, 12]
-    assert isinstance(got["p"], pair) and got["p"].hidden.shape == (2,) and got["p"].lens is None
-
-
-def test_single_rank_needs_no_group() -> None:
+def test_null_layout_encodes_every_clip_in_one_call() -> None:
     enc, audio_BN, lens_B, _ = build_case("three")
-    res = encode_distributed(enc, audio_BN, lens_B, group=None, cp_rank=0, cp_size=1)
+    layout = NullCPLayout()
+    res = layout.encode(enc, audio_BN, lens_B, layout.place([5, 6, 7]))
     ref = reference("three", 1)
-    assert res.local_range == range(3) and res.dummy_extra is None
+    assert res.clips == [0, 1, 2] and res.weight == 1.0
     for got, want in zip(res.embeds, ref["embeds"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.multiproc
-def test_encode_distributed_cp2_matches_single_process() -> None:
+def test_encode_placed_cp2_matches_single_process() -> None:
     results = run_distributed(_worker, 2)
-    for name in CASES:
+    for name, (lens, owners, _) in CASES.items():
         ref = reference(name, cp=2)
         per_rank = [r[name] for r in results]
         for r, got in enumerate(per_rank):
-            assert len(got["embeds"]) == len(CASES[name])
-            for e, want in zip(got["embeds"], ref["embeds"], strict=True):
-                torch.testing.assert_close(e, want, rtol=1e-6, atol=1e-6)
-            assert got["local_range"] == cp_clip_ranges(len(CASES[name]), 2)[r]
+            assert len(got["embeds"]) == len(lens)
+            for i, (e, want) in enumerate(zip(got["embeds"], ref["embeds"], strict=True)):
+                if i in on_rank(name, r):
+                    torch.testing.assert_close(e, want, rtol=1e-6, atol=1e-6)
+                else:  # a whole clip of the other rank never comes here
+                    assert e is None
+            mine = [i for i, o in enumerate(owners) if o == r]
+            assert sorted(got["clips"]) == mine and got["weight"] == (1.0 if mine else 0.0)
         # CTC on local clips only: each clip counted once across the CP group.
         torch.testing.assert_close(sum(g["ctc"] for g in per_rank), ref["ctc"], rtol=1e-5, atol=1e-6)
         # Every rank's encoder is in the graph (dummies with weight zero), and the CP sum of the
@@ -164,8 +157,8 @@ def test_encode_distributed_cp2_matches_single_process() -> None:
             rank_grads = [g["grads"][key] for g in per_rank]
             assert all(g is not None for g in rank_grads), f"{name}: a rank got no gradient for {key}"
             torch.testing.assert_close(sum(rank_grads), want, rtol=1e-5, atol=1e-5)
-    assert [r["three"]["has_dummy"] for r in results] == [False, True]
     # B=1: rank 1 only ran a dummy; its gradient is exactly zero (weight zero), not missing.
+    assert results[1]["one"]["clips"] == [] and results[1]["one"]["weight"] == 0.0
     assert all(torch.count_nonzero(g) == 0 for g in results[1]["one"]["grads"].values())
     # Encoder under FSDP2 over the CP ranks: no hang with a dummy-only rank; the averaged gradient
     # times cp is the single-process gradient of the total loss.

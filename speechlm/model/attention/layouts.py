@@ -1,6 +1,7 @@
 """Layout helpers the attention backends share: THD views of q/k/v, unpadding a padded batch and
-putting the output back, the padded causal mask, the cu_seqlens arguments transformers passes, dtype
-and scale defaults.
+putting the output back, the padded causal mask, the cu_seqlens arguments transformers passes, the
+declared attention context (`AttentionContext`: boundaries read once, CP attention), dtype and scale
+defaults.
 
 Letters: B batch, H query heads, G key/value heads (GQA: H % G == 0), S padded row length,
 T packed tokens, M real tokens of a padded batch, D head dim, N sequences.
@@ -14,6 +15,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from parallel.cp_attention import CPAttentionContext
+from parallel.varlen_meta import VarlenMeta
 
 
 @dataclass
@@ -223,3 +227,24 @@ def match_dtypes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tenso
 
 def default_scale(query: Tensor, scaling: float | None) -> float:
     return float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What `SpeechLLM.forward_packed` hands every attention layer of a THD micro-batch beside the
+    tensors (keyword arguments ``varlen_meta`` and ``cp_context`` through the model's forward):
+
+    - ``meta``: the pack's boundaries on the device and the host (`parallel.varlen_meta.VarlenMeta`),
+      read once per micro-batch; None when the caller did not pass them (a backend then builds them);
+    - ``cp``: the micro-batch's CP attention (`parallel.cp_attention.CPAttentionContext`: ring or
+      all-gather over the split sequences, local attention over the whole ones); None without CP
+      (`parallel.cp_layout.NullCPLayout`). Only backends whose capability row has CP accept one.
+    """
+
+    meta: VarlenMeta | None
+    cp: CPAttentionContext | None
+
+
+def read_attention_context(kwargs: Mapping[str, Any]) -> AttentionContext:
+    """The declared context out of the attention call's keyword arguments."""
+    return AttentionContext(kwargs.get("varlen_meta"), kwargs.get("cp_context"))

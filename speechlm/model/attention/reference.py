@@ -3,9 +3,10 @@
 Letters: H query heads, G key/value heads, T packed tokens, D head dim, B batch, S padded length.
 
 THD (``cu_seq_lens_q/k`` given, batch 1): causal attention inside each sequence.
-- Under context parallelism the training layer passes ``cp_context`` through the model's forward;
-  it is an object with ``attention(q_THD, k_THD, v_THD, cu_seqlens_local, scale) -> out_THD``
-  (ring or all-gather-KV; K/V may have G < H heads) and this backend simply delegates to it.
+- Under context parallelism the model passes its CP layout's attention context (``cp_context``,
+  `parallel.cp_attention.CPAttentionContext`, read with `layouts.read_attention_context`); its
+  ``attention(q_THD, k_THD, v_THD, cu_seqlens_local, scale) -> out_THD`` (ring or all-gather-KV over
+  the split sequences, local over the whole ones; K/V may have G < H heads) does the work.
 - Otherwise ``parallel.attention_ops.varlen_attention_reference`` does the work (pure torch ops,
   GQA-aware, autograd works; that module never touches ``torch.distributed``).
 
@@ -20,8 +21,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from parallel.varlen import build_varlen_meta, varlen_attention
-from speechlm.model.attention.layouts import attend_padded_sdpa, check_thd_lengths, read_varlen_args, to_thd
+from parallel.varlen import varlen_attention
+from parallel.varlen_meta import build_varlen_meta
+from speechlm.model.attention.layouts import (
+    attend_padded_sdpa,
+    check_thd_lengths,
+    read_attention_context,
+    read_varlen_args,
+    to_thd,
+)
 from speechlm.model.attention.registry import attention_backend, check_no_dropout
 
 
@@ -44,9 +52,9 @@ def attend_reference(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     varlen = read_varlen_args(kwargs, query_BHSD.device)
-    cp_context = kwargs.get("cp_context")
+    context = read_attention_context(kwargs)
     if varlen is None:
-        if cp_context is not None:
+        if context.cp is not None:
             raise ValueError(
                 "cp_context (context parallelism) needs a THD batch: pass cu_seq_lens_q/k to the model"
             )
@@ -61,13 +69,11 @@ def attend_reference(
         return out, None
     check_no_dropout("reference", dropout)
     q_THD, k_TGD, v_TGD = to_thd(query_BHSD), to_thd(key_BGSD), to_thd(value_BGSD)
-    if cp_context is not None:
-        out_THD = cp_context.attention(q_THD, k_TGD, v_TGD, varlen.cu_seqlens_q, scale)
+    if context.cp is not None:
+        out_THD = context.cp.attention(q_THD, k_TGD, v_TGD, varlen.cu_seqlens_q, scale)
     else:
         check_thd_lengths(varlen, q_THD.shape[0], k_TGD.shape[0])
-        meta = kwargs.get(
-            "varlen_meta"
-        )  # host boundaries read once per micro-batch (SpeechLLM.forward_packed)
+        meta = context.meta  # host boundaries read once per micro-batch (SpeechLLM.forward_packed)
         if meta is None:
             meta = build_varlen_meta(varlen.cu_seqlens_q, varlen.cu_seqlens_k, device=q_THD.device)
         out_THD = varlen_attention(q_THD, k_TGD, v_TGD, meta, causal=True, scale=scale)

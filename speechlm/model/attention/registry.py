@@ -48,7 +48,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from parallel.backend_caps import BACKENDS, BackendCaps
-from speechlm.model.attention.layouts import default_scale, match_dtypes
+from speechlm.model.attention.layouts import default_scale, match_dtypes, read_attention_context
 
 ATTN_PREFIX = "speechlm_"
 
@@ -184,7 +184,7 @@ def ensure_registered(name: str) -> str:
 
 def refuse_cp_context(backend: str, kwargs: Mapping[str, Any]) -> None:
     """Backends without a context-parallel path in this build raise here (the validator says so first)."""
-    if kwargs.get("cp_context") is not None:
+    if read_attention_context(kwargs).cp is not None:
         raise ValueError(
             f"the {backend} attention backend has no context-parallel path in this build; use "
             f"model.attention_backend=reference with cp > 1"

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from speechlm.model.attention.layouts import attend_padded_sdpa
+from speechlm.model.attention.layouts import attend_padded_sdpa, read_attention_context
 from speechlm.model.attention.registry import attention_backend
 
 
@@ -31,7 +31,7 @@ def attend_sdpa(
     if (
         kwargs.get("cu_seq_lens_q") is not None
         or kwargs.get("cu_seq_lens_k") is not None
-        or kwargs.get("cp_context") is not None
+        or read_attention_context(kwargs).cp is not None
     ):
         raise ValueError(
             "sdpa has no THD path; use reference/flash/te/torch_varlen/flex for packed sequences, or set "

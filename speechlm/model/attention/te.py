@@ -10,10 +10,10 @@ TE's THD output is ``[T, H * D]``. Install with ``pip install speechlm[te]``; se
 ``NVTE_FUSED_ATTN=0`` where the validator says so. The cached core's training mode follows the
 calling module's (``module.training``; grad mode when called without a module).
 
-Context parallelism (``cp_context`` from the training layer): TE's own THD ring (``cp_comm_type="p2p"``,
-set once per cached core with ``set_context_parallel_group``). Our CP layout (rank r keeps chunks r
-and 2cp-1-r of every sequence) is TE's dual-chunk-swap layout, so the split sequences go in with
-their global cu_seqlens unchanged; dynamic CP's whole sequences use a CP-free core. TE's all-gather
+Context parallelism (``cp_context``, the model's `parallel.cp_attention.CPAttentionContext`): TE's own
+THD ring (``cp_comm_type="p2p"``, set once per cached core with ``set_context_parallel_group``). Our
+CP layout (rank r keeps chunks r and 2cp-1-r of every sequence) is TE's dual-chunk-swap layout, so
+the split sequences go in with their global cu_seqlens unchanged; dynamic CP's whole sequences use a CP-free core. TE's all-gather
 and a2a CP have no THD path, so ``parallel.cp_attention=allgather`` is refused (the validator says
 so first, rule ``te-cp-allgather``).
 """
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechlm.model.attention.layouts import as_thd, read_varlen_args, to_thd
+from parallel.cp_attention import CPAttentionContext
+from speechlm.model.attention.layouts import as_thd, read_attention_context, read_varlen_args, to_thd
 from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
 _CORES: dict[tuple[Any, ...], Any] = {}
@@ -50,7 +51,14 @@ def _cp_stream() -> Any:
 
 
 def get_core_attention(
-    te: Any, *, heads: int, groups: int, head_dim: int, scale: float, dropout: float, cp: Any = None
+    te: Any,
+    *,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    scale: float,
+    dropout: float,
+    cp: CPAttentionContext | None = None,
 ) -> Any:
     """The cached ``DotProductAttention`` for these shapes; with ``cp`` (the micro-batch's CP context)
     one whose context-parallel group is set, once, to the CP group with TE's p2p ring."""
@@ -118,7 +126,7 @@ def attend_te(
     # in inference mode would let TE choose backends that have no backward)
     training = bool(getattr(module, "training", torch.is_grad_enabled()))
     core.train(training)
-    cp = kwargs.get("cp_context")
+    cp = read_attention_context(kwargs).cp
     if cp is not None:
         return _attend_te_cp(te, core, cp, query_BHSD, key_BGSD, value_BGSD, kwargs, scale, dropout, training)
     t = as_thd("te", query_BHSD, key_BGSD, value_BGSD, attention_mask, kwargs)
@@ -131,7 +139,7 @@ def attend_te(
 def _attend_te_cp(
     te: Any,
     core: Any,
-    cp: Any,
+    cp: CPAttentionContext,
     query_BHSD: Tensor,
     key_BGSD: Tensor,
     value_BGSD: Tensor,

@@ -1,0 +1,175 @@
+"""CP attention for one micro-batch: what an attention backend receives under context parallelism.
+
+Letters: T local tokens, H query heads, G key/value heads, D head dim, N sequences.
+
+A micro-batch's local stream (`parallel.cp_placement`) holds first the ``n_split`` sequences that are
+split over the CP group (this rank's chunk pairs of each, `parallel.cp_shard`), then the sequences
+that live whole on this rank. The split part attends over the group (ring or all-gather-KV, their
+K/V travel); the whole part attends locally with one varlen call and no communication. The
+placement is identical on every CP rank, so either all ranks run the collective part or none does.
+
+`CPAttention` holds the group (built once per layout); `CPAttention.for_split_prefix` gives the
+`PlacedCPAttention` of one micro-batch, built from its host boundaries once, handed to every layer.
+`CPAttentionContext` is the declared protocol the backends consume (speechlm/model/attention/):
+- a backend without CP kernels of its own (the reference) calls ``attention(q, k, v, cu_local, scale)``;
+- a backend with its own CP kernels (transformer-engine) calls ``run(q, k, v, split_fn, whole_fn)``
+  with its two calls and reads the split part's *global* boundaries (``split_cu_global``,
+  ``split_max_global``: each split sequence's full length, the local one times cp) and the group
+  (``group``, ``global_ranks``, ``kind``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from parallel.varlen import varlen_attention
+from parallel.varlen_meta import VarlenMeta, build_varlen_meta
+
+__all__ = ["CPAttention", "CPAttentionContext", "PlacedCPAttention"]
+
+SplitFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+WholeFn = Callable[[Tensor, Tensor, Tensor, VarlenMeta], Tensor]
+
+
+class CPAttentionContext(Protocol):
+    """What an attention backend may read of one micro-batch's CP layout (module docstring)."""
+
+    kind: str  # "ring" or "allgather" (parallel.cp_attention)
+    group: Any  # the CP process group, opaque to the model
+    global_ranks: list[int]  # the group's members as global ranks
+    cp_size: int
+    cp_rank: int
+
+    @property
+    def split_cu_global(self) -> Tensor: ...
+
+    @property
+    def split_max_global(self) -> int: ...
+
+    def attention(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
+    ) -> Tensor: ...
+
+    def run(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split_fn: SplitFn, whole_fn: WholeFn
+    ) -> Tensor: ...
+
+
+class CPAttention:
+    """Ring or all-gather-KV attention over one CP group; `for_split_prefix` places it on a stream."""
+
+    def __init__(self, group: Any, cp_size: int, cp_rank: int, kind: str):
+        from parallel.allgather_attention import allgather_attention_thd
+        from parallel.ring_attention import ring_attention_thd
+
+        self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
+        self.kind = kind
+        self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
+        # the group's members as global ranks (transformer-engine's set_context_parallel_group wants them)
+        if group is not None and dist.is_initialized():
+            self.global_ranks = list(dist.get_process_group_ranks(group))
+        else:
+            self.global_ranks = list(range(cp_size))
+
+    def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
+        """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
+        the ring's step plans, or the all-gather's calls and permutation. No device sync in any layer."""
+        if self.kind == "ring":
+            from parallel.ring_attention import plan_ring
+
+            return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
+        from parallel.allgather_attention import plan_allgather
+
+        return {"plan": plan_allgather(host_cu, self.cp_size, self.cp_rank, True, device)}
+
+    def attention(
+        self,
+        q_THD: Tensor,
+        k_THD: Tensor,
+        v_THD: Tensor,
+        cu_seqlens_local: Tensor,
+        scale: float | None,
+        prepared: dict[str, Any] | None = None,
+    ) -> Tensor:
+        return self.fn(
+            q_THD,
+            k_THD,
+            v_THD,
+            cu_seqlens_local,
+            group=self.group,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+            scale=scale,
+            causal=True,
+            **(prepared or {}),
+        )
+
+    def for_split_prefix(self, n_split: int, meta: VarlenMeta) -> PlacedCPAttention:
+        """The first ``n_split`` sequences of the local stream with boundaries ``meta`` are split."""
+        return PlacedCPAttention(self, n_split, meta)
+
+
+class PlacedCPAttention:
+    """`CPAttentionContext` of one micro-batch: the first ``n_split`` sequences of the local stream are
+    split over the CP group, the rest are whole on this rank (module docstring)."""
+
+    def __init__(self, cp: CPAttention, n_split: int, meta: VarlenMeta):
+        self.cp, self.n_split = cp, n_split
+        self.group, self.global_ranks, self.kind = cp.group, cp.global_ranks, cp.kind
+        self.cp_size, self.cp_rank = cp.cp_size, cp.cp_rank
+        # the whole part's boundaries, from the micro-batch's host integers: no device sync per layer
+        t = meta.cu_q[n_split]
+        self.t_split = t
+        device = meta.cu_seqlens_q.device
+        self.whole = build_varlen_meta([c - t for c in meta.cu_q[n_split:]], device=device)
+        self._split_cu, self._device = list(meta.cu_q[: n_split + 1]), device
+
+    # built on first use (by the first layer), from host integers: what the ring/all-gather needs, or
+    # what a backend with its own CP kernels needs
+
+    @functools.cached_property
+    def prepared(self) -> dict[str, Any] | None:
+        return self.cp.prepare(self._split_cu, self._device) if self.n_split else None
+
+    @functools.cached_property
+    def split_cu_global(self) -> Tensor:
+        return torch.tensor(
+            [c * self.cp_size for c in self._split_cu], dtype=torch.int32, device=self._device
+        )
+
+    @functools.cached_property
+    def split_max_global(self) -> int:
+        cu = self._split_cu
+        return self.cp_size * max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
+
+    def run(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split_fn: SplitFn, whole_fn: WholeFn
+    ) -> Tensor:
+        """``split_fn(q, k, v)`` over the split prefix's rows, ``whole_fn(q, k, v, meta)`` over the whole
+        sequences' rows (with their local boundaries), concatenated in the local stream's order."""
+        t = self.t_split
+        parts = []
+        if self.n_split:
+            parts.append(split_fn(q_THD[:t], k_TGD[:t], v_TGD[:t]))
+        if q_THD.shape[0] > t:
+            parts.append(whole_fn(q_THD[t:], k_TGD[t:], v_TGD[t:], self.whole))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def attention(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
+    ) -> Tensor:
+        """Ring or all-gather attention over the split part, one varlen call over the whole part."""
+        n = self.n_split
+        return self.run(
+            q_THD,
+            k_TGD,
+            v_TGD,
+            lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
+            lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
+        )

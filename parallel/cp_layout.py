@@ -1,0 +1,216 @@
+"""The context-parallel layout of a model, as one typed object: place, encode, shard, attention context.
+
+Letters: B clips (= sequences) of a micro-batch, N audio samples, T packed tokens, H hidden.
+
+A speech LLM's micro-batch goes through four CP decisions, in this order (`SpeechLLM.forward`):
+
+    plan = layout.place(seq_lens)                          which sequences are split over the CP
+                                                           group, which live whole here, padded how
+    enc = layout.encode(encode_fn, audio_BN, lens_B, plan) each clip encoded on one rank; the split
+                                                           sequences' clips all-gathered
+    ...   pack_thd(plan.indices, plan.padded_lengths)     (the model packs its local sequences)
+    parts, cu, max_len = layout.shard(tensors, cu, max_len, plan)
+                                                           this rank's chunks of the split sequences
+                                                           + its whole ones
+    ctx = layout.attention_context(meta, n_split)          what the attention backends receive
+
+`CPLayout` is the protocol; two implementations:
+- `NullCPLayout` (one CP rank, the default of every model): every sequence whole here, encoding in
+  one call, no sharding, no CP attention context (None). ``round_cp``/``tp``/``pad_to_multiple`` say
+  how the packed lengths are rounded (`parallel.rounding.round_lengths`): a one-process reference can
+  round like a cp > 1 run without sharding anything.
+- `DynamicCPLayout` (cp > 1): dynamic CP (`parallel.cp_placement`), placed encoding
+  (`parallel.dist_encode`), sharding (`parallel.cp_shard.shard_placed_thd`) and ring/all-gather
+  attention (`parallel.cp_attention`), over a CP process group that stays opaque to the model.
+
+The model never touches ``torch.distributed`` and never tests which layout it holds: the training
+layer builds the layout from the mesh and the config (`speechlm.train.distributed`) and hands it to
+the model once (`SpeechLLM.set_cp_layout`). Model-specific pieces come in as arguments: the encoder
+as a callable ``encode_fn(audio_bN, lens_b) -> (embeds, extra)``, the packed stream as a mapping of
+``[T, ...]`` tensors with its ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from torch import Tensor
+
+from parallel.cp_attention import CPAttention, CPAttentionContext
+from parallel.cp_placement import LocalPlacement, place_sequences
+from parallel.cp_shard import shard_placed_thd
+from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
+from parallel.rounding import round_lengths
+from parallel.varlen_meta import VarlenMeta
+
+__all__ = ["CPLayout", "CPPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan"]
+
+E = TypeVar("E")
+
+
+class CPPlan(Protocol):
+    """Where one micro-batch's sequences live on this rank (`CPLayout.place`)."""
+
+    @property
+    def indices(self) -> list[int]:
+        """The sequences of this rank's local stream before sharding, in stream order."""
+        ...
+
+    @property
+    def padded_lengths(self) -> list[int]:
+        """Their lengths in the local stream before sharding (rounded, padded)."""
+        ...
+
+    @property
+    def n_split(self) -> int:
+        """How many of them (the first ones) are split over the CP group."""
+        ...
+
+    @property
+    def clip_owners(self) -> list[int]:
+        """Per clip of the micro-batch: the CP rank that encodes it."""
+        ...
+
+    @property
+    def gathered(self) -> list[bool]:
+        """Per clip of the micro-batch: whether its embeddings go to every CP rank (a split sequence)."""
+        ...
+
+
+class CPLayout(Protocol):
+    """The CP decisions of one rank (module docstring)."""
+
+    @property
+    def cp_size(self) -> int: ...
+
+    @property
+    def cp_rank(self) -> int: ...
+
+    @property
+    def tp(self) -> int:
+        """The TP size the packed lengths are rounded for."""
+        ...
+
+    def place(self, seq_lens: Sequence[int]) -> CPPlan: ...
+
+    def encode(
+        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
+    ) -> PlacedEncoding[E]: ...
+
+    def shard(
+        self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
+    ) -> tuple[dict[str, Tensor], Tensor, int]: ...
+
+    def attention_context(self, meta: VarlenMeta, n_split: int) -> CPAttentionContext | None: ...
+
+
+@dataclass(frozen=True)
+class WholePlan:
+    """`NullCPLayout`'s plan: every sequence whole on this rank, in micro-batch order."""
+
+    padded_lengths: list[int]
+
+    @property
+    def indices(self) -> list[int]:
+        return list(range(len(self.padded_lengths)))
+
+    @property
+    def n_split(self) -> int:
+        return 0
+
+    @property
+    def clip_owners(self) -> list[int]:
+        return [0] * len(self.padded_lengths)
+
+    @property
+    def gathered(self) -> list[bool]:
+        return [False] * len(self.padded_lengths)
+
+
+@dataclass(frozen=True)
+class NullCPLayout:
+    """One CP rank: nothing is split, gathered or sharded (module docstring)."""
+
+    round_cp: int = 1  # round lengths as for this CP size (a one-process reference of a CP run)
+    tp: int = 1
+    pad_to_multiple: int | None = None
+    cp_size: int = field(default=1, init=False)
+    cp_rank: int = field(default=0, init=False)
+
+    def place(self, seq_lens: Sequence[int]) -> WholePlan:
+        return WholePlan(round_lengths(seq_lens, self.round_cp, self.tp, self.pad_to_multiple))
+
+    def encode(
+        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
+    ) -> PlacedEncoding[E]:
+        embeds, extra = encode_fn(audio_BN, audio_lens_B)
+        return PlacedEncoding(list(embeds), plan.indices, extra)
+
+    def shard(
+        self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
+    ) -> tuple[dict[str, Tensor], Tensor, int]:
+        return dict(tensors), cu_seqlens, max_seqlen
+
+    def attention_context(self, meta: VarlenMeta, n_split: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class DynamicCPLayout:
+    """cp > 1: dynamic context parallelism over ``group`` (module docstring).
+
+    ``threshold``: ``parallel.cp_split_threshold`` ("auto", or tokens; 0 splits every sequence);
+    ``pair_cost``: the modelled cost of one attention pair in tokens (about ``1 / (6 * hidden)``);
+    ``kind``: ``parallel.cp_attention`` ("ring" or "allgather")."""
+
+    group: Any
+    cp_size: int
+    cp_rank: int
+    kind: str
+    tp: int = 1
+    threshold: int | str = "auto"
+    pair_cost: float = 0.0
+    pad_to_multiple: int | None = None
+    cp_attention: CPAttention = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        attention = CPAttention(self.group, self.cp_size, self.cp_rank, self.kind)
+        object.__setattr__(self, "cp_attention", attention)
+
+    def place(self, seq_lens: Sequence[int]) -> LocalPlacement:
+        placement = place_sequences(
+            seq_lens,
+            self.cp_size,
+            threshold=self.threshold,
+            tp=self.tp,
+            pair_cost=self.pair_cost,
+            pad_to_multiple=self.pad_to_multiple,
+        )
+        return placement.local(self.cp_rank)
+
+    def encode(
+        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
+    ) -> PlacedEncoding[E]:
+        return encode_placed(
+            encode_fn,
+            audio_BN,
+            audio_lens_B,
+            owners=plan.clip_owners,
+            gathered=plan.gathered,
+            group=self.group,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+        )
+
+    def shard(
+        self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
+    ) -> tuple[dict[str, Tensor], Tensor, int]:
+        parts, cu_local, max_local = shard_placed_thd(
+            tensors, cu_seqlens, plan.n_split, self.cp_size, self.cp_rank
+        )
+        return parts, cu_local, int(max_local)
+
+    def attention_context(self, meta: VarlenMeta, n_split: int) -> CPAttentionContext:
+        return self.cp_attention.for_split_prefix(n_split, meta)
