@@ -88,6 +88,7 @@ class SpeechLLMModule(L.LightningModule):
         self.pending_rng: dict[str, Any] | None = None
         self.last_metrics: dict[str, Any] | None = None
         self.preempted = False  # all ranks agreed on a SIGTERM (set once, by training_step)
+        self.deadline: float | None = None  # trainer.max_minutes (callbacks.TimeLimit), agreed per step
 
     # --- parallelism -----------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -117,7 +118,7 @@ class SpeechLLMModule(L.LightningModule):
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()
         step = self.global_step
-        totals, sigterm = self._agree_step(step_batch)
+        totals, sigterm, time_up = self._agree_step(step_batch)
         if sigterm:  # every rank agreed at this step: train nothing more, save the last step, exit 143
             self.preempted = True
             self.last_metrics = None
@@ -137,6 +138,8 @@ class SpeechLLMModule(L.LightningModule):
             counts=totals.counts,
         )
         self._update_counters(step_batch, totals)
+        if time_up:  # trainer.max_minutes passed on some rank: this step is the last (agreed by all)
+            self.trainer.should_stop = True
         now = time.perf_counter()
         dt = now - self._t_last if self._t_last is not None else float("nan")
         self._t_last = now
@@ -162,13 +165,15 @@ class SpeechLLMModule(L.LightningModule):
     def _clip_gradients(self) -> float:
         return clip_model_gradients(self.model, self.cfg.optim.grad_clip, self.step_ctx.clip_grad_norm)
 
-    def _agree_step(self, step_batch: Any) -> tuple[StepTotals, bool]:
+    def _agree_step(self, step_batch: Any) -> tuple[StepTotals, bool, bool]:
         """The step's one small all-reduce (before any forward, `step.agree_step`): labelled tokens and
         clips (the objective's normalisers; clips are the utterances), audio seconds and drop counts
         summed over data-parallel ranks, and the stop flags of every rank (SIGTERM received, data error
-        found), so that all ranks act on them at the same step (`speechlm/train/preempt.py`).
+        found, `trainer.max_minutes` passed), so that all ranks act on them at the same step
+        (`speechlm/train/preempt.py`).
 
-        Returns the totals and whether to stop for SIGTERM; raises the DroppedDataError of the rank
+        Returns the totals, whether to stop for SIGTERM (before this step) and whether the time limit
+        has passed (after this step); raises the DroppedDataError of the rank
         that found one on every rank, and a DataError on every rank when no rank read any utterance
         of the step (training on nothing, possible with data.max_dropped_fraction=1)."""
         from speechlm.data.dataset import DROP_REASONS
@@ -184,10 +189,14 @@ class SpeechLLMModule(L.LightningModule):
             step_batch.micro_batches,
             self.step_ctx,
             extra=local,
-            flags=[SIGTERM_FLAG.requested, error is not None],
+            flags=[
+                SIGTERM_FLAG.requested,
+                error is not None,
+                self.deadline is not None and time.time() > self.deadline,
+            ],
             skip=error is not None,
         )
-        sigterm, data_error = agreed.flags
+        sigterm, data_error, time_up = agreed.flags
         if data_error:
             parts = self.step_ctx.collectives.gather_objects(error)
             rank, first = next((r, e) for r, e in enumerate(parts) if e)
@@ -196,7 +205,7 @@ class SpeechLLMModule(L.LightningModule):
         totals = StepTotals(agreed.counts, float(agreed.extra[0]), dropped)
         if totals.utterances == 0 and not sigterm:
             self._raise_empty_step(step_batch, totals)
-        return totals, sigterm
+        return totals, sigterm, time_up
 
     def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
         from speechlm.errors import DataError

@@ -116,3 +116,26 @@ def test_one_small_all_reduce_per_optimizer_step_before_the_forward():
         assert got["all"] == ["all_reduce", "all_reduce"]
         assert (got["tokens"], got["clips"]) == (want_tokens, sum(len(b) for b in step))
         assert got["extra"] == [3.0] and got["flags"] == [True]
+
+
+def test_time_limit_is_agreed_in_the_step_agreement_not_by_a_collective_of_its_own():
+    """`trainer.max_minutes` rides in the step's one all-reduce (a flag) instead of Lightning's
+    `reduce_boolean_decision` after every step; the step that finds it passed is the last one."""
+    import lightning as L
+    from parallel_harness import TOK, make_batch, tiny_config
+
+    from speechlm.train.callbacks import TimeLimit
+    from speechlm.train.data import StepBatch
+    from speechlm.train.module import SpeechLLMModule
+
+    assert TimeLimit.on_train_batch_end is L.Callback.on_train_batch_end  # no per-step collective
+    module = SpeechLLMModule(tiny_config(), TOK)
+    module.configure_model()
+    step_batch = StepBatch(micro_batches=[make_batch(0, 3)], position={"epoch": 0, "position": 1})
+    totals, sigterm, time_up = module._agree_step(step_batch)
+    assert (totals.utterances, sigterm, time_up) == (3, False, False)  # no limit
+    TimeLimit(minutes=10).on_train_start(None, module)
+    assert module._agree_step(step_batch)[2] is False
+    TimeLimit(minutes=0).on_train_start(None, module)
+    assert module._agree_step(step_batch)[2] is True
+    assert totals.counts.clips == 3 and totals.counts.tokens > 0
