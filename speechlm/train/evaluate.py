@@ -68,11 +68,6 @@ def wer_from_counts(rows: Iterable[tuple[str, int, int]]) -> dict[str, float]:
     return out
 
 
-def wer_by_language(refs: list[str], hyps: list[str], langs: list[str]) -> dict[str, float]:
-    """Corpus WER overall (`wer`) and per language (`wer_<lang>`), in [0, inf)."""
-    return wer_from_counts((lang, *word_error_counts(r, h)) for r, h, lang in zip(refs, hyps, langs))
-
-
 def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> list[list[int]]:
     """Rank ``dp_rank``'s share, round-robin, padded with empty slots to ``ceil(len / dp_size)``."""
     if not 0 <= dp_rank < dp_size:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from speechlm.train.evaluate import format_wer_table, strip_lang_tag, wer_by_language
+from speechlm.train.evaluate import format_wer_table, strip_lang_tag, wer_from_counts, word_error_counts
 
 
 def test_strip_lang_tag():
@@ -13,7 +13,8 @@ def test_strip_lang_tag():
 def test_wer_by_language():
     refs = ["a b c d", "x y", "p q r s"]
     hyps = ["a b c e", "x y", ""]
-    m = wer_by_language(refs, hyps, ["en", "hi", "en"])
+    langs = ["en", "hi", "en"]
+    m = wer_from_counts((lang, *word_error_counts(r, h)) for r, h, lang in zip(refs, hyps, langs))
     assert m["wer_hi"] == 0.0
     assert m["wer_en"] == pytest.approx(5 / 8)  # one substitution + four deletions (empty hypothesis)
     assert m["wer"] == pytest.approx(5 / 10)
@@ -38,8 +39,6 @@ from speechlm.model.speech_llm import SpeechLLM  # noqa: E402
 from speechlm.train.evaluate import (  # noqa: E402
     decode_shard,
     shard_eval_batches,
-    wer_from_counts,
-    word_error_counts,
 )
 
 VOCAB, EOS = 40, 3
