@@ -97,16 +97,21 @@ class SpeechLLMModule(L.LightningModule):
         context. With one process the model is left as it is."""
         if self.parallelized:
             return
-        self.precision = precision_policy(self.cfg, self.dims, self.device)
+        device = self._training_device()
+        self.precision = precision_policy(self.cfg, self.dims, device)
         if self.dims is not None and self.dims.world_size > 1:
             from speechlm.train.distributed import build_distributed_context
 
-            self.step_ctx = build_distributed_context(
-                self.model, self.dims, self.cfg, self.device, self.precision
-            )
+            self.step_ctx = build_distributed_context(self.model, self.dims, self.cfg, device, self.precision)
         else:
             self.step_ctx = StepContext(precision=self.precision)
         self.parallelized = True
+
+    def _training_device(self) -> torch.device:
+        """The device training runs on: the strategy's. Lightning calls `configure_model` before it moves
+        the module there, so `self.device` is still the CPU then (it is the answer only without a Trainer)."""
+        trainer = self._trainer
+        return trainer.strategy.root_device if trainer is not None else self.device
 
     # --- optimizer ----------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:

@@ -86,3 +86,19 @@ def test_the_module_decides_once_and_the_step_reads_it():
     module.configure_model()
     assert module.precision.applied_by == "autocast"
     assert module.step_ctx.precision is module.precision
+
+
+def test_the_policy_is_decided_for_the_strategys_device_not_the_modules_yet_unmoved_one():
+    """Lightning calls configure_model before it moves the module to the GPU: the decision (and the
+    collectives' device) must follow the strategy's root device, not `module.device` (still the CPU)."""
+    from parallel_harness import TOK, tiny_config
+
+    from speechlm.train.module import SpeechLLMModule
+
+    cfg = tiny_config()
+    cfg.trainer.precision = "bf16"
+    module = SpeechLLMModule(cfg, TOK)
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    module.configure_model()
+    assert module.device.type == "cpu"
+    assert (module.precision.device_type, module.precision.applied_by) == ("cuda", "autocast")
