@@ -110,8 +110,10 @@ class SpeechLLMModule(L.LightningModule):
     def _training_device(self) -> torch.device:
         """The device training runs on: the strategy's. Lightning calls `configure_model` before it moves
         the module there, so `self.device` is still the CPU then (it is the answer only without a Trainer)."""
-        trainer = self._trainer
-        return trainer.strategy.root_device if trainer is not None else self.device
+        try:
+            return self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            return self.device
 
     # --- optimizer ----------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
