@@ -71,13 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from bench_packing import prepare_demo
 
+    from parallel.collectives import Collectives
     from speechlm.config import eval_batch_duration, load_config
     from speechlm.data.dataset import SpeechDataset, build_dataloader
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.model.speech_llm import SpeechLLM
     from speechlm.train.data import build_eval_batches
-    from speechlm.train.evaluate import EvalComm, decode_shard
+    from speechlm.train.evaluate import decode_shard
 
     data = Path(args.data)
     prepare_demo(data)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             batches,
             tok,
             device=torch.device("cpu"),
-            comm=EvalComm(),
+            comm=Collectives(),
             max_new_tokens=args.max_new_tokens,
             use_cache=use_cache,
         )

@@ -11,8 +11,10 @@ Flattened sub-meshes the rest of the code asks for:
 - `dp_shard_cp` = dp_shard x cp: where FSDP2 shards parameters (CP ranks hold the same weights);
 - `dp_cp`       = dp_replicate x dp_shard x cp: the ranks the loss normaliser and gradients sum over.
 
-The rank arithmetic is pure (tested without a process group); `build_mesh` creates the DeviceMesh.
-torch is imported only inside `build_mesh`: the validator reads `resolve_dp_shard` from here without torch.
+The rank arithmetic is pure (tested without a process group); `build_mesh` creates the DeviceMesh and
+`collectives(rank)` the one object through which the training step, evaluation and the counts talk to
+the other ranks. torch is imported only inside those two: the validator reads `resolve_dp_shard` from
+here without torch.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class ParallelDims:
     def dp_cp(self) -> int:
         return self.dp * self.cp
 
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether FSDP2 shards the model (over `dp_shard_cp`, or HSDP with `dp_replicate`): dp*cp > 1."""
+        return self.dp_cp > 1
+
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside world size {self.world_size}")
@@ -109,6 +116,22 @@ class ParallelDims:
                 + cc["tp"]
             )
         return out
+
+    def collectives(self, rank: int, device: Any = "cpu") -> Any:
+        """Rank `rank`'s `parallel.collectives.Collectives`: the step's, evaluation's and the counts'
+        collectives, with the roles this layout gives the rank (no process group is needed to build it)."""
+        from parallel.collectives import Collectives
+
+        c = self.coords(rank)
+        return Collectives(
+            rank=rank,
+            world_size=self.world_size,
+            dp_rank=self.dp_rank(rank),
+            dp_size=self.dp,
+            primary=c["cp"] == 0 and c["tp"] == 0,
+            shard_primary=c["tp"] == 0,
+            device=device,
+        )
 
     def build_mesh(self, device_type: str) -> Any:
         """Create the 4-D DeviceMesh with named axes and the flattened `dp`, `dp_shard_cp`, `dp_cp`."""

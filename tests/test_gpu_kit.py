@@ -325,10 +325,9 @@ def test_three_training_steps_cuda_match_cpu(precision):
 
     fp32 on CUDA: relative 1e-3 (TF32 is off; kernels differ in summation order). bf16 autocast:
     relative 3e-2 per step (bf16 has 8 bits of mantissa; the loss is a mean over ~100 tokens)."""
-    from contextlib import nullcontext
-
     from parallel_harness import build_model, global_steps, tiny_config
 
+    from speechlm.train.precision import decide_precision
     from speechlm.train.schedule import build_optimizer
     from speechlm.train.step import StepContext, run_optimizer_step
 
@@ -338,17 +337,15 @@ def test_three_training_steps_cuda_match_cpu(precision):
     def run(device: str, autocast: bool) -> list[float]:
         cfg = tiny_config()
         model = build_model(cfg).to(device)
-        ctx = StepContext()
+        policy = decide_precision(
+            "bf16" if autocast else "32", device.split(":")[0], fully_sharded=False, bf16_supported=True
+        )
+        ctx = StepContext(precision=policy)  # bf16: autocast (no FSDP here)
         opt, sched = build_optimizer(model, cfg)
         losses = []
         for step, micro in enumerate(global_steps(3, 1)):
             micro = [b.to(device) for b in micro]
-            ac = (
-                (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-                if autocast
-                else (lambda: nullcontext())
-            )
-            res = run_optimizer_step(model, micro, ctx, opt, sched, cfg, step=step, autocast=ac)
+            res = run_optimizer_step(model, micro, ctx, opt, sched, cfg, step=step)
             losses.append(res["loss"])
         return losses
 

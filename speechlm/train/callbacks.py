@@ -238,14 +238,15 @@ class ValidationCallback(L.Callback):
 
 
 class TimeLimit(L.Callback):
-    """Stops training after `minutes` of wall clock (checked between optimizer steps, agreed by all ranks)."""
+    """Stops training after `minutes` of wall clock: the module checks the deadline at the start of each
+    optimizer step and the ranks agree on it in the step's one all-reduce (`SpeechLLMModule._agree_step`);
+    the step where any rank found it passed is the last one trained."""
 
     def __init__(self, minutes: float):
         self.deadline = time.time() + 60 * minutes
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop = time.time() > self.deadline
-        trainer.should_stop = trainer.should_stop or trainer.strategy.reduce_boolean_decision(stop, all=False)
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.deadline = self.deadline
 
 
 def build_progress_bar() -> L.Callback:

@@ -32,10 +32,6 @@ class StepBatch:
     # every rank learns of it in the step's agreement and raises it (module.SpeechLLMModule._agree_step)
     error: str | None = None
 
-    @property
-    def num_utterances(self) -> int:
-        return sum(len(b) for b in self.micro_batches)
-
     def rows_digest(self) -> str:
         """Short digest of the manifest rows this rank consumed in this step (to compare runs)."""
         import zlib

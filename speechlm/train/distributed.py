@@ -9,8 +9,9 @@ Who sums over what (dims from `parallel.mesh.ParallelDims`):
 - TP peers compute identical losses; nothing is summed over `tp`.
 
 The model's CP layout (`parallel.cp_layout`: placement, placed encoding, sharding of the packed stream,
-CP attention) is built here from the mesh and handed to it once (`SpeechLLM.set_cp_layout`), and the
-step's collectives go into a frozen `StepContext`.
+CP attention) is built here from the mesh and handed to it once (`SpeechLLM.set_cp_layout`); the frozen
+`StepContext` carries the rank's one collectives object (`ParallelDims.collectives`) and the run's one
+precision policy (`speechlm.train.precision`).
 
 FSDP2 hooks `forward()`: the training step calls `model(batch)` once per micro-batch, and evaluation
 calls `generate_greedy`, the one other registered entry point. Inside, the model calls its pieces
@@ -31,21 +32,8 @@ from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, find_decoder_layers
 from speechlm.config import ExperimentConfig
+from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.step import StepContext
-
-
-def mixed_precision_policy(cfg: ExperimentConfig, device_type: str) -> Any:
-    """FSDP2 bf16 compute with fp32 gradient reduction on GPUs, unless `trainer.precision` asks for fp32."""
-    from parallel.fsdp import default_mp_policy
-
-    if cfg.trainer.precision == "32":
-        return None
-    if cfg.trainer.precision == "bf16":
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return default_mp_policy(device_type)
 
 
 def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
@@ -61,7 +49,10 @@ def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
     return blocks
 
 
-def parallelize_speech_llm(model: Any, dims: ParallelDims, cfg: ExperimentConfig, device_type: str) -> Any:
+def parallelize_speech_llm(
+    model: Any, dims: ParallelDims, cfg: ExperimentConfig, precision: PrecisionPolicy
+) -> Any:
+    """TP, activation checkpointing, FSDP2 (with `precision`'s mixed-precision policy, if it has one)."""
     if dims.tp > 1:
         from parallel.tp import check_tp_heads
 
@@ -73,8 +64,8 @@ def parallelize_speech_llm(model: Any, dims: ParallelDims, cfg: ExperimentConfig
         blocks_fn=speech_llm_blocks,
         tp_fn=lambda m, tp_mesh: apply_tp(m.get_submodule("llm"), tp_mesh),
         activation_checkpointing=cfg.parallel.activation_checkpointing,
-        device_type=device_type,
-        mp_policy=mixed_precision_policy(cfg, device_type),
+        device_type=precision.device_type,
+        mp_policy=precision.mp_policy,
     )
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
@@ -89,62 +80,27 @@ def parallelize_speech_llm(model: Any, dims: ParallelDims, cfg: ExperimentConfig
 FSDP_ENTRY_METHODS = ("generate_greedy",)
 
 
-def group_sum(group: Any, device: torch.device) -> Any:
-    """fn(*scalars) -> the same scalars summed over `group` (fp64, returned on CPU); identity without a group."""
-
-    def sum_(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if group is None:
-            return xs
-        t = torch.stack([x.double() for x in xs]).to(device)
-        dist.all_reduce(t, group=group)
-        return tuple(t.cpu().unbind(0))
-
-    return sum_
-
-
 def build_distributed_context(
-    model: Any, dims: ParallelDims, cfg: ExperimentConfig, device: torch.device
+    model: Any,
+    dims: ParallelDims,
+    cfg: ExperimentConfig,
+    device: torch.device,
+    precision: PrecisionPolicy | None = None,
 ) -> StepContext:
-    """Parallelize `model` in place (TP, activation checkpointing, FSDP2), bind its CP hooks, and return
-    the step's frozen context. Called once per layout (`SpeechLLMModule.configure_model`)."""
+    """Parallelize `model` in place (TP, activation checkpointing, FSDP2 under `precision`, decided from
+    the config and layout when not given), set its CP layout, and return the step's frozen context.
+    Called once per layout (`SpeechLLMModule.configure_model`)."""
     rank = dist.get_rank()
-    mesh = dims.mesh
-    parallelize_speech_llm(model, dims, cfg, device.type)
+    precision = precision or precision_policy(cfg, dims, device)
+    parallelize_speech_llm(model, dims, cfg, precision)
 
-    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
-    dp_cp_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
-    sum_over_dp = group_sum(dp_group, device)
-
-    def sum_counts_over_dp(values: list[float]) -> list[float]:
-        return [float(x) for x in sum_over_dp(*torch.tensor(values, dtype=torch.float64))]
-
-    world_sum = group_sum(dist.group.WORLD, device)
-    counts_primary = dims.cp_rank(rank) == 0 and dims.tp_rank(rank) == 0  # one rank per dp rank
-
-    def agree_step(counts: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
-        """One all-reduce over the world: counts summed over dp ranks (each dp rank's counts enter once,
-        from its cp_rank = tp_rank = 0 member), flags true when any rank's is (issue 20: SIGTERM and
-        data errors are agreed, so every rank stops at the same step)."""
-        mine = [float(c) if counts_primary else 0.0 for c in counts] + [1.0 if f else 0.0 for f in flags]
-        out = [float(x) for x in world_sum(*torch.tensor(mine, dtype=torch.float64))]
-        return out[: len(counts)], [x > 0 for x in out[len(counts) :]]
-
-    def gather_objects(obj: Any) -> list[Any]:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, obj)
-        return parts
-
-    sum_over_cp = group_sum(mesh["cp"].get_group() if dims.cp > 1 else None, device)
     model.set_cp_layout(build_cp_layout(cfg, dims, rank, model.llm.config.hidden_size))
     return StepContext(
         grad_scale=float(dims.dp_cp),
-        sum_counts_over_dp=sum_counts_over_dp,
-        sum_over_data_ranks=group_sum(dp_cp_group, device),
-        sum_over_cp=sum_over_cp,
         clip_grad_norm=clip_grad_norm_,
         rank=rank,
-        agree_step=agree_step,
-        gather_objects=gather_objects,
+        collectives=dims.collectives(rank, device),
+        precision=precision,
     )
 
 

@@ -16,7 +16,9 @@ single-rank run, and summed per language: WER = sum errors / sum words. Sums of 
 depend on the sharding, so the result equals the single-rank result exactly.
 
 The teacher-forced validation loss is sharded the same way: CE sums and labelled-token counts are
-summed over the CP shards of each sequence and over the dp groups.
+summed over the CP shards of each sequence and over the dp groups. Every collective here goes through
+the run's one `parallel.collectives.Collectives` (the module's `step_ctx.collectives`): the lockstep
+flag (`any`) and one `gather_objects` of every rank's share at the end.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import jiwer
 import torch
 
+from parallel.collectives import Collectives
 from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.errors import DataError
@@ -67,11 +70,6 @@ def wer_from_counts(rows: Iterable[tuple[str, int, int]]) -> dict[str, float]:
     return out
 
 
-def wer_by_language(refs: list[str], hyps: list[str], langs: list[str]) -> dict[str, float]:
-    """Corpus WER overall (`wer`) and per language (`wer_<lang>`), in [0, inf)."""
-    return wer_from_counts((lang, *word_error_counts(r, h)) for r, h, lang in zip(refs, hyps, langs))
-
-
 def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> list[list[int]]:
     """Rank ``dp_rank``'s share, round-robin, padded with empty slots to ``ceil(len / dp_size)``."""
     if not 0 <= dp_rank < dp_size:
@@ -79,44 +77,6 @@ def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> 
     share = batches[dp_rank::dp_size]
     n_slots = -(-len(batches) // dp_size)
     return share + [[] for _ in range(n_slots - len(share))]
-
-
-@dataclass
-class EvalComm:
-    """The collectives validation needs; the defaults are a single process."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    primary: bool = True  # this rank reports its dp group's decodes (cp_rank == tp_rank == 0)
-    keep_going: Callable[[bool], bool] | None = None  # all ranks: is any rank still decoding?
-    gather: Callable[[Any], list[Any]] = field(default=lambda x: [x])  # all ranks' objects, rank order
-    sum_over_cp: Callable[..., tuple[torch.Tensor, ...]] = field(default=lambda *xs: xs)
-
-    @staticmethod
-    def from_dims(dims: ParallelDims, rank: int, device: torch.device, sum_over_cp: Any = None) -> EvalComm:
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return EvalComm()
-
-        def keep_going(local_active: bool) -> bool:
-            flag = torch.tensor([1 if local_active else 0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return bool(flag.item())
-
-        def gather(obj: Any) -> list[Any]:
-            out: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(out, obj)
-            return out
-
-        return EvalComm(
-            dp_rank=dims.dp_rank(rank),
-            dp_size=dims.dp,
-            primary=dims.cp_rank(rank) == 0 and dims.tp_rank(rank) == 0,
-            keep_going=keep_going,
-            gather=gather,
-            sum_over_cp=sum_over_cp or (lambda *xs: xs),
-        )
 
 
 DUMMY_SAMPLES = 1600  # 0.1 s of silence: what an empty slot decodes to stay in lockstep
@@ -129,7 +89,7 @@ def decode_shard(
     tokenizer: Any,
     *,
     device: torch.device,
-    comm: EvalComm,
+    comm: Collectives,
     max_new_tokens: int = 96,
     use_cache: bool = True,
 ) -> list[dict[str, Any]]:
@@ -146,7 +106,7 @@ def decode_shard(
                     torch.tensor([DUMMY_SAMPLES], device=device),
                     max_new_tokens=max_new_tokens,
                     use_cache=use_cache,
-                    keep_going=comm.keep_going,
+                    keep_going=comm.any,
                 )
                 continue
             batch = batch.to(device)
@@ -155,7 +115,7 @@ def decode_shard(
                 batch.audio_lens,
                 max_new_tokens=max_new_tokens,
                 use_cache=use_cache,
-                keep_going=comm.keep_going,
+                keep_going=comm.any,
             )
             for b in range(len(batch)):
                 n = int(batch.token_lens[b])
@@ -175,30 +135,6 @@ def decode_shard(
     finally:
         model.train(was_training)
     return rows
-
-
-def gather_decodes(rows: list[dict[str, Any]], comm: EvalComm, order: dict[int, int]) -> list[dict[str, Any]]:
-    """Every dp group's rows on every rank (one copy per group), in the single-rank order ``order``."""
-    parts = comm.gather((comm.primary, rows))
-    merged = [r for primary, part in parts if primary for r in part]
-    return sorted(merged, key=lambda r: order[r["row"]])
-
-
-def decode_batches(
-    model: Any,
-    batches: Iterable[Any],
-    tokenizer: Any,
-    *,
-    device: torch.device,
-    max_new_tokens: int = 96,
-    max_batches: int | None = None,
-) -> tuple[list[str], list[str], list[str]]:
-    """Single-process greedy decoding of every batch: (references, hypotheses, languages)."""
-    chosen = (b for i, b in enumerate(batches) if max_batches is None or i < max_batches)
-    rows = decode_shard(
-        model, chosen, tokenizer, device=device, comm=EvalComm(), max_new_tokens=max_new_tokens
-    )
-    return [r["ref"] for r in rows], [r["hyp"] for r in rows], [r["lang"] for r in rows]
 
 
 def format_wer_table(metrics: dict[str, Any], counts: dict[str, Any] | None = None) -> str:
@@ -310,7 +246,7 @@ class Evaluator:
         )
         batches = self.plan()
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
-        comm = EvalComm.from_dims(self.dims, self.rank, module.device, module.step_ctx.sum_over_cp)
+        comm = module.step_ctx.collectives  # the run's one collectives object (ParallelDims.collectives)
         share = shard_eval_batches(batches, comm.dp_rank, comm.dp_size)
         if progress and self.rank == 0:
             print(
@@ -319,9 +255,11 @@ class Evaluator:
                 flush=True,
             )
         local = self.run_share(module, ds, share, comm, stop=stop, progress=progress)
-        (ce,) = comm.sum_over_cp(torch.tensor(local.ce, dtype=torch.float64))  # CP ranks hold shards
-        local.ce = float(ce)
-        parts = [p for primary, p in comm.gather((comm.primary, local)) if primary]
+        # one gather: the rows, counts and drops of each dp rank from its primary member; the CE sums
+        # from every CP shard (TP peers hold the same CE: counted once)
+        gathered = comm.gather_objects((comm.primary, comm.shard_primary, local))
+        parts = [p for primary, _, p in gathered if primary]
+        ce_total = sum(p.ce for _, shard_primary, p in gathered if shard_primary)
         merged = sorted((r for p in parts for r in p.rows), key=lambda r: order[r["row"]])
         self.last_decodes = [(r["lang"], r["ref"], r["hyp"]) for r in merged]
         self.last_counts = self.count(merged, parts)
@@ -329,7 +267,7 @@ class Evaluator:
         wer = wer_from_counts((r["lang"], r["errors"], r["words"]) for r in merged)
         n_tok = sum(p.n_tokens for p in parts)
         return {
-            "loss": sum(p.ce for p in parts) / max(n_tok, 1),
+            "loss": ce_total / max(n_tok, 1),
             **wer,
             "utterances": sum(self.last_counts["scored"].values()),
             "dropped": sum(self.last_counts["dropped"].values()),
@@ -340,7 +278,7 @@ class Evaluator:
         module: Any,
         ds: Any,
         share: list[list[int]],
-        comm: EvalComm,
+        comm: Collectives,
         *,
         stop: Callable[[], bool] | None,
         progress: bool,
@@ -353,8 +291,7 @@ class Evaluator:
         t0 = time.time()
         for i, (want, batch) in enumerate(zip(share, self.load_slots(ds, share))):
             if stop is not None:
-                asked = stop()
-                if comm.keep_going(asked) if comm.keep_going is not None else asked:
+                if comm.any(stop()):
                     from speechlm.train.preempt import EvaluationInterrupted
 
                     raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")

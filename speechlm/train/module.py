@@ -17,7 +17,6 @@ readable place.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +24,9 @@ import lightning as L
 import torch
 
 from speechlm.config import ExperimentConfig
+from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
-from speechlm.train.step import StepContext, clip_model_gradients, run_optimizer_step
+from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
 
 
 @dataclass
@@ -41,11 +41,16 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class StepTotals:
-    """Utterances, audio seconds and drop counts of one optimizer step, summed over data-parallel ranks."""
+    """What one optimizer step's agreement gave: its normalisers (labelled tokens, clips = utterances),
+    audio seconds and drop counts, summed over data-parallel ranks."""
 
-    utterances: int
+    counts: StepCounts
     audio_seconds: float
     dropped: dict[str, int]
+
+    @property
+    def utterances(self) -> int:
+        return self.counts.clips
 
 
 class SpeechLLMModule(L.LightningModule):
@@ -72,7 +77,8 @@ class SpeechLLMModule(L.LightningModule):
             audio_id=tok.audio_id,
             instruction_ids=tok.instruction_ids,
         )
-        self.step_ctx = StepContext()  # replaced once, by configure_model, when the layout is parallel
+        self.step_ctx = StepContext()  # replaced once, by configure_model
+        self.precision = PrecisionPolicy()  # fp32 until configure_model decides (once, on the device)
         # counters carried in checkpoints
         self.utterances_seen = 0
         self.audio_seconds_seen = 0.0
@@ -82,18 +88,32 @@ class SpeechLLMModule(L.LightningModule):
         self.pending_rng: dict[str, Any] | None = None
         self.last_metrics: dict[str, Any] | None = None
         self.preempted = False  # all ranks agreed on a SIGTERM (set once, by training_step)
+        self.deadline: float | None = None  # trainer.max_minutes (callbacks.TimeLimit), agreed per step
 
     # --- parallelism -----------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Apply TP, activation checkpointing and FSDP2 once the strategy has built the mesh, bind the
-        model's CP hooks and build the step context. With one process nothing changes."""
+        """Decide the precision (once: `speechlm.train.precision`), then, once the strategy has built the
+        mesh, apply TP, activation checkpointing and FSDP2, bind the model's CP hooks and build the step
+        context. With one process the model is left as it is."""
         if self.parallelized:
             return
+        device = self._training_device()
+        self.precision = precision_policy(self.cfg, self.dims, device)
         if self.dims is not None and self.dims.world_size > 1:
             from speechlm.train.distributed import build_distributed_context
 
-            self.step_ctx = build_distributed_context(self.model, self.dims, self.cfg, self.device)
+            self.step_ctx = build_distributed_context(self.model, self.dims, self.cfg, device, self.precision)
+        else:
+            self.step_ctx = StepContext(precision=self.precision)
         self.parallelized = True
+
+    def _training_device(self) -> torch.device:
+        """The device training runs on: the strategy's. Lightning calls `configure_model` before it moves
+        the module there, so `self.device` is still the CPU then (it is the answer only without a Trainer)."""
+        try:
+            return self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            return self.device
 
     # --- optimizer ----------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -101,17 +121,11 @@ class SpeechLLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # --- training -------------------------------------------------------------------------------
-    def _autocast(self) -> Any:
-        p = self.cfg.trainer.precision
-        dev = self.device.type
-        use_bf16 = p == "bf16" or (p == "auto" and dev == "cuda" and torch.cuda.is_bf16_supported())
-        return torch.autocast(dev, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
     def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor | None:
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()
         step = self.global_step
-        totals, sigterm = self._agree_step(step_batch)
+        totals, sigterm, time_up = self._agree_step(step_batch)
         if sigterm:  # every rank agreed at this step: train nothing more, save the last step, exit 143
             self.preempted = True
             self.last_metrics = None
@@ -128,9 +142,11 @@ class SpeechLLMModule(L.LightningModule):
             step=step,
             backward=self.manual_backward,
             clip=self._clip_gradients,
-            autocast=self._autocast,
+            counts=totals.counts,
         )
         self._update_counters(step_batch, totals)
+        if time_up:  # trainer.max_minutes passed on some rank: this step is the last (agreed by all)
+            self.trainer.should_stop = True
         now = time.perf_counter()
         dt = now - self._t_last if self._t_last is not None else float("nan")
         self._t_last = now
@@ -156,12 +172,15 @@ class SpeechLLMModule(L.LightningModule):
     def _clip_gradients(self) -> float:
         return clip_model_gradients(self.model, self.cfg.optim.grad_clip, self.step_ctx.clip_grad_norm)
 
-    def _agree_step(self, step_batch: Any) -> tuple[StepTotals, bool]:
-        """The step's one all-reduce (before any forward): utterances, audio seconds and drop counts
+    def _agree_step(self, step_batch: Any) -> tuple[StepTotals, bool, bool]:
+        """The step's one small all-reduce (before any forward, `step.agree_step`): labelled tokens and
+        clips (the objective's normalisers; clips are the utterances), audio seconds and drop counts
         summed over data-parallel ranks, and the stop flags of every rank (SIGTERM received, data error
-        found), so that all ranks act on them at the same step (`speechlm/train/preempt.py`).
+        found, `trainer.max_minutes` passed), so that all ranks act on them at the same step
+        (`speechlm/train/preempt.py`).
 
-        Returns the totals and whether to stop for SIGTERM; raises the DroppedDataError of the rank
+        Returns the totals, whether to stop for SIGTERM (before this step) and whether the time limit
+        has passed (after this step); raises the DroppedDataError of the rank
         that found one on every rank, and a DataError on every rank when no rank read any utterance
         of the step (training on nothing, possible with data.max_dropped_fraction=1)."""
         from speechlm.data.dataset import DROP_REASONS
@@ -170,25 +189,35 @@ class SpeechLLMModule(L.LightningModule):
 
         reasons = sorted(DROP_REASONS)
         error = getattr(step_batch, "error", None)
-        local = [0.0, 0.0] if error else [float(step_batch.num_utterances), step_batch.audio_seconds]
+        local = [0.0] if error else [step_batch.audio_seconds]
         local += [0.0 if error else float(step_batch.dropped.get(r, 0)) for r in reasons]
-        total, (sigterm, data_error) = self.step_ctx.agree_step(
-            local, [SIGTERM_FLAG.requested, error is not None]
+        agreed = agree_step(
+            self.model,
+            step_batch.micro_batches,
+            self.step_ctx,
+            extra=local,
+            flags=[
+                SIGTERM_FLAG.requested,
+                error is not None,
+                self.deadline is not None and time.time() > self.deadline,
+            ],
+            skip=error is not None,
         )
+        sigterm, data_error, time_up = agreed.flags
         if data_error:
-            parts = self.step_ctx.gather_objects(error)
+            parts = self.step_ctx.collectives.gather_objects(error)
             rank, first = next((r, e) for r, e in enumerate(parts) if e)
             raise DroppedDataError(f"rank {rank}: {first}" if len(parts) > 1 else first)
-        dropped = {r: int(round(v)) for r, v in zip(reasons, total[2:]) if v}
-        totals = StepTotals(int(round(total[0])), float(total[1]), dropped)
+        dropped = {r: int(round(v)) for r, v in zip(reasons, agreed.extra[1:]) if v}
+        totals = StepTotals(agreed.counts, float(agreed.extra[0]), dropped)
         if totals.utterances == 0 and not sigterm:
             self._raise_empty_step(step_batch, totals)
-        return totals, sigterm
+        return totals, sigterm, time_up
 
     def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
         from speechlm.errors import DataError
 
-        files = [f for part in self.step_ctx.gather_objects(
+        files = [f for part in self.step_ctx.collectives.gather_objects(
             [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
         listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
         raise DataError(

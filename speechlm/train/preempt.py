@@ -2,7 +2,7 @@
 
 The handler only sets a flag (`SIGTERM_FLAG`). Nothing acts on it where it is set: every rank adds
 the flag to the all-reduce the training step already does at its start (`SpeechLLMModule._agree_step`,
-a MAX over every rank of the world), so a signal that reaches the ranks at different moments is acted
+`Collectives.agree` over every rank of the world: set when any rank's is), so a signal that reaches the ranks at different moments is acted
 on by all of them at the same step. When the ranks agree, the step is not trained: every rank saves
 the checkpoint of the last trained step (`CheckpointCallback`), training stops, and the process exits
 with `EXIT_SIGTERM` (143), the code a scheduler reads as "preempted, resume me".

@@ -2,9 +2,15 @@
 
 The model's `forward` (`speechlm.model.speech_llm.SpeechLLM.forward`) takes a micro-batch to its
 loss sums; its CP/TP hooks are bound once when it is parallelized (`train/distributed.py`).
-`StepContext` is the rest of the layout the *step* needs: the collectives that sum counts and losses
-over data ranks, the gradient scale and the gradient clipping of sharded parameters. It is a frozen
-value, built once per layout: trivial (`StepContext()`) for one process, so no collective is issued.
+`StepContext` is the rest of the layout the *step* needs: the one collectives object
+(`parallel.collectives.Collectives`), the one precision policy (`speechlm.train.precision`), the
+gradient scale and the gradient clipping of sharded parameters. It is a frozen value, built once per
+layout: trivial (`StepContext()`) for one process, so no collective is issued.
+
+Collectives of one optimizer step, besides FSDP's and CP's own: one small all-reduce before the first
+forward (`agree_step`: labelled tokens and clips, the normalisers of the objective; the caller's
+utterance/audio/drop counts; the SIGTERM and data-error flags), and one after the optimizer step (the
+CE/CTC sums of the step, for the log; they exist only after the forwards).
 
 A micro-batch whose every clip failed to decode (an empty `Batch`) still runs a forward and backward on
 a tiny dummy clip with weight 0, so every rank issues the same collectives in the same order (FSDP and
@@ -15,41 +21,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
 from speechlm.model.speech_llm import MicroLosses
+from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_frozen as is_encoder_frozen
-
-
-def _identity_sum(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return xs
-
-
-def _local_agreement(counts: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
-    return list(counts), list(flags)
 
 
 @dataclass(frozen=True)
 class StepContext:
-    """What an optimizer step needs to know about the parallel layout (trivial for one process)."""
+    """What an optimizer step needs to know about the run's layout (trivial for one process)."""
 
     grad_scale: float = 1.0  # size of the group gradients are averaged over (dp * cp)
-    sum_counts_over_dp: Callable[[list[float]], list[float]] = field(default=lambda xs: list(xs))
-    sum_over_data_ranks: Callable[..., tuple[torch.Tensor, ...]] = field(default=_identity_sum)
-    sum_over_cp: Callable[..., tuple[torch.Tensor, ...]] = field(default=_identity_sum)
     clip_grad_norm: Callable[..., Any] | None = None  # (params, max_norm) -> norm; None: torch's
     rank: int = 0
-    # the step's one agreement (module._agree_step): (counts summed over dp ranks, flags: any rank of the
-    # world) in a single all-reduce; and all ranks' objects, rank order (only when a flag says stop)
-    agree_step: Callable[[list[float], list[bool]], tuple[list[float], list[bool]]] = field(
-        default=_local_agreement
-    )
-    gather_objects: Callable[[Any], list[Any]] = field(default=lambda x: [x])
+    # the one object that talks to the other ranks (sums over dp, agreement, gathers): trivial here
+    collectives: Collectives = field(default_factory=Collectives)
+    # the one precision decision (speechlm/train/precision.py): fp32 here
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The objective's normalisers for one optimizer step, summed over data-parallel ranks."""
+
+    tokens: int  # labelled tokens (CE)
+    clips: int  # clips (CTC); also the step's utterances
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks agreed on before the step's first forward (`agree_step`)."""
+
+    counts: StepCounts
+    extra: list[float]  # the caller's counts, summed over data-parallel ranks
+    flags: list[bool]  # the caller's flags, true when any rank's is
 
 
 def count_targets(batch: Any, model: Any) -> int:
@@ -59,12 +70,24 @@ def count_targets(batch: Any, model: Any) -> int:
     return int(sum(int(mask.sum()) for _, mask in model.build_prompts(batch.tokens, batch.token_lens)))
 
 
-def count_step_targets(micro_batches: list[Any], model: Any, ctx: StepContext) -> tuple[int, int]:
-    """(labelled tokens, clips) of a whole optimizer step, summed over data-parallel ranks."""
-    n_tok = sum(count_targets(b, model) for b in micro_batches)
-    n_clip = sum(len(b) for b in micro_batches)
-    tot_tok, tot_clip = ctx.sum_counts_over_dp([float(n_tok), float(n_clip)])
-    return int(round(tot_tok)), int(round(tot_clip))
+def agree_step(
+    model: Any,
+    micro_batches: list[Any],
+    ctx: StepContext,
+    *,
+    extra: list[float] | tuple[float, ...] = (),
+    flags: list[bool] | tuple[bool, ...] = (),
+    skip: bool = False,
+) -> StepAgreement:
+    """The step's one small all-reduce, before any forward: this rank's labelled tokens and clips (the
+    objective's normalisers), the caller's `extra` counts summed over dp ranks, and its `flags` true
+    when any rank's is. `skip`: this rank trains nothing this step (it found a data error): it adds
+    zero tokens and clips, and still takes part."""
+    n_tok = 0 if skip else sum(count_targets(b, model) for b in micro_batches)
+    n_clip = 0 if skip else sum(len(b) for b in micro_batches)
+    total, agreed = ctx.collectives.agree([float(n_tok), float(n_clip), *extra], list(flags))
+    counts = StepCounts(tokens=int(round(total[0])), clips=int(round(total[1])))
+    return StepAgreement(counts=counts, extra=total[2:], flags=agreed)
 
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
@@ -96,7 +119,7 @@ def compute_micro_losses(model: Any, batch: Any, *, encoder_frozen: bool = False
 def run_optimizer_step(
     model: Any,
     micro_batches: list[Any],
-    ctx: Any,
+    ctx: StepContext,
     opt: Any,
     sched: Any,
     cfg: ExperimentConfig,
@@ -104,20 +127,24 @@ def run_optimizer_step(
     step: int,
     backward: Any = None,
     clip: Any = None,
-    autocast: Any = None,
+    counts: StepCounts | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over `micro_batches` (this rank's share); returns the step's global metrics.
 
     Shared by the Lightning `training_step`, the multi-process equivalence tests and the benchmarks.
+    `counts`: the step's agreed normalisers (`agree_step`, which the Lightning module runs with its own
+    counts and flags); None: agreed here.
     """
     backward = backward or (lambda loss: loss.backward())
     frozen = is_encoder_frozen(step, cfg.optim.unfreeze_step)
-    n_tok, n_clip = count_step_targets(micro_batches, model, ctx)
+    if counts is None:
+        counts = agree_step(model, micro_batches, ctx).counts
+    n_tok, n_clip = counts.tokens, counts.clips
     w_ctc = cfg.model.ctc_weight
     ce_total = torch.zeros((), dtype=torch.float64)
     ctc_total = torch.zeros((), dtype=torch.float64)
     for b in micro_batches:
-        with autocast() if autocast is not None else nullcontext():  # forward only
+        with ctx.precision.autocast():  # forward only; a no-op under FSDP mixed precision or fp32
             out = compute_micro_losses(model, b, encoder_frozen=frozen)
         loss = out.ce_sum / max(n_tok, 1)
         if w_ctc > 0 and out.ctc_sum is not None:
@@ -133,9 +160,9 @@ def run_optimizer_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    ce_total, ctc_total = ctx.sum_over_data_ranks(ce_total, ctc_total)
-    ce = float(ce_total) / max(n_tok, 1)
-    ctc = float(ctc_total) / max(n_clip, 1)
+    ce_sum, ctc_sum = ctx.collectives.sum_shards([float(ce_total), float(ctc_total)])  # for the log
+    ce = ce_sum / max(n_tok, 1)
+    ctc = ctc_sum / max(n_clip, 1)
     return {
         "loss": ce + (w_ctc * ctc if w_ctc > 0 else 0.0),
         "ce": ce,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from speechlm.train.evaluate import format_wer_table, strip_lang_tag, wer_by_language
+from speechlm.train.evaluate import format_wer_table, strip_lang_tag, wer_from_counts, word_error_counts
 
 
 def test_strip_lang_tag():
@@ -13,7 +13,8 @@ def test_strip_lang_tag():
 def test_wer_by_language():
     refs = ["a b c d", "x y", "p q r s"]
     hyps = ["a b c e", "x y", ""]
-    m = wer_by_language(refs, hyps, ["en", "hi", "en"])
+    langs = ["en", "hi", "en"]
+    m = wer_from_counts((lang, *word_error_counts(r, h)) for r, h, lang in zip(refs, hyps, langs))
     assert m["wer_hi"] == 0.0
     assert m["wer_en"] == pytest.approx(5 / 8)  # one substitution + four deletions (empty hypothesis)
     assert m["wer"] == pytest.approx(5 / 10)
@@ -24,23 +25,20 @@ def test_wer_by_language():
 # ---------------------------------------------------------------------------- sharded validation
 
 import random  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import jiwer  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from parallel.collectives import Collectives  # noqa: E402
+from parallel.mesh import ParallelDims  # noqa: E402
 from parallel.testing import run_distributed  # noqa: E402
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig  # noqa: E402
 from speechlm.data.dataset import Batch  # noqa: E402
 from speechlm.model.speech_llm import SpeechLLM  # noqa: E402
 from speechlm.train.evaluate import (  # noqa: E402
-    EvalComm,
     decode_shard,
-    gather_decodes,
     shard_eval_batches,
-    wer_from_counts,
-    word_error_counts,
 )
 
 VOCAB, EOS = 40, 3
@@ -126,7 +124,7 @@ def single_rank_rows(eos: int) -> list[dict]:
         make_batches(),
         WordTokenizer(),
         device=torch.device("cpu"),
-        comm=EvalComm(),
+        comm=Collectives(),
         max_new_tokens=8,
     )
 
@@ -149,10 +147,7 @@ def _eval_worker(rank: int, world: int, eos: int, cp: int) -> list[dict]:
     fully_shard(model)
     for name in ("generate_greedy", "encode_audio", "embed_tokens"):
         register_fsdp_forward_method(model, name)
-    dims = SimpleNamespace(
-        dp=world // cp, dp_rank=lambda r: r // cp, cp_rank=lambda r: r % cp, tp_rank=lambda r: 0
-    )
-    comm = EvalComm.from_dims(dims, rank, torch.device("cpu"))
+    comm = ParallelDims(world, cp=cp).collectives(rank)
     batches = make_batches()
     share = shard_eval_batches([[i] for i in range(len(batches))], comm.dp_rank, comm.dp_size)
     slots = [batches[s[0]] if s else Batch.empty() for s in share]
@@ -160,7 +155,9 @@ def _eval_worker(rank: int, world: int, eos: int, cp: int) -> list[dict]:
         model, slots, WordTokenizer(), device=torch.device("cpu"), comm=comm, max_new_tokens=8
     )
     order = {b.indices[j]: 100 * k + j for k, b in enumerate(batches) for j in range(len(b))}
-    merged = gather_decodes(rows, comm, order)
+    # every dp group's rows on every rank (one copy per group), in the single-rank order (as Evaluator)
+    parts = comm.gather_objects((comm.primary, rows))
+    merged = sorted((r for primary, part in parts if primary for r in part), key=lambda r: order[r["row"]])
     dist.barrier()
     return merged
 
