@@ -58,10 +58,14 @@ def plan(manifest: Path, cp: int, threshold: str, budget_s: float, out: Path) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speechlm bench cp-placement", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--max-seconds", type=float, default=20.0, help="clip the durations here (600: long tail)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=20.0, help="clip the durations here (600: long tail)"
+    )
     ap.add_argument("--max-batch-duration", type=float, default=90.0, help="seconds of audio per micro-batch")
     ap.add_argument(
-        "--per-rank", action="store_true", help="scale the micro-batch with cp: cp x --max-batch-duration seconds"
+        "--per-rank",
+        action="store_true",
+        help="scale the micro-batch with cp: cp x --max-batch-duration seconds",
     )
     ap.add_argument("--cp", default="2,4,8")
     ap.add_argument("--json", help="write the figures here")

@@ -6,8 +6,16 @@ from speechlm.config import ConfigError, ExperimentConfig, load_config, to_dict
 
 
 def test_defaults_and_overrides(tmp_path):
-    cfg = load_config(None, ["model.packed_sequences=false", "sampler.max_batch_tokens=4000",
-                             "sampler.bucket_boundaries=[1, 2.5]", "trainer.resume=none", "trainer.precision=32"])
+    cfg = load_config(
+        None,
+        [
+            "model.packed_sequences=false",
+            "sampler.max_batch_tokens=4000",
+            "sampler.bucket_boundaries=[1, 2.5]",
+            "trainer.resume=none",
+            "trainer.precision=32",
+        ],
+    )
     assert cfg.model.packed_sequences is False
     assert cfg.sampler.max_batch_tokens == 4000
     assert cfg.sampler.bucket_boundaries == [1.0, 2.5]

@@ -389,7 +389,9 @@ def test_demo_config_names_the_repo_demo_data_from_any_directory(tmp_path, monke
     assert cfg.data.tokenizer == str(REPO / "data/demo_manifest/tokenizer.model")
 
 
-def test_train_dry_run_from_another_directory_reads_the_configs_files(demo_data, tmp_path, monkeypatch, capsys):
+def test_train_dry_run_from_another_directory_reads_the_configs_files(
+    demo_data, tmp_path, monkeypatch, capsys
+):
     """newcomer row 115: a config with relative paths, run from elsewhere, finds its files."""
     data = Path(demo_data["train"]).parent
     p = data / "rel.yaml"

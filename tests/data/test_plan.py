@@ -176,7 +176,9 @@ def test_parquet_plan_inputs_are_read_batch_by_batch(tmp_path, monkeypatch):
     langs = pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 3, n).astype(np.int8)), pa.array(NAMES))
     durations = rng.uniform(0.5, 20, n).astype(np.float32)
     path = tmp_path / "m.parquet"
-    pq.write_table(pa.table({"duration": durations, "lang": langs, "text": texts}), path, row_group_size=100_000)
+    pq.write_table(
+        pa.table({"duration": durations, "lang": langs, "text": texts}), path, row_group_size=100_000
+    )
 
     def refuse(*a, **k):
         raise AssertionError("read_table would hold every text at once")

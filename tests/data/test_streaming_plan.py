@@ -44,9 +44,14 @@ def test_every_row_once_and_lockstep(corpus, dp, ga, workers):
     n_batches = len(plan.batch_offsets) - 1
     left_out = n_batches - plan.rank_batches.size
     assert 0 <= left_out < dp * ga  # the lockstep trim only
-    assert len(used) + sum(
-        plan.batch_offsets[b + 1] - plan.batch_offsets[b] for b in set(range(n_batches)) - set(plan.rank_batches.ravel())
-    ) == N
+    assert (
+        len(used)
+        + sum(
+            plan.batch_offsets[b + 1] - plan.batch_offsets[b]
+            for b in set(range(n_batches)) - set(plan.rank_batches.ravel())
+        )
+        == N
+    )
     for r in range(dp):
         for k in range(plan.batches_per_rank):
             b = plan.batch(r, k)

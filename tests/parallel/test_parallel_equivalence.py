@@ -107,7 +107,11 @@ def test_harness_batches_cover_the_dynamic_cp_cases():
             lens.append([2 + a + int(t) for a, t in zip(audio, b.token_lens.tolist())])
     mixed4 = [place_sequences(s, 4, threshold=9) for s in lens]
     assert any(any(p.split) and not all(p.split) for p in mixed4)  # whole and split in one micro-batch
-    assert any(any(p.split) and not p.whole_indices(r) for p in mixed4 for r in range(4))  # a rank with none whole
+    assert any(
+        any(p.split) and not p.whole_indices(r) for p in mixed4 for r in range(4)
+    )  # a rank with none whole
     whole4 = [place_sequences(s, 4, threshold=1000) for s in lens]
-    assert any(not any(p.split) for p in whole4) and any(any(p.split) for p in whole4)  # forced split when < 4
+    assert any(not any(p.split) for p in whole4) and any(
+        any(p.split) for p in whole4
+    )  # forced split when < 4
     assert all(all(p.split) for p in (place_sequences(s, 2, threshold=0) for s in lens))

@@ -19,12 +19,16 @@ class FakeFlash:
         self.calls: list[tuple[str, tuple, dict]] = []
 
     def fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None):
-        self.calls.append(("fwd", (q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug), {"scale": scale}))
+        self.calls.append(
+            ("fwd", (q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug), {"scale": scale})
+        )
         meta = build_varlen_meta(cu_q.tolist(), cu_k.tolist())
         out, lse = reference_fwd(q, k, v, meta, causal, scale)
         return out, lse, torch.zeros(2), torch.zeros(2), torch.empty(0)
 
-    def bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale=None):
+    def bwd(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale=None
+    ):
         self.calls.append(("bwd", (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused),
                            {"scale": scale}))  # fmt: skip
         meta = build_varlen_meta(cu_q.tolist(), cu_k.tolist())
@@ -35,7 +39,9 @@ class FakeFlash:
 def fake(monkeypatch):
     f = FakeFlash()
     monkeypatch.setattr(varlen, "_aten_flash", lambda: (f.fwd, f.bwd))
-    monkeypatch.setitem(varlen.VARLEN_KERNELS, "torch_varlen", (varlen.torch_varlen_fwd, varlen.torch_varlen_bwd))
+    monkeypatch.setitem(
+        varlen.VARLEN_KERNELS, "torch_varlen", (varlen.torch_varlen_fwd, varlen.torch_varlen_bwd)
+    )
     return f
 
 
@@ -74,7 +80,9 @@ def test_forward_and_backward_pass_what_flash_expects(fake):
 def test_kernel_choice_by_device_and_dtype(fake):
     assert varlen.select_varlen_kernel("cuda", torch.bfloat16) == "torch_varlen"
     assert varlen.select_varlen_kernel("cuda", torch.float16) == "torch_varlen"
-    assert varlen.select_varlen_kernel("cuda", torch.float32) == "reference"  # flash takes half precision only
+    assert (
+        varlen.select_varlen_kernel("cuda", torch.float32) == "reference"
+    )  # flash takes half precision only
     assert varlen.select_varlen_kernel("cpu", torch.bfloat16) == "reference"
 
 

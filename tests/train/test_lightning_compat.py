@@ -84,7 +84,11 @@ def test_one_process_checkpoint_is_written_without_dcp_collectives(tmp_path, mon
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (calls.append(k), real_save(*a, **k))[1])
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     compat.save_checkpoint_one_process(
-        {"state_dict": dict(weights), "optimizer_states": [{"state": {}, "param_groups": []}], "global_step": 7},
+        {
+            "state_dict": dict(weights),
+            "optimizer_states": [{"state": {}, "param_groups": []}],
+            "global_step": 7,
+        },
         tmp_path / "ckpt",
     )
     assert calls and calls[0]["no_dist"] is True

@@ -23,6 +23,6 @@ def test_encoder_frozen_then_own_warmup():
 
 def test_no_freeze_follows_decoder():
     for s in range(50):
-        assert encoder_lr_lambda(s, unfreeze_step=0, encoder_warmup_steps=3, warmup_steps=10, max_steps=50,
-                                 min_lr_ratio=0.1) == decoder_lr_lambda(s, warmup_steps=10, max_steps=50,
-                                                                        min_lr_ratio=0.1)
+        assert encoder_lr_lambda(
+            s, unfreeze_step=0, encoder_warmup_steps=3, warmup_steps=10, max_steps=50, min_lr_ratio=0.1
+        ) == decoder_lr_lambda(s, warmup_steps=10, max_steps=50, min_lr_ratio=0.1)

@@ -40,8 +40,20 @@ def check_run(r: subprocess.CompletedProcess, run_dir: Path, steps: int) -> list
 @pytest.mark.multiproc
 def test_torchrun_cp2_tp2_on_4_ranks(demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    r = torchrun(4, [SMOKE, "--cp-size", "2", "--tp-size", "2", *data_overrides(demo_data),
-                     "trainer.max_steps=3", "trainer.ckpt_every=3", f"trainer.run_dir={run_dir}"])
+    r = torchrun(
+        4,
+        [
+            SMOKE,
+            "--cp-size",
+            "2",
+            "--tp-size",
+            "2",
+            *data_overrides(demo_data),
+            "trainer.max_steps=3",
+            "trainer.ckpt_every=3",
+            f"trainer.run_dir={run_dir}",
+        ],
+    )
     check_run(r, run_dir, 3)
     assert (run_dir / "checkpoints/step_000003").is_dir()
     # a sharded DCP checkpoint: one file per rank
@@ -55,8 +67,19 @@ def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs")
     run_dir = tmp_path / "run"
-    r = torchrun(4, [SMOKE, "--cp-size", "2", "--tp-size", "2", *data_overrides(demo_data),
-                     "trainer.max_steps=3", f"trainer.run_dir={run_dir}"])
+    r = torchrun(
+        4,
+        [
+            SMOKE,
+            "--cp-size",
+            "2",
+            "--tp-size",
+            "2",
+            *data_overrides(demo_data),
+            "trainer.max_steps=3",
+            f"trainer.run_dir={run_dir}",
+        ],
+    )
     check_run(r, run_dir, 3)
 
 
@@ -65,8 +88,13 @@ def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):
 def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):
     """A checkpoint saved at (dp=2, cp=2, tp=1) resumes at (dp=1, cp=2, tp=2) with the same loss."""
     run_dir = tmp_path / "run"
-    common = [SMOKE, *data_overrides(demo_data), f"trainer.run_dir={run_dir}", "trainer.final_eval_split=val",
-              "trainer.max_steps=2"]
+    common = [
+        SMOKE,
+        *data_overrides(demo_data),
+        f"trainer.run_dir={run_dir}",
+        "trainer.final_eval_split=val",
+        "trainer.max_steps=2",
+    ]
     a = torchrun(4, [*common, "--cp-size", "2", "--tp-size", "1", "trainer.ckpt_every=2"])
     assert a.returncode == 0, a.stderr[-4000:]
     saved = json.loads((run_dir / "eval.json").read_text())
@@ -77,15 +105,36 @@ def test_resume_from_dp2_cp2_into_cp2_tp2(demo_data, tmp_path):
     assert refused.returncode != 0
     assert "trainer.resume_data=next_epoch" in refused.stdout + refused.stderr
 
-    b = torchrun(4, [*common, "--cp-size", "2", "--tp-size", "2", "trainer.resume=auto",
-                     "trainer.resume_data=next_epoch"])
+    b = torchrun(
+        4,
+        [
+            *common,
+            "--cp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "trainer.resume=auto",
+            "trainer.resume_data=next_epoch",
+        ],
+    )
     assert b.returncode == 0, b.stderr[-4000:]
     resumed = json.loads((run_dir / "eval.json").read_text())
     assert resumed["steps"] == 2
     assert resumed["loss"] == pytest.approx(saved["loss"], rel=1e-5)  # the same weights, resharded
 
-    c = torchrun(4, [*common[:-1], "trainer.max_steps=3", "--cp-size", "2", "--tp-size", "2",
-                     "trainer.resume=auto", "trainer.resume_data=next_epoch"])
+    c = torchrun(
+        4,
+        [
+            *common[:-1],
+            "trainer.max_steps=3",
+            "--cp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "trainer.resume=auto",
+            "trainer.resume_data=next_epoch",
+        ],
+    )
     assert c.returncode == 0, c.stderr[-4000:]
     train = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in train if m["kind"] == "train"] == [1, 2, 3]

@@ -26,7 +26,11 @@ SMOKE = str(REPO / "configs/smoke.yaml")
 
 
 def data_overrides(d: dict[str, str]) -> list[str]:
-    return [f"data.train_manifest={d['train']}", f"data.val_manifest={d['val']}", f"data.tokenizer={d['tok']}"]
+    return [
+        f"data.train_manifest={d['train']}",
+        f"data.val_manifest={d['val']}",
+        f"data.tokenizer={d['tok']}",
+    ]
 
 
 # runs whose losses are compared end without the greedy decode of a final evaluation
@@ -41,8 +45,9 @@ def test_resume_continues_with_same_batches_and_losses(demo_data, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "part/checkpoints/step_000003").is_dir()
     assert (tmp_path / "part/checkpoints/latest").read_text().strip() == "step_000003"
-    resumed = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'part'}",
-                         "trainer.resume=auto"])
+    resumed = run_train(
+        [*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'part'}", "trainer.resume=auto"]
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
@@ -53,8 +58,16 @@ def test_resume_continues_with_same_batches_and_losses(demo_data, tmp_path):
     assert b[-1]["audio_hours"] == pytest.approx(a[-1]["audio_hours"])  # counters restored too
 
     # evaluation only: restores the latest checkpoint, takes no optimizer step
-    ev = run_train([*base, "trainer.max_steps=100", f"trainer.run_dir={tmp_path / 'part'}",
-                    "trainer.resume=auto", "trainer.validate_only=true", "trainer.final_eval_split=val"])
+    ev = run_train(
+        [
+            *base,
+            "trainer.max_steps=100",
+            f"trainer.run_dir={tmp_path / 'part'}",
+            "trainer.resume=auto",
+            "trainer.validate_only=true",
+            "trainer.final_eval_split=val",
+        ]
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads((tmp_path / "part/eval.json").read_text())["steps"] == 6
     assert [m["step"] for m in read_metrics(tmp_path / "part")][-1] == 6
@@ -69,8 +82,20 @@ def test_sigterm_saves_checkpoint_and_exits_143(demo_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "speechlm.train", SMOKE, *data_overrides(demo_data), "trainer.max_steps=500",
-         f"trainer.run_dir={run_dir}", *FLAT_LR, *NO_FINAL_EVAL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "speechlm.train",
+            SMOKE,
+            *data_overrides(demo_data),
+            "trainer.max_steps=500",
+            f"trainer.run_dir={run_dir}",
+            *FLAT_LR,
+            *NO_FINAL_EVAL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=env,
         cwd=REPO,
     )
@@ -86,8 +111,17 @@ def test_sigterm_saves_checkpoint_and_exits_143(demo_data, tmp_path):
     step = int((run_dir / "checkpoints/latest").read_text().strip().split("_")[1])
     assert 2 <= step < 500
     assert read_metrics(run_dir)[-1]["step"] == step  # the checkpoint holds the last finished step
-    resumed = run_train([SMOKE, *data_overrides(demo_data), f"trainer.max_steps={step + 2}",
-                         f"trainer.run_dir={run_dir}", "trainer.resume=auto", *FLAT_LR, *NO_FINAL_EVAL])
+    resumed = run_train(
+        [
+            SMOKE,
+            *data_overrides(demo_data),
+            f"trainer.max_steps={step + 2}",
+            f"trainer.run_dir={run_dir}",
+            "trainer.resume=auto",
+            *FLAT_LR,
+            *NO_FINAL_EVAL,
+        ]
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)][-3:] == [step, step + 1, step + 2]
 
@@ -96,9 +130,18 @@ def test_packed_and_padded_give_the_same_losses(demo_data, tmp_path):
     losses = {}
     for packed in ("true", "false"):
         run_dir = tmp_path / f"packed_{packed}"
-        r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=8", "trainer.grad_accum=1",
-                       "model.dropout=0", f"model.packed_sequences={packed}", f"trainer.run_dir={run_dir}",
-                       *NO_FINAL_EVAL])
+        r = run_train(
+            [
+                SMOKE,
+                *data_overrides(demo_data),
+                "trainer.max_steps=8",
+                "trainer.grad_accum=1",
+                "model.dropout=0",
+                f"model.packed_sequences={packed}",
+                f"trainer.run_dir={run_dir}",
+                *NO_FINAL_EVAL,
+            ]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         losses[packed] = [m["loss"] for m in read_metrics(run_dir)]
     assert len(losses["true"]) == 8
@@ -107,13 +150,25 @@ def test_packed_and_padded_give_the_same_losses(demo_data, tmp_path):
 
 def test_run_writes_metrics_eval_and_curve(demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=2", "trainer.val_every=1",
-                   "trainer.val_max_batches=1", "trainer.final_eval_split=val", f"trainer.run_dir={run_dir}"])
+    r = run_train(
+        [
+            SMOKE,
+            *data_overrides(demo_data),
+            "trainer.max_steps=2",
+            "trainer.val_every=1",
+            "trainer.val_max_batches=1",
+            "trainer.final_eval_split=val",
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     train = read_metrics(run_dir)
     assert {"step", "loss", "ce", "ctc", "lr", "utt_per_s", "audio_hours", "grad_norm"} <= set(train[-1])
-    vals = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(ln).get("kind") == "val"]
+    vals = [
+        json.loads(ln)
+        for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(ln).get("kind") == "val"
+    ]
     assert [v["step"] for v in vals] == [1, 2] and all("wer" in v for v in vals)
     ev = json.loads((run_dir / "eval.json").read_text())
     assert ev["split"] == "val" and "wer" in ev and any(k.startswith("wer_") for k in ev)
@@ -124,8 +179,9 @@ def test_run_writes_metrics_eval_and_curve(demo_data, tmp_path):
 
 
 def test_validator_stops_bad_layout_before_model_load(demo_data, capsys):
-    r = train_in_process([SMOKE, *data_overrides(demo_data), "model.packed_sequences=false", "--cp-size", "2"],
-                         capsys)
+    r = train_in_process(
+        [SMOKE, *data_overrides(demo_data), "model.packed_sequences=false", "--cp-size", "2"], capsys
+    )
     assert r.returncode == 1
     assert "bshd-with-cp" in r.stdout + r.stderr
     assert "parameters" not in r.stdout  # no model was built
@@ -148,9 +204,18 @@ def test_dry_run_prints_layout_and_config(demo_data, capsys):
 def test_short_demo_loss_falls(demo_data, tmp_path):
     """A shortened demo (the demo model, 300 steps, past the CTC blank plateau): the loss falls substantially."""
     run_dir = tmp_path / "demo"
-    r = run_train([str(REPO / "configs/demo.yaml"), *data_overrides(demo_data), "trainer.max_steps=300",
-                   "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.final_eval_split=val",
-                   f"trainer.run_dir={run_dir}"], timeout=1200)
+    r = run_train(
+        [
+            str(REPO / "configs/demo.yaml"),
+            *data_overrides(demo_data),
+            "trainer.max_steps=300",
+            "trainer.val_every=0",
+            "trainer.ckpt_every=0",
+            "trainer.final_eval_split=val",
+            f"trainer.run_dir={run_dir}",
+        ],
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     m = read_metrics(run_dir)
 
@@ -164,8 +229,16 @@ def test_short_demo_loss_falls(demo_data, tmp_path):
 
 def test_max_minutes_stops_training(demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_train([SMOKE, *data_overrides(demo_data), "trainer.max_steps=100000", "trainer.max_minutes=0.05",
-                   "trainer.final_eval_split=val", f"trainer.run_dir={run_dir}"])
+    r = run_train(
+        [
+            SMOKE,
+            *data_overrides(demo_data),
+            "trainer.max_steps=100000",
+            "trainer.max_minutes=0.05",
+            "trainer.final_eval_split=val",
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert 1 <= len(steps) < 100000 and steps == list(range(1, len(steps) + 1))
