@@ -25,8 +25,10 @@ from typing import Any, Literal
 
 import torch
 
+from speechlm.config import Precision, choices_of
+
 AppliedBy = Literal["none", "autocast", "fsdp"]
-PRECISIONS = ("32", "bf16", "auto")
+PRECISIONS = choices_of(Precision)  # the config's one list
 
 
 @dataclass(frozen=True)
