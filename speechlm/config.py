@@ -279,7 +279,7 @@ class TrainerConfig(Section):
     max_steps: int = 1000
     max_minutes: float | None = None  # wall-clock limit (checked between optimizer steps)
     grad_accum: int = 1
-    precision: Precision = "auto"  # "auto" (bf16 autocast where supported), "32", "bf16"
+    precision: Precision = "auto"  # "auto" (bf16 where supported), "32", "bf16"
     seed: int = 0
     run_dir: str = "runs/demo"
     log_every: int = 1
@@ -679,7 +679,7 @@ FIELDS: dict[str, Rule] = {
     ),
     "trainer.grad_accum": Num("micro-batches per optimizer step", lo=1, integer=True),
     "trainer.precision": OneOf(
-        "'auto': bf16 autocast where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 autocast",
+        "'auto': bf16 where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 compute (FSDP2 mixed precision when the model is sharded, autocast otherwise; never both)",
         choices=choices_of(Precision),
         advice=(
             ("bf16-mixed", "bf16-mixed: use trainer.precision=bf16"),
