@@ -9,6 +9,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers share the cores (pyproject's `-n auto`): one thread each, and for the training
+    # subprocesses and gloo ranks they start, instead of every process spinning up one per core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _lightning_logs_to_the_real_stderr() -> None:
