@@ -313,7 +313,7 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
     faults = active_faults()  # the fault-injection harness (speechlm faults); empty in normal runs
     callbacks: list[Any] = [metrics, *([FaultInjector(faults)] if faults else []), build_progress_bar()]
     if inputs.val_table is not None and t.val_every > 0:
-        evaluator = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.dims, inputs.rank)
+        evaluator = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.rank)
         callbacks.append(
             ValidationCallback(
                 evaluator,

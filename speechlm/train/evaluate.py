@@ -34,7 +34,6 @@ import jiwer
 import torch
 
 from parallel.collectives import Collectives
-from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.errors import DataError
 
@@ -191,13 +190,12 @@ class Evaluator:
         cfg: ExperimentConfig,
         tokenizer: Any,
         table: Any,
-        dims: ParallelDims,
         rank: int,
         max_batches: Any = "config",
         *,
         split: str = "val",
     ):
-        self.cfg, self.tokenizer, self.table, self.dims, self.rank = cfg, tokenizer, table, dims, rank
+        self.cfg, self.tokenizer, self.table, self.rank = cfg, tokenizer, table, rank
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
         self.split = split
         self.last_decodes: list[tuple[str, str, str]] = []
@@ -391,7 +389,7 @@ def final_evaluation(
             why = " and no data.val_manifest" if cfg.trainer.final_eval_split == "auto" else ""
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
-    final_eval = Evaluator(cfg, inputs.tokenizer, table, inputs.dims, rank, max_batches=None, split=split)
+    final_eval = Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=split)
     wer = final_eval(module, stop=lambda: SIGTERM_FLAG.requested, progress=True)
     if rank == 0:
         counts = final_eval.last_counts

@@ -54,7 +54,7 @@ def build_evaluator(demo_data, manifest: str, *extra: str, max_batches=None):
     )
     module = SpeechLLMModule(cfg, tok)
     table = open_index(manifest)
-    ev = Evaluator(cfg, tokenizer, table, None, 0, max_batches=max_batches)
+    ev = Evaluator(cfg, tokenizer, table, 0, max_batches=max_batches)
     return ev, module, table
 
 
