@@ -79,7 +79,8 @@ def read_export_config(path: Path) -> dict[str, Any]:
     if not f.is_file():
         raise ExportError(
             f"{path} is not a speechlm export: it has no {EXPORT_CONFIG} (an interrupted `speechlm export` "
-            "leaves none); export again with `speechlm export RUN_OR_CKPT --out DIR`"
+            "leaves none) and no run or checkpoint directory either; export again with `speechlm export "
+            "RUN_OR_CKPT --out DIR`, or give the run directory"
         )
     try:
         config = json.loads(f.read_text())

@@ -79,8 +79,9 @@ def load_model(path: str | Path, device: str) -> UsableModel:
     """An export dir (no training code), else a run or checkpoint dir (through the training layer)."""
     from speechlm.model.exported import is_export_dir, load_exported
 
-    if is_export_dir(path):
-        ex = load_exported(path, device=device)
+    p = Path(path)
+    if is_export_dir(p) or not ((p / "complete.json").is_file() or (p / "checkpoints").is_dir()):
+        ex = load_exported(p, device=device)  # not a run nor a checkpoint either: the export's error
         return UsableModel(ex.model, ex.tokenizer, ex.sample_rate, float(ex.config["eval_batch_duration"]))
     from speechlm.config import eval_batch_duration
     from speechlm.use.checkpoint import load_checkpoint
