@@ -15,7 +15,8 @@ Layout (every path relative to the directory; `speechlm.use.export_cli` writes i
 
 `speechlm_export.json` is written last and the directory is renamed into place whole, so a directory
 without it is an interrupted export and is refused here. Loading reads local files only (no hub
-access: ``HF_HUB_OFFLINE`` is set while the LLM loads) and imports nothing of ``speechlm.train``.
+access: ``HF_HUB_OFFLINE`` is set while the LLM loads) and imports nothing of ``speechlm.train`` (nor,
+being model code, of ``speechlm.data``: the caller loads the tokenizer from `ExportedModel.tokenizer_path`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ class ExportError(RunDirError):
 
 @dataclass
 class ExportedModel:
-    """An export directory's model (eval mode), tokenizer and config."""
+    """An export directory's model (eval mode) and config; its tokenizer is at `tokenizer_path` (model code
+    does not read text: `speechlm.data.tokenizer.load_text_tokenizer` loads it)."""
 
     path: Path
     model: Any  # speechlm.model.speech_llm.SpeechLLM
-    tokenizer: Any
     config: dict[str, Any]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.config["tokenizer"]
 
     @property
     def sample_rate(self) -> int:
@@ -98,16 +103,6 @@ def read_export_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_export_tokenizer(path: Path, config: dict[str, Any]) -> Any:
-    """The tokenizer saved in the export (`load_text_tokenizer`: a .model file or a HF tokenizer dir)."""
-    target = path / config["tokenizer"]
-    try:
-        from speechlm.data.tokenizer import load_text_tokenizer  # type: ignore[attr-defined]
-    except ImportError:  # only the SentencePiece tokenizer exists in this build
-        from speechlm.data.tokenizer import Tokenizer as load_text_tokenizer
-    return load_text_tokenizer(target)
-
-
 def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], root: Path) -> Any:
     """The SpeechLLM an export describes, its LLM loaded from ``root/llm`` (other weights: random)."""
     from speechlm.config import ModelConfig, _from_dict
@@ -118,7 +113,13 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
     enc = section["encoder"]
     enc["pretrained"] = str(root / ENCODER_DIR) if enc.get("pretrained") else None
     model_cfg = _from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
-    return SpeechLLM(model_cfg, **speech_llm)
+    kwargs = dict(speech_llm)
+    if isinstance(kwargs.get("prompt"), dict):  # TokenizerInfo's PromptFormat, saved as a JSON object
+        from speechlm.prompt import PromptFormat  # type: ignore[attr-defined]
+
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()}
+        kwargs["prompt"] = PromptFormat(**fields)
+    return SpeechLLM(model_cfg, **kwargs)
 
 
 def load_exported(path: str | Path, *, device: str | torch.device = "cpu") -> ExportedModel:
@@ -127,7 +128,6 @@ def load_exported(path: str | Path, *, device: str | torch.device = "cpu") -> Ex
 
     root = Path(path)
     config = read_export_config(root)
-    tokenizer = load_export_tokenizer(root, config)
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # local files only, whatever the environment says
     try:
@@ -147,4 +147,4 @@ def load_exported(path: str | Path, *, device: str | torch.device = "cpu") -> Ex
         )
     model.to(torch.device(device))
     model.eval()
-    return ExportedModel(root, model, tokenizer, config)
+    return ExportedModel(root, model, config)

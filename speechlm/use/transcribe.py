@@ -82,13 +82,23 @@ def load_model(path: str | Path, device: str) -> UsableModel:
     p = Path(path)
     if is_export_dir(p) or not ((p / "complete.json").is_file() or (p / "checkpoints").is_dir()):
         ex = load_exported(p, device=device)  # not a run nor a checkpoint either: the export's error
-        return UsableModel(ex.model, ex.tokenizer, ex.sample_rate, float(ex.config["eval_batch_duration"]))
+        tokenizer = load_text_tokenizer(ex.tokenizer_path)
+        return UsableModel(ex.model, tokenizer, ex.sample_rate, float(ex.config["eval_batch_duration"]))
     from speechlm.config import eval_batch_duration
     from speechlm.use.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(path, device=device, log=lambda m: print(m, file=sys.stderr))
     cfg = loaded.cfg
     return UsableModel(loaded.model, loaded.tokenizer, int(cfg.data.sample_rate), eval_batch_duration(cfg))
+
+
+def load_text_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in an export (a SentencePiece .model file or a Hugging Face tokenizer dir)."""
+    try:
+        from speechlm.data.tokenizer import load_text_tokenizer as load  # type: ignore[attr-defined]
+    except ImportError:  # a build with the SentencePiece tokenizer only
+        from speechlm.data.tokenizer import Tokenizer as load
+    return load(path)
 
 
 def default_device() -> str:
