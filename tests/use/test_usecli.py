@@ -282,3 +282,33 @@ def test_export_refuses_a_non_empty_out_and_an_interrupted_one_leaves_nothing(
     with pytest.raises(KeyboardInterrupt):
         export_cli.export_checkpoint(trained_run, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no out, no temp dir, stale removed
+
+
+def test_checkpoint_weights_must_cover_every_trainable_tensor(trained_run):
+    """A checkpoint of another model config is refused naming the tensors it lacks; a parameter that is
+    frozen (a frozen or LoRA run's base, rebuilt from `pretrained`) may be absent."""
+    from speechlm import preflight
+    from speechlm.train.checkpoint import CheckpointError
+    from speechlm.train.entry import tokenizer_info
+    from speechlm.train.module import SpeechLLMModule
+    from speechlm.use.checkpoint import checkpoint_config, load_checkpoint_weights, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(trained_run)
+    cfg = checkpoint_config(ckpt)
+    cfg.model.llm.num_layers += 1  # one decoder layer the checkpoint does not hold
+    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    module = SpeechLLMModule(cfg, tokenizer_info(cfg, tokenizer))
+    with pytest.raises(CheckpointError, match=r"lacks \d+ tensor\(s\).*llm\.model\.layers\.2\."):
+        load_checkpoint_weights(module, ckpt)
+    extra = [p for n, p in module.named_parameters() if ".llm.model.layers.2." in n]
+    for p in extra:
+        p.requires_grad_(False)
+    before = [p.detach().clone() for p in extra]
+    load_checkpoint_weights(module, ckpt)  # the frozen layer keeps its (base) values
+    assert all(torch_equal(a, p) for a, p in zip(before, extra))
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
