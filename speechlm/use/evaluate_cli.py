@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speechlm.errors import DataError, UsageError
+from speechlm.errors import DataError
 
 
 def add_parser(sub: Any) -> None:
@@ -36,11 +36,9 @@ def add_parser(sub: Any) -> None:
         description="Greedy-decode a manifest with a checkpoint and print its WER per language. Under "
         "`torchrun --nproc-per-node N -m speechlm evaluate ...` each process decodes 1/N of the batches.",
     )
-    p.add_argument(
-        "checkpoint",
-        metavar="RUN_OR_CKPT",
-        help="a run dir (its latest complete checkpoint) or a checkpoint dir",
-    )
+    from speechlm.use.transcribe import add_checkpoint_argument, add_decoding_arguments
+
+    add_checkpoint_argument(p)
     p.add_argument(
         "--manifest", required=True, help="the manifest to evaluate on (any format the trainer reads)"
     )
@@ -48,27 +46,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--decodes", default=None, help="also write one JSON line per utterance (row, lang, ref, hyp)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per utterance at most (default 96)")
-    p.add_argument(
-        "--batch-size", type=int, default=None, help="utterances per batch at most (default: no limit)"
-    )
-    p.add_argument(
-        "--batch-seconds",
-        type=float,
-        default=None,
-        help="seconds of audio per batch (default: the checkpoint's trainer.eval_batch_duration)",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
+    add_decoding_arguments(p, device_help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
     p.set_defaults(func=run_evaluate_command)
 
 
 def run_evaluate_command(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size}: give a number of utterances >= 1")
-    if args.batch_seconds is not None and not args.batch_seconds > 0:
-        raise UsageError(f"--batch-seconds {args.batch_seconds}: give seconds of audio > 0")
+    from speechlm.use.transcribe import check_decoding_arguments
+
+    check_decoding_arguments(args)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = args.device or default_device()
     if world_size > 1:

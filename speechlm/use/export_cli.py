@@ -32,11 +32,9 @@ def add_parser(sub: Any) -> None:
         description="Export a checkpoint as one directory that `speechlm transcribe` (and transformers, for "
         "the LLM) load with no training code and no network.",
     )
-    p.add_argument(
-        "checkpoint",
-        metavar="RUN_OR_CKPT",
-        help="a run dir (its latest complete checkpoint) or a checkpoint dir",
-    )
+    from speechlm.use.transcribe import add_checkpoint_argument
+
+    add_checkpoint_argument(p)
     p.add_argument(
         "--out", required=True, help="the export directory to create (must not exist, or be empty)"
     )

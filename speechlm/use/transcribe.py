@@ -48,6 +48,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("audio", nargs="*", help="audio files to transcribe")
     p.add_argument("--manifest", help="transcribe every row of this manifest (any format the trainer reads)")
     p.add_argument("--out", help="write the JSON lines to this file (atomically, at the end); default stdout")
+    add_decoding_arguments(p, device_help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--lang", default=None, help="force this language tag instead of letting the model choose")
+    p.set_defaults(func=run_transcribe_command)
+
+
+def add_checkpoint_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_OR_CKPT",
+        help="a run dir (its latest complete checkpoint) or a checkpoint dir",
+    )
+
+
+def add_decoding_arguments(p: argparse.ArgumentParser, *, device_help: str) -> None:
+    """--batch-size, --batch-seconds, --max-new-tokens, --device: what transcribe and evaluate share."""
     p.add_argument(
         "--batch-size", type=int, default=None, help="utterances per batch at most (default: no limit)"
     )
@@ -57,12 +72,22 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="seconds of audio per batch (default: the model's trainer.eval_batch_duration)",
     )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens per utterance at most"
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"tokens per utterance at most (default {DEFAULT_MAX_NEW_TOKENS}, as in training's evaluation)",
     )
-    p.add_argument("--lang", default=None, help="force this language tag instead of letting the model choose")
-    p.set_defaults(func=run_transcribe_command)
+    p.add_argument("--device", default=None, help=device_help)
+
+
+def check_decoding_arguments(args: argparse.Namespace) -> None:
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size}: give a number of utterances >= 1")
+    if args.batch_seconds is not None and not args.batch_seconds > 0:
+        raise UsageError(f"--batch-seconds {args.batch_seconds}: give seconds of audio > 0")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
 
 
 @dataclass
@@ -112,12 +137,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(
             "give audio files or --manifest M (one of the two): nothing to transcribe, or both given"
         )
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UsageError(f"--batch-size {args.batch_size}: give a number of utterances >= 1")
-    if args.batch_seconds is not None and not args.batch_seconds > 0:
-        raise UsageError(f"--batch-seconds {args.batch_seconds}: give seconds of audio > 0")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
+    check_decoding_arguments(args)
     if args.out is not None:
         out = Path(args.out)
         if out.is_dir():
