@@ -119,6 +119,8 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
 
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()}
         kwargs["prompt"] = PromptFormat(**fields)
+    if "added_token_ids" in kwargs:  # llm/ holds the trained rows of the added tokens: no re-initialisation
+        kwargs["added_token_ids"] = ()
     return SpeechLLM(model_cfg, **kwargs)
 
 

@@ -87,19 +87,33 @@ def checkpoint_config(ckpt: Path) -> ExperimentConfig:
     return load_config(source)
 
 
+RUN_TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the tokenizer as the run extended it (added tokens)
+
+
+def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
+    """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
+    tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
+    from speechlm import preflight
+    from speechlm.use.transcribe import load_text_tokenizer
+
+    run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
+    if run_copy.is_dir():
+        return load_text_tokenizer(run_copy)
+    return preflight.load_tokenizer(cfg.data.tokenizer)
+
+
 def load_checkpoint(
     path: str | Path, *, device: str | torch.device = "cpu", log: Any = print
 ) -> LoadedCheckpoint:
     """Resolve `path`, rebuild the model of its config with its tokenizer, load the weights (eval mode)."""
     import json
 
-    from speechlm import preflight
     from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
 
     ckpt = resolve_checkpoint(path, log)
     cfg = checkpoint_config(ckpt)
-    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = checkpoint_tokenizer(cfg, ckpt)
     tok = tokenizer_info(cfg, tokenizer)
     torch.manual_seed(cfg.trainer.seed)  # the values of any tensor the checkpoint does not hold
     module = SpeechLLMModule(cfg, tok)

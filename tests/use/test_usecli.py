@@ -312,3 +312,27 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_path, monkeypatch):
+    """RUN/tokenizer (the tokenizer with the tokens a run added) is what its checkpoints load."""
+    import shutil
+
+    import yaml
+
+    from speechlm import preflight
+    from speechlm.use.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    tok = Path(yaml.safe_load((run / "config.yaml").read_text())["data"]["tokenizer"])
+    (run / "tokenizer").mkdir()
+    for suffix in (".model", ".json"):
+        shutil.copyfile(tok.with_suffix(suffix), run / "tokenizer" / f"sentencepiece{suffix}")
+
+    def config_tokenizer(path):
+        raise AssertionError(f"loaded data.tokenizer={path} although the run saved its own")
+
+    monkeypatch.setattr(preflight, "load_tokenizer", config_tokenizer)
+    loaded = load_checkpoint(run)
+    assert Path(loaded.tokenizer.path).parent == run / "tokenizer"
