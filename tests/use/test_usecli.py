@@ -202,7 +202,9 @@ def test_transcribe_a_run_dir_equals_its_export(trained_run, exported, demo_data
     outs = []
     for model in (trained_run, exported):
         assert main(["transcribe", str(model), "--manifest", demo_data["val"], "--batch-size", "5"]) == 0
-        outs.append([json.loads(x) for x in capsys.readouterr().out.splitlines()])
+        captured = capsys.readouterr()
+        outs.append([json.loads(x) for x in captured.out.splitlines()])
+        assert "12/12" in captured.err and "utt" in captured.err  # the progress bar: 3 batches of <= 5
     assert outs[0] == outs[1] and len(outs[0]) == 12
 
 
