@@ -94,7 +94,7 @@ def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
     from speechlm import preflight
-    from speechlm.use.transcribe import load_text_tokenizer
+    from speechlm.use.saved_tokenizer import load_text_tokenizer
 
     run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
     if run_copy.is_dir():

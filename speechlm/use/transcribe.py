@@ -103,6 +103,7 @@ class UsableModel:
 def load_model(path: str | Path, device: str) -> UsableModel:
     """An export dir (no training code), else a run or checkpoint dir (through the training layer)."""
     from speechlm.model.exported import is_export_dir, load_exported
+    from speechlm.use.saved_tokenizer import load_text_tokenizer
 
     p = Path(path)
     if is_export_dir(p) or not ((p / "complete.json").is_file() or (p / "checkpoints").is_dir()):
@@ -115,19 +116,6 @@ def load_model(path: str | Path, device: str) -> UsableModel:
     loaded = load_checkpoint(path, device=device, log=lambda m: print(m, file=sys.stderr))
     cfg = loaded.cfg
     return UsableModel(loaded.model, loaded.tokenizer, int(cfg.data.sample_rate), eval_batch_duration(cfg))
-
-
-def load_text_tokenizer(path: Path) -> Any:
-    """A saved tokenizer (`tokenizer.save`: a SentencePiece .model file, or a directory holding one or a
-    Hugging Face tokenizer), as `speechlm.data.tokenizer.load_text_tokenizer` reads it."""
-    try:
-        from speechlm.data.tokenizer import load_text_tokenizer as load  # type: ignore[attr-defined]
-    except ImportError:  # a build with the SentencePiece tokenizer only
-        from speechlm.data.tokenizer import Tokenizer as load
-
-        models = sorted(Path(path).glob("*.model")) if Path(path).is_dir() else []
-        path = models[0] if len(models) == 1 else path
-    return load(path)
 
 
 def default_device() -> str:
