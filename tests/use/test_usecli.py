@@ -338,3 +338,13 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
     monkeypatch.setattr(preflight, "load_tokenizer", config_tokenizer)
     loaded = load_checkpoint(run)
     assert Path(loaded.tokenizer.path).parent == run / "tokenizer"
+
+
+def test_transcribe_lang_forces_the_language_tag(exported, demo_data, capsys):
+    from speechlm.cli import main
+
+    assert main(["transcribe", str(exported), "--manifest", demo_data["val"], "--lang", "ta"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 12 and {line["lang"] for line in lines} == {"ta"}
+    assert main(["transcribe", str(exported), "--manifest", demo_data["val"], "--lang", "xx"]) == 2
+    assert "--lang xx" in capsys.readouterr().err
