@@ -35,6 +35,9 @@ SUBCOMMAND_MODULES = (
     "speechlm.train.entry",  # train
     "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)
     "speechlm.validate",  # validate
+    "speechlm.use.evaluate_cli",  # evaluate (a checkpoint on a manifest)
+    "speechlm.use.transcribe",  # transcribe (audio files or a manifest)
+    "speechlm.use.export_cli",  # export (a self-contained model directory)
     "speechlm.demo",  # demo (the Quick start's main job)
     "speechlm.bench",  # bench sampler | packing | ...
     "speechlm.sweep.cli",  # sweep init | run | status | requeue | report | slurm

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterable
+from typing import Any
 
 ZWNJ = "\u200c"
 ZWJ = "\u200d"
@@ -160,3 +162,16 @@ def check_transcript(text: str, lang: str) -> str | None:
     if not clean_text(rest):
         return "empty_text"
     return None
+
+
+def strip_lang_tag(text: str) -> str:
+    """`text` without a leading ``<|xx|>`` tag, spaces collapsed (a reference or hypothesis for WER)."""
+    text = text.strip()
+    if text.startswith("<|") and "|>" in text:
+        text = text[text.index("|>") + 2 :]
+    return " ".join(text.split())
+
+
+def decode_hypothesis(tokenizer: Any, ids: Iterable[int]) -> str:
+    """The text of greedy-decoded `ids` as evaluation scores it and `speechlm transcribe` prints it."""
+    return strip_lang_tag(tokenizer.decode(list(ids)))

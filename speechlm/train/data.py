@@ -207,28 +207,19 @@ def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: in
 
 
 def build_eval_batches(
-    table: Any, *, max_batch_duration: float, dp_rank: int = 0, dp_size: int = 1
+    table: Any,
+    *,
+    max_batch_duration: float,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    max_utterances: int | None = None,
 ) -> list[list[int]]:
     """Deterministic, sequential evaluation batches (every row once, sorted by duration), dealt to dp ranks."""
-    import numpy as np
-
     from speechlm.data.manifest import manifest_arrays
+    from speechlm.data.sampler.batching import batch_by_duration
 
     durations = manifest_arrays(table).durations
-    order = np.argsort(durations, kind="stable")
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    acc = 0.0
-    for i in order.tolist():
-        d = float(durations[i])
-        if cur and acc + d > max_batch_duration:
-            batches.append(cur)
-            cur, acc = [], 0.0
-        cur.append(i)
-        acc += d
-    if cur:
-        batches.append(cur)
-    return batches[dp_rank::dp_size]
+    return batch_by_duration(durations, max_batch_duration, max_utterances)[dp_rank::dp_size]
 
 
 def resolve_path(p: str | None, base: Path | None = None) -> Path | None:

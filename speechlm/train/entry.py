@@ -195,7 +195,6 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     from parallel.mesh import ParallelDims
     from speechlm import preflight
     from speechlm.config import require_inputs
-    from speechlm.train.module import TokenizerInfo
     from speechlm.validate import validate_at_fit_start
     from speechlm.validate_rules import EPOCH_PLAN_RULE
 
@@ -218,15 +217,7 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     validate_at_fit_start(
         cfg, world_size, rank=rank, manifest_summary={**summary, **plan}, rules=(EPOCH_PLAN_RULE,)
     )
-    instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
-    tok = TokenizerInfo(
-        len(tokenizer),
-        tokenizer.pad_id,
-        tokenizer.bos_id,
-        tokenizer.eos_id,
-        tokenizer.audio_id,
-        instruction_ids,
-    )
+    tok = tokenizer_info(cfg, tokenizer)
     if rank == 0:
         durations = train_table.column("duration").to_numpy()
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
@@ -237,6 +228,21 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
             f"{len(sampler) // cfg.trainer.grad_accum} optimizer steps per epoch"
         )
     return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
+
+
+def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any) -> TokenizerInfo:
+    """What the model needs from the tokenizer (ids and the prompt): training, evaluate and export."""
+    from speechlm.train.module import TokenizerInfo
+
+    instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
+    return TokenizerInfo(
+        len(tokenizer),
+        tokenizer.pad_id,
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        tokenizer.audio_id,
+        instruction_ids,
+    )
 
 
 def print_resolved_config(cfg: ExperimentConfig, rank: int) -> None:

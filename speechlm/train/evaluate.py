@@ -35,14 +35,8 @@ import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
+from speechlm.data.text import decode_hypothesis, strip_lang_tag
 from speechlm.errors import DataError
-
-
-def strip_lang_tag(text: str) -> str:
-    text = text.strip()
-    if text.startswith("<|") and "|>" in text:
-        text = text[text.index("|>") + 2 :]
-    return " ".join(text.split())
 
 
 def word_error_counts(ref: str, hyp: str) -> tuple[int, int]:
@@ -119,7 +113,7 @@ def decode_shard(
             for b in range(len(batch)):
                 n = int(batch.token_lens[b])
                 ref = strip_lang_tag(tokenizer.decode(batch.tokens[b, :n].tolist()))
-                hyp = strip_lang_tag(tokenizer.decode(list(out_ids[b])))
+                hyp = decode_hypothesis(tokenizer, out_ids[b])
                 errors, words = word_error_counts(ref, hyp)
                 rows.append(
                     dict(
@@ -194,11 +188,15 @@ class Evaluator:
         max_batches: Any = "config",
         *,
         split: str = "val",
+        max_new_tokens: int = 96,
+        max_utterances: int | None = None,
     ):
         self.cfg, self.tokenizer, self.table, self.rank = cfg, tokenizer, table, rank
+        self.max_new_tokens, self.max_utterances = max_new_tokens, max_utterances
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
         self.split = split
         self.last_decodes: list[tuple[str, str, str]] = []
+        self.last_rows: list[int] = []
         self.last_counts: dict[str, Any] = {"scored": {}, "dropped": {}, "dropped_reasons": {}}
 
     def plan(self) -> list[list[int]]:
@@ -212,7 +210,9 @@ class Evaluator:
                 f"trainer.val_max_batches={self.max_batches} would evaluate no batch: give a number >= 1, or "
                 f"null (or 0) for the whole split"
             )
-        batches = build_eval_batches(self.table, max_batch_duration=eval_batch_duration(self.cfg))
+        batches = build_eval_batches(
+            self.table, max_batch_duration=eval_batch_duration(self.cfg), max_utterances=self.max_utterances
+        )
         if self.max_batches:
             batches = batches[: self.max_batches]
         if not batches:
@@ -260,6 +260,7 @@ class Evaluator:
         ce_total = sum(p.ce for _, shard_primary, p in gathered if shard_primary)
         merged = sorted((r for p in parts for r in p.rows), key=lambda r: order[r["row"]])
         self.last_decodes = [(r["lang"], r["ref"], r["hyp"]) for r in merged]
+        self.last_rows = [int(r["row"]) for r in merged]  # the manifest row of each of last_decodes
         self.last_counts = self.count(merged, parts)
         self.check_drops(len(order), parts)
         wer = wer_from_counts((r["lang"], r["errors"], r["words"]) for r in merged)
@@ -293,7 +294,14 @@ class Evaluator:
                     from speechlm.train.preempt import EvaluationInterrupted
 
                     raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
-            out.rows += decode_shard(module.model, [batch], self.tokenizer, device=module.device, comm=comm)
+            out.rows += decode_shard(
+                module.model,
+                [batch],
+                self.tokenizer,
+                device=module.device,
+                comm=comm,
+                max_new_tokens=self.max_new_tokens,
+            )
             ce, n = self.batch_loss(module, batch)
             out.ce += ce
             out.n_tokens += n

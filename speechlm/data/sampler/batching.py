@@ -3,6 +3,9 @@
 Packing is exact on integer costs and never lets a batch of two or more rows exceed the budget;
 dealing sorts the batches by cost, drops the cheapest tail so every rank gets the same count, a
 multiple of grad_accum, and shuffles all ranks alike. See `speechlm.data.sampler.epoch_plan`.
+
+`batch_by_duration` is the decoding batches' packing (evaluation, `speechlm transcribe`): every row
+once, shortest first, sequential, cut at a budget of seconds (and of utterances).
 """
 
 from __future__ import annotations
@@ -88,3 +91,24 @@ def trim_and_shuffle(rank_batches: np.ndarray, grad_accum: int, rng: np.random.G
     per_rank = rank_batches.shape[1] // grad_accum * grad_accum
     perm = rng.permutation(per_rank)
     return rank_batches[:, :per_rank][:, perm]
+
+
+def batch_by_duration(
+    durations: np.ndarray, max_seconds: float, max_utterances: int | None = None
+) -> list[list[int]]:
+    """Row indices sorted by duration (stable), cut into batches of at most `max_seconds` of audio (a
+    longer row is a batch of its own) and at most `max_utterances` rows (None: no limit)."""
+    order = np.argsort(np.asarray(durations, dtype=np.float64), kind="stable")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    acc = 0.0
+    for i in order.tolist():
+        d = float(durations[i])
+        if cur and (acc + d > max_seconds or (max_utterances is not None and len(cur) >= max_utterances)):
+            batches.append(cur)
+            cur, acc = [], 0.0
+        cur.append(i)
+        acc += d
+    if cur:
+        batches.append(cur)
+    return batches

@@ -1,0 +1,147 @@
+"""A trained checkpoint as a one-process model: what `speechlm evaluate` and `speechlm export` start from.
+
+`resolve_checkpoint(RUN_OR_CKPT)`: a checkpoint directory (it has ``complete.json``) is verified and
+taken as it is; a run directory gives its latest complete checkpoint (`latest_checkpoint`: the
+``latest`` pointer if it verifies, else the newest one that does). The config is the one saved with
+the checkpoint (``speechlm/config.yaml`` inside it, else the run's ``config.yaml``), so the model is
+rebuilt exactly as it was trained, and the tokenizer is the one that config names.
+
+`load_checkpoint_weights` reads the model's tensors from the checkpoint's DCP shards into a plain
+one-process `SpeechLLMModule` (``no_dist=True``: no process group, whatever layout wrote them; DCP
+reshards on load). Only the keys the checkpoint holds are read: a checkpoint of a frozen or LoRA run
+keeps what trains and leaves the frozen base to ``model.llm.pretrained`` / ``model.encoder.pretrained``
+(rebuilt from there when the module is built). Every trainable parameter must be in the checkpoint;
+a missing one is a CheckpointError naming it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speechlm.config import ExperimentConfig
+from speechlm.train.checkpoint import (
+    COMPLETE_NAME,
+    DCP_METADATA,
+    CheckpointError,
+    latest_checkpoint,
+    read_dcp_metadata,
+    safe_storage_reader,
+    verify_checkpoint,
+)
+
+STATE_PREFIX = "state_dict."  # where Lightning's DCP save puts the module's tensors
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint rebuilt in this process: its directory, step, config, tokenizer and module."""
+
+    ckpt: Path
+    step: int
+    cfg: ExperimentConfig
+    tokenizer: Any
+    tok: Any  # speechlm.train.module.TokenizerInfo
+    module: Any  # speechlm.train.module.SpeechLLMModule, eval mode, weights loaded
+
+    @property
+    def model(self) -> Any:
+        return self.module.model
+
+
+def resolve_checkpoint(path: str | Path, log: Any = print) -> Path:
+    """The checkpoint directory `path` names: itself (verified), or a run dir's latest complete one."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(
+            f"{p} does not exist: give a run directory or one of its checkpoints/step_* dirs"
+        )
+    if (p / COMPLETE_NAME).is_file():
+        verify_checkpoint(p)
+        return p
+    if (p / "checkpoints").is_dir():
+        found = latest_checkpoint(p / "checkpoints", log)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"{p} is neither a checkpoint (no {COMPLETE_NAME}) nor a run directory with a complete checkpoint "
+        f"under {p / 'checkpoints'}: give a run directory (trainer.run_dir) or a checkpoints/step_* dir"
+    )
+
+
+def checkpoint_config(ckpt: Path) -> ExperimentConfig:
+    """The config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
+    from speechlm.config import load_config
+    from speechlm.train.run_dir import saved_config
+
+    _, source = saved_config(ckpt, ckpt.parent.parent)
+    if source is None:
+        raise CheckpointError(
+            f"{ckpt} holds no config (speechlm/config.yaml) and {ckpt.parent.parent / 'config.yaml'} does not "
+            "exist: the model cannot be rebuilt; copy the run's config.yaml next to its checkpoints folder"
+        )
+    return load_config(source)
+
+
+RUN_TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the tokenizer as the run extended it (added tokens)
+
+
+def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
+    """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
+    tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
+    from speechlm import preflight
+    from speechlm.use.saved_tokenizer import load_text_tokenizer
+
+    run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
+    if run_copy.is_dir():
+        return load_text_tokenizer(run_copy)
+    return preflight.load_tokenizer(cfg.data.tokenizer)
+
+
+def load_checkpoint(
+    path: str | Path, *, device: str | torch.device = "cpu", log: Any = print
+) -> LoadedCheckpoint:
+    """Resolve `path`, rebuild the model of its config with its tokenizer, load the weights (eval mode)."""
+    import json
+
+    from speechlm.train.entry import tokenizer_info
+    from speechlm.train.module import SpeechLLMModule
+
+    ckpt = resolve_checkpoint(path, log)
+    cfg = checkpoint_config(ckpt)
+    tokenizer = checkpoint_tokenizer(cfg, ckpt)
+    tok = tokenizer_info(cfg, tokenizer)
+    torch.manual_seed(cfg.trainer.seed)  # the values of any tensor the checkpoint does not hold
+    module = SpeechLLMModule(cfg, tok)
+    load_checkpoint_weights(module, ckpt)
+    module.to(torch.device(device))
+    module.eval()
+    step = int(json.loads((ckpt / COMPLETE_NAME).read_text()).get("step") or 0)
+    return LoadedCheckpoint(ckpt, step, cfg, tokenizer, tok, module)
+
+
+def load_checkpoint_weights(module: torch.nn.Module, ckpt: Path) -> None:
+    """Read `module`'s tensors that `ckpt` holds from its DCP shards (one process, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = set(read_dcp_metadata(ckpt / DCP_METADATA).state_dict_metadata)
+    state = module.state_dict()
+    wanted = {k: v for k, v in state.items() if STATE_PREFIX + k in saved}
+    params = dict(module.named_parameters())
+    # a frozen parameter may come from the base (llm.pretrained); a trainable one or a buffer may not
+    missing = sorted(k for k in state if k not in wanted and (k not in params or params[k].requires_grad))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"{ckpt} lacks {len(missing)} tensor(s) of the model its config builds ({shown}): the checkpoint was "
+            "written by another model config, or its config was changed after it was saved"
+        )
+    loaded = {STATE_PREFIX.rstrip("."): wanted}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(loaded, storage_reader=safe_storage_reader(ckpt), no_dist=True)
+    module.load_state_dict(loaded["state_dict"], strict=False)

@@ -1,0 +1,179 @@
+"""`speechlm evaluate RUN_OR_CKPT --manifest M [--json]`: the WER table of a checkpoint on a manifest.
+
+The checkpoint (a run dir's latest complete one, or a checkpoint dir) is rebuilt in this process with
+the config and tokenizer it was trained with (`speechlm.use.checkpoint`); the manifest is any format
+the trainer reads (`open_index`). Decoding and scoring are the training run's own (`Evaluator`:
+greedy decoding with the KV cache, WER from per-utterance error counts per language), so a checkpoint
+evaluated here gives the figures its run's final evaluation gives on the same manifest.
+
+Under ``torchrun`` every process holds the whole model and decodes a share of the evaluation batches
+(`shard_eval_batches`: round-robin by its rank, explicit rank and world); the per-utterance counts are
+gathered and summed, which makes the table equal to the one-process table, and rank 0 prints it. Each
+process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo).
+
+``--json`` prints one object instead of the table: ``checkpoint``, ``step``, ``manifest``, ``loss``
+(teacher-forced), ``wer`` and ``wer_<lang>``, ``utterances`` and ``dropped`` per language (and
+``all``), ``dropped_reasons``. ``--decodes FILE`` writes one JSON line per decoded utterance
+(``row``, ``lang``, ``ref``, ``hyp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from speechlm.errors import DataError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="WER per language of a checkpoint on a manifest (sharded over ranks under torchrun)",
+        description="Greedy-decode a manifest with a checkpoint and print its WER per language. Under "
+        "`torchrun --nproc-per-node N -m speechlm evaluate ...` each process decodes 1/N of the batches.",
+    )
+    from speechlm.use.transcribe import add_checkpoint_argument, add_decoding_arguments
+
+    add_checkpoint_argument(p)
+    p.add_argument(
+        "--manifest", required=True, help="the manifest to evaluate on (any format the trainer reads)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--decodes", default=None, help="also write one JSON line per utterance (row, lang, ref, hyp)"
+    )
+    add_decoding_arguments(p, device_help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
+    p.set_defaults(func=run_evaluate_command)
+
+
+def run_evaluate_command(args: argparse.Namespace) -> int:
+    from speechlm.use.transcribe import check_decoding_arguments
+
+    check_decoding_arguments(args)
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = args.device or default_device()
+    if world_size > 1:
+        init_process_group(device)
+    try:
+        result = evaluate_checkpoint(
+            args.checkpoint,
+            args.manifest,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            max_new_tokens=args.max_new_tokens,
+            max_utterances=args.batch_size,
+            batch_seconds=args.batch_seconds,
+        )
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        if args.decodes:
+            from speechlm.use.transcribe import write_records
+
+            write_records(result["decodes"], args.decodes)
+        if args.json:
+            print(json.dumps(result["record"], ensure_ascii=False))
+        else:
+            print(result["table"])
+    return 0
+
+
+def default_device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def init_process_group(device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    manifest: str | Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str = "cpu",
+    max_new_tokens: int = 96,
+    max_utterances: int | None = None,
+    batch_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Evaluate on this rank's share, gather; returns {record, table, decodes} (the same on every rank).
+
+    With `world_size` > 1 the default process group must be initialised (torchrun, or a test harness)."""
+    from parallel.collectives import Collectives
+    from speechlm import preflight
+    from speechlm.data.sources.mmap_cache import open_index
+    from speechlm.train.evaluate import Evaluator, format_wer_table
+    from speechlm.train.step import StepContext
+    from speechlm.use.checkpoint import load_checkpoint
+
+    quiet = rank != 0
+    loaded = load_checkpoint(checkpoint, device=device, log=(lambda m: None) if quiet else _stderr)
+    cfg = loaded.cfg
+    cfg.data.val_manifest = str(manifest)  # names the split in messages
+    if batch_seconds is not None:
+        cfg.trainer.eval_batch_duration = float(batch_seconds)
+    table = open_index(manifest)
+    problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
+    if problems:
+        raise DataError("\n".join(problems))
+    module = loaded.module
+    module.step_ctx = StepContext(
+        rank=rank,
+        collectives=Collectives(
+            rank=rank, world_size=world_size, dp_rank=rank, dp_size=world_size, device=device
+        ),
+    )
+    evaluator = Evaluator(
+        cfg,
+        loaded.tokenizer,
+        table,
+        rank,
+        max_batches=None,
+        max_new_tokens=max_new_tokens,
+        max_utterances=max_utterances,
+    )
+    if not quiet:
+        _stderr(f"evaluating {loaded.ckpt} (step {loaded.step}) on {manifest}: {len(table)} utterances, "
+                f"{world_size} process(es)")  # fmt: skip
+    metrics = evaluator(module)
+    counts = evaluator.last_counts
+    wers = {k: v for k, v in metrics.items() if k.startswith("wer")}
+    record = {
+        "checkpoint": str(loaded.ckpt),
+        "step": loaded.step,
+        "manifest": str(manifest),
+        "loss": metrics["loss"],
+        **wers,
+        "utterances": {**counts["scored"], "all": sum(counts["scored"].values())},
+        "dropped": {**counts["dropped"], "all": sum(counts["dropped"].values())},
+        "dropped_reasons": counts["dropped_reasons"],
+    }
+    decodes = [
+        {"row": row, "lang": lang, "ref": ref, "hyp": hyp}
+        for row, (lang, ref, hyp) in zip(evaluator.last_rows, evaluator.last_decodes)
+    ]
+    return {"record": record, "table": format_wer_table(metrics, counts), "decodes": decodes}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
