@@ -53,7 +53,7 @@ def recipe_overrides(mode: str, pretrained: Path, demo_data: dict[str, str], run
         f"data.train_manifest={demo_data['train']}",
         f"data.val_manifest={demo_data['val']}",
         "data.tokenizer=null",  # the LLM's own tokenizer and chat template
-        "data.lang_tags=special",
+        "data.lang_tags=none",  # as the recipe: added tag rows would stay frozen
         "data.instruction=Transcribe the audio.",
         f"model.llm.pretrained={pretrained}",
         f"model.llm.train={mode}",
