@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         llm=args.llm.name,
         encoder=f"encoder {args.encoder.name}" if args.encoder else "demo encoder (from scratch)",
-        precision=args.precision,
+        precision="fp32" if args.precision == "32" else args.precision,
         attention=attention,
     )
     summary["line"] = line
