@@ -44,8 +44,12 @@ def write_tiny_gguf(
     kv_heads: int = 2,
     intermediate: int = 64,
     seed: int = 0,
+    quantized: bool = False,
+    nan_in: str | None = None,
 ) -> Path:
-    """Write a random tiny Llama GGUF file (llama.cpp tensor names, float32) that transformers loads."""
+    """Write a random tiny Llama GGUF file (llama.cpp tensor names) that transformers loads. The weight
+    matrices are float32, or Q8_0 blocks with `quantized` (as llama.cpp quantizes them: norms stay
+    float32); `nan_in` puts a NaN into the named tensor (a file whose data is corrupt)."""
     import gguf
     import numpy as np
 
@@ -76,8 +80,14 @@ def write_tiny_gguf(
         w.add_chat_template(CHATML)
 
     def tensor(name: str, *shape: int, ones: bool = False) -> None:
-        value = np.ones(shape) if ones else rng.standard_normal(shape) * 0.05
-        w.add_tensor(name, value.astype(np.float32))
+        value = (np.ones(shape) if ones else rng.standard_normal(shape) * 0.05).astype(np.float32)
+        if name == nan_in:
+            value.flat[0] = np.nan
+        if quantized and not ones:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)  # shape from the bytes
+        else:
+            w.add_tensor(name, value)
 
     head_dim = hidden // heads
     tensor("token_embd.weight", len(tokens), hidden)

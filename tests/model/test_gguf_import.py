@@ -84,6 +84,27 @@ def test_import_without_a_chat_template_into_an_empty_dir(tmp_path):
     assert not (tmp_path / "llm" / "chat_template.jinja").exists()
 
 
+def test_import_dequantizes_q8_0_weights_exactly(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tmp_path / "q8.gguf", quantized=True)
+    report = gguf_import.import_gguf(path, tmp_path / "llm", log=lambda _: None)
+    assert report.max_logit_diff == 0.0
+    ids, expected = _gguf_logits(path, "hello world")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llm", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_file_with_corrupt_tensor_data_is_refused(tmp_path):
+    path = write_tiny_gguf(tmp_path / "nan.gguf", nan_in="blk.1.ffn_down.weight")
+    with pytest.raises(gguf_import.DataError, match="non-finite logits; the file is corrupt"):
+        gguf_import.import_gguf(path, tmp_path / "llm", log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.gguf"]
+
+
 def test_cli_import_prints_where_and_how_to_use_it(tiny_gguf, tmp_path, capsys):
     rc, text = _run(["--gguf", str(tiny_gguf), "--out", str(tmp_path / "d")], capsys)
     assert rc == 0, text
