@@ -250,11 +250,19 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
         raise DataError(f"--gguf {gguf}: the model gives non-finite logits; the file is corrupt")
     model = _plain_copy(gguf_model)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e
     try:
         with _sigterm_as_interrupt():
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+            except OSError as e:  # disk full, quota, permissions
+                raise OutputError(
+                    f"--out {out}: writing the model into {tmp} failed ({e}); nothing kept"
+                ) from e
             reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
             reloaded_tok = AutoTokenizer.from_pretrained(tmp)
             reloaded_ids = _check_ids(reloaded_tok)

@@ -118,6 +118,28 @@ def test_a_failed_check_writes_nothing(tiny_gguf, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_write_is_an_output_error_and_keeps_nothing(tiny_gguf, tmp_path, monkeypatch, capsys):
+    from transformers import PreTrainedModel
+
+    def disk_full(self, directory, **kwargs):
+        (Path(directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
+    code, text = _run(["--gguf", str(tiny_gguf), "--out", str(tmp_path / "llm")], capsys)
+    assert code == 4 and "No space left on device" in text and "nothing kept" in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_parent_is_an_output_error(tiny_gguf, tmp_path, monkeypatch, capsys):
+    def refused(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(gguf_import.tempfile, "mkdtemp", refused)
+    code, text = _run(["--gguf", str(tiny_gguf), "--out", str(tmp_path / "llm")], capsys)
+    assert code == 4 and "cannot create a directory in" in text and "Permission denied" in text, text
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
