@@ -111,6 +111,11 @@ def test_cli_import_prints_where_and_how_to_use_it(tiny_gguf, tmp_path, capsys):
     assert f"model.llm.pretrained={tmp_path / 'd'}" in text and "max diff 0" in text
 
 
+def test_llm_without_a_subcommand_prints_its_help(capsys):
+    assert main(["llm"]) == 2
+    assert "import-gguf" in capsys.readouterr().out
+
+
 def test_a_failed_check_writes_nothing(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_import, "LOGITS_ATOL", -1.0)  # no difference passes: the check must refuse
     with pytest.raises(gguf_import.DataError, match="logits differ"):
