@@ -291,9 +291,12 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
             )
             (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
             _as_umask_allows(tmp)
-            if out.is_dir():
-                out.rmdir()  # empty (checked above); rename needs the name free
-            tmp.rename(out)
+            try:
+                if out.is_dir():
+                    out.rmdir()  # empty (checked above); rename needs the name free
+                tmp.rename(out)
+            except OSError as e:  # something was put there during the import
+                raise OutputError(f"--out {out}: cannot be replaced ({e}); nothing was written") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -136,6 +136,23 @@ def test_a_failed_write_is_an_output_error_and_keeps_nothing(tiny_gguf, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_out_filled_during_the_import_is_left_alone(tiny_gguf, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "llm"
+    real = gguf_import._as_umask_allows
+
+    def someone_writes_out(directory):
+        real(directory)
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(gguf_import, "_as_umask_allows", someone_writes_out)
+    code, text = _run(["--gguf", str(tiny_gguf), "--out", str(out)], capsys)
+    assert code == 4 and "cannot be replaced" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llm"] and [p.name for p in out.iterdir()] == [
+        "theirs.txt"
+    ]
+
+
 def test_an_unwritable_parent_is_an_output_error(tiny_gguf, tmp_path, monkeypatch, capsys):
     def refused(**kwargs):
         raise PermissionError(13, "Permission denied")
