@@ -37,6 +37,7 @@ from speechlm.errors import DataError, UsageError
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 AUDIO = "<|audio|>"
 SIDECAR_FORMAT = 1
+SP_SAVED = "sentencepiece"  # file names (.model, .json) of `Tokenizer.save` in a directory
 
 _TAG_RE = re.compile(r"<\|([^|<>\s]+)\|>")
 _LANG_RE = re.compile(r"[A-Za-z0-9_\-]+")
@@ -299,6 +300,29 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, langs={list(self.langs)})"
 
+    @property
+    def tag_tokens(self) -> int:
+        """Tokens of the language tag that starts an encoded transcript (CTC skips them)."""
+        return 1
+
+    @property
+    def ctc_blank_id(self) -> int:
+        return self.pad_id
+
+    def save(self, directory: str | Path) -> Path:
+        """Copy the model and its sidecar into `directory` (as sentencepiece.model / sentencepiece.json,
+        names no Hugging Face file has); returns the copied .model path. `load_text_tokenizer` loads
+        the directory or that path."""
+        import shutil
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for src, name in ((self.path, f"{SP_SAVED}.model"), (self._sidecar_path, f"{SP_SAVED}.json")):
+            if src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / f".{name}.tmp")
+                (out / f".{name}.tmp").replace(out / name)
+        return out / f"{SP_SAVED}.model"
+
     def lang_id(self, lang: str) -> int:
         """Return the id of the tag token `<|lang|>`."""
         try:
@@ -359,6 +383,33 @@ class Tokenizer:
         if run:
             parts.append(self._sp.decode(run))
         return " ".join(p.strip() for p in parts if p.strip())
+
+
+def load_text_tokenizer(
+    path: str | Path, *, langs: Sequence[str] | None = None, lang_tags: str | None = None
+) -> Any:
+    """The tokenizer at `path`: a SentencePiece model (a .model file or its prefix) -> `Tokenizer`; a
+    Hugging Face tokenizer directory -> `speechlm.data.hf_tokenizer.HFTokenizer` (`langs`, `lang_tags`:
+    the languages to add tags for, beyond those its ``speechlm_tokenizer.json`` names, and the tag mode).
+    A SentencePiece model takes neither: its languages and tags are fixed at training."""
+    from speechlm.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+
+    p = Path(path)
+    if p.is_dir():
+        if (p / f"{SP_SAVED}.model").is_file():
+            return Tokenizer(p / f"{SP_SAVED}.model")  # a directory written by Tokenizer.save
+        if is_hf_tokenizer_dir(p):
+            return HFTokenizer(p, langs=langs, lang_tags=lang_tags)
+        raise TokenizerFileError(
+            f"{p} is a directory with no tokenizer: give a Hugging Face tokenizer directory "
+            "(tokenizer.json) or a SentencePiece .model file of `speechlm tokenizer train`"
+        )
+    if lang_tags not in (None, "special"):
+        raise UsageError(
+            f"data.lang_tags={lang_tags} needs the LLM's own tokenizer: the SentencePiece model {p} has "
+            "one tag token per language built in; use data.lang_tags=special"
+        )
+    return Tokenizer(p)
 
 
 # ---------------------------------------------------------------------------------------------------
