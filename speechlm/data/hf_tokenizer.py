@@ -44,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from speechlm.data.tokenizer import (
+from speechlm.data.special_tokens import (
     _TAG_RE,
     AUDIO,
     TokenizerError,
@@ -332,15 +332,21 @@ class HFTokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write the tokenizer with its added tokens (``AutoTokenizer`` loads the directory) and the
-        languages (``speechlm_tokenizer.json``); the config and template files are copied as they are."""
+        languages (``speechlm_tokenizer.json``); the config and template files are copied as they are.
+        Each file is written to a temporary name and renamed: a kill leaves each file whole."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+
+        def put(name: str, write: Any) -> None:
+            tmp = out / f".{name}.tmp"
+            write(tmp)
+            tmp.replace(out / name)
+
         for name in _COPIED:
-            if (self.path / name).is_file() and (self.path / name).resolve() != (out / name).resolve():
-                shutil.copyfile(self.path / name, out / name)
-        self._tok.save(str(out / "tokenizer.json"))
+            src = self.path / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                put(name, lambda tmp, src=src: shutil.copyfile(src, tmp))
+        put("tokenizer.json", lambda tmp: self._tok.save(str(tmp)))
         sidecar = {"format": 1, "langs": list(self.langs), "lang_tags": self.lang_tags, "audio": AUDIO}
-        tmp = out / f".{SIDECAR}.tmp"
-        tmp.write_text(json.dumps(sidecar, indent=2, ensure_ascii=False) + "\n")
-        tmp.replace(out / SIDECAR)
+        put(SIDECAR, lambda tmp: tmp.write_text(json.dumps(sidecar, indent=2, ensure_ascii=False) + "\n"))
         return out
