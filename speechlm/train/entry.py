@@ -236,6 +236,7 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
         added_token_ids=tuple(getattr(tokenizer, "added_ids", ())),
     )
     if rank == 0:
+        print(describe_prompt(tokenizer, prompt))
         durations = train_table.column("duration").to_numpy()
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
         print(
@@ -254,6 +255,20 @@ def print_resolved_config(cfg: ExperimentConfig, rank: int) -> None:
         from speechlm.config import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe_prompt(tokenizer: Any, prompt: Any) -> str:
+    """One line on the run's tokenizer and prompt form, e.g. ``prompt: chat template of DIR (stop <|im_end|>)``."""
+    kind = "the LLM's tokenizer" if hasattr(tokenizer, "added_ids") else "SentencePiece"
+    form = (
+        f"chat template of {tokenizer.path}"
+        if prompt.templated
+        else "plain [bos, audio, instruction, transcript, eos]"
+    )
+    return (
+        f"tokenizer: {kind} {tokenizer.path} ({len(tokenizer)} ids); prompt: {form} "
+        f"(stop {tokenizer.id_to_piece(prompt.stop_id)})"
+    )
 
 
 RUN_TOKENIZER_DIR = "tokenizer"  # run_dir/tokenizer: the LLM's tokenizer as this run extended it
