@@ -45,12 +45,13 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.data.special_tokens import (
-    _TAG_RE,
     AUDIO,
     TokenizerError,
     TokenizerFileError,
     UnknownLanguageError,
     _check_langs,
+    decode_in_runs,
+    encode_with_tags,
     format_lang_tag,
 )
 
@@ -267,24 +268,25 @@ class HFTokenizer:
         return str(self._tok.id_to_token(int(i)))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a transcript (language tags one id each, or dropped with ``lang_tags: none``)."""
-        ids: list[int] = []
-        pos = 0
-        for m in _TAG_RE.finditer(text):
-            ids.extend(self._encode_plain(text[pos : m.start()]))
-            tag = m.group(0)
+        """Token ids of a transcript (language tags one id each, or dropped with ``lang_tags: none``);
+        ``<|audio|>`` is its id (the prompt builder refuses it in a transcript)."""
+
+        def ids_of_tag(tag: str) -> list[int] | None:
             if tag == AUDIO:
-                ids.append(self.audio_id)  # the prompt builder refuses it in a transcript
-            elif tag in self._tag_ids:
-                ids.append(self._tag_ids[tag])
-            elif self.lang_tags != "none" or tag[2:-2] not in self.langs:
-                raise ValueError(
-                    f"text contains the tag {tag!r}, which tokenizer {self.path} does not know "
-                    f"(languages: {', '.join(self.langs)}); fix the text: {text[:80]!r}"
-                )
-            pos = m.end()
-        ids.extend(self._encode_plain(text[pos:]))
-        return ids
+                return [self.audio_id]
+            if tag in self._tag_ids:
+                return [self._tag_ids[tag]]
+            return [] if self.lang_tags == "none" and tag[2:-2] in self.langs else None
+
+        return encode_with_tags(
+            text,
+            self._encode_plain,
+            ids_of_tag,
+            lambda tag: (
+                f"text contains the tag {tag!r}, which tokenizer {self.path} does not know "
+                f"(languages: {', '.join(self.langs)}); fix the text: {text[:80]!r}"
+            ),
+        )
 
     def _encode_plain(self, text: str) -> list[int]:
         text = " ".join(text.split())
@@ -305,26 +307,14 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], *, keep_lang_tag: bool = False) -> str:
         """Words of `ids`: special tokens, pad/bos/eos/audio and ids past the vocabulary dropped; the
         language tags only with ``keep_lang_tag=True``."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
         n = self.vocab_size
-        parts: list[str] = []
-        run: list[int] = []
-        for raw in ids:
-            i = int(raw)
-            lang = self._lang_by_id.get(i)
-            if lang is None:
-                if 0 <= i < n and i not in self._special_ids:
-                    run.append(i)
-                continue
-            if run:
-                parts.append(self._tok.decode(run, skip_special_tokens=True))
-                run = []
-            if keep_lang_tag:
-                parts.append(format_lang_tag(lang))
-        if run:
-            parts.append(self._tok.decode(run, skip_special_tokens=True))
-        return " ".join(p.strip() for p in parts if p.strip())
+        return decode_in_runs(
+            ids,
+            lambda run: str(self._tok.decode(run, skip_special_tokens=True)),
+            lang_by_id=self._lang_by_id,
+            is_word=lambda i: 0 <= i < n and i not in self._special_ids,
+            keep_lang_tag=keep_lang_tag,
+        )
 
     def decode_verbatim(self, ids: Iterable[int]) -> str:
         """Every id as text, special tokens included (what the LLM reads; for inspection and tests)."""

@@ -39,6 +39,8 @@ from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names
     TokenizerFileError,
     UnknownLanguageError,
     _check_langs,
+    decode_in_runs,
+    encode_with_tags,
     format_lang_tag,
 )
 from speechlm.errors import DataError, UsageError
@@ -301,21 +303,16 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special symbols (`<|hi|>`, `<|audio|>`) become one id each, no bos/eos."""
-        ids: list[int] = []
-        pos = 0
-        for m in _TAG_RE.finditer(text):
-            ids.extend(self._encode_plain(text[pos : m.start()]))
-            special = self._special_ids.get(m.group(0))
-            if special is None:
-                raise ValueError(
-                    f"text contains the tag {m.group(0)!r}, which tokenizer {self.path} does not know "
-                    f"(languages: {', '.join(self.langs)}); retrain the tokenizer with this language or "
-                    f"fix the text: {text[:80]!r}"
-                )
-            ids.append(special)
-            pos = m.end()
-        ids.extend(self._encode_plain(text[pos:]))
-        return ids
+        return encode_with_tags(
+            text,
+            self._encode_plain,
+            lambda tag: [self._special_ids[tag]] if tag in self._special_ids else None,
+            lambda tag: (
+                f"text contains the tag {tag!r}, which tokenizer {self.path} does not know "
+                f"(languages: {', '.join(self.langs)}); retrain the tokenizer with this language or "
+                f"fix the text: {text[:80]!r}"
+            ),
+        )
 
     def _encode_plain(self, text: str) -> list[int]:
         text = " ".join(text.split())
@@ -323,29 +320,20 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, keep_lang_tag: bool = False) -> str:
         """Text of `ids`, without pad/bos/eos/audio; language tags only with `keep_lang_tag=True`."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()  # a tensor or an array
         n = self.vocab_size
-        parts: list[str] = []
-        run: list[int] = []
-        for raw in ids:
-            i = int(raw)
+
+        def is_word(i: int) -> bool:
             if not 0 <= i < n:
                 raise ValueError(f"token id {i} is out of range for tokenizer {self.path} (0..{n - 1})")
-            if i in self._dropped_ids:
-                continue
-            lang = self._lang_by_id.get(i)
-            if lang is None:
-                run.append(i)
-                continue
-            if run:
-                parts.append(self._sp.decode(run))
-                run = []
-            if keep_lang_tag:
-                parts.append(format_lang_tag(lang))
-        if run:
-            parts.append(self._sp.decode(run))
-        return " ".join(p.strip() for p in parts if p.strip())
+            return i not in self._dropped_ids
+
+        return decode_in_runs(
+            ids,
+            lambda run: str(self._sp.decode(run)),
+            lang_by_id=self._lang_by_id,
+            is_word=is_word,
+            keep_lang_tag=keep_lang_tag,
+        )
 
 
 def load_text_tokenizer(

@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import SMOKE
 from pretrained_helpers import IM_END, make_tiny_pretrained
 
-from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
+from speechlm.config import LLMConfig, ModelConfig, load_config
 from speechlm.packing import IGNORE_INDEX, plan_thd
 from speechlm.prompt import PromptFormat, build_prompt, build_prompt_format, build_prompts
 
@@ -134,17 +135,9 @@ def test_sentencepiece_prompt_is_todays_plain_form(demo_data):
 
 
 def _tiny_cfg(llm_dir, ctc_weight=0.3) -> ModelConfig:
-    enc = EncoderConfig(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        subsampling_conv_channels=8,
-        num_mel_bins=32,
-    )
-    return ModelConfig(
-        encoder=enc, llm=LLMConfig(pretrained=str(llm_dir)), projector_hidden=32, ctc_weight=ctc_weight
-    )
+    """configs/smoke.yaml's tiny encoder and projector around the pretrained LLM directory."""
+    cfg = load_config(SMOKE, [f"model.llm.pretrained={llm_dir}", f"model.ctc_weight={ctc_weight}"])
+    return cfg.model
 
 
 def test_the_ids_that_reach_the_llm_are_its_tokenizers(llm_dir, tok, auto):
