@@ -106,3 +106,14 @@ def test_lang_tags_none_and_a_broken_template_file(demo_data, llm_dir, tmp_path,
     sp = train_in_process([SMOKE, *manifests(demo_data), f"data.tokenizer={demo_data['tok']}",
                            "data.lang_tags=none", "--dry-run"], capsys)  # fmt: skip
     assert sp.returncode != 0 and "data.lang_tags=none" in sp.stderr
+
+
+def test_pretrained_dir_without_a_tokenizer_names_the_key(demo_data, tmp_path, capsys):
+    weights_only = make_tiny_pretrained(tmp_path / "w", langs=["en"], with_tokenizer=False)
+    r = train_in_process(
+        [SMOKE, *manifests(demo_data), f"model.llm.pretrained={weights_only}", "--dry-run"], capsys
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert (
+        "model.llm.pretrained (its own tokenizer)" in r.stderr and "tokenizer.json does not exist" in r.stderr
+    )
