@@ -268,3 +268,20 @@ def test_greedy_decoding_feeds_the_template_head_and_stops_at_end_of_turn(llm_di
     model.prompt = fmt
     model.generate_greedy(audio, lens, max_new_tokens=1, use_cache=False)
     assert seen[0] == len(fmt.prefix) + model.audio_embed_lengths(lens)[0] + len(fmt.middle)
+
+
+def test_lang_tags_none_supervises_words_only_and_ctc_skips_nothing(llm_dir):
+    from speechlm.data.hf_tokenizer import HFTokenizer
+    from speechlm.model.speech_llm import SpeechLLM
+
+    tok = HFTokenizer(llm_dir, langs=["en", "hi"], lang_tags="none")
+    fmt = build_prompt_format(tok)
+    rows, tokens_BL, lens_B = collate(tok, TEXTS)
+    ids_L, mask_L = fmt.build(rows[0])
+    assert tok.decode_verbatim(ids_L[mask_L].tolist()) == "moon blue sun<|im_end|>"  # no tag to learn
+    model = SpeechLLM(
+        _tiny_cfg(llm_dir), vocab_size=tok.vocab_size, pad_id=tok.pad_id, audio_id=tok.audio_id, prompt=fmt,
+        ctc_blank_id=tok.ctc_blank_id, ctc_skip_leading=tok.tag_tokens,
+    )  # fmt: skip
+    targets, target_lens = model.ctc_targets(tokens_BL, lens_B)
+    assert [targets[b, :n].tolist() for b, n in enumerate(target_lens.tolist())] == rows
