@@ -31,6 +31,7 @@ from speechlm.errors import EXIT_DATA, UsageError
 # `FIELDS` reads them (`OneOf(choices=choices_of(T))`), parsing refuses anything else (`_coerce`), and
 # mypy checks the code that compares against them.
 ReadMode = Literal["indexed", "streaming"]
+LangTags = Literal["special", "none"]  # language tags: one added special token each, or none
 SampleRate = Literal[16000]  # the encoders' front end reads 16 kHz (model/features.py)
 SamplerMode = Literal["temperature", "exhaustive"]
 EncoderKind = Literal["parakeet", "whisper", "nemo"]
@@ -99,7 +100,14 @@ class DataConfig(Section):
     # against the working directory; stored absolute (docs/config.md)
     train_manifest: str | None = None  # required unless data.input_cfg is set
     val_manifest: str | None = None  # None: no validation
-    tokenizer: str | None = None  # required to train
+    # a SentencePiece .model (from-scratch LLM) or a Hugging Face tokenizer directory; None with
+    # model.llm.pretrained: that LLM's own tokenizer (docs/pretrained-tokenizer.md)
+    tokenizer: str | None = None
+    lang_tags: LangTags = "special"
+    system_prompt: str | None = None  # a system turn of the chat template (needs one)
+    chat_template: str = "auto"  # auto | none | a Jinja file replacing the tokenizer's template
+    # train a pretrained LLM on a SentencePiece model's ids anyway (they mean other tokens to it)
+    allow_sentencepiece_with_pretrained: bool = False
     sample_rate: SampleRate = 16000  # the encoders' front end reads 16 kHz (model/features.py)
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
     num_workers: int = 0
@@ -542,9 +550,26 @@ FIELDS: dict[str, Rule] = {
     ),
     "data.val_manifest": Text("validation data (any source kind)", path=True, null="no validation"),
     "data.tokenizer": Text(
-        "SentencePiece model (.model) built by `speechlm tokenizer train`",
+        "SentencePiece model (.model) built by `speechlm tokenizer train`, or a Hugging Face tokenizer "
+        "directory (the pretrained LLM's, or one it was saved with)",
         path=True,
-        null="none; required to train",
+        null="model.llm.pretrained's own tokenizer; required without it",
+    ),
+    "data.lang_tags": OneOf(
+        "language tags in the transcript: 'special' (one added token per language, the first target "
+        "token), 'none' (no tag; needs the LLM's tokenizer)",
+        choices=choices_of(LangTags),
+    ),
+    "data.system_prompt": Text("system turn of the chat template", null="no system turn"),
+    "data.chat_template": Text(
+        "the prompt's chat template: 'auto' (the tokenizer's, if it has one), 'none' (plain "
+        "[bos, audio, instruction, transcript, eos]) or a Jinja template file",
+        path=True,
+        keywords=("auto", "none"),
+    ),
+    "data.allow_sentencepiece_with_pretrained": Flag(
+        "train model.llm.pretrained on a SentencePiece data.tokenizer's ids (not the LLM's own: its "
+        "pretrained embeddings then mean other tokens)"
     ),
     "data.sample_rate": OneOf(
         "audio is resampled to this rate (Hz); the encoders' front end reads 16 kHz",
@@ -1045,7 +1070,8 @@ def check_config(cfg: ExperimentConfig, origin: Mapping[str, str] | None = None)
 # the rules of the sections' `problems`, for docs/config.md
 CROSS_FIELD_RULES = (
     "`data.train_manifest` and `data.input_cfg` are exclusive (set the other to `null`); training needs "
-    "one of them and `data.tokenizer` (checked when a run starts, not by `speechlm validate` of a layout)",
+    "one of them and `data.tokenizer` or `model.llm.pretrained` (checked when a run starts, not by `speechlm "
+    "validate` of a layout)",
     "`trainer.final_eval_split: val` and `trainer.val_every > 0` need `data.val_manifest`",
     "`trainer.early_stopping_patience > 0` needs `trainer.val_every > 0`",
     "a model built from its sizes (no `pretrained`): `llm.num_heads` a multiple of `llm.num_kv_heads`, "
@@ -1065,9 +1091,10 @@ def require_inputs(cfg: ExperimentConfig) -> None:
             "no training data: set data.train_manifest=PATH (a manifest, shard folder, NeMo manifest, ...) "
             "or data.input_cfg (several weighted datasets) in the config or on the command line"
         )
-    if cfg.data.tokenizer is None:
+    if cfg.data.tokenizer is None and cfg.model.llm.pretrained is None:
         raise ConfigError(
-            "no tokenizer: set data.tokenizer=PATH (a .model file; build one with `speechlm tokenizer train`)"
+            "no tokenizer: set data.tokenizer=PATH (a .model file; build one with `speechlm tokenizer train`), "
+            "or model.llm.pretrained=DIR to use that LLM's own tokenizer"
         )
     # input paths that are set must exist (trainer.resume is checked by the resume code, which knows
     # what a checkpoint is); named resolved, so a wrong folder shows

@@ -49,11 +49,12 @@ def open_manifests(cfg: Any) -> tuple[Any, Any]:
 
 
 def load_tokenizer(path: Any) -> Any:
-    """The tokenizer at `path` (data.tokenizer); a missing or damaged file is a DataError naming it."""
-    from speechlm.data.tokenizer import Tokenizer
+    """The SentencePiece tokenizer at `path` (data.tokenizer: a .model file, its prefix, or a directory
+    of `Tokenizer.save`); a missing or damaged file is a DataError naming it."""
+    from speechlm.data.tokenizer import load_text_tokenizer
 
     try:
-        return Tokenizer(path)
+        return load_text_tokenizer(path)
     except FileNotFoundError as e:
         raise DataError(f"data.tokenizer={path}: {e}") from None
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
@@ -64,6 +65,128 @@ def load_tokenizer(path: Any) -> Any:
             f"sidecar {prefix}.json must come from one `speechlm tokenizer train` run: retrain the tokenizer "
             "or restore the files"
         ) from e
+
+
+def tokenizer_source(cfg: Any) -> tuple[str | None, str]:
+    """(the run's tokenizer path, its kind): data.tokenizer, else model.llm.pretrained's directory (that
+    LLM's own tokenizer); kind "hf" for a Hugging Face tokenizer directory, "sentencepiece" otherwise
+    (None path: neither is set)."""
+    from speechlm.data.hf_tokenizer import is_hf_tokenizer_dir
+    from speechlm.data.tokenizer import SP_SAVED
+
+    path = cfg.data.tokenizer or cfg.model.llm.pretrained
+    if path is None:
+        return None, "sentencepiece"
+    p = Path(str(path))
+    hf = is_hf_tokenizer_dir(p) and not (p / f"{SP_SAVED}.model").is_file()
+    return str(path), "hf" if hf or (p.is_dir() and cfg.data.tokenizer is None) else "sentencepiece"
+
+
+def check_tokenizer_choice(cfg: Any, kind: str) -> None:
+    """A pretrained LLM trains on its own tokenizer's ids: a SentencePiece data.tokenizer is refused
+    (its ids index embeddings trained for other tokens) unless data.allow_sentencepiece_with_pretrained."""
+    if (
+        cfg.model.llm.pretrained
+        and kind == "sentencepiece"
+        and not cfg.data.allow_sentencepiece_with_pretrained
+    ):
+        raise UsageError(
+            f"model.llm.pretrained={cfg.model.llm.pretrained} with the SentencePiece data.tokenizer="
+            f"{cfg.data.tokenizer}: the LLM's embeddings are indexed by its own tokenizer's ids, which mean "
+            "other tokens in this SentencePiece model, so the pretrained weights would be wasted. Unset "
+            "data.tokenizer (data.tokenizer=null: the LLM's own tokenizer), or point it at the LLM's "
+            "tokenizer directory; to train on these ids anyway set data.allow_sentencepiece_with_pretrained=true"
+        )
+    if kind == "sentencepiece" and cfg.data.lang_tags != "special":
+        raise UsageError(
+            f"data.lang_tags={cfg.data.lang_tags} needs a Hugging Face tokenizer (data.tokenizer is the "
+            f"SentencePiece model {cfg.data.tokenizer}, whose tags are built in): set data.lang_tags=special"
+        )
+
+
+def manifest_langs(*tables: Any) -> list[str]:
+    """The sorted languages of the manifests' lang columns (the tags a Hugging Face tokenizer gets)."""
+    import pyarrow.compute as pc
+
+    langs: set[str] = set()
+    for table in tables:
+        if table is not None and "lang" in table.column_names:
+            for chunk in table.column("lang").chunks:
+                langs.update(str(x) for x in pc.unique(chunk).to_pylist() if x is not None)
+    return sorted(langs)
+
+
+def load_run_tokenizer(cfg: Any, langs: Any = ()) -> Any:
+    """The run's tokenizer (`tokenizer_source`): a SentencePiece `Tokenizer`, or the LLM's `HFTokenizer`
+    with <|audio|> and a tag per language of `langs` added. Errors name the key and the file."""
+    from speechlm.data.hf_tokenizer import HFTokenizer
+
+    path, kind = tokenizer_source(cfg)
+    check_tokenizer_choice(cfg, kind)
+    if kind == "sentencepiece":
+        return load_tokenizer(path)
+    key = "data.tokenizer" if cfg.data.tokenizer else "model.llm.pretrained (its own tokenizer)"
+    if path is None:
+        raise UsageError("no tokenizer: set data.tokenizer=PATH or model.llm.pretrained=DIR")
+    try:
+        return HFTokenizer(path, langs=list(langs), lang_tags=cfg.data.lang_tags)
+    except FileNotFoundError as e:
+        raise DataError(f"{key}={path}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{key}={path} cannot be loaded ({type(e).__name__}: {e})") from e
+
+
+def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
+    """The run's `speechlm.prompt.PromptFormat` (data.chat_template, data.instruction, data.system_prompt)."""
+    from speechlm.data.tokenizer import AUDIO
+    from speechlm.prompt import build_prompt_format
+
+    template = cfg.data.chat_template
+    if template not in ("auto", "none"):
+        try:
+            template = Path(template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(
+                f"data.chat_template={cfg.data.chat_template} cannot be read ({e}): give a Jinja template "
+                "file, or 'auto' / 'none'"
+            ) from None
+    try:
+        return build_prompt_format(
+            tokenizer,
+            instruction=cfg.data.instruction,
+            system_prompt=cfg.data.system_prompt,
+            chat_template=template,
+            audio_token=AUDIO,
+        )
+    except ValueError as e:  # a template that cannot be split, a system prompt with no template
+        raise UsageError(
+            f"the prompt cannot be built (data.chat_template={cfg.data.chat_template}): {e}"
+        ) from None
+
+
+def tokenizer_summary(cfg: Any) -> dict[str, Any]:
+    """The tokenizer facts the validator's tokenizer rules read (no file is loaded, only looked at):
+    tokenizer_kind, llm_pretrained, chat_template (whether the HF tokenizer directory has one; None
+    when unknown here) and the escape hatch."""
+    from speechlm.data.hf_tokenizer import _read_json, read_chat_template
+
+    path, kind = tokenizer_source(cfg)
+    has_template: bool | None = None
+    if kind == "hf" and path is not None and Path(path).is_dir():
+        try:
+            has_template = (
+                read_chat_template(Path(path), _read_json(Path(path) / "tokenizer_config.json")) is not None
+            )
+        except DataError:
+            has_template = None
+    return {
+        "tokenizer_kind": kind if path is not None else None,
+        "tokenizer_path": path,
+        "llm_pretrained": cfg.model.llm.pretrained,
+        "chat_template": has_template,
+        "chat_template_setting": cfg.data.chat_template,
+        "allow_sentencepiece_with_pretrained": bool(cfg.data.allow_sentencepiece_with_pretrained),
+    }
 
 
 def tokenizer_prefix(path: Any) -> Path:
@@ -325,6 +448,8 @@ def validate_data(cfg: Any, manifest: str | None = None) -> tuple[dict[str, Any]
     import dataclasses
 
     notes: list[str] = []
+    facts = tokenizer_summary(cfg)
+    tok_facts = facts if facts["tokenizer_kind"] == "hf" or facts["llm_pretrained"] else {}
     if manifest is not None:
         data = dataclasses.replace(cfg.data, train_manifest=manifest, input_cfg=None)
         cfg = dataclasses.replace(cfg, data=data)
@@ -340,15 +465,22 @@ def validate_data(cfg: Any, manifest: str | None = None) -> tuple[dict[str, Any]
             f"data rules not run: {where}; pass --manifest M (or set data.train_manifest) to check the "
             "data as `speechlm train` does"
         )
-        return None, cfg, None, notes
+        return tok_facts or None, cfg, None, notes
     if cfg.data.val_manifest and not Path(cfg.data.val_manifest).exists():
         notes.append(f"val manifest {cfg.data.val_manifest} not checked: it does not exist here")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_manifest=None))
     train_table, val_table = open_manifests(cfg)
-    if cfg.data.tokenizer and Path(f"{tokenizer_prefix(cfg.data.tokenizer)}.model").exists():
-        check_inputs(cfg, train_table, val_table, load_tokenizer(cfg.data.tokenizer))
+    path, kind = tokenizer_source(cfg)
+    found = path is not None and (Path(path).is_dir() or Path(f"{tokenizer_prefix(path)}.model").exists())
+    refused = bool(cfg.model.llm.pretrained) and kind == "sentencepiece"
+    if found and not (refused and not cfg.data.allow_sentencepiece_with_pretrained):
+        tokenizer = load_run_tokenizer(cfg, manifest_langs(train_table, val_table))
+        check_inputs(cfg, train_table, val_table, tokenizer)
+        build_run_prompt(cfg, tokenizer)  # a template that cannot be split fails here, as in train
+    elif found:
+        notes.append("languages and tags not checked: the tokenizer is refused (see the findings)")
     else:
         notes.append(
             f"languages and tags not checked: data.tokenizer {cfg.data.tokenizer} does not exist here"
         )
-    return summarize(train_table, cfg), cfg, train_table, notes
+    return {**summarize(train_table, cfg), **tok_facts}, cfg, train_table, notes

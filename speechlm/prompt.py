@@ -1,63 +1,213 @@
-"""Build the token prompt of one utterance: ``[bos, <audio>, *instruction, *target, eos]``.
+"""Build the token prompt of one utterance from a `PromptFormat`: its fixed ids around the audio
+placeholder and the transcript, computed once per run from the tokenizer.
 
 Letters: B batch rows, L prompt length (here: one utterance, audio still a single placeholder).
 
+    ids_L          *prefix  <audio>  *middle  *target  *stop  *trailing
+    target_mask_L     0        0        0        1       1        0
+
 ``ids_L`` holds one ``audio_id`` placeholder that packing (``speechlm.packing``) replaces by the
 clip's audio embeddings. ``target_mask_L`` is True on the transcript tokens (which begin with the
-language tag, so the language is supervised) and on EOS; BOS, the placeholder and the instruction
-are context only. Example, instruction of 2 tokens, target ``[<en>, w1, w2]``::
+language tag when there is one, so the language is supervised) and on the stop tokens; everything
+else is context only.
+
+The plain form (SentencePiece tokenizer, or an LLM tokenizer without a chat template) is today's
+``[bos, <audio>, *instruction, *target, eos]``: prefix ``[bos]`` (empty without a BOS token), middle
+the instruction, stop ``[eos]``, no trailing ids. Example, instruction of 2 tokens, target
+``[<en>, w1, w2]``::
 
     ids_L          bos  <audio>  i1  i2  <en>  w1  w2  eos
     target_mask_L   0      0      0   0    1    1   1    1
+
+The chat form (`build_prompt_format` with a template): the template is rendered once with a system
+turn (``data.system_prompt``, if set), a user turn ``<|audio|>`` + newline + instruction and an
+assistant turn whose content is a sentinel; the text is split at the placeholder and the sentinel
+and each piece encoded with its special tokens. Prefix is everything before the placeholder, middle
+the rest of the user turn and the assistant header, stop the text after the sentinel up to and
+including its first special token (the template's end-of-turn token, e.g. ChatML's ``<|im_end|>``;
+``stop_id``, where greedy decoding stops), trailing what the template writes after it (unlabelled).
+A template that writes no special token after the content gets ``eos`` appended to stop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from speechlm.packing import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "build_prompt", "build_prompts"]
+__all__ = ["IGNORE_INDEX", "PromptFormat", "build_prompt", "build_prompt_format", "build_prompts"]
+
+SENTINEL = "SPEECHLMTRANSCRIPTSENTINEL"  # the assistant content the template is rendered with
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """The fixed ids of every utterance's prompt (see the module docstring); ``stop_id`` ends decoding."""
+
+    audio_id: int
+    eos_id: int
+    prefix: tuple[int, ...] = ()
+    middle: tuple[int, ...] = ()
+    stop: tuple[int, ...] = ()
+    trailing: tuple[int, ...] = ()
+    bos_id: int | None = None
+    templated: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.stop:
+            raise ValueError("PromptFormat.stop is empty: the transcript needs an end token (eos)")
+        for name in ("prefix", "middle", "stop", "trailing"):
+            if self.audio_id in getattr(self, name):
+                raise ValueError(
+                    f"PromptFormat.{name} contains the audio placeholder id {self.audio_id}; the placeholder "
+                    "must appear only once, between the prefix and the middle"
+                )
+
+    @classmethod
+    def plain(
+        cls, *, bos_id: int | None, eos_id: int, audio_id: int, instruction_ids: Sequence[int] = ()
+    ) -> PromptFormat:
+        """``[bos, <audio>, *instruction, *target, eos]`` (no bos where ``bos_id`` is None)."""
+        instruction = tuple(int(t) for t in instruction_ids)
+        if audio_id in instruction:
+            raise ValueError(
+                f"instruction_ids contains the audio placeholder id {audio_id}; the placeholder must appear "
+                "only once, between BOS and the instruction (use a dedicated special token for audio_id)"
+            )
+        prefix = () if bos_id is None else (int(bos_id),)
+        return cls(int(audio_id), int(eos_id), prefix, instruction, (int(eos_id),), (), bos_id)
+
+    @property
+    def stop_id(self) -> int:
+        """The token whose generation ends a transcript (the last stop token)."""
+        return self.stop[-1]
+
+    @property
+    def generation_prompt(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ids before the audio, ids after it): what greedy decoding feeds before the first new token."""
+        return self.prefix, self.middle
+
+    def build(self, target_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """``(ids_L, target_mask_L)`` (int64, bool) for one utterance."""
+        target = [int(t) for t in target_ids]
+        if self.audio_id in target:
+            raise ValueError(
+                f"target_ids contains the audio placeholder id {self.audio_id}; the placeholder must appear "
+                "only once, between BOS and the instruction (use a dedicated special token for audio_id)"
+            )
+        head = [*self.prefix, self.audio_id, *self.middle]
+        ids = [*head, *target, *self.stop, *self.trailing]
+        target_mask_L = torch.zeros(len(ids), dtype=torch.bool)
+        target_mask_L[len(head) : len(head) + len(target) + len(self.stop)] = True
+        return torch.tensor(ids, dtype=torch.long), target_mask_L
+
+
+def _split_once(text: str, marker: str, what: str) -> tuple[str, str]:
+    if text.count(marker) != 1:
+        raise ValueError(
+            f"the chat template renders {what} {text.count(marker)} times, expected once: {text[:300]!r}; "
+            "use a template that writes each message's content once (or data.chat_template=none)"
+        )
+    before, after = text.split(marker)
+    return before, after
+
+
+def build_prompt_format(
+    tokenizer: Any,
+    *,
+    instruction: str = "",
+    system_prompt: str | None = None,
+    chat_template: str = "auto",
+    audio_token: str = "<|audio|>",
+) -> PromptFormat:
+    """The run's `PromptFormat` from its tokenizer, built once (never per sample).
+
+    ``chat_template``: ``auto`` (the tokenizer's template if it has one, else the plain form),
+    ``none`` (the plain form), or the template text itself (the caller reads a file). A tokenizer
+    without ``render_chat``/``encode_template`` (SentencePiece) only has the plain form. A system
+    prompt needs a template (ValueError otherwise, as for any template that cannot be split)."""
+    template: str | None = None
+    if chat_template == "auto":
+        template = getattr(tokenizer, "chat_template", None)
+    elif chat_template != "none":
+        template = chat_template
+    if template is not None and not hasattr(tokenizer, "render_chat"):
+        raise ValueError(
+            "a chat template needs the LLM's (Hugging Face) tokenizer; this tokenizer has no chat "
+            "support (a SentencePiece model): set data.chat_template=none"
+        )
+    if template is None:
+        if system_prompt:
+            raise ValueError(
+                "data.system_prompt is set but the prompt has no chat template (plain form "
+                "[bos, audio, instruction, transcript, eos]) to put it in: unset data.system_prompt, or "
+                "use a tokenizer with a chat template (data.chat_template)"
+            )
+        instruction_ids = tokenizer.encode(instruction) if instruction else ()
+        return PromptFormat.plain(
+            bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, audio_id=tokenizer.audio_id,
+            instruction_ids=instruction_ids,
+        )  # fmt: skip
+    user = audio_token + (f"\n{instruction}" if instruction else "")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": SENTINEL}]
+    text = tokenizer.render_chat(messages, template)
+    head, tail = _split_once(text, SENTINEL, "the assistant content")
+    before, after = _split_once(head, audio_token, f"the audio placeholder {audio_token}")
+    encode, special = tokenizer.encode_template, tokenizer.special_ids
+    tail_ids = encode(tail)
+    k = next((j for j, t in enumerate(tail_ids) if t in special), None)
+    stop = (*tail_ids, tokenizer.eos_id) if k is None else tail_ids[: k + 1]
+    trailing = () if k is None else tail_ids[k + 1 :]
+    return PromptFormat(
+        audio_id=tokenizer.audio_id,
+        eos_id=tokenizer.eos_id,
+        prefix=tuple(encode(before)),
+        middle=tuple(encode(after)),
+        stop=tuple(stop),
+        trailing=tuple(trailing),
+        bos_id=tokenizer.bos_id,
+        templated=True,
+    )
 
 
 def build_prompt(
     target_ids: Sequence[int],
     *,
-    bos_id: int,
+    bos_id: int | None,
     eos_id: int,
     audio_id: int,
     instruction_ids: Sequence[int] = (),
 ) -> tuple[Tensor, Tensor]:
-    """Return ``(ids_L, target_mask_L)`` (int64, bool) for one utterance."""
-    target = [int(t) for t in target_ids]
-    instruction = [int(t) for t in instruction_ids]
-    for name, part in (("target_ids", target), ("instruction_ids", instruction)):
-        if audio_id in part:
-            raise ValueError(
-                f"{name} contains the audio placeholder id {audio_id}; the placeholder must appear only "
-                "once, between BOS and the instruction (use a dedicated special token for audio_id)"
-            )
-    ids = [bos_id, audio_id, *instruction, *target, eos_id]
-    n_context = 2 + len(instruction)
-    ids_L = torch.tensor(ids, dtype=torch.long)
-    target_mask_L = torch.zeros(len(ids), dtype=torch.bool)
-    target_mask_L[n_context:] = True
-    return ids_L, target_mask_L
+    """Return ``(ids_L, target_mask_L)`` (int64, bool) of the plain form for one utterance."""
+    fmt = PromptFormat.plain(bos_id=bos_id, eos_id=eos_id, audio_id=audio_id, instruction_ids=instruction_ids)
+    return fmt.build(target_ids)
 
 
 def build_prompts(
     tokens_BL: Tensor,
     token_lens_B: Tensor | Sequence[int],
     *,
-    bos_id: int,
-    eos_id: int,
-    audio_id: int,
+    prompt: PromptFormat | None = None,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    audio_id: int | None = None,
     instruction_ids: Sequence[int] = (),
 ) -> list[tuple[Tensor, Tensor]]:
-    """Build one prompt per row of a collated batch; row ``b`` uses ``tokens_BL[b, :token_lens_B[b]]``."""
+    """Build one prompt per row of a collated batch; row ``b`` uses ``tokens_BL[b, :token_lens_B[b]]``.
+
+    ``prompt`` is the format; without it, the plain form of ``bos_id``/``eos_id``/``audio_id``."""
+    if prompt is None:
+        if eos_id is None or audio_id is None:
+            raise ValueError("build_prompts needs prompt=PromptFormat or eos_id and audio_id")
+        prompt = PromptFormat.plain(
+            bos_id=bos_id, eos_id=eos_id, audio_id=audio_id, instruction_ids=instruction_ids
+        )
     lens = [int(n) for n in (token_lens_B.tolist() if isinstance(token_lens_B, Tensor) else token_lens_B)]
     if tokens_BL.dim() != 2 or len(lens) != tokens_BL.shape[0]:
         raise ValueError(
@@ -69,9 +219,5 @@ def build_prompts(
     for b, (row, n) in enumerate(zip(rows, lens)):
         if not 0 <= n <= len(row):
             raise ValueError(f"row {b}: token length {n} is outside [0, {len(row)}]")
-        out.append(
-            build_prompt(
-                row[:n], bos_id=bos_id, eos_id=eos_id, audio_id=audio_id, instruction_ids=instruction_ids
-            )
-        )
+        out.append(prompt.build(row[:n]))
     return out

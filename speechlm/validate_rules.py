@@ -85,6 +85,24 @@ def _plan_problem(ctx: ValidationContext) -> str:
     )
 
 
+def _sentencepiece_with_pretrained(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    if not man.get("llm_pretrained") or man.get("tokenizer_kind") != "sentencepiece":
+        return ""
+    if man.get("allow_sentencepiece_with_pretrained"):
+        return ""
+    return f"model.llm.pretrained={man['llm_pretrained']} with data.tokenizer={man.get('tokenizer_path')}"
+
+
+def _no_chat_template(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    if man.get("tokenizer_kind") != "hf" or man.get("chat_template") is not False:
+        return ""
+    if man.get("chat_template_setting", "auto") != "auto":
+        return ""
+    return f"tokenizer {man.get('tokenizer_path')}"
+
+
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
         id="sampler-budget-invalid",
@@ -167,6 +185,36 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "micro-batch, so an epoch can hold enough utterances and still too few micro-batches. `speechlm "
         "train` and `speechlm validate` (with the config's manifests or --manifest) build epoch 0's plan "
         "as training does and count its micro-batches per data-parallel rank.",
+    ),
+    Rule(
+        id="pretrained-llm-sentencepiece-tokenizer",
+        level=ERROR,
+        when="model.llm.pretrained with a SentencePiece data.tokenizer (and not "
+        "data.allow_sentencepiece_with_pretrained); needs the tokenizer facts of manifest_summary",
+        applies=_sentencepiece_with_pretrained,
+        reason="{details}: the LLM's embeddings are indexed by its own tokenizer's ids, which mean other "
+        "tokens in the SentencePiece model, so the pretrained weights would be wasted",
+        fix="unset data.tokenizer (the LLM's own tokenizer is then used) or point it at the LLM's tokenizer "
+        "directory; set data.allow_sentencepiece_with_pretrained=true to train on these ids anyway",
+        doc="A pretrained LLM reads the ids of its own tokenizer: with `model.llm.pretrained` set and "
+        "`data.tokenizer` unset the run uses that tokenizer (docs/pretrained-tokenizer.md). A SentencePiece "
+        "model trained on the corpus gives ids that index unrelated embedding rows; before issue 22 this "
+        "trained silently. `speechlm train` refuses it with the same message.",
+    ),
+    Rule(
+        id="chat-template-missing",
+        level=WARNING,
+        when="the LLM's tokenizer has no chat template and data.chat_template is auto; needs the tokenizer "
+        "facts of manifest_summary",
+        applies=_no_chat_template,
+        reason="{details} has no chat template: the prompt falls back to the plain form "
+        "[bos, audio, instruction, transcript, eos], which an instruction-tuned LLM has not seen",
+        fix="nothing to change for a base LLM; for a chat LLM give its template with "
+        "data.chat_template=FILE.jinja, or set data.chat_template=none to silence this",
+        doc="With a template the prompt is the LLM's chat format (system turn, user turn with the audio "
+        "placeholder and the instruction, assistant turn with the transcript and the end-of-turn token). "
+        "A base model's tokenizer often has none; the plain form is then used, as for a model trained "
+        "from scratch.",
     ),
 )
 

@@ -74,7 +74,8 @@ _WARNED_ROWS: set[str] = set()  # "manifest#row" already reported as dropped by 
 
 
 class TextTokenizer(Protocol):
-    """What the dataset needs from a tokenizer (`speechlm.data.tokenizer.Tokenizer` has it)."""
+    """What the dataset needs from a tokenizer (`speechlm.data.tokenizer.Tokenizer` and
+    `speechlm.data.hf_tokenizer.HFTokenizer` have it)."""
 
     pad_id: int
 

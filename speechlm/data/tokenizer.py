@@ -25,29 +25,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 
+from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names' historical home)
+    _LANG_RE,
+    _TAG_RE,
+    AUDIO,
+    TokenizerError,
+    TokenizerFileError,
+    UnknownLanguageError,
+    _check_langs,
+    decode_in_runs,
+    encode_with_tags,
+    format_lang_tag,
+)
 from speechlm.errors import DataError, UsageError
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
-AUDIO = "<|audio|>"
 SIDECAR_FORMAT = 1
-
-_TAG_RE = re.compile(r"<\|([^|<>\s]+)\|>")
-_LANG_RE = re.compile(r"[A-Za-z0-9_\-]+")
-
-
-class TokenizerFileError(DataError, FileNotFoundError):
-    """A tokenizer file (.model or its .json sidecar) that does not exist (exit 1, no traceback)."""
-
-
-class TokenizerError(DataError, ValueError):
-    """A tokenizer's files that cannot be used together (corrupt sidecar, ids that do not match)."""
+SP_SAVED = "sentencepiece"  # file names (.model, .json) of `Tokenizer.save` in a directory
 
 
 class TokenizerTrainingError(DataError, RuntimeError):
@@ -55,40 +55,6 @@ class TokenizerTrainingError(DataError, RuntimeError):
 
 
 MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's own lower bound
-
-
-class UnknownLanguageError(KeyError):
-    """A language the tokenizer has no tag for (a KeyError whose message prints without quotes)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def format_lang_tag(lang: str) -> str:
-    """Return the tag token of a language code: "hi" -> "<|hi|>"."""
-    return f"<|{lang}|>"
-
-
-def _check_langs(langs: Sequence[str]) -> list[str]:
-    """Validate language codes and drop repeats, keeping the first-seen order."""
-    if isinstance(langs, str):
-        raise TypeError(
-            f"langs must be a sequence of language codes, got the string {langs!r}; wrap it in a list"
-        )
-    out: list[str] = []
-    for lang in langs:
-        if not isinstance(lang, str) or not _LANG_RE.fullmatch(lang):
-            raise ValueError(
-                f"language code {lang!r} is not valid: use letters, digits, '_' or '-' only "
-                f"(a bare code like 'hi', not a tag like '<|hi|>')"
-            )
-        if lang == "audio":
-            raise ValueError("'audio' cannot be a language code: <|audio|> is the audio placeholder")
-        if lang not in out:
-            out.append(lang)
-    if not out:
-        raise ValueError("no languages given: pass at least one language code, e.g. langs=['hi']")
-    return out
 
 
 def _strip_special(text: str) -> str:
@@ -299,6 +265,29 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, langs={list(self.langs)})"
 
+    @property
+    def tag_tokens(self) -> int:
+        """Tokens of the language tag that starts an encoded transcript (CTC skips them)."""
+        return 1
+
+    @property
+    def ctc_blank_id(self) -> int:
+        return self.pad_id
+
+    def save(self, directory: str | Path) -> Path:
+        """Copy the model and its sidecar into `directory` (as sentencepiece.model / sentencepiece.json,
+        names no Hugging Face file has); returns the copied .model path. `load_text_tokenizer` loads
+        the directory or that path."""
+        import shutil
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for src, name in ((self.path, f"{SP_SAVED}.model"), (self._sidecar_path, f"{SP_SAVED}.json")):
+            if src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / f".{name}.tmp")
+                (out / f".{name}.tmp").replace(out / name)
+        return out / f"{SP_SAVED}.model"
+
     def lang_id(self, lang: str) -> int:
         """Return the id of the tag token `<|lang|>`."""
         try:
@@ -314,21 +303,16 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special symbols (`<|hi|>`, `<|audio|>`) become one id each, no bos/eos."""
-        ids: list[int] = []
-        pos = 0
-        for m in _TAG_RE.finditer(text):
-            ids.extend(self._encode_plain(text[pos : m.start()]))
-            special = self._special_ids.get(m.group(0))
-            if special is None:
-                raise ValueError(
-                    f"text contains the tag {m.group(0)!r}, which tokenizer {self.path} does not know "
-                    f"(languages: {', '.join(self.langs)}); retrain the tokenizer with this language or "
-                    f"fix the text: {text[:80]!r}"
-                )
-            ids.append(special)
-            pos = m.end()
-        ids.extend(self._encode_plain(text[pos:]))
-        return ids
+        return encode_with_tags(
+            text,
+            self._encode_plain,
+            lambda tag: [self._special_ids[tag]] if tag in self._special_ids else None,
+            lambda tag: (
+                f"text contains the tag {tag!r}, which tokenizer {self.path} does not know "
+                f"(languages: {', '.join(self.langs)}); retrain the tokenizer with this language or "
+                f"fix the text: {text[:80]!r}"
+            ),
+        )
 
     def _encode_plain(self, text: str) -> list[int]:
         text = " ".join(text.split())
@@ -336,29 +320,47 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, keep_lang_tag: bool = False) -> str:
         """Text of `ids`, without pad/bos/eos/audio; language tags only with `keep_lang_tag=True`."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()  # a tensor or an array
         n = self.vocab_size
-        parts: list[str] = []
-        run: list[int] = []
-        for raw in ids:
-            i = int(raw)
+
+        def is_word(i: int) -> bool:
             if not 0 <= i < n:
                 raise ValueError(f"token id {i} is out of range for tokenizer {self.path} (0..{n - 1})")
-            if i in self._dropped_ids:
-                continue
-            lang = self._lang_by_id.get(i)
-            if lang is None:
-                run.append(i)
-                continue
-            if run:
-                parts.append(self._sp.decode(run))
-                run = []
-            if keep_lang_tag:
-                parts.append(format_lang_tag(lang))
-        if run:
-            parts.append(self._sp.decode(run))
-        return " ".join(p.strip() for p in parts if p.strip())
+            return i not in self._dropped_ids
+
+        return decode_in_runs(
+            ids,
+            lambda run: str(self._sp.decode(run)),
+            lang_by_id=self._lang_by_id,
+            is_word=is_word,
+            keep_lang_tag=keep_lang_tag,
+        )
+
+
+def load_text_tokenizer(
+    path: str | Path, *, langs: Sequence[str] | None = None, lang_tags: str | None = None
+) -> Any:
+    """The tokenizer at `path`: a SentencePiece model (a .model file or its prefix) -> `Tokenizer`; a
+    Hugging Face tokenizer directory -> `speechlm.data.hf_tokenizer.HFTokenizer` (`langs`, `lang_tags`:
+    the languages to add tags for, beyond those its ``speechlm_tokenizer.json`` names, and the tag mode).
+    A SentencePiece model takes neither: its languages and tags are fixed at training."""
+    from speechlm.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+
+    p = Path(path)
+    if p.is_dir():
+        if (p / f"{SP_SAVED}.model").is_file():
+            return Tokenizer(p / f"{SP_SAVED}.model")  # a directory written by Tokenizer.save
+        if is_hf_tokenizer_dir(p):
+            return HFTokenizer(p, langs=langs, lang_tags=lang_tags)
+        raise TokenizerFileError(
+            f"{p} is a directory with no tokenizer: give a Hugging Face tokenizer directory "
+            "(tokenizer.json) or a SentencePiece .model file of `speechlm tokenizer train`"
+        )
+    if lang_tags not in (None, "special"):
+        raise UsageError(
+            f"data.lang_tags={lang_tags} needs the LLM's own tokenizer: the SentencePiece model {p} has "
+            "one tag token per language built in; use data.lang_tags=special"
+        )
+    return Tokenizer(p)
 
 
 # ---------------------------------------------------------------------------------------------------

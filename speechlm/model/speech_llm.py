@@ -6,7 +6,8 @@ A_i projected audio frames of clip i, H LLM hidden, V vocabulary, L tokens, M la
 `forward(batch)` is the one training entry point: it returns a micro-batch's `MicroLosses` through
 one path, whatever the layout (``self.cp_layout``, a `parallel.cp_layout.CPLayout`):
 
-    build_prompts(tokens, token_lens)      -> [(ids_L, target_mask_L)]    [bos, <audio>, *instr, *target, eos]
+    build_prompts(tokens, token_lens)      -> [(ids_L, target_mask_L)]    self.prompt (a `PromptFormat`):
+                                              [*prefix, <audio>, *middle, *target, *stop, *trailing]
     cp_layout.place(seq_lens)              -> plan: this rank's sequences, which are split, padded how
     encode_for_layout(audio, lens, plan)   -> EncoderOutput(embeds, enc_hidden, enc_lens_B, ctc_rows, ctc_weight)
                                               (encode_audio on this rank's clips, split ones gathered)
@@ -24,10 +25,12 @@ Token cross-entropy is a sum over labelled positions (fp32), so the caller divid
 count. Only the labelled positions' logits are computed (``logits_to_keep``): most positions are
 audio frames, and the fp32 copy of ``[M, V]`` is made once.
 
-CTC: a linear head over the encoder frames (before the projector), blank = ``pad_id``, summed over
+CTC: a linear head over the encoder frames (before the projector), over the text tokenizer's ids,
+blank = ``ctc_blank_id`` (``pad_id`` for the SentencePiece tokenizer, the audio placeholder for a
+pretrained LLM's tokenizer, whose pad may be its EOS: a blank must never be a target), summed over
 utterances with ``zero_infinity``. `ctc_loss_sum` takes the batch's tokens as collated and drops the
-leading language tag itself (``ctc_skip_leading=1``): the tag has no acoustic counterpart, the LLM
-predicts it.
+leading language tag itself (``ctc_skip_leading=1``; 0 without tags): the tag has no acoustic
+counterpart, the LLM predicts it.
 
 Padding-free encoder (``model.encoder.packed``, on by default for Parakeet): features, encoder,
 projector and the CTC head run on packed frames (`speechlm.model.packed_encoder`; ``enc_hidden`` is
@@ -57,6 +60,7 @@ from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.packing import IGNORE_INDEX, PackedBatch
+from speechlm.prompt import PromptFormat
 
 
 @dataclass
@@ -135,18 +139,33 @@ class SpeechLLM(nn.Module):
         *,
         vocab_size: int,
         pad_id: int,
-        bos_id: int,
-        eos_id: int,
         audio_id: int,
+        prompt: PromptFormat | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
         instruction_ids: Sequence[int] = (),
         ctc_skip_leading: int = 1,
+        ctc_blank_id: int | None = None,
+        added_token_ids: Sequence[int] = (),
     ) -> None:
+        """``prompt``: the run's `PromptFormat`; without it, the plain form of ``bos_id``, ``eos_id``
+        and ``instruction_ids``. ``added_token_ids``: ids the tokenizer added to a pretrained LLM's
+        vocabulary (their embedding rows start at the mean of the others: `speechlm.model.llm`)."""
         super().__init__()
+        if prompt is None:
+            if eos_id is None:
+                raise ValueError("SpeechLLM needs prompt=PromptFormat(...) or eos_id (and bos_id)")
+            prompt = PromptFormat.plain(
+                bos_id=bos_id, eos_id=eos_id, audio_id=audio_id, instruction_ids=instruction_ids
+            )
+        if prompt.audio_id != audio_id:
+            raise ValueError(f"prompt.audio_id={prompt.audio_id} differs from audio_id={audio_id}")
         self.cfg = model_cfg
         self.vocab_size = vocab_size
-        self.pad_id, self.bos_id, self.eos_id, self.audio_id = pad_id, bos_id, eos_id, audio_id
-        self.instruction_ids = [int(i) for i in instruction_ids]
+        self.prompt = prompt
+        self.pad_id, self.bos_id, self.eos_id, self.audio_id = pad_id, prompt.bos_id, prompt.eos_id, audio_id
         self.ctc_skip_leading = ctc_skip_leading
+        self.ctc_blank_id = pad_id if ctc_blank_id is None else int(ctc_blank_id)
         self.ctc_weight = model_cfg.ctc_weight
         self.backend = get_backend(model_cfg.attention_backend)
         attn_implementation = ensure_registered(model_cfg.attention_backend)
@@ -159,10 +178,11 @@ class SpeechLLM(nn.Module):
             model_cfg.llm,
             vocab_size=vocab_size,
             pad_id=pad_id,
-            bos_id=bos_id,
-            eos_id=eos_id,
+            bos_id=prompt.bos_id,
+            eos_id=prompt.eos_id,
             dropout=0.0,
             attn_implementation=attn_implementation,
+            added_token_ids=added_token_ids,
         )
         self.projector = FrameStackProjector(
             self.encoder.output_dim,
@@ -214,7 +234,7 @@ class SpeechLLM(nn.Module):
     def ctc_loss_sum(
         self, enc_hidden: PackedFrames | Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
     ) -> tuple[Tensor, int]:
-        """Summed CTC loss over the batch (fp32, blank = pad_id, impossible alignments count 0).
+        """Summed CTC loss over the batch (fp32, blank = ctc_blank_id, impossible alignments count 0).
 
         ``enc_hidden`` is `PackedFrames` (the head and log-softmax run on the real frames only; the
         loss kernel gets them laid out as ``[max U, B, V]`` and reads each clip's first U_b frames) or
@@ -242,7 +262,7 @@ class SpeechLLM(nn.Module):
                 targets_BL.to(torch.long),
                 lens_B,
                 target_lens_B,
-                blank=self.pad_id,
+                blank=self.ctc_blank_id,
                 reduction="sum",
                 zero_infinity=True,
             )
@@ -312,17 +332,10 @@ class SpeechLLM(nn.Module):
     # ------------------------------------------------------------------------------------------
 
     def build_prompts(self, tokens_BL: Tensor, token_lens_B: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """``[(ids_L, target_mask_L)]``: ``[bos, <audio>, *instruction, *target, eos]`` per utterance."""
+        """``[(ids_L, target_mask_L)]`` per utterance, in the run's `PromptFormat` (``self.prompt``)."""
         from speechlm.prompt import build_prompts
 
-        return build_prompts(
-            tokens_BL,
-            token_lens_B,
-            bos_id=self.bos_id,
-            eos_id=self.eos_id,
-            audio_id=self.audio_id,
-            instruction_ids=self.instruction_ids,
-        )
+        return build_prompts(tokens_BL, token_lens_B, prompt=self.prompt)
 
     def set_cp_layout(self, layout: CPLayout) -> None:
         """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
@@ -441,10 +454,13 @@ class SpeechLLM(nn.Module):
         use_cache: bool = True,
         keep_going: Any = None,
     ) -> list[list[int]]:
-        """Greedy transcripts: prompt ``[bos, audio, *instruction]``, then the language tag, text, eos.
+        """Greedy transcripts: the prompt up to the transcript (``[*prefix, audio, *middle]`` of
+        ``self.prompt``; plain form ``[bos, audio, *instruction]``), then the language tag, text, stop.
 
-        ``lang_id`` forces the language tag (it is then the first returned token). Returned lists hold
-        the generated ids without the eos; decoding stops at eos or after ``max_new_tokens`` tokens.
+        ``lang_id`` forces the language tag (it is then the first returned token; leave it None when
+        transcripts have no tag). Returned lists hold the generated ids without the stop token
+        (``self.prompt.stop_id``: eos, or the chat template's end of turn); decoding stops there or
+        after ``max_new_tokens`` tokens.
         ``use_cache``: batched KV-cache decoding (`speechlm.model.generation.greedy_with_cache`); False
         recomputes the prefix at every step (the oracle). ``keep_going``: the lockstep hook for
         sharded validation under FSDP (see that module).
@@ -456,10 +472,11 @@ class SpeechLLM(nn.Module):
         try:
             device = next(self.parameters()).device
             enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
-            bos = self.embed_tokens(torch.tensor([self.bos_id], device=device))
-            instr = self.embed_tokens(torch.tensor(self.instruction_ids, dtype=torch.long, device=device))
+            head_ids, tail_ids = self.prompt.generation_prompt
+            head = self.embed_tokens(torch.tensor(head_ids, dtype=torch.long, device=device))
+            tail = self.embed_tokens(torch.tensor(tail_ids, dtype=torch.long, device=device))
             prompts = [
-                torch.cat([bos, a.to(bos.dtype), instr]) for a in enc.embeds_of(range(len(enc.embeds)))
+                torch.cat([head, a.to(head.dtype), tail]) for a in enc.embeds_of(range(len(enc.embeds)))
             ]
             budget, prefix = max_new_tokens, []
             if lang_id is not None and max_new_tokens > 0:
@@ -471,7 +488,7 @@ class SpeechLLM(nn.Module):
                     self.llm,
                     self.embed_tokens,
                     prompts,
-                    eos_id=self.eos_id,
+                    eos_id=self.prompt.stop_id,
                     max_new_tokens=budget,
                     keep_going=keep_going,
                 )
@@ -480,7 +497,7 @@ class SpeechLLM(nn.Module):
                     self.llm,
                     self.embed_tokens,
                     prompts,
-                    eos_id=self.eos_id,
+                    eos_id=self.prompt.stop_id,
                     max_new_tokens=budget,
                     thd=self.backend.caps.thd,
                     keep_going=keep_going,

@@ -106,6 +106,7 @@ def train(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any] | N
         return {}
     # the run dir: writable, not another run's; the resume checkpoint verified and its config compared
     ckpt = prepare_run_dir(cfg, run_dir, rank)
+    save_run_tokenizer(inputs.tokenizer, run_dir, rank)
     # 2. data pipeline, model, callbacks, trainer
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     loader = build_step_loader(cfg, inputs)
@@ -205,9 +206,12 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     # any source (parquet, NeMo, tar shards, ...), memory-mapped from the index cache: texts and paths
     # stay on disk until a clip is loaded (speechlm/data/sources/mmap_cache.py)
     train_table, val_table = preflight.open_manifests(cfg)
-    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    # the LLM's own tokenizer with model.llm.pretrained (tags for the manifests' languages added), else
+    # data.tokenizer's SentencePiece model; the prompt format is built from it once
+    tokenizer = preflight.load_run_tokenizer(cfg, preflight.manifest_langs(train_table, val_table))
     preflight.check_inputs(cfg, train_table, val_table, tokenizer)  # languages, tags, nulls: train and val
-    summary = preflight.summarize(train_table, cfg)
+    prompt = preflight.build_run_prompt(cfg, tokenizer)
+    summary = {**preflight.summarize(train_table, cfg), **preflight.tokenizer_summary(cfg)}
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load
     p = cfg.parallel
     dims = ParallelDims(world_size, p.dp_replicate, p.dp_shard, p.cp_size, p.tp_size)
@@ -217,8 +221,9 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     validate_at_fit_start(
         cfg, world_size, rank=rank, manifest_summary={**summary, **plan}, rules=(EPOCH_PLAN_RULE,)
     )
-    tok = tokenizer_info(cfg, tokenizer)
+    tok = tokenizer_info(cfg, tokenizer, prompt)
     if rank == 0:
+        print(describe_prompt(tokenizer, prompt))
         durations = train_table.column("duration").to_numpy()
         print(f"layout: {dims.describe()}  (this process: rank {rank}, dp_rank {dp_rank})")
         print(
@@ -230,10 +235,14 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
 
 
-def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any) -> TokenizerInfo:
-    """What the model needs from the tokenizer (ids and the prompt): training, evaluate and export."""
+def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any, prompt: Any = None) -> TokenizerInfo:
+    """What the model needs from the tokenizer (ids, CTC blank, added rows and the prompt format, built
+    from the config when `prompt` is None): training, evaluate and export."""
+    from speechlm import preflight
     from speechlm.train.module import TokenizerInfo
 
+    if prompt is None:
+        prompt = preflight.build_run_prompt(cfg, tokenizer)
     instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
     return TokenizerInfo(
         len(tokenizer),
@@ -242,6 +251,10 @@ def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any) -> TokenizerInfo:
         tokenizer.eos_id,
         tokenizer.audio_id,
         instruction_ids,
+        prompt=prompt,
+        ctc_blank_id=tokenizer.ctc_blank_id,
+        ctc_skip_leading=tokenizer.tag_tokens,
+        added_token_ids=tuple(getattr(tokenizer, "added_ids", ())),
     )
 
 
@@ -252,6 +265,33 @@ def print_resolved_config(cfg: ExperimentConfig, rank: int) -> None:
         from speechlm.config import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe_prompt(tokenizer: Any, prompt: Any) -> str:
+    """One line on the run's tokenizer and prompt form, e.g. ``prompt: chat template of DIR (stop <|im_end|>)``."""
+    kind = "the LLM's tokenizer" if hasattr(tokenizer, "added_ids") else "SentencePiece"
+    form = (
+        f"chat template of {tokenizer.path}"
+        if prompt.templated
+        else "plain [bos, audio, instruction, transcript, eos]"
+    )
+    return (
+        f"tokenizer: {kind} {tokenizer.path} ({len(tokenizer)} ids); prompt: {form} "
+        f"(stop {tokenizer.id_to_piece(prompt.stop_id)})"
+    )
+
+
+RUN_TOKENIZER_DIR = "tokenizer"  # run_dir/tokenizer: the LLM's tokenizer as this run extended it
+
+
+def save_run_tokenizer(tokenizer: Any, run_dir: Path, rank: int) -> None:
+    """Rank 0 writes a Hugging Face tokenizer with the tokens this run added (`HFTokenizer.save`) to
+    run_dir/tokenizer: their ids follow the manifests' languages, so evaluating, transcribing or
+    exporting a checkpoint later loads this copy (`load_text_tokenizer`) rather than the LLM's. The
+    files are replaced one by one (a kill leaves the previous copy or the new one, per file); every
+    resume writes them again. A SentencePiece run writes nothing (data.tokenizer is its tokenizer)."""
+    if rank == 0 and hasattr(tokenizer, "added_ids"):
+        tokenizer.save(run_dir / RUN_TOKENIZER_DIR)
 
 
 def build_step_loader(cfg: ExperimentConfig, inputs: RunInputs) -> Any:

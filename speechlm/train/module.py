@@ -24,6 +24,7 @@ import lightning as L
 import torch
 
 from speechlm.config import ExperimentConfig
+from speechlm.prompt import PromptFormat
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
@@ -31,12 +32,21 @@ from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_
 
 @dataclass
 class TokenizerInfo:
+    """What the model needs from the run's tokenizer. ``prompt`` is the run's `PromptFormat` (None: the
+    plain form of ``bos_id``/``eos_id``/``instruction_ids``); ``ctc_blank_id`` None means ``pad_id``;
+    ``ctc_skip_leading`` the language tag's tokens at the start of a transcript (0 without tags);
+    ``added_token_ids`` the ids the tokenizer added to a pretrained LLM (rows to initialise)."""
+
     vocab_size: int
     pad_id: int
-    bos_id: int
+    bos_id: int | None
     eos_id: int
     audio_id: int
     instruction_ids: tuple[int, ...] = ()
+    prompt: PromptFormat | None = None
+    ctc_blank_id: int | None = None
+    ctc_skip_leading: int = 1
+    added_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ class SpeechLLMModule(L.LightningModule):
             eos_id=tok.eos_id,
             audio_id=tok.audio_id,
             instruction_ids=tok.instruction_ids,
+            prompt=tok.prompt,
+            ctc_blank_id=tok.ctc_blank_id,
+            ctc_skip_leading=tok.ctc_skip_leading,
+            added_token_ids=tok.added_token_ids,
         )
         self.step_ctx = StepContext()  # replaced once, by configure_model
         self.precision = PrecisionPolicy()  # fp32 until configure_model decides (once, on the device)

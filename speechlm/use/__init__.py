@@ -6,7 +6,6 @@
   (the training `Evaluator`, with explicit rank and world);
 - `export_cli`: a self-contained export directory (LLM with LoRA merged, its tokenizer, encoder and
   projector weights in safetensors, one config), written into a temp dir and renamed;
-- `saved_tokenizer`: a saved tokenizer (export, RUN/tokenizer) loaded as `load_text_tokenizer` does;
 - `transcribe`: batched KV-cached greedy decoding of audio files or a manifest, from a run, a
   checkpoint or an export (`speechlm.model.exported` loads an export with no training code).
 """

@@ -87,19 +87,26 @@ def checkpoint_config(ckpt: Path) -> ExperimentConfig:
     return load_config(source)
 
 
-RUN_TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the tokenizer as the run extended it (added tokens)
 
 
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
     from speechlm import preflight
-    from speechlm.use.saved_tokenizer import load_text_tokenizer
+    from speechlm.data.tokenizer import load_text_tokenizer
+    from speechlm.train.entry import RUN_TOKENIZER_DIR
 
     run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
     if run_copy.is_dir():
         return load_text_tokenizer(run_copy)
-    return preflight.load_tokenizer(cfg.data.tokenizer)
+    path, kind = preflight.tokenizer_source(cfg)
+    if kind != "sentencepiece":  # the ids of the tokens the run added live only in its saved copy
+        raise CheckpointError(
+            f"{run_copy} does not exist: the run of {ckpt} used {path}'s tokenizer with tokens it added "
+            "(<|audio|>, language tags), whose ids only that copy records; copy the run's tokenizer/ folder "
+            "next to its checkpoints folder"
+        )
+    return preflight.load_tokenizer(path)
 
 
 def load_checkpoint(

@@ -93,18 +93,9 @@ def merged_llm(llm: Any) -> Any:
 
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> Path:
-    """Save `tokenizer` into `directory`; returns what `load_text_tokenizer` takes (a .model file or the dir)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if hasattr(tokenizer, "save"):
-        tokenizer.save(directory)
-    else:  # the SentencePiece tokenizer of a build without `Tokenizer.save`: its .model and sidecar .json
-        from speechlm.preflight import tokenizer_prefix
-
-        prefix = tokenizer_prefix(tokenizer.path)
-        for suffix in (".model", ".json"):
-            shutil.copyfile(prefix.with_suffix(suffix), directory / f"sentencepiece{suffix}")
-    models = sorted(directory.glob("*.model"))
-    return models[0] if len(models) == 1 else directory
+    """Save `tokenizer` (either kind's `save`) into `directory`, which `load_text_tokenizer` then takes."""
+    tokenizer.save(directory)
+    return directory
 
 
 def save_encoder_dir(encoder_cfg: Any, encoder: Any, directory: Path) -> None:

@@ -3,6 +3,8 @@ both keep running in lockstep (results unchanged) while a peer rank still decode
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -41,15 +43,17 @@ def make_audio(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_kv_cache_gives_the_recompute_hypotheses(backend):
     model = build_model(backend)
     audio, lens = make_audio([16000, 4000, 9000, 2500])
-    model.eos_id = VOCAB  # never emitted: every clip decodes 12 tokens
+    model.prompt = replace(model.prompt, stop=(VOCAB,))  # never emitted: every clip decodes 12 tokens
     oracle = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=False)
     assert model.generate_greedy(audio, lens, max_new_tokens=12) == oracle
-    # make decoding stop at different steps: eos := the emitted token whose first occurrences differ most
+    # make decoding stop at different steps: stop := the emitted token whose first occurrences differ most
 
     def stops(t: int) -> set[int]:
         return {o.index(t) if t in o else len(o) for o in oracle}
 
-    model.eos_id = max(sorted({t for o in oracle for t in o}), key=lambda t: len(stops(t)))
+    model.prompt = replace(
+        model.prompt, stop=(max(sorted({t for o in oracle for t in o}), key=lambda t: len(stops(t))),)
+    )
     oracle = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=False)
     cached = model.generate_greedy(audio, lens, max_new_tokens=12, use_cache=True)
     assert cached == oracle
@@ -63,7 +67,7 @@ def test_kv_cache_gives_the_recompute_hypotheses(backend):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_lockstep_hook_runs_extra_steps_without_changing_results(use_cache):
     model = build_model()
-    model.eos_id = VOCAB  # never emitted: both clips decode all 5 tokens
+    model.prompt = replace(model.prompt, stop=(VOCAB,))  # never emitted: both clips decode all 5 tokens
     audio, lens = make_audio([8000, 3000])
     alone = model.generate_greedy(audio, lens, max_new_tokens=5, use_cache=use_cache)
     calls = {"llm": 0, "asked": []}

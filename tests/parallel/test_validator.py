@@ -196,6 +196,27 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
             manifest={"n_rows": 40, "plan_micro_batches": 8, "plan_batches_per_rank": 4},
         ),
     ),
+    # the tokenizer facts preflight.tokenizer_summary adds to the summary (issue 22)
+    "pretrained-llm-sentencepiece-tokenizer": (
+        Case(
+            manifest={
+                "llm_pretrained": "/llm",
+                "tokenizer_kind": "sentencepiece",
+                "tokenizer_path": "t.model",
+            }
+        ),
+        Case(
+            manifest={
+                "llm_pretrained": "/llm",
+                "tokenizer_kind": "sentencepiece",
+                "allow_sentencepiece_with_pretrained": True,
+            }
+        ),
+    ),
+    "chat-template-missing": (
+        Case(manifest={"tokenizer_kind": "hf", "chat_template": False, "chat_template_setting": "auto"}),
+        Case(manifest={"tokenizer_kind": "hf", "chat_template": False, "chat_template_setting": "none"}),
+    ),
 }
 
 
@@ -622,6 +643,8 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "encoder-runs-padded",
         "grad-accum-exceeds-batches",
         "epoch-plan-too-short",
+        "pretrained-llm-sentencepiece-tokenizer",
+        "chat-template-missing",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
     cfg = make_config("sampler.max_batch_duration=null")
