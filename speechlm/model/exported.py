@@ -115,9 +115,11 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
     model_cfg = _from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
     kwargs = dict(speech_llm)
     if isinstance(kwargs.get("prompt"), dict):  # TokenizerInfo's PromptFormat, saved as a JSON object
-        from speechlm.prompt import PromptFormat  # type: ignore[attr-defined]
+        from speechlm.prompt import PromptFormat
 
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()}
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()
+        }
         kwargs["prompt"] = PromptFormat(**fields)
     if "added_token_ids" in kwargs:  # llm/ holds the trained rows of the added tokens: no re-initialisation
         kwargs["added_token_ids"] = ()

@@ -87,8 +87,6 @@ def checkpoint_config(ckpt: Path) -> ExperimentConfig:
     return load_config(source)
 
 
-
-
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""

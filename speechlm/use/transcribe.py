@@ -102,8 +102,8 @@ class UsableModel:
 
 def load_model(path: str | Path, device: str) -> UsableModel:
     """An export dir (no training code), else a run or checkpoint dir (through the training layer)."""
-    from speechlm.model.exported import is_export_dir, load_exported
     from speechlm.data.tokenizer import load_text_tokenizer
+    from speechlm.model.exported import is_export_dir, load_exported
 
     p = Path(path)
     if is_export_dir(p) or not ((p / "complete.json").is_file() or (p / "checkpoints").is_dir()):
