@@ -1,0 +1,164 @@
+"""What trains (model.llm.train full/frozen/lora, model.encoder.train full/frozen), in one process.
+
+The model is the layout tests' tiny SpeechLLM (tests/parallel_harness.py) on a random pretrained LLM
+directory (tests/trainmodes_helpers.py); steps run through `run_optimizer_step`, as training does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_harness import TOK, build_model, global_steps, run_steps, tiny_config
+from trainmodes_helpers import lora_overrides, make_tiny_llm_dir
+
+from speechlm.config import apply_override
+from speechlm.model.trainable import (
+    apply_train_modes,
+    merge_lora,
+    train_modes_of,
+    trainable_state_dict,
+)
+from speechlm.train.schedule import build_optimizer
+from speechlm.train.step import StepContext
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory):
+    return make_tiny_llm_dir(tmp_path_factory.mktemp("tiny_llm"), vocab_size=TOK.vocab_size)
+
+
+def config(llm_dir, *overrides: str):
+    cfg = tiny_config()
+    for o in (f"model.llm.pretrained={llm_dir}", *overrides):
+        apply_override(cfg, o)
+    return cfg
+
+
+def built(cfg):
+    model = build_model(cfg)
+    apply_train_modes(model, cfg.model)
+    return model
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def changed(before: dict[str, torch.Tensor], model) -> set[str]:
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+STEPS = global_steps(3, 1)
+
+
+def test_frozen_llm_is_bit_identical_after_steps_and_has_no_optimizer_state(llm_dir):
+    cfg = config(llm_dir, "model.llm.train=frozen")
+    model = built(cfg)
+    before = snapshot(model)
+    run_steps(model, StepContext(), cfg, STEPS)
+    moved = changed(before, model)
+    assert not {n for n in moved if n.startswith("llm.")}, "a frozen LLM parameter changed"
+    for prefix in ("encoder.", "projector.", "ctc_head."):
+        assert any(n.startswith(prefix) for n in moved), f"{prefix} did not train"
+    opt, _ = build_optimizer(model, cfg)
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not any(id(p) in in_opt for p in model.llm.parameters())
+
+
+def test_lora_trains_only_adapters_projector_encoder(llm_dir):
+    cfg = config(llm_dir, *lora_overrides())
+    model = built(cfg)
+    names = [n for n, _ in model.llm.named_parameters()]
+    assert any(".q_proj.lora_A." in n for n in names) and any(".down_proj.lora_B." in n for n in names)
+    assert "llm.model.layers.0.self_attn.q_proj.base_layer.weight" in train_modes_of(model).frozen
+    before = snapshot(model)
+    run_steps(model, StepContext(), cfg, STEPS)
+    moved = changed(before, model)
+    llm_moved = {n for n in moved if n.startswith("llm.")}
+    assert llm_moved and all(".lora_A." in n or ".lora_B." in n for n in llm_moved), llm_moved
+    for prefix in ("encoder.", "projector.", "ctc_head."):
+        assert any(n.startswith(prefix) for n in moved), f"{prefix} did not train"
+
+
+def test_frozen_encoder_keeps_its_weights_and_runs_without_autograd(llm_dir):
+    cfg = config(llm_dir, "model.encoder.train=frozen")
+    model = built(cfg)
+    before = snapshot(model)
+    run_steps(model, StepContext(), cfg, STEPS)
+    moved = changed(before, model)
+    assert not {n for n in moved if n.startswith("encoder.")}
+    assert all(p.grad is None for p in model.encoder.parameters())
+    assert any(n.startswith("llm.") for n in moved) and any(n.startswith("projector.") for n in moved)
+    opt, _ = build_optimizer(model, cfg)
+    assert [len(g["params"]) for g in opt.param_groups if g["name"] == "encoder"] == [0]
+
+
+def test_full_mode_changes_nothing(llm_dir):
+    """model.llm.train=full (the default): every parameter trains, nothing is recorded as frozen."""
+    cfg = config(llm_dir)
+    model = built(cfg)
+    assert all(p.requires_grad for p in model.parameters())
+    assert train_modes_of(model).frozen == frozenset() and train_modes_of(model).fingerprints == {}
+    assert set(trainable_state_dict(model)) == set(model.state_dict())
+
+
+def test_trainable_state_dict_leaves_out_the_frozen_base(llm_dir):
+    model = built(config(llm_dir, *lora_overrides()))
+    state = trainable_state_dict(model)
+    assert not any(".base_layer." in k or "embed_tokens" in k or "lm_head" in k for k in state)
+    assert any(".lora_B." in k for k in state) and any(k.startswith("encoder.") for k in state)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    kept = sum(v.numel() for v in state.values())
+    assert kept == sum(v.numel() for v in model.state_dict().values()) - frozen
+    llm_kept = sum(v.numel() for k, v in state.items() if k.startswith("llm."))
+    assert llm_kept < frozen / 4, "the LLM's share of a LoRA checkpoint must be much smaller than its base"
+
+
+def test_fingerprint_names_the_base_and_ignores_lora_targets(llm_dir, tmp_path):
+    a = built(config(llm_dir, "model.llm.train=frozen"))
+    b = built(config(llm_dir, *lora_overrides(), "model.llm.lora.target_modules=[q_proj,v_proj]"))
+    c = built(config(llm_dir, *lora_overrides()))
+    fa, fb, fc = (train_modes_of(m).fingerprints["llm"] for m in (a, b, c))
+    assert fa == fb == fc, "the same base weights must give the same fingerprint whatever is adapted"
+    other = make_tiny_llm_dir(tmp_path / "other", vocab_size=TOK.vocab_size, seed=1)
+    assert train_modes_of(built(config(other, "model.llm.train=frozen"))).fingerprints["llm"] != fa
+
+
+def test_unknown_lora_target_is_an_error_naming_the_layers(llm_dir):
+    with pytest.raises(ValueError, match=r"target_modules: qkv_proj name no module.*q_proj"):
+        built(config(llm_dir, *lora_overrides(), "model.llm.lora.target_modules=[qkv_proj]"))
+
+
+def test_lora_with_zero_adapters_gives_the_base_logits_through_the_packed_path(llm_dir):
+    """A LoRA model whose adapters are still zero (lora_B = 0 at init) computes the base model's logits
+    exactly on the THD path: the attention backend receives the same q/k/v and the extra keyword
+    arguments (cu_seq_lens_q, varlen_meta, cp_context, logits_to_keep) pass through unchanged."""
+    base = build_model(config(llm_dir))
+    lora = built(config(llm_dir, *lora_overrides()))
+    batch = STEPS[0][0]
+    torch.manual_seed(0)
+    got = []
+    for model in (base, lora):
+        model.load_state_dict(base.state_dict(), strict=False)  # same encoder/projector weights
+        model.eval()
+        with torch.no_grad():
+            got.append(model(batch).ce_sum)
+    assert torch.equal(got[0], got[1])
+
+
+def test_merged_lora_logits_equal_the_unmerged_model(llm_dir):
+    cfg = config(llm_dir, *lora_overrides())
+    model = built(cfg)
+    run_steps(model, StepContext(), cfg, STEPS[:2])  # adapters move away from zero
+    assert any(p.abs().sum() > 0 for n, p in model.llm.named_parameters() if ".lora_B." in n)
+    merged = merge_lora(model.llm)
+    assert not any("lora" in n or "base_layer" in n for n in merged.state_dict())
+    assert set(merged.state_dict()) == set(build_model(config(llm_dir)).llm.state_dict())
+    ids = torch.randint(0, TOK.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    model.llm.eval()
+    merged.eval()
+    with torch.no_grad():
+        ref = model.llm(input_ids=ids).logits
+        out = merged(input_ids=ids).logits
+    assert (out - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
+    assert any(".lora_A." in n for n, _ in model.llm.named_parameters()), "merge_lora changed its input"
