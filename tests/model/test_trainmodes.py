@@ -162,3 +162,11 @@ def test_merged_lora_logits_equal_the_unmerged_model(llm_dir):
         out = merged(input_ids=ids).logits
     assert (out - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
     assert any(".lora_A." in n for n, _ in model.llm.named_parameters()), "merge_lora changed its input"
+
+
+def test_lora_dropout_is_active_in_training_on_a_pretrained_llm(llm_dir):
+    """from_pretrained returns an eval-mode model; the adapters' dropout must still be on in training
+    (model.llm.lora.dropout is not silently ignored)."""
+    model = built(config(llm_dir, *lora_overrides(dropout=0.5)))
+    drops = [m for n, m in model.llm.named_modules() if n.endswith("lora_dropout.default")]
+    assert drops and all(m.training and m.p == 0.5 for m in drops)
