@@ -527,8 +527,10 @@ def load_trained_state(
 
     The checkpoint's model keys are loaded; a key of `model` it lacks must be one of `frozen` (a frozen
     or LoRA run's checkpoint leaves those out), and then the frozen base must be the saved one: the
-    fingerprints in meta.pt must equal `fingerprints` (`check_frozen_base`). A trained key missing is
-    an error naming the train modes it was saved with."""
+    fingerprints in meta.pt must equal `fingerprints` (`check_frozen_base`). With `strict`, a trained
+    key it lacks, or a key it holds that `model` has not (another train mode or LoRA setting), is an
+    error naming the train modes it was saved with. Also for loading a checkpoint outside training
+    (`optimizers` empty; `model` the module whose state-dict keys the checkpoint uses)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -538,28 +540,37 @@ def load_trained_state(
     )
 
     meta = load_metadata(path)
-    saved = {k[len(STATE_PREFIX) :] for k in read_dcp_metadata(path / DCP_METADATA).state_dict_metadata
-             if k.startswith(STATE_PREFIX)}  # fmt: skip
+    entries = read_dcp_metadata(path / DCP_METADATA).state_dict_metadata
+    shapes = {
+        k[len(STATE_PREFIX) :]: getattr(v, "size", None)
+        for k, v in entries.items()
+        if k.startswith(STATE_PREFIX)
+    }
+    saved = set(shapes)
     state = get_model_state_dict(model)
     absent = set(state) - saved
-    trained_absent = sorted(absent - frozen)
-    if trained_absent and strict:
+    mismatch = [f"has no {k}" for k in sorted(absent - frozen)]
+    mismatch += [f"holds {k}" for k in sorted(saved - set(state))]
+    mismatch += [
+        f"holds {k} of shape {list(shapes[k])} (this run's: {list(state[k].shape)})"
+        for k in sorted(saved & set(state))
+        if isinstance(state[k], torch.Tensor)
+        and shapes[k] is not None
+        and tuple(shapes[k]) != tuple(state[k].shape)
+    ]
+    if mismatch and strict:
         base = (meta.get("speechlm") or {}).get("base") or {}
         was = f"model.llm.train={base.get('llm', 'full')}, model.encoder.train={base.get('encoder', 'full')}"
         raise CheckpointError(
-            f"{path} has no {trained_absent[0]} (and {len(trained_absent) - 1} more trained parameters of "
-            f"this run): it was saved with {was} (or other LoRA settings); resume with the settings it was "
+            f"{path} {mismatch[0]} (and {len(mismatch) - 1} more parameters that do not match what this run "
+            f"trains): it was saved with {was} (or other LoRA settings); resume with the settings it was "
             f"saved with, or start a new run from it"
         )
     if absent & frozen:
         check_frozen_base(path, meta, fingerprints or {})
     model_state = {"state_dict": {k: v for k, v in state.items() if k in saved}}
     dcp.load(model_state, storage_reader=safe_storage_reader(path))
-    missing, unexpected = model.load_state_dict(model_state["state_dict"], strict=False)
-    if strict and (set(missing) - absent or unexpected):
-        raise CheckpointError(
-            f"{path}: model keys do not match (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+    model.load_state_dict(model_state["state_dict"], strict=False)  # the absent keys were checked above
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         optim_state = {key: get_optimizer_state_dict(model, optimizer)}

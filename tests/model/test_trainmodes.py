@@ -170,3 +170,39 @@ def test_lora_dropout_is_active_in_training_on_a_pretrained_llm(llm_dir):
     model = built(config(llm_dir, *lora_overrides(dropout=0.5)))
     drops = [m for n, m in model.llm.named_modules() if n.endswith("lora_dropout.default")]
     assert drops and all(m.training and m.p == 0.5 for m in drops)
+
+
+def save_trainable(model, ckpt) -> None:
+    """A checkpoint as training writes it (DCP shards of the trained state, meta.pt with the base)."""
+    import torch.distributed.checkpoint as dcp
+
+    modes = train_modes_of(model)
+    dcp.save({"state_dict": trainable_state_dict(model)}, checkpoint_id=ckpt, no_dist=True)
+    torch.save({"speechlm": {"base": modes.as_record()}}, ckpt / "meta.pt")
+
+
+def load_into(model, ckpt):
+    from speechlm.train.checkpoint import load_trained_state
+
+    modes = train_modes_of(model)
+    return load_trained_state(model, [], ckpt, frozen=modes.frozen, fingerprints=modes.fingerprints)
+
+
+def test_trained_state_loads_onto_the_same_base_and_is_refused_elsewhere(llm_dir, tmp_path):
+    from speechlm.train.checkpoint import CheckpointError
+
+    cfg = config(llm_dir, *lora_overrides())
+    model = built(cfg)
+    run_steps(model, StepContext(), cfg, STEPS[:1])
+    save_trainable(model, tmp_path / "ckpt")
+    torch.manual_seed(99)
+    fresh = built(cfg)
+    load_into(fresh, tmp_path / "ckpt")
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    other = make_tiny_llm_dir(tmp_path / "other", vocab_size=TOK.vocab_size, seed=1)
+    with pytest.raises(CheckpointError, match=r"frozen llm .*differs.*model\.llm\.pretrained"):
+        load_into(built(config(other, *lora_overrides())), tmp_path / "ckpt")
+    for mode in (["model.llm.train=frozen"], [], [*lora_overrides(rank=2)]):
+        with pytest.raises(CheckpointError, match=r"saved with model\.llm\.train=lora"):
+            load_into(built(config(llm_dir, *mode)), tmp_path / "ckpt")
