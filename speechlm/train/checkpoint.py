@@ -551,13 +551,7 @@ def load_trained_state(
     absent = set(state) - saved
     mismatch = [f"has no {k}" for k in sorted(absent - frozen)]
     mismatch += [f"holds {k}" for k in sorted(saved - set(state))]
-    mismatch += [
-        f"holds {k} of shape {list(shapes[k])} (this run's: {list(state[k].shape)})"
-        for k in sorted(saved & set(state))
-        if isinstance(state[k], torch.Tensor)
-        and shapes[k] is not None
-        and tuple(shapes[k]) != tuple(state[k].shape)
-    ]
+    mismatch += shape_mismatches(shapes, state)
     if mismatch and strict:
         base = (meta.get("speechlm") or {}).get("base") or {}
         was = f"model.llm.train={base.get('llm', 'full')}, model.encoder.train={base.get('encoder', 'full')}"
@@ -579,6 +573,16 @@ def load_trained_state(
             model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
         )
     return meta
+
+
+def shape_mismatches(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """The keys of both whose saved shape differs from the model's (e.g. another LoRA rank)."""
+    out = []
+    for k in sorted(set(saved) & set(state)):
+        have, want = saved[k], getattr(state[k], "shape", None)
+        if have is not None and want is not None and tuple(have) != tuple(want):
+            out.append(f"holds {k} of shape {list(have)} (this run's: {list(want)})")
+    return out
 
 
 def check_frozen_base(path: Path, meta: dict[str, Any], fingerprints: dict[str, str]) -> None:
