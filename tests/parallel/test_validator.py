@@ -196,6 +196,18 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
             manifest={"n_rows": 40, "plan_micro_batches": 8, "plan_batches_per_rank": 4},
         ),
     ),
+    "lora-with-tp": (
+        Case(("model.llm.train=lora", "parallel.tp_size=2"), world=2),
+        Case(("model.llm.train=frozen", "parallel.tp_size=2"), world=2),
+    ),
+    "frozen-encoder-with-unfreeze-step": (
+        Case(("model.encoder.train=frozen", "optim.unfreeze_step=100")),
+        Case(("model.encoder.train=full", "optim.unfreeze_step=100")),
+    ),
+    "adapting-a-random-llm": (
+        Case(("model.llm.train=lora",)),
+        Case(("model.llm.train=lora", "model.llm.pretrained=/some/llm")),
+    ),
 }
 
 
@@ -622,6 +634,9 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "encoder-runs-padded",
         "grad-accum-exceeds-batches",
         "epoch-plan-too-short",
+        "lora-with-tp",
+        "frozen-encoder-with-unfreeze-step",
+        "adapting-a-random-llm",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
     cfg = make_config("sampler.max_batch_duration=null")
