@@ -13,7 +13,6 @@ from trainmodes_helpers import lora_overrides, make_tiny_llm_dir
 
 from speechlm.config import apply_override
 from speechlm.model.trainable import (
-    apply_train_modes,
     merge_lora,
     train_modes_of,
     trainable_state_dict,
@@ -35,9 +34,7 @@ def config(llm_dir, *overrides: str):
 
 
 def built(cfg):
-    model = build_model(cfg)
-    apply_train_modes(model, cfg.model)
-    return model
+    return build_model(cfg)  # the harness applies the train modes, as SpeechLLMModule does
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
