@@ -138,3 +138,24 @@ def test_frozen_llm_and_encoder_checkpoint_is_small_and_resumes_exactly(
     assert set(load_metadata(ckpt)["speechlm"]["base"]["fingerprints"]) == {"llm", "encoder"}
     assert ckpt_bytes(ckpt) < ckpt_bytes(full_run / "checkpoints/step_000002") / 2
     check_resume_exact(demo_data, llm_dir, run, tmp_path, *mode)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_under_fsdp2_dp2_saves_adapters_only_and_resumes_exactly(demo_data, llm_dir, tmp_path):
+    """Two ranks (dp_shard=2: FSDP2 shards every decoder layer, adapters and frozen base in one unit):
+    the sharded checkpoint holds no base weight and resuming it gives the uninterrupted losses."""
+    from test_torchrun_smoke import torchrun
+
+    run = tmp_path / "run"
+    res = torchrun(2, args(demo_data, llm_dir, run, *lora_overrides()))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = run / "checkpoints/step_000002"
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    keys = model_keys(ckpt)
+    assert any(".lora_B." in k for k in keys) and not any(".base_layer." in k for k in keys)
+    resumed = drop_last_checkpoint(run, tmp_path / "resumed")
+    res = torchrun(2, args(demo_data, llm_dir, resumed, *lora_overrides(), "trainer.resume=auto"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = read_train_metrics(run), read_train_metrics(resumed)
+    assert [m["loss"] for m in b] == [m["loss"] for m in a] and len(a) == 4
