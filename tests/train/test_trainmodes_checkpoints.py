@@ -38,9 +38,10 @@ def args(demo_data: dict[str, str], llm_dir: Path, run_dir: Path, *extra: str) -
     ]
 
 
-def train(*a: str | Path) -> None:
+def train(*a: str | Path) -> str:
     res = run_train([str(x) for x in a])
     assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
 
 
 def ckpt_bytes(ckpt: Path) -> int:
@@ -70,7 +71,8 @@ def full_run(demo_data, llm_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_run(demo_data, llm_dir, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("lora") / "run"
-    train(*args(demo_data, llm_dir, run, *lora_overrides()))
+    out = train(*args(demo_data, llm_dir, run, *lora_overrides()))
+    assert "trained (llm.train=lora, encoder.train=full)" in out
     return run
 
 
