@@ -48,12 +48,17 @@ def changed(before: dict[str, torch.Tensor], model) -> set[str]:
 STEPS = global_steps(3, 1)
 
 
-def test_frozen_llm_is_bit_identical_after_steps_and_has_no_optimizer_state(llm_dir):
-    cfg = config(llm_dir, "model.llm.train=frozen")
+def trained(cfg):
+    """(model, names of the parameters that changed) after the 3 optimizer steps of STEPS."""
     model = built(cfg)
     before = snapshot(model)
     run_steps(model, StepContext(), cfg, STEPS)
-    moved = changed(before, model)
+    return model, changed(before, model)
+
+
+def test_frozen_llm_is_bit_identical_after_steps_and_has_no_optimizer_state(llm_dir):
+    cfg = config(llm_dir, "model.llm.train=frozen")
+    model, moved = trained(cfg)
     assert not {n for n in moved if n.startswith("llm.")}, "a frozen LLM parameter changed"
     for prefix in ("encoder.", "projector.", "ctc_head."):
         assert any(n.startswith(prefix) for n in moved), f"{prefix} did not train"
@@ -63,14 +68,10 @@ def test_frozen_llm_is_bit_identical_after_steps_and_has_no_optimizer_state(llm_
 
 
 def test_lora_trains_only_adapters_projector_encoder(llm_dir):
-    cfg = config(llm_dir, *lora_overrides())
-    model = built(cfg)
+    model, moved = trained(config(llm_dir, *lora_overrides()))
     names = [n for n, _ in model.llm.named_parameters()]
     assert any(".q_proj.lora_A." in n for n in names) and any(".down_proj.lora_B." in n for n in names)
     assert "llm.model.layers.0.self_attn.q_proj.base_layer.weight" in train_modes_of(model).frozen
-    before = snapshot(model)
-    run_steps(model, StepContext(), cfg, STEPS)
-    moved = changed(before, model)
     llm_moved = {n for n in moved if n.startswith("llm.")}
     assert llm_moved and all(".lora_A." in n or ".lora_B." in n for n in llm_moved), llm_moved
     for prefix in ("encoder.", "projector.", "ctc_head."):
@@ -79,10 +80,7 @@ def test_lora_trains_only_adapters_projector_encoder(llm_dir):
 
 def test_frozen_encoder_keeps_its_weights_and_runs_without_autograd(llm_dir):
     cfg = config(llm_dir, "model.encoder.train=frozen")
-    model = built(cfg)
-    before = snapshot(model)
-    run_steps(model, StepContext(), cfg, STEPS)
-    moved = changed(before, model)
+    model, moved = trained(cfg)
     assert not {n for n in moved if n.startswith("encoder.")}
     assert all(p.grad is None for p in model.encoder.parameters())
     assert any(n.startswith("llm.") for n in moved) and any(n.startswith("projector.") for n in moved)

@@ -2,7 +2,7 @@
 
 The same harness as tests/parallel/test_parallel_equivalence.py (fp32, relative 1e-5, losses of 3
 optimizer steps, gradients after the first), with `model.llm.train=lora` (adapters on every attention
-and MLP projection, dropout 0), `model.llm.train=frozen` and `model.encoder.train=frozen` (dp2, and cp2,
+and MLP projection, dropout 0), `model.llm.train=frozen` (dp2, tp2: the TP plan keeps requires_grad) and `model.encoder.train=frozen` (dp2, and cp2,
 where the clips are encoded on one CP rank each and gathered without autograd). LoRA's B matrices start at zero, so the
 first step's gradients reach B only; the losses of steps 2 and 3 depend on A's updates too. Frozen
 parameters get no gradient under FSDP2 (none is reduce-scattered), so the sets of parameters with a
@@ -28,6 +28,7 @@ LAYOUTS = [
     Layout("lora-cp2-ring", 1, 2, 1, overrides=LORA),
     Layout("lora-cp2-allgather", 1, 2, 1, "allgather", overrides=LORA),
     Layout("frozen-dp2", 2, 1, 1, overrides=FROZEN),
+    Layout("frozen-tp2", 1, 1, 2, overrides=FROZEN),
     Layout("frozen-encoder-dp2", 2, 1, 1, overrides=FROZEN_ENCODER),
     Layout("frozen-encoder-cp2", 1, 2, 1, overrides=FROZEN_ENCODER),
 ]
