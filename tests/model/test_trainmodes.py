@@ -201,3 +201,15 @@ def test_trained_state_loads_onto_the_same_base_and_is_refused_elsewhere(llm_dir
     for mode in (["model.llm.train=frozen"], [], [*lora_overrides(rank=2)]):
         with pytest.raises(CheckpointError, match=r"saved with model\.llm\.train=lora"):
             load_into(built(config(llm_dir, *mode)), tmp_path / "ckpt")
+
+
+def test_greedy_decoding_of_a_lora_model_with_kv_cache_equals_the_recompute_oracle(llm_dir):
+    """Evaluation decodes through peft's adapted layers with the batched KV cache: the same ids as the
+    prefix-recompute oracle."""
+    cfg = config(llm_dir, *lora_overrides())
+    model = built(cfg)
+    run_steps(model, StepContext(), cfg, STEPS[:1])
+    batch = STEPS[0][0]
+    cached = model.generate_greedy(batch.audio, batch.audio_lens, max_new_tokens=6, use_cache=True)
+    oracle = model.generate_greedy(batch.audio, batch.audio_lens, max_new_tokens=6, use_cache=False)
+    assert cached == oracle and any(len(h) > 0 for h in cached)
