@@ -29,3 +29,13 @@ def make_tiny_llm_dir(path: Path, *, vocab_size: int, seed: int = 0, hidden: int
 
 def lora_overrides(rank: int = 4, dropout: float = 0.0) -> list[str]:
     return ["model.llm.train=lora", f"model.llm.lora.rank={rank}", f"model.llm.lora.dropout={dropout}"]
+
+
+def sentencepiece_on_pretrained() -> list[str]:
+    """The override that lets these tests train a random pretrained LLM directory (no tokenizer of its
+    own) with the demo corpus' SentencePiece tokenizer, where the config has one: the pretrained-
+    tokenizer work of issue 22 refuses that pairing unless it is asked for."""
+    from speechlm.config import leaf_keys
+
+    key = "data.allow_sentencepiece_with_pretrained"
+    return [f"{key}=true"] if key in leaf_keys() else []

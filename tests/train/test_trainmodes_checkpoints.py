@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import SMOKE, read_train_metrics, run_train
-from trainmodes_helpers import lora_overrides, make_tiny_llm_dir
+from trainmodes_helpers import lora_overrides, make_tiny_llm_dir, sentencepiece_on_pretrained
 
 from speechlm.train.checkpoint import META_NAME, load_metadata, read_dcp_metadata
 
@@ -29,6 +29,7 @@ def args(demo_data: dict[str, str], llm_dir: Path, run_dir: Path, *extra: str) -
         f"data.train_manifest={demo_data['train']}",
         f"data.tokenizer={demo_data['tok']}",
         f"model.llm.pretrained={llm_dir}",
+        *sentencepiece_on_pretrained(),
         "sampler.max_batch_duration=60",
         "trainer.final_eval_split=none",
         "trainer.max_steps=4",
