@@ -109,6 +109,7 @@ class ValidationContext:
     llm_pretrained: bool = False  # model.llm.pretrained is set
     encoder_train: str = "full"  # model.encoder.train: "full" or "frozen"
     unfreeze_step: int = 0  # optim.unfreeze_step
+    lang_tags: str | None = None  # data.lang_tags ("special": one added token per language), where it exists
 
     @property
     def on_gpu(self) -> bool:
@@ -253,4 +254,5 @@ def build_context(
         llm_pretrained=getattr(model.llm, "pretrained", None) is not None,
         encoder_train=str(getattr(model.encoder, "train", "full")),
         unfreeze_step=int(getattr(getattr(config, "optim", None), "unfreeze_step", 0) or 0),
+        lang_tags=getattr(getattr(config, "data", None), "lang_tags", None),
     )

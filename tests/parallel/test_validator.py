@@ -204,6 +204,11 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.encoder.train=frozen", "optim.unfreeze_step=100")),
         Case(("model.encoder.train=full", "optim.unfreeze_step=100")),
     ),
+    # data.lang_tags comes with the pretrained-tokenizer work of issue 22: set as an attribute here
+    "frozen-llm-added-lang-tags": (
+        Case(("model.llm.train=lora", "model.llm.pretrained=/llm"), attrs={"data__lang_tags": "special"}),
+        Case(("model.llm.train=lora", "model.llm.pretrained=/llm"), attrs={"data__lang_tags": "none"}),
+    ),
     "adapting-a-random-llm": (
         Case(("model.llm.train=lora",)),
         Case(("model.llm.train=lora", "model.llm.pretrained=/some/llm")),
@@ -636,6 +641,7 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "epoch-plan-too-short",
         "lora-with-tp",
         "frozen-encoder-with-unfreeze-step",
+        "frozen-llm-added-lang-tags",
         "adapting-a-random-llm",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
