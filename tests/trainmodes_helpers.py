@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def make_tiny_llm_dir(path: Path, *, vocab_size: int, seed: int = 0, hidden: int = 32) -> Path:
+def make_tiny_llm_dir(
+    path: Path, *, vocab_size: int, seed: int = 0, hidden: int = 32, tied: bool = False
+) -> Path:
     """A random tiny LlamaForCausalLM saved with ``save_pretrained`` (safetensors) into `path`: what
     ``model.llm.pretrained`` loads. Its sizes fit configs/smoke.yaml's LLM (hidden 32, 2 layers)."""
     import torch
@@ -21,7 +23,7 @@ def make_tiny_llm_dir(path: Path, *, vocab_size: int, seed: int = 0, hidden: int
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,  # SmolLM2 and small Qwen models tie the LM head to the embedding
     )
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path

@@ -213,3 +213,22 @@ def test_greedy_decoding_of_a_lora_model_with_kv_cache_equals_the_recompute_orac
     cached = model.generate_greedy(batch.audio, batch.audio_lens, max_new_tokens=6, use_cache=True)
     oracle = model.generate_greedy(batch.audio, batch.audio_lens, max_new_tokens=6, use_cache=False)
     assert cached == oracle and any(len(h) > 0 for h in cached)
+
+
+def test_a_tied_lm_head_is_left_out_under_both_names_and_loads_back(tmp_path):
+    """A pretrained LLM whose LM head is its embedding (SmolLM2, small Qwen): the frozen matrix is left
+    out of the checkpoint under both state-dict names, and the load gives the tied model back."""
+    tied = make_tiny_llm_dir(tmp_path / "tied", vocab_size=TOK.vocab_size, tied=True)
+    cfg = config(tied, *lora_overrides())
+    model = built(cfg)
+    assert model.llm.lm_head.weight is model.llm.get_input_embeddings().weight
+    assert {"llm.lm_head.weight", "llm.model.embed_tokens.weight"} <= train_modes_of(model).frozen
+    assert not any("lm_head" in k or "embed_tokens" in k for k in trainable_state_dict(model))
+    run_steps(model, StepContext(), cfg, STEPS[:1])
+    save_trainable(model, tmp_path / "ckpt")
+    torch.manual_seed(7)
+    fresh = built(cfg)
+    load_into(fresh, tmp_path / "ckpt")
+    assert fresh.llm.lm_head.weight is fresh.llm.get_input_embeddings().weight
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
