@@ -37,6 +37,10 @@ SamplerMode = Literal["temperature", "exhaustive"]
 EncoderKind = Literal["parakeet", "whisper", "nemo"]
 ConvNorm = Literal["auto", "layer_norm", "batch_norm"]
 LLMFamily = Literal["llama", "qwen2"]  # speechlm/model/llm.py builds these from a config
+LLMTrain = Literal["full", "frozen", "lora"]  # what trains in the LLM (speechlm/model/trainable.py)
+EncoderTrain = Literal["full", "frozen"]
+# LoRA's default targets: every attention and MLP projection of Llama, Qwen2 and Qwen3
+LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the capability table (parallel/backend_caps.py) owns the backends; this type must name the same ones
 AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "sdpa"]
 CPAttention = Literal["ring", "allgather"]
@@ -170,6 +174,8 @@ class EncoderConfig(Section):
     # padding-free encoder (features, subsampling, conformer layers on real frames only); None: on
     # where the encoder kind supports it (parakeet), off elsewhere. true with whisper/nemo: validator error
     packed: bool | None = None
+    # "full": trained (from optim.unfreeze_step); "frozen": never trained, run without gradients
+    train: EncoderTrain = "full"
 
     def problems(self) -> list[str]:
         out = []
@@ -197,11 +203,25 @@ class EncoderConfig(Section):
 
 
 @dataclass
+class LoRAConfig(Section):
+    """LoRA adapters of the LLM (model.llm.train=lora), injected with peft (speechlm/model/trainable.py)."""
+
+    KEY: ClassVar[str] = "model.llm.lora"
+
+    rank: int = 16
+    alpha: int = 32  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.05  # dropout on the adapters' input (a source of randomness: 0 for exact tests)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS_DEFAULT))
+
+
+@dataclass
 class LLMConfig(Section):
     KEY: ClassVar[str] = "model.llm"
 
     family: LLMFamily = "llama"  # "llama" or "qwen2" when built from a config
     pretrained: str | None = None  # local directory for AutoModelForCausalLM
+    train: LLMTrain = "full"  # "full", "frozen" (no parameter trains) or "lora" (adapters only)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -505,6 +525,20 @@ class Seq(Rule):
 
 
 @dataclass(frozen=True)
+class Names(Rule):
+    """A non-empty list of non-empty names (strings)."""
+
+    def check(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)) or not value:
+            return "must be a non-empty list of names"
+        bad = [v for v in value if not isinstance(v, str) or not v.strip()]
+        return f"item {_show(bad[0])} is not a name" if bad else None
+
+    def describe(self) -> str:
+        return "a non-empty list of names such as [q_proj, v_proj]"
+
+
+@dataclass(frozen=True)
 class Either(Rule):
     """Valid under any of `rules` (e.g. 'auto' or a number)."""
 
@@ -645,10 +679,31 @@ FIELDS: dict[str, Rule] = {
         choices=choices_of(ConvNorm),
     ),
     "model.encoder.packed": Flag("padding-free encoder", null="on where the encoder kind supports it"),
+    "model.encoder.train": OneOf(
+        "full: the encoder trains (from optim.unfreeze_step); frozen: it never trains and runs without "
+        "gradients (checkpoints hold a fingerprint of it, not its weights)",
+        choices=choices_of(EncoderTrain),
+    ),
     # model.llm
     "model.llm.family": OneOf("LLM architecture when built from a config", choices=LLM_FAMILIES),
     "model.llm.pretrained": Text(
         "local save_pretrained directory of a causal LM", path=True, null="built from the sizes below"
+    ),
+    "model.llm.train": OneOf(
+        "full: every LLM parameter trains; frozen: none does; lora: only LoRA adapters (model.llm.lora) do. "
+        "frozen/lora checkpoints hold what trains plus a fingerprint of the frozen base (docs/training-modes.md)",
+        choices=choices_of(LLMTrain),
+    ),
+    "model.llm.lora.rank": Num("rank of the LoRA adapters (model.llm.train=lora)", lo=1, integer=True),
+    "model.llm.lora.alpha": Num(
+        "LoRA scaling numerator: adapters' output times alpha / rank", lo=0, lo_open=True
+    ),
+    "model.llm.lora.dropout": Num(
+        "dropout on the LoRA adapters' input (0: no randomness)", lo=0, hi=1, hi_open=True
+    ),
+    "model.llm.lora.target_modules": Names(
+        "names of the LLM's linear layers that get adapters (the last part of a module path); the default "
+        "fits Llama, Qwen2 and Qwen3"
     ),
     "model.llm.hidden_size": Num(_SIZE + " (a multiple of num_heads)", lo=1, integer=True),
     "model.llm.num_layers": Num(_SIZE, lo=1, integer=True),

@@ -3,8 +3,9 @@
 `parallel.validator` owns the parallelism rules (`PARALLEL_RULES`) and knows nothing of speechlm; the
 rules here check the rest of a run that can be judged before launch: the sampler's micro-batch budget
 (against the CP/TP rounding and the manifest's longest utterance), the encoder's padding-free path, and
-gradient accumulation against the utterances per data-parallel rank. `RULES` is the parallel table
-followed by these rows, in that order (findings and docs/validator.md list the rules in table order).
+gradient accumulation against the utterances per data-parallel rank, and what trains (LoRA with TP,
+a frozen encoder with an unfreeze step). `RULES` is the parallel table followed by these rows, in that
+order (findings and docs/validator.md list the rules in table order).
 No torch import.
 """
 
@@ -102,6 +103,70 @@ def _no_chat_template(ctx: ValidationContext) -> str:
         return ""
     return f"tokenizer {man.get('tokenizer_path')}"
 
+# what trains (model.llm.train, model.encoder.train: speechlm/model/trainable.py)
+TRAIN_MODE_RULES: tuple[Rule, ...] = (
+    Rule(
+        id="lora-with-tp",
+        level=ERROR,
+        when="model.llm.train=lora with parallel.tp_size > 1",
+        applies=lambda c: c.llm_train == "lora" and c.tp > 1,
+        reason="model.llm.train=lora with tp={tp}: the TP plan shards the LLM's nn.Linear projections, and "
+        "LoRA replaces each adapted one by a peft layer the plan does not shard (its adapters would "
+        "be replicated, not split with the base weight)",
+        fix="train LoRA with parallel.tp_size=1 and scale with FSDP (parallel.dp_shard) and CP "
+        "(parallel.cp_size), which LoRA supports; or use model.llm.train=full or frozen with TP",
+        doc="LoRA adapters are injected with peft into the LLM's linear layers (docs/training-modes.md). "
+        "Under TP each adapted projection would need its A/B matrices sharded to match the base weight "
+        "(column-parallel: B split by rows; row-parallel: A split by columns); that plan does not exist, "
+        "so the combination is refused. LoRA works with dp, FSDP2 and CP, where layout equivalence is "
+        "tested.",
+    ),
+    Rule(
+        id="frozen-encoder-with-unfreeze-step",
+        level=ERROR,
+        when="model.encoder.train=frozen with optim.unfreeze_step > 0",
+        applies=lambda c: c.encoder_train == "frozen" and c.unfreeze_step > 0,
+        reason=lambda c, d: (
+            f"model.encoder.train=frozen never trains the encoder, but optim.unfreeze_step={c.unfreeze_step} "
+            "asks to unfreeze it at that step"
+        ),
+        fix="for an encoder that starts frozen and then trains, use model.encoder.train=full with "
+        "optim.unfreeze_step; for one that never trains, set optim.unfreeze_step=0",
+        doc="`optim.unfreeze_step` is the two-phase schedule of a trained encoder (frozen, then trained "
+        "with its own warmup); `model.encoder.train=frozen` keeps it frozen for the whole run, so the two "
+        "contradict each other.",
+    ),
+    Rule(
+        id="frozen-llm-added-lang-tags",
+        level=WARNING,
+        when="model.llm.train=frozen or lora on a pretrained LLM with data.lang_tags=special",
+        applies=lambda c: c.llm_train in ("frozen", "lora") and c.llm_pretrained and c.lang_tags == "special",
+        reason=lambda c, d: (
+            f"model.llm.train={c.llm_train} freezes the embedding and the LM head, so the language tags "
+            "added as tokens (data.lang_tags=special) keep their initial rows, all equal: the model cannot "
+            "learn to tell the languages apart, and every predicted tag is the same"
+        ),
+        fix="set data.lang_tags=none (no tag in the target), or model.llm.train=full",
+        doc="Tokens the tokenizer adds to a pretrained LLM get embedding and LM-head rows initialised at the "
+        "mean of the existing ones (docs/pretrained-tokenizer.md); with a frozen or LoRA LLM those rows "
+        "never train (docs/training-modes.md). Harmless for the audio placeholder, which is never read "
+        "or predicted; a language tag is predicted, so its row must train.",
+    ),
+    Rule(
+        id="adapting-a-random-llm",
+        level=WARNING,
+        when="model.llm.train=frozen or lora without model.llm.pretrained",
+        applies=lambda c: c.llm_train in ("frozen", "lora") and not c.llm_pretrained,
+        reason=lambda c, d: (
+            f"model.llm.train={c.llm_train} keeps the LLM's randomly initialised weights (model.llm.pretrained "
+            "is not set): only the projector, the encoder and any adapters learn"
+        ),
+        fix="set model.llm.pretrained=DIR (a save_pretrained directory of a causal LM), or "
+        "model.llm.train=full to train an LLM from scratch",
+        doc="Freezing an LLM, or training adapters on it, only makes sense for a pretrained one; a "
+        "warning, since tests and benchmarks do it on purpose.",
+    ),
+)
 
 TRAINING_RULES: tuple[Rule, ...] = (
     Rule(
@@ -216,6 +281,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "A base model's tokenizer often has none; the plain form is then used, as for a model trained "
         "from scratch.",
     ),
+    *TRAIN_MODE_RULES,
 )
 
 

@@ -29,7 +29,9 @@ def tiny_config(
     cp_attention: str = "ring",
     ctc_weight: float = 0.3,
     split_threshold: int | str = 9,
+    overrides: tuple[str, ...] = (),
 ) -> ExperimentConfig:
+    """`overrides`: more dotted overrides (e.g. model.llm.train=lora), applied last."""
     return load_config(
         None,
         [
@@ -57,6 +59,7 @@ def tiny_config(
             "optim.warmup_steps=0",
             "optim.grad_clip=0",
             "trainer.max_steps=10",
+            *overrides,
         ],
     )
 
@@ -89,10 +92,13 @@ def global_steps(n_steps: int, dp: int, seed: int = 0) -> list[list[Batch]]:
 
 
 def build_model(cfg: ExperimentConfig) -> Any:
+    """The SpeechLLM with its train modes applied (model.llm.train, model.encoder.train), as the
+    Lightning module builds it."""
     from speechlm.model.speech_llm import SpeechLLM
+    from speechlm.model.trainable import apply_train_modes
 
     torch.manual_seed(1234)
-    return SpeechLLM(
+    model = SpeechLLM(
         cfg.model,
         vocab_size=TOK.vocab_size,
         pad_id=TOK.pad_id,
@@ -100,6 +106,8 @@ def build_model(cfg: ExperimentConfig) -> Any:
         eos_id=TOK.eos_id,
         audio_id=TOK.audio_id,
     )
+    apply_train_modes(model, cfg.model)
+    return model
 
 
 def full_grads(model: Any) -> dict[str, torch.Tensor]:
@@ -151,6 +159,7 @@ def rank_run(
     ctc_weight: float = 0.3,
     split_threshold: int | str = 9,
     backend: str = "gloo",
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share (on cuda:rank
     under NCCL; the results come back on the CPU)."""
@@ -163,7 +172,7 @@ def rank_run(
     device = device_for(backend, rank)
     dims = ParallelDims(world, 1, -1, cp, tp)
     dims.build_mesh(device.type)
-    cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold)
+    cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold, overrides)
     model = build_model(cfg).to(device)
     ctx = build_distributed_context(model, dims, cfg, device)
     steps = global_steps(n_steps, dims.dp)
@@ -181,6 +190,7 @@ class Layout(NamedTuple):
     tp: int
     cp_attention: str = "ring"
     split_threshold: int | str = 9
+    overrides: tuple[str, ...] = ()  # config overrides of the model (e.g. model.llm.train=lora)
 
     @property
     def world(self) -> int:
@@ -197,7 +207,16 @@ def rank_layouts(
         assert lay.world == world, f"{lay.id} needs {lay.world} ranks, the group has {world}"
         out.append(
             rank_run(
-                rank, world, lay.cp, lay.tp, lay.cp_attention, n_steps, 0.3, lay.split_threshold, backend
+                rank,
+                world,
+                lay.cp,
+                lay.tp,
+                lay.cp_attention,
+                n_steps,
+                0.3,
+                lay.split_threshold,
+                backend,
+                lay.overrides,
             )
         )
     return out

@@ -105,6 +105,11 @@ class ValidationContext:
     encoder_packed: bool | None = None  # model.encoder.packed (None: on where supported)
     precision: str = "auto"  # trainer.precision
     cp_attention: str = "ring"  # parallel.cp_attention: "ring" or "allgather"
+    llm_train: str = "full"  # model.llm.train: "full", "frozen" or "lora"
+    llm_pretrained: bool = False  # model.llm.pretrained is set
+    encoder_train: str = "full"  # model.encoder.train: "full" or "frozen"
+    unfreeze_step: int = 0  # optim.unfreeze_step
+    lang_tags: str | None = None  # data.lang_tags ("special": one added token per language), where it exists
 
     @property
     def on_gpu(self) -> bool:
@@ -245,4 +250,9 @@ def build_context(
         encoder_packed=getattr(model.encoder, "packed", None),
         precision=str(getattr(trainer, "precision", "auto")),
         cp_attention=str(getattr(par, "cp_attention", "ring")),
+        llm_train=str(getattr(model.llm, "train", "full")),
+        llm_pretrained=getattr(model.llm, "pretrained", None) is not None,
+        encoder_train=str(getattr(model.encoder, "train", "full")),
+        unfreeze_step=int(getattr(getattr(config, "optim", None), "unfreeze_step", 0) or 0),
+        lang_tags=getattr(getattr(config, "data", None), "lang_tags", None),
     )

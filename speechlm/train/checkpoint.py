@@ -510,6 +510,105 @@ def load_metadata(path: Path) -> dict[str, Any]:
         ) from None
 
 
+STATE_PREFIX = "state_dict."  # the model's keys in DCP's metadata (optimizers: "optimizer_<i>.")
+
+
+def load_trained_state(
+    model: Any,
+    optimizers: list[Any],
+    path: Path,
+    *,
+    frozen: frozenset[str] = frozenset(),
+    fingerprints: dict[str, str] | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load checkpoint `path` (DCP shards) into `model` (plain or DTensor parameters) and `optimizers`;
+    return its meta.pt.
+
+    The checkpoint's model keys are loaded; a key of `model` it lacks must be one of `frozen` (a frozen
+    or LoRA run's checkpoint leaves those out), and then the frozen base must be the saved one: the
+    fingerprints in meta.pt must equal `fingerprints` (`check_frozen_base`). With `strict`, a trained
+    key it lacks, or a key it holds that `model` has not (another train mode or LoRA setting), is an
+    error naming the train modes it was saved with. Also for loading a checkpoint outside training
+    (`optimizers` empty; `model` the module whose state-dict keys the checkpoint uses)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    meta = load_metadata(path)
+    entries = read_dcp_metadata(path / DCP_METADATA).state_dict_metadata
+    shapes = {
+        k[len(STATE_PREFIX) :]: getattr(v, "size", None)
+        for k, v in entries.items()
+        if k.startswith(STATE_PREFIX)
+    }
+    saved = set(shapes)
+    state = get_model_state_dict(model)
+    absent = set(state) - saved
+    mismatch = [f"has no {k}" for k in sorted(absent - frozen)]
+    mismatch += [f"holds {k}" for k in sorted(saved - set(state))]
+    mismatch += shape_mismatches(shapes, state)
+    if mismatch and strict:
+        base = (meta.get("speechlm") or {}).get("base") or {}
+        was = f"model.llm.train={base.get('llm', 'full')}, model.encoder.train={base.get('encoder', 'full')}"
+        raise CheckpointError(
+            f"{path} {mismatch[0]} (and {len(mismatch) - 1} more parameters that do not match what this run "
+            f"trains): it was saved with {was} (or other LoRA settings); resume with the settings it was "
+            f"saved with, or start a new run from it"
+        )
+    if absent & frozen:
+        check_frozen_base(path, meta, fingerprints or {})
+    model_state = {"state_dict": {k: v for k, v in state.items() if k in saved}}
+    dcp.load(model_state, storage_reader=safe_storage_reader(path))
+    model.load_state_dict(model_state["state_dict"], strict=False)  # the absent keys were checked above
+    for idx, optimizer in enumerate(optimizers):
+        key = f"optimizer_{idx}"
+        optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+        dcp.load(optim_state, storage_reader=safe_storage_reader(path))
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+        )
+    return meta
+
+
+def shape_mismatches(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """The keys of both whose saved shape differs from the model's (e.g. another LoRA rank)."""
+    out = []
+    for k in sorted(set(saved) & set(state)):
+        have, want = saved[k], getattr(state[k], "shape", None)
+        if have is not None and want is not None and tuple(have) != tuple(want):
+            out.append(f"holds {k} of shape {list(have)} (this run's: {list(want)})")
+    return out
+
+
+def check_frozen_base(path: Path, meta: dict[str, Any], fingerprints: dict[str, str]) -> None:
+    """Refuse to resume a checkpoint that left out its frozen base (frozen or LoRA run) onto another
+    base: the fingerprints of the frozen parts saved in meta.pt must equal this run's."""
+    base = (meta.get("speechlm") or {}).get("base") or {}
+    saved = base.get("fingerprints") or {}
+    if not saved:
+        raise CheckpointError(
+            f"{path} holds no frozen base reference (no fingerprint in its {META_NAME}) but leaves out "
+            "parameters this run keeps frozen; resume it with the train modes it was saved with"
+        )
+    for part in sorted(set(saved) | set(fingerprints)):
+        if saved.get(part) == fingerprints.get(part):
+            continue
+        where = base.get(f"{part}_pretrained")
+        src = f"model.{part}.pretrained={where}" if where else f"the {part} built from the config and seed"
+        raise CheckpointError(
+            f"{path} was trained on a frozen {part} ({src}, fingerprint {str(saved.get(part))[:12]}) and "
+            f"this run's frozen {part} differs (fingerprint {str(fingerprints.get(part))[:12]}): the checkpoint "
+            f"holds only the trained parameters, so it cannot be resumed onto another base. Point "
+            f"model.{part}.pretrained at the unchanged weights it was saved with (and the same "
+            f"model.{part}.train and trainer.seed), or start a new run"
+        )
+
+
 def _read_json(f: Path) -> dict[str, Any]:
     try:
         data = json.loads(f.read_text())

@@ -330,8 +330,11 @@ def announce_model(cfg: ExperimentConfig, module: Any, run_dir: Path, rank: int)
     from speechlm.config import to_dict
 
     n_params = sum(p.numel() for p in module.model.parameters())
+    n_trained = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    m = cfg.model
     print(
-        f"model: {n_params / 1e6:.2f}M parameters; packed_sequences={cfg.model.packed_sequences}, "
+        f"model: {n_params / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M trained (llm.train={m.llm.train}, "
+        f"encoder.train={m.encoder.train}); packed_sequences={cfg.model.packed_sequences}, "
         f"attention={cfg.model.attention_backend}, ctc_weight={cfg.model.ctc_weight}"
     )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

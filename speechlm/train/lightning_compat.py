@@ -25,13 +25,6 @@ def set_device_mesh(strategy: Any, module: Any, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
-def has_dtensor_modules(model: Any) -> bool:
-    """Whether `model` holds DTensor parameters (FSDP2/TP), which Lightning's DCP loader requires."""
-    from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
-
-    return bool(_has_dtensor_modules(model))
-
-
 def set_fit_max_steps(trainer: Any, max_steps: int) -> None:
     """Change `max_steps` of a Trainer already built (evaluation-only runs restore, then train 0 steps)."""
     trainer.fit_loop.epoch_loop.max_steps = max_steps

@@ -91,6 +91,9 @@ class SpeechLLMModule(L.LightningModule):
             ctc_skip_leading=tok.ctc_skip_leading,
             added_token_ids=tok.added_token_ids,
         )
+        from speechlm.model.trainable import apply_train_modes
+
+        apply_train_modes(self.model, cfg.model)  # what trains: full, frozen or LoRA (before parallelism)
         self.step_ctx = StepContext()  # replaced once, by configure_model
         self.precision = PrecisionPolicy()  # fp32 until configure_model decides (once, on the device)
         # counters carried in checkpoints
@@ -257,7 +260,24 @@ class SpeechLLMModule(L.LightningModule):
             "utterances_seen": int(self.utterances_seen),
             "audio_seconds_seen": float(self.audio_seconds_seen),
             "dropped": {str(k): int(v) for k, v in self.dropped.items()},
+            # the frozen base a frozen/LoRA checkpoint leaves out (checked on resume: checkpoint.check_frozen_base)
+            "base": self.base_record(),
         }
+
+    def base_record(self) -> dict[str, Any]:
+        from speechlm.model.trainable import train_modes_of
+
+        return {
+            **train_modes_of(self.model).as_record(),
+            "llm_pretrained": self.cfg.model.llm.pretrained,
+            "encoder_pretrained": self.cfg.model.encoder.pretrained,
+        }
+
+    def frozen_state_keys(self) -> frozenset[str]:
+        """This module's state-dict keys of the frozen parameters (left out of checkpoints)."""
+        from speechlm.model.trainable import train_modes_of
+
+        return frozenset(f"model.{name}" for name in train_modes_of(self.model).frozen)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get("speechlm", {})

@@ -65,8 +65,18 @@ def encoder_frozen(step: int, unfreeze_step: int) -> bool:
     return unfreeze_step > 0 and step < unfreeze_step
 
 
+def encoder_runs_frozen(step: int, cfg: ExperimentConfig) -> bool:
+    """Whether optimizer step `step` runs the encoder without autograd: always with
+    ``model.encoder.train=frozen``, before ``optim.unfreeze_step`` with ``full``."""
+    return cfg.model.encoder.train == "frozen" or encoder_frozen(step, cfg.optim.unfreeze_step)
+
+
 def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group."""
+    """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group.
+
+    Only parameters that require gradients join (`speechlm.model.trainable`: a frozen LLM or encoder,
+    a LoRA run's base weights have none), so frozen parameters get no optimizer state; a group may be
+    empty (a frozen encoder's)."""
     o, t = cfg.optim, cfg.trainer
     enc_ids = {id(p) for p in model.encoder_parameters()}
     enc = [p for p in model.parameters() if id(p) in enc_ids and p.requires_grad]

@@ -30,7 +30,7 @@ from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.precision import PrecisionPolicy
-from speechlm.train.schedule import encoder_frozen as is_encoder_frozen
+from speechlm.train.schedule import encoder_runs_frozen
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def run_optimizer_step(
     counts and flags); None: agreed here.
     """
     backward = backward or (lambda loss: loss.backward())
-    frozen = is_encoder_frozen(step, cfg.optim.unfreeze_step)
+    frozen = encoder_runs_frozen(step, cfg)
     if counts is None:
         counts = agree_step(model, micro_batches, ctx).counts
     n_tok, n_clip = counts.tokens, counts.clips

@@ -16,7 +16,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallel.mesh import ParallelDims
 from speechlm.train.lightning_compat import (
-    has_dtensor_modules,
     save_checkpoint_one_process,
     set_device_mesh,
     setup_process_group,
@@ -58,44 +57,35 @@ class SpeechParallelStrategy(ModelParallelStrategy):
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's DCP loader insists on DTensor parameters; one process has none (no FSDP/TP), so
-        the same sharded format is read here with torch's state-dict helpers, which take plain modules."""
-        from speechlm.train.checkpoint import (
-            DCP_METADATA,
-            load_metadata,
-            read_dcp_metadata,
-            safe_storage_reader,
-        )
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state without the frozen parameters (`speechlm.model.trainable`): a frozen or
+        LoRA run's checkpoint holds what trains, its meta.pt a fingerprint of the frozen base."""
+        state = super().lightning_module_state_dict()
+        frozen = frozen_keys_of(self.lightning_module)
+        return {k: v for k, v in state.items() if k not in frozen} if frozen else state
 
-        if has_dtensor_modules(self.model):
-            # meta.pt holds plain containers and tensors only (train/checkpoint.py); DCP's .metadata is a
-            # pickle that Lightning's loader unpickles: read it first with the restricted unpickler, which
-            # refuses any code in it (verify_checkpoint did too, before the model was built)
-            read_dcp_metadata(Path(checkpoint_path) / DCP_METADATA)
-            return super().load_checkpoint(checkpoint_path, weights_only=True)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the sharded checkpoint into the model (DTensor or plain parameters) and the optimizers.
+
+        DCP's `.metadata` is read with the restricted unpickler (no code runs, `safe_storage_reader`) and
+        meta.pt with ``weights_only=True``. Parameters the checkpoint leaves out must be this run's frozen
+        ones, with the same fingerprint as when it was saved (`checkpoint.load_trained_state`)."""
+        from speechlm.model.trainable import train_modes_of
+        from speechlm.train.checkpoint import load_trained_state
 
         path = Path(self.broadcast(checkpoint_path))
-        assert self.model is not None
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(model_state, storage_reader=safe_storage_reader(path))
-        assert self.lightning_module is not None
-        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for idx, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{idx}"
-            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(optim_state, storage_reader=safe_storage_reader(path))
-            set_optimizer_state_dict(
-                self.model,
-                optimizer,
-                optim_state_dict=optim_state[key],
-                options=StateDictOptions(cpu_offload=True),
-            )
-        return load_metadata(path)
+        assert self.model is not None and self.lightning_module is not None
+        return load_trained_state(
+            self.model,
+            self.optimizers,
+            path,
+            frozen=frozen_keys_of(self.lightning_module),
+            fingerprints=train_modes_of(getattr(self.lightning_module, "model", None)).fingerprints,
+            strict=self.lightning_module.strict_loading,
+        )
+
+
+def frozen_keys_of(module: Any) -> frozenset[str]:
+    """The state-dict keys of `module`'s frozen parameters (none for a module that has no such notion)."""
+    keys = getattr(module, "frozen_state_keys", None)
+    return keys() if callable(keys) else frozenset()

@@ -217,6 +217,22 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(manifest={"tokenizer_kind": "hf", "chat_template": False, "chat_template_setting": "auto"}),
         Case(manifest={"tokenizer_kind": "hf", "chat_template": False, "chat_template_setting": "none"}),
     ),
+    "lora-with-tp": (
+        Case(("model.llm.train=lora", "parallel.tp_size=2"), world=2),
+        Case(("model.llm.train=frozen", "parallel.tp_size=2"), world=2),
+    ),
+    "frozen-encoder-with-unfreeze-step": (
+        Case(("model.encoder.train=frozen", "optim.unfreeze_step=100")),
+        Case(("model.encoder.train=full", "optim.unfreeze_step=100")),
+    ),
+    "frozen-llm-added-lang-tags": (
+        Case(("model.llm.train=lora", "model.llm.pretrained=/llm", "data.lang_tags=special")),
+        Case(("model.llm.train=lora", "model.llm.pretrained=/llm", "data.lang_tags=none")),
+    ),
+    "adapting-a-random-llm": (
+        Case(("model.llm.train=lora",)),
+        Case(("model.llm.train=lora", "model.llm.pretrained=/some/llm")),
+    ),
 }
 
 
@@ -645,6 +661,10 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "epoch-plan-too-short",
         "pretrained-llm-sentencepiece-tokenizer",
         "chat-template-missing",
+        "lora-with-tp",
+        "frozen-encoder-with-unfreeze-step",
+        "frozen-llm-added-lang-tags",
+        "adapting-a-random-llm",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
     cfg = make_config("sampler.max_batch_duration=null")
