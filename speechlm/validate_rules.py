@@ -103,6 +103,7 @@ def _no_chat_template(ctx: ValidationContext) -> str:
         return ""
     return f"tokenizer {man.get('tokenizer_path')}"
 
+
 # what trains (model.llm.train, model.encoder.train: speechlm/model/trainable.py)
 TRAIN_MODE_RULES: tuple[Rule, ...] = (
     Rule(

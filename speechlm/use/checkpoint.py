@@ -26,11 +26,8 @@ import torch
 from speechlm.config import ExperimentConfig
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
-    DCP_METADATA,
     CheckpointError,
     latest_checkpoint,
-    read_dcp_metadata,
-    safe_storage_reader,
     verify_checkpoint,
 )
 
@@ -129,24 +126,20 @@ def load_checkpoint(
     return LoadedCheckpoint(ckpt, step, cfg, tokenizer, tok, module)
 
 
-def load_checkpoint_weights(module: torch.nn.Module, ckpt: Path) -> None:
-    """Read `module`'s tensors that `ckpt` holds from its DCP shards (one process, no process group)."""
-    import torch.distributed.checkpoint as dcp
+def load_checkpoint_weights(module: Any, ckpt: Path) -> None:
+    """Read `module`'s tensors that `ckpt` holds from its DCP shards (one process, no process group),
+    as a resume does (`load_trained_state`): a frozen or LoRA run's checkpoint leaves out the frozen
+    base, which must then be the one it was trained on (fingerprints); a trained tensor it lacks, or one
+    it holds that the config's model has not, is a CheckpointError."""
+    from speechlm.model.trainable import train_modes_of
+    from speechlm.train.checkpoint import load_trained_state
 
-    saved = set(read_dcp_metadata(ckpt / DCP_METADATA).state_dict_metadata)
-    state = module.state_dict()
-    wanted = {k: v for k, v in state.items() if STATE_PREFIX + k in saved}
-    params = dict(module.named_parameters())
-    # a frozen parameter may come from the base (llm.pretrained); a trainable one or a buffer may not
-    missing = sorted(k for k in state if k not in wanted and (k not in params or params[k].requires_grad))
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(
-            f"{ckpt} lacks {len(missing)} tensor(s) of the model its config builds ({shown}): the checkpoint was "
-            "written by another model config, or its config was changed after it was saved"
-        )
-    loaded = {STATE_PREFIX.rstrip("."): wanted}
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(loaded, storage_reader=safe_storage_reader(ckpt), no_dist=True)
-    module.load_state_dict(loaded["state_dict"], strict=False)
+        load_trained_state(
+            module,
+            [],
+            ckpt,
+            frozen=module.frozen_state_keys(),
+            fingerprints=train_modes_of(module.model).fingerprints,
+        )

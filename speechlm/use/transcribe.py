@@ -143,6 +143,11 @@ def run_transcribe_command(args: argparse.Namespace) -> int:
     um = load_model(args.model, args.device or default_device())
     lang_id = None
     if args.lang is not None:
+        if not getattr(um.tokenizer, "tag_tokens", 1):
+            raise UsageError(
+                f"--lang {args.lang}: this model was trained with data.lang_tags=none (no language tag to "
+                "force); leave out --lang"
+            )
         if args.lang not in um.tokenizer.langs:
             raise UsageError(
                 f"--lang {args.lang}: the model knows the languages {', '.join(um.tokenizer.langs)}"
@@ -250,7 +255,7 @@ class ManifestInputs:
 # --- decoding ----------------------------------------------------------------------------------------
 def language_of(tokenizer: Any, ids: list[int]) -> str | None:
     """The language whose tag is the first generated token, None when it is not a tag."""
-    if not ids:
+    if not ids or not getattr(tokenizer, "tag_tokens", 1):  # data.lang_tags=none: no tag is generated
         return None
     for lang in tokenizer.langs:
         if int(tokenizer.lang_id(lang)) == int(ids[0]):
