@@ -222,6 +222,9 @@ class LLMConfig(Section):
     pretrained: str | None = None  # local directory for AutoModelForCausalLM
     train: LLMTrain = "full"  # "full", "frozen" (no parameter trains) or "lora" (adapters only)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # frozen/lora: the rows of the tokens the run added (language tags) still train (their embedding and
+    # LM-head rows; speechlm/model/trainable.py AddedTokenRows)
+    train_added_rows: bool = True
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -693,6 +696,11 @@ FIELDS: dict[str, Rule] = {
         "full: every LLM parameter trains; frozen: none does; lora: only LoRA adapters (model.llm.lora) do. "
         "frozen/lora checkpoints hold what trains plus a fingerprint of the frozen base (docs/training-modes.md)",
         choices=choices_of(LLMTrain),
+    ),
+    "model.llm.train_added_rows": Flag(
+        "with model.llm.train=frozen or lora, the embedding and LM-head rows of the tokens the run added to "
+        "a pretrained LLM's vocabulary (the data.lang_tags=special language tags) still train; false: they "
+        "stay at their initial mean, so the tags cannot be told apart"
     ),
     "model.llm.lora.rank": Num("rank of the LoRA adapters (model.llm.train=lora)", lo=1, integer=True),
     "model.llm.lora.alpha": Num(

@@ -140,18 +140,26 @@ TRAIN_MODE_RULES: tuple[Rule, ...] = (
     Rule(
         id="frozen-llm-added-lang-tags",
         level=WARNING,
-        when="model.llm.train=frozen or lora on a pretrained LLM with data.lang_tags=special",
-        applies=lambda c: c.llm_train in ("frozen", "lora") and c.llm_pretrained and c.lang_tags == "special",
-        reason=lambda c, d: (
-            f"model.llm.train={c.llm_train} freezes the embedding and the LM head, so the language tags "
-            "added as tokens (data.lang_tags=special) keep their initial rows, all equal: the model cannot "
-            "learn to tell the languages apart, and every predicted tag is the same"
+        when="model.llm.train=frozen or lora on a pretrained LLM with data.lang_tags=special and "
+        "model.llm.train_added_rows=false",
+        applies=lambda c: (
+            c.llm_train in ("frozen", "lora")
+            and c.llm_pretrained
+            and c.lang_tags == "special"
+            and not c.llm_train_added_rows
         ),
-        fix="set data.lang_tags=none (no tag in the target), or model.llm.train=full",
+        reason=lambda c, d: (
+            f"model.llm.train={c.llm_train} freezes the embedding and the LM head, and "
+            "model.llm.train_added_rows=false keeps the rows of the language tags added as tokens "
+            "(data.lang_tags=special) at their initial values, all equal: the model cannot learn to tell the "
+            "languages apart, and every predicted tag is the same"
+        ),
+        fix="leave model.llm.train_added_rows=true (the default: those rows train), set data.lang_tags=none "
+        "(no tag in the target), or model.llm.train=full",
         doc="Tokens the tokenizer adds to a pretrained LLM get embedding and LM-head rows initialised at the "
         "mean of the existing ones (docs/pretrained-tokenizer.md); with a frozen or LoRA LLM those rows "
-        "never train (docs/training-modes.md). Harmless for the audio placeholder, which is never read "
-        "or predicted; a language tag is predicted, so its row must train.",
+        "train only through model.llm.train_added_rows (docs/training-modes.md). Harmless for the audio "
+        "placeholder, which is never read or predicted; a language tag is predicted, so its row must train.",
     ),
     Rule(
         id="adapting-a-random-llm",

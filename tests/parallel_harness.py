@@ -21,6 +21,7 @@ from speechlm.train.step import StepContext, run_optimizer_step
 
 VOCAB = 64
 TOK = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
+ADDED_IDS = (4, 5, 6, 7)  # "added" to a frozen/LoRA LLM: the placeholder and three ids the batches use
 
 
 def tiny_config(
@@ -74,6 +75,7 @@ def make_batch(seed: int, n_clips: int) -> Batch:
     tokens = torch.zeros(n_clips, int(tlens.max()), dtype=torch.long)
     for i, n in enumerate(tlens.tolist()):
         tokens[i, :n] = torch.randint(5, VOCAB, (n,), generator=g)
+        tokens[i, 0] = 5 + (seed + i) % 3  # a "language tag" first, as a transcript has (ids 5-7)
     return Batch(
         audio=audio,
         audio_lens=lens,
@@ -91,13 +93,16 @@ def global_steps(n_steps: int, dp: int, seed: int = 0) -> list[list[Batch]]:
     return [[make_batch(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
 
 
-def build_model(cfg: ExperimentConfig) -> Any:
+def build_model(cfg: ExperimentConfig, added_token_ids: Any = None) -> Any:
     """The SpeechLLM with its train modes applied (model.llm.train, model.encoder.train), as the
-    Lightning module builds it."""
+    Lightning module builds it; ``added_token_ids`` default: ADDED_IDS for a frozen or LoRA LLM."""
     from speechlm.model.speech_llm import SpeechLLM
     from speechlm.model.trainable import apply_train_modes
 
     torch.manual_seed(1234)
+    # a frozen or LoRA LLM gets ADDED_IDS as tokens added to a pretrained vocabulary (rows at the mean,
+    # trained as `AddedTokenRows`), as a run on a pretrained LLM's own tokenizer adds its language tags
+    adapted = cfg.model.llm.train in ("frozen", "lora")
     model = SpeechLLM(
         cfg.model,
         vocab_size=TOK.vocab_size,
@@ -105,6 +110,7 @@ def build_model(cfg: ExperimentConfig) -> Any:
         bos_id=TOK.bos_id,
         eos_id=TOK.eos_id,
         audio_id=TOK.audio_id,
+        added_token_ids=(ADDED_IDS if adapted else ()) if added_token_ids is None else added_token_ids,
     )
     apply_train_modes(model, cfg.model)
     return model

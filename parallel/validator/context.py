@@ -107,6 +107,7 @@ class ValidationContext:
     cp_attention: str = "ring"  # parallel.cp_attention: "ring" or "allgather"
     llm_train: str = "full"  # model.llm.train: "full", "frozen" or "lora"
     llm_pretrained: bool = False  # model.llm.pretrained is set
+    llm_train_added_rows: bool = True  # model.llm.train_added_rows (frozen/lora: added tokens' rows train)
     encoder_train: str = "full"  # model.encoder.train: "full" or "frozen"
     unfreeze_step: int = 0  # optim.unfreeze_step
     lang_tags: str | None = None  # data.lang_tags ("special": one added token per language), where it exists
@@ -252,6 +253,7 @@ def build_context(
         cp_attention=str(getattr(par, "cp_attention", "ring")),
         llm_train=str(getattr(model.llm, "train", "full")),
         llm_pretrained=getattr(model.llm, "pretrained", None) is not None,
+        llm_train_added_rows=bool(getattr(model.llm, "train_added_rows", True)),
         encoder_train=str(getattr(model.encoder, "train", "full")),
         unfreeze_step=int(getattr(getattr(config, "optim", None), "unfreeze_step", 0) or 0),
         lang_tags=getattr(getattr(config, "data", None), "lang_tags", None),

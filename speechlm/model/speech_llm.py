@@ -165,6 +165,7 @@ class SpeechLLM(nn.Module):
         self.prompt = prompt
         self.pad_id, self.bos_id, self.eos_id, self.audio_id = pad_id, prompt.bos_id, prompt.eos_id, audio_id
         self.ctc_skip_leading = ctc_skip_leading
+        self.added_token_ids = tuple(int(i) for i in added_token_ids)
         self.ctc_blank_id = pad_id if ctc_blank_id is None else int(ctc_blank_id)
         self.ctc_weight = model_cfg.ctc_weight
         self.backend = get_backend(model_cfg.attention_backend)

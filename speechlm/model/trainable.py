@@ -22,8 +22,19 @@ names (checkpoints leave them out, `trainable_state_dict`) and a fingerprint per
 over the frozen tensors (names without peft's ``.base_layer``, dtypes, shapes, bytes), which a
 checkpoint stores and resume compares (`speechlm.train.checkpoint.check_frozen_base`).
 
-`merge_lora(llm)` folds the adapters into the base weights and removes peft's wrappers: a plain
-transformers model for ``save_pretrained``.
+Tokens the run added to a pretrained LLM's vocabulary (`speechlm.model.llm.init_added_rows`: the
+language tags of ``data.lang_tags=special``) start with embedding and LM-head rows at the mean of the
+pretrained ones, all equal. A frozen or LoRA LLM would keep them so, and could never tell the languages
+apart; with ``model.llm.train_added_rows`` (the default) those rows train anyway, as `AddedTokenRows`:
+a small module on the `SpeechLLM` holding one trainable row per added token (the audio placeholder
+excepted: it is never read, packing replaces it, nor predicted), initialised from the frozen matrices
+and applied by forward hooks on the LLM's input embedding (its output rows for those ids are replaced)
+and on its LM head (its logits for those ids are recomputed from the trained rows). A tied matrix gets
+one row set for both. The frozen matrices are never written, so the base fingerprint holds; the rows
+are trained parameters, in the checkpoint and the optimizer like the projector's.
+
+`merge_lora(llm)` folds the adapters and the trained added rows into the base weights and removes
+peft's wrappers and the rows' hooks: a plain transformers model for ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -113,6 +124,71 @@ def _freeze(module: nn.Module, prefix: str, keep: Any = lambda name: False) -> l
     return frozen
 
 
+class _RowsHook:
+    """A forward hook of `AddedTokenRows` (a class, so that `merge_lora` can find and remove it)."""
+
+    def __init__(self, rows: AddedTokenRows, side: str) -> None:
+        self.rows, self.side = rows, side
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        return self.rows.embed(args[0], out) if self.side == "in" else self.rows.logits(args[0], out)
+
+
+class AddedTokenRows(nn.Module):
+    """Trainable embedding (``emb``) and LM-head (``head``; None when tied) rows of ``ids``, over a
+    frozen LLM; ``slot`` maps a vocabulary id to its row (-1: not added)."""
+
+    ids: torch.Tensor
+    slot: torch.Tensor
+
+    def __init__(self, llm: Any, ids: Iterable[int]) -> None:
+        super().__init__()
+        ids = sorted({int(i) for i in ids})
+        emb_w = llm.get_input_embeddings().weight
+        head = llm.get_output_embeddings()
+        index = torch.tensor(ids, dtype=torch.long)
+        self.emb = nn.Parameter(emb_w.detach()[index].clone().float())
+        self.tied = head is None or head.weight is emb_w
+        self.head = None if self.tied else nn.Parameter(head.weight.detach()[index].clone().float())
+        self.register_buffer("ids", index, persistent=False)
+        slot = torch.full((emb_w.shape[0],), -1, dtype=torch.long)
+        slot[index] = torch.arange(len(ids))
+        self.register_buffer("slot", slot, persistent=False)
+
+    def embed(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        slot = self.slot.to(ids.device)[ids]
+        rows = self.emb.to(out.dtype)[slot.clamp(min=0)]
+        return torch.where((slot >= 0).unsqueeze(-1), rows, out)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        weight = self.emb if self.head is None else self.head
+        new = nn.functional.linear(hidden, weight.to(hidden.dtype)).to(out.dtype)
+        return out.index_copy(out.dim() - 1, self.ids.to(out.device), new)
+
+    def install(self, llm: Any) -> None:
+        llm.get_input_embeddings().register_forward_hook(_RowsHook(self, "in"))
+        head = llm.get_output_embeddings()
+        if head is not None:
+            head.register_forward_hook(_RowsHook(self, "out"))
+
+
+def bake_added_rows(llm: Any) -> None:
+    """Write the trained rows of an `AddedTokenRows` whose hooks ``llm`` carries into its matrices and
+    remove the hooks (``llm`` is then a plain model that computes the same)."""
+    modules = [llm.get_input_embeddings(), llm.get_output_embeddings()]
+    for module in [m for m in modules if m is not None]:
+        for key, hook in list(module._forward_hooks.items()):
+            if not isinstance(hook, _RowsHook):
+                continue
+            rows = hook.rows
+            with torch.no_grad():
+                if hook.side == "in":
+                    module.weight[rows.ids] = rows.emb.to(module.weight.dtype)
+                elif rows.head is not None:
+                    module.weight[rows.ids] = rows.head.to(module.weight.dtype)
+            del module._forward_hooks[key]
+
+
 def apply_train_modes(model: Any, cfg: ModelConfig) -> None:
     """Freeze / inject adapters per ``model.llm.train`` and ``model.encoder.train``; record `TrainModes`
     on ``model.train_modes``. Called once, on the unsharded model (the fingerprints read whole tensors)."""
@@ -125,6 +201,10 @@ def apply_train_modes(model: Any, cfg: ModelConfig) -> None:
         part = _freeze(model.llm, "llm.", keep=is_lora_name if llm_mode == "lora" else lambda name: False)
         fingerprints["llm"] = fingerprint(part)
         frozen += [n for n, _ in part]
+    added = [i for i in getattr(model, "added_token_ids", ()) if i != getattr(model, "audio_id", None)]
+    if llm_mode in ("frozen", "lora") and cfg.llm.train_added_rows and added:
+        model.added_rows = AddedTokenRows(model.llm, added)
+        model.added_rows.install(model.llm)
     if enc_mode == "frozen":
         part = _freeze(model.encoder, "encoder.")
         fingerprints["encoder"] = fingerprint(part)
@@ -152,6 +232,7 @@ def merge_lora(llm: nn.Module, *, inplace: bool = False) -> Any:
         parent_name, _, attr = name.rpartition(".")
         parent = out.get_submodule(parent_name) if parent_name else out
         setattr(parent, attr, module.get_base_layer())
+    bake_added_rows(out)
     if hasattr(out, "peft_config"):
         del out.peft_config
     for p in out.parameters():

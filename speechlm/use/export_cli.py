@@ -84,10 +84,9 @@ def export_checkpoint(checkpoint: str | Path, out: Path) -> Path:
 
 
 def merged_llm(llm: Any) -> Any:
-    """The LLM to save: LoRA merged into the base weights when it has adapters, else as it is."""
-    if not any("lora_" in name for name, _ in llm.named_parameters()):
-        return llm
-    from speechlm.model.trainable import merge_lora  # type: ignore[import-not-found]
+    """The LLM to save: a copy with its LoRA adapters and the trained rows of added tokens merged into the
+    base weights (`merge_lora`), a plain transformers model."""
+    from speechlm.model.trainable import merge_lora
 
     return merge_lora(llm)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import TOK, build_model, global_steps, run_steps, tiny_config
+from parallel_harness import ADDED_IDS, TOK, build_model, global_steps, run_steps, tiny_config
 from trainmodes_helpers import lora_overrides, make_tiny_llm_dir
 
 from speechlm.config import apply_override
@@ -60,7 +60,7 @@ def test_frozen_llm_is_bit_identical_after_steps_and_has_no_optimizer_state(llm_
     cfg = config(llm_dir, "model.llm.train=frozen")
     model, moved = trained(cfg)
     assert not {n for n in moved if n.startswith("llm.")}, "a frozen LLM parameter changed"
-    for prefix in ("encoder.", "projector.", "ctc_head."):
+    for prefix in ("encoder.", "projector.", "ctc_head.", "added_rows."):
         assert any(n.startswith(prefix) for n in moved), f"{prefix} did not train"
     opt, _ = build_optimizer(model, cfg)
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -74,7 +74,7 @@ def test_lora_trains_only_adapters_projector_encoder(llm_dir):
     assert "llm.model.layers.0.self_attn.q_proj.base_layer.weight" in train_modes_of(model).frozen
     llm_moved = {n for n in moved if n.startswith("llm.")}
     assert llm_moved and all(".lora_A." in n or ".lora_B." in n for n in llm_moved), llm_moved
-    for prefix in ("encoder.", "projector.", "ctc_head."):
+    for prefix in ("encoder.", "projector.", "ctc_head.", "added_rows."):
         assert any(n.startswith(prefix) for n in moved), f"{prefix} did not train"
 
 
@@ -128,7 +128,7 @@ def test_lora_with_zero_adapters_gives_the_base_logits_through_the_packed_path(l
     """A LoRA model whose adapters are still zero (lora_B = 0 at init) computes the base model's logits
     exactly on the THD path: the attention backend receives the same q/k/v and the extra keyword
     arguments (cu_seq_lens_q, varlen_meta, cp_context, logits_to_keep) pass through unchanged."""
-    base = build_model(config(llm_dir))
+    base = build_model(config(llm_dir), added_token_ids=ADDED_IDS)  # the same rows at the mean
     lora = built(config(llm_dir, *lora_overrides()))
     batch = STEPS[0][0]
     torch.manual_seed(0)

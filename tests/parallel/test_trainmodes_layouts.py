@@ -56,6 +56,8 @@ def test_lora_and_frozen_layouts_match_single_process(backend):
                 ("projector.",) if frozen_encoder else ("encoder.", "projector."),
             )
             llm = {n for n in grads if n.startswith("llm.")}
+            if lay.overrides in (LORA, FROZEN):  # the rows of the added tokens (AddedTokenRows) train
+                assert {"added_rows.emb", "added_rows.head"} <= set(grads), sorted(grads)[:5]
             if lay.overrides == LORA:
                 assert llm and all(".lora_A." in n or ".lora_B." in n for n in llm), sorted(llm)
             elif lay.overrides == FROZEN:

@@ -226,8 +226,15 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.encoder.train=full", "optim.unfreeze_step=100")),
     ),
     "frozen-llm-added-lang-tags": (
+        Case(
+            (
+                "model.llm.train=lora",
+                "model.llm.pretrained=/llm",
+                "data.lang_tags=special",
+                "model.llm.train_added_rows=false",
+            )
+        ),
         Case(("model.llm.train=lora", "model.llm.pretrained=/llm", "data.lang_tags=special")),
-        Case(("model.llm.train=lora", "model.llm.pretrained=/llm", "data.lang_tags=none")),
     ),
     "adapting-a-random-llm": (
         Case(("model.llm.train=lora",)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ def recipe_overrides(mode: str, pretrained: Path, demo_data: dict[str, str], run
         f"data.train_manifest={demo_data['train']}",
         f"data.val_manifest={demo_data['val']}",
         "data.tokenizer=null",  # the LLM's own tokenizer and chat template
-        "data.lang_tags=none",  # as the recipe: added tag rows would stay frozen
+        # lora as the recipe: tags added as tokens, their rows trained (AddedTokenRows); frozen: no tag
+        f"data.lang_tags={'special' if mode == 'lora' else 'none'}",
         "data.instruction=Transcribe the audio.",
         f"model.llm.pretrained={pretrained}",
         f"model.llm.train={mode}",
@@ -58,7 +60,9 @@ def recipe_overrides(mode: str, pretrained: Path, demo_data: dict[str, str], run
 @pytest.mark.parametrize("mode", ["lora", "frozen"])
 def test_smollm2_recipe_trains_then_evaluate_equals_export_transcribe(mode, smollm2, demo_data, tmp_path):
     run_dir = tmp_path / "run"
+    t0 = time.monotonic()
     r = run_train(recipe_overrides(mode, smollm2, demo_data, run_dir), timeout=1800)
+    train_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-4000:]
     losses = [row["loss"] for row in read_train_metrics(run_dir)]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
@@ -70,6 +74,9 @@ def test_smollm2_recipe_trains_then_evaluate_equals_export_transcribe(mode, smol
     assert ev.returncode == 0, ev.stderr[-4000:]
     record = json.loads(ev.stdout.strip().splitlines()[-1])
     assert math.isfinite(record["loss"]) and record["utterances"]["all"] > 0, record
+    # the figures docs/pretrained.md and the README quote (run with -s)
+    print(f"\n[smollm2 {mode}] {STEPS} steps in {train_s:.0f} s (process start to exit), loss "
+          f"{losses[0]:.2f} -> {losses[-1]:.2f}, val loss {record['loss']:.2f}")  # fmt: skip
 
     export = tmp_path / "export"
     ex = run_cli(["export", str(run_dir), "--out", str(export)], timeout=900)
