@@ -77,9 +77,11 @@ def tokenizer_source(cfg: Any) -> tuple[str | None, str]:
     path = cfg.data.tokenizer or cfg.model.llm.pretrained
     if path is None:
         return None, "sentencepiece"
+    if cfg.data.tokenizer is None:  # the LLM's own, even where its directory is absent (validate elsewhere)
+        return str(path), "hf"
     p = Path(str(path))
     hf = is_hf_tokenizer_dir(p) and not (p / f"{SP_SAVED}.model").is_file()
-    return str(path), "hf" if hf or (p.is_dir() and cfg.data.tokenizer is None) else "sentencepiece"
+    return str(path), "hf" if hf else "sentencepiece"
 
 
 def check_tokenizer_choice(cfg: Any, kind: str) -> None:

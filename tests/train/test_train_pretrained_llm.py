@@ -98,6 +98,18 @@ def test_validate_reports_the_tokenizer_rules(demo_data, llm_dir, tmp_path, caps
     assert "chat-template-missing" in capsys.readouterr().out
 
 
+def test_validate_of_a_recipe_whose_llm_is_on_another_machine(demo_data, tmp_path, capsys):
+    """`speechlm validate` of a config whose model.llm.pretrained is not on this machine (data.tokenizer
+    unset: the LLM's own) checks the layout and says nothing about SentencePiece (it used to report
+    pretrained-llm-sentencepiece-tokenizer); `speechlm train` then names the missing directory."""
+    absent = tmp_path / "not-here"
+    args = [SMOKE, *manifests(demo_data), f"model.llm.pretrained={absent}"]
+    assert main(["validate", *args, "data.tokenizer=null"]) == 0
+    assert "sentencepiece" not in capsys.readouterr().out.lower()
+    r = train_in_process([*args, "data.tokenizer=null", "--dry-run"], capsys)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and str(absent) in r.stderr
+
+
 def test_lang_tags_none_and_a_broken_template_file(demo_data, llm_dir, tmp_path, capsys):
     args = [SMOKE, *manifests(demo_data), f"model.llm.pretrained={llm_dir}", "--dry-run"]
     assert train_in_process([*args, "data.lang_tags=none"], capsys).returncode == 0
