@@ -184,7 +184,11 @@ class HFTokenizer:
         added = [AUDIO] + ([format_lang_tag(x) for x in self.langs] if self.lang_tags == "special" else [])
         before = self._tok.get_vocab_size(with_added_tokens=True)
         self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
-        self.added_ids: tuple[int, ...] = tuple(range(before, self.vocab_size))  # rows the LLM lacks
+        # rows the LLM lacks: those added now, and those a saved copy records (its tokenizer.json has them)
+        recorded = meta.get("added_ids", []) if isinstance(meta.get("added_ids"), list) else []
+        self.added_ids: tuple[int, ...] = tuple(
+            sorted({*map(int, recorded), *range(before, self.vocab_size)})
+        )
         self.audio_id = self._id_of(AUDIO)
         tags = [format_lang_tag(x) for x in self.langs] if self.lang_tags == "special" else []
         self._tag_ids = {t: self._id_of(t) for t in tags}
@@ -337,6 +341,12 @@ class HFTokenizer:
             if src.is_file() and src.resolve() != (out / name).resolve():
                 put(name, lambda tmp, src=src: shutil.copyfile(src, tmp))
         put("tokenizer.json", lambda tmp: self._tok.save(str(tmp)))
-        sidecar = {"format": 1, "langs": list(self.langs), "lang_tags": self.lang_tags, "audio": AUDIO}
+        sidecar = {
+            "format": 1,
+            "langs": list(self.langs),
+            "lang_tags": self.lang_tags,
+            "audio": AUDIO,
+            "added_ids": list(self.added_ids),  # the LLM's pretrained matrices lack these rows
+        }
         put(SIDECAR, lambda tmp: tmp.write_text(json.dumps(sidecar, indent=2, ensure_ascii=False) + "\n"))
         return out

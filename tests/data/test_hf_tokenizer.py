@@ -86,7 +86,8 @@ def test_save_then_load_keeps_ids_for_transformers_and_for_us(tmp_path, hf_tok):
 
     out = hf_tok.save(tmp_path / "tok")
     again = load_text_tokenizer(out)  # languages from speechlm_tokenizer.json
-    assert again.langs == ("en", "hi") and again.added_ids == ()  # nothing new to add: no new rows
+    # the copy records the rows the LLM lacks (evaluate/export rebuild the model with them from it)
+    assert again.langs == ("en", "hi") and again.added_ids == hf_tok.added_ids != ()
     text = "<|hi|> moon blue"
     assert again.encode(text) == hf_tok.encode(text) and again.vocab_size == hf_tok.vocab_size
     auto = _auto(out)
@@ -98,7 +99,7 @@ def test_save_then_load_keeps_ids_for_transformers_and_for_us(tmp_path, hf_tok):
     assert auto.chat_template == hf_tok.chat_template
     more = load_text_tokenizer(out, langs=["ta"])  # a new language is appended, old ids kept
     assert more.langs == ("en", "hi", "ta") and more.lang_id("hi") == hf_tok.lang_id("hi")
-    assert more.added_ids == (hf_tok.vocab_size,)
+    assert more.added_ids == (*hf_tok.added_ids, hf_tok.vocab_size)
     restored = pickle.loads(pickle.dumps(more))  # DataLoader workers
     assert restored.encode("<|ta|> moon") == more.encode("<|ta|> moon")
 
