@@ -70,12 +70,16 @@ def is_export_dir(path: str | Path) -> bool:
     return (Path(path) / EXPORT_CONFIG).is_file()
 
 
+ADDED_ROWS_PREFIX = "added_rows."  # trained rows of added tokens: the export's llm/ holds them merged
+
+
 def speech_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of `model`'s state dict outside the LLM, contiguous on the CPU (for safetensors)."""
+    """Every tensor of `model`'s state dict outside the LLM (and its added-token rows, which the
+    exported LLM holds merged), contiguous on the CPU (for safetensors)."""
     return {
         k: v.detach().to("cpu").contiguous().clone()
         for k, v in model.state_dict().items()
-        if not k.startswith(LLM_PREFIX)
+        if not k.startswith((LLM_PREFIX, ADDED_ROWS_PREFIX))
     }
 
 

@@ -91,3 +91,14 @@ def test_no_rows_without_added_tokens_or_for_a_full_llm(llm_dirs):
         build_model(config(llm_dirs[False], *lora_overrides()), added_token_ids=()), "added_rows"
     )
     assert not hasattr(build_model(config(llm_dirs[False]), added_token_ids=ADDED_IDS), "added_rows")
+
+
+def test_an_exports_speech_weights_leave_out_the_rows_its_llm_holds_merged(llm_dirs):
+    """`speechlm export` saves the LLM with the added rows merged (`merge_lora`) and the rest of the
+    model in speech.safetensors: the rows must not be there too (the export would not load)."""
+    from speechlm.model.exported import speech_state_dict
+
+    model = build_model(config(llm_dirs[False], *lora_overrides()))
+    assert "added_rows.emb" in model.state_dict()
+    saved = speech_state_dict(model)
+    assert saved and not any(k.startswith(("added_rows.", "llm.")) for k in saved)
