@@ -88,6 +88,20 @@ def world_from_env() -> tuple[int, int]:
 
 
 def train(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any] | None:
+    """The recipe (`run_recipe`). The SIGTERM handler it installs for the run is the caller's again when
+    it returns or raises: a process that goes on after training in-process (a test, a notebook, a
+    multiprocessing pool forked afterwards, whose workers must die on SIGTERM) keeps its own."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return run_recipe(cfg, dry_run=dry_run)
+    finally:
+        if previous is not None:  # None: a handler not installed from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_recipe(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any] | None:
     """The recipe; each step is a function of its own below or in the module that owns it."""
     import lightning as L
 

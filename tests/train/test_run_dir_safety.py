@@ -59,6 +59,25 @@ def train_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("kind") == "train"]
 
 
+def test_training_in_process_gives_the_callers_sigterm_handler_back(demo_data, tmp_path, capsys):
+    """The run's SIGTERM handler only sets a flag: left installed after an in-process run, a later
+    fork (a multiprocessing Pool) made workers that ignore SIGTERM, and the pool's exit hung."""
+    import signal
+
+    def callers(signum, frame):  # pragma: no cover - never signalled
+        raise AssertionError("not called")
+
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        r = train_in_process(base(demo_data, tmp_path / "run", "trainer.max_steps=1",
+                                  "trainer.final_eval_split=none"), capsys)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "step" in (tmp_path / "run" / "metrics.jsonl").read_text()
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_new_run_refuses_a_used_run_dir_and_overwrite_moves_it_aside(
     demo_data, finished_run, tmp_path, capsys
 ):
