@@ -7,11 +7,11 @@ the checkpoint (``speechlm/config.yaml`` inside it, else the run's ``config.yaml
 rebuilt exactly as it was trained, and the tokenizer is the one that config names.
 
 `load_checkpoint_weights` reads the model's tensors from the checkpoint's DCP shards into a plain
-one-process `SpeechLLMModule` (``no_dist=True``: no process group, whatever layout wrote them; DCP
-reshards on load). Only the keys the checkpoint holds are read: a checkpoint of a frozen or LoRA run
-keeps what trains and leaves the frozen base to ``model.llm.pretrained`` / ``model.encoder.pretrained``
-(rebuilt from there when the module is built). Every trainable parameter must be in the checkpoint;
-a missing one is a CheckpointError naming it.
+one-process `SpeechLLMModule` (no process group, whatever layout wrote them; DCP reshards on load)
+through `speechlm.train.checkpoint.load_trained_state`, as a resume does: a checkpoint of a frozen or
+LoRA run keeps what trains and leaves the frozen base to ``model.llm.pretrained`` /
+``model.encoder.pretrained`` (rebuilt from there when the module is built, and checked against the
+fingerprint the checkpoint holds). A trainable tensor it lacks is a CheckpointError naming it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from speechlm.train.checkpoint import (
     latest_checkpoint,
     verify_checkpoint,
 )
-
-STATE_PREFIX = "state_dict."  # where Lightning's DCP save puts the module's tensors
 
 
 @dataclass

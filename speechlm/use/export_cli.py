@@ -83,14 +83,6 @@ def export_checkpoint(checkpoint: str | Path, out: Path) -> Path:
     return out
 
 
-def merged_llm(llm: Any) -> Any:
-    """The LLM to save: a copy with its LoRA adapters and the trained rows of added tokens merged into the
-    base weights (`merge_lora`), a plain transformers model."""
-    from speechlm.model.trainable import merge_lora
-
-    return merge_lora(llm)
-
-
 def save_tokenizer(tokenizer: Any, directory: Path) -> Path:
     """Save `tokenizer` (either kind's `save`) into `directory`, which `load_text_tokenizer` then takes."""
     tokenizer.save(directory)
@@ -129,9 +121,11 @@ def write_export(loaded: Any, tmp: Path) -> None:
         TOKENIZER_DIR,
         speech_state_dict,
     )
+    from speechlm.model.trainable import merge_lora
 
     cfg, model = loaded.cfg, loaded.model
-    merged_llm(model.llm).save_pretrained(tmp / LLM_DIR, safe_serialization=True)
+    # LoRA and the trained rows of added tokens merged into a plain transformers copy
+    merge_lora(model.llm).save_pretrained(tmp / LLM_DIR, safe_serialization=True)
     tok_path = save_tokenizer(loaded.tokenizer, tmp / TOKENIZER_DIR)
     if cfg.model.encoder.pretrained:
         save_encoder_dir(cfg.model.encoder, model.encoder, tmp / ENCODER_DIR)

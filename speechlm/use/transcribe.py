@@ -143,7 +143,7 @@ def run_transcribe_command(args: argparse.Namespace) -> int:
     um = load_model(args.model, args.device or default_device())
     lang_id = None
     if args.lang is not None:
-        if not getattr(um.tokenizer, "tag_tokens", 1):
+        if not um.tokenizer.tag_tokens:
             raise UsageError(
                 f"--lang {args.lang}: this model was trained with data.lang_tags=none (no language tag to "
                 "force); leave out --lang"
@@ -255,7 +255,7 @@ class ManifestInputs:
 # --- decoding ----------------------------------------------------------------------------------------
 def language_of(tokenizer: Any, ids: list[int]) -> str | None:
     """The language whose tag is the first generated token, None when it is not a tag."""
-    if not ids or not getattr(tokenizer, "tag_tokens", 1):  # data.lang_tags=none: no tag is generated
+    if not ids or not tokenizer.tag_tokens:  # data.lang_tags=none: no tag is generated
         return None
     for lang in tokenizer.langs:
         if int(tokenizer.lang_id(lang)) == int(ids[0]):
