@@ -201,7 +201,7 @@ def apply_train_modes(model: Any, cfg: ModelConfig) -> None:
         part = _freeze(model.llm, "llm.", keep=is_lora_name if llm_mode == "lora" else lambda name: False)
         fingerprints["llm"] = fingerprint(part)
         frozen += [n for n, _ in part]
-    added = [i for i in getattr(model, "added_token_ids", ()) if i != getattr(model, "audio_id", None)]
+    added = [i for i in model.added_token_ids if i != model.audio_id]
     if llm_mode in ("frozen", "lora") and cfg.llm.train_added_rows and added:
         model.added_rows = AddedTokenRows(model.llm, added)
         model.added_rows.install(model.llm)

@@ -257,14 +257,12 @@ def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any, prompt: Any = None) ->
 
     if prompt is None:
         prompt = preflight.build_run_prompt(cfg, tokenizer)
-    instruction_ids = tuple(tokenizer.encode(cfg.data.instruction)) if cfg.data.instruction else ()
-    return TokenizerInfo(
+    return TokenizerInfo(  # the prompt holds the instruction (instruction_ids: only for the plain shorthand)
         len(tokenizer),
         tokenizer.pad_id,
         tokenizer.bos_id,
         tokenizer.eos_id,
         tokenizer.audio_id,
-        instruction_ids,
         prompt=prompt,
         ctc_blank_id=tokenizer.ctc_blank_id,
         ctc_skip_leading=tokenizer.tag_tokens,
