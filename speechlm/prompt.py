@@ -221,3 +221,188 @@ def build_prompts(
             raise ValueError(f"row {b}: token length {n} is outside [0, {len(row)}]")
         out.append(prompt.build(row[:n]))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Conversations: any number of turns and audio clips, a prompt per sample
+# --------------------------------------------------------------------------------------------
+
+LOSS_TURNS = ("all", "last")
+
+
+class ConversationRenderer:
+    """Render a `speechlm.data.conversation.Conversation` to ``(ids_L, target_mask_L)``: one ``audio_id``
+    placeholder per audio part (in `Conversation.audio_order`), the assistant turns' text and stop tokens
+    as targets (every assistant turn with ``loss_turns="all"``, only the last with ``"last"``; the
+    others stay as context).
+
+    Plain form (no chat template): ``[bos]``, then per turn: system and user text encoded as they are
+    (audio parts as placeholders), assistant text followed by ``eos`` (labelled). The chat form renders
+    the template once per sample over the messages (audio parts written as ``audio_token``, parts of a
+    turn joined by a newline, each assistant content a sentinel), splits the text at the placeholders
+    and sentinels, and labels each assistant content plus the template's end-of-turn token after it (as
+    `build_prompt_format` does for one turn). ``system_prompt`` is added as a system turn to
+    conversations that have none.
+
+    A conversation of the transcription shape (one user turn ``[audio] + instruction``, one assistant
+    turn, no system turn of its own) is rendered through a `PromptFormat` cached per instruction: the
+    same ids as `build_prompt_format(...).build(...)`, at the cost of a tuple concatenation."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        system_prompt: str | None = None,
+        chat_template: str = "auto",
+        loss_turns: str = "all",
+        audio_token: str = "<|audio|>",
+    ) -> None:
+        if loss_turns not in LOSS_TURNS:
+            raise ValueError(f"loss_turns={loss_turns!r}: choose one of {LOSS_TURNS}")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt or None
+        self.chat_template = chat_template
+        self.loss_turns = loss_turns
+        self.audio_token = audio_token
+        template: str | None = None
+        if chat_template == "auto":
+            template = getattr(tokenizer, "chat_template", None)
+        elif chat_template != "none":
+            template = chat_template
+        self.template = template
+        self._formats: dict[str, PromptFormat] = {}
+
+    def format_for(self, instruction: str) -> PromptFormat:
+        """The `PromptFormat` of a one-turn transcription prompt with ``instruction`` (cached)."""
+        fmt = self._formats.get(instruction)
+        if fmt is None:
+            fmt = build_prompt_format(
+                self.tokenizer,
+                instruction=instruction,
+                system_prompt=self.system_prompt,
+                chat_template=self.chat_template,
+                audio_token=self.audio_token,
+            )
+            self._formats[instruction] = fmt
+        return fmt
+
+    def render(self, conv: Any) -> tuple[Tensor, Tensor]:
+        """``(ids_L int64, target_mask_L bool)`` of one conversation."""
+        from speechlm.data.conversation import AudioRef
+
+        turns = conv.turns
+        if (
+            len(turns) == 2
+            and turns[0].role == "user"
+            and turns[1].role == "assistant"
+            and turns[0].parts
+            and isinstance(turns[0].parts[0], AudioRef)
+            and all(isinstance(p, str) for p in turns[0].parts[1:])
+            and all(isinstance(p, str) for p in turns[1].parts)
+        ):
+            return self.format_for("\n".join(str(p) for p in turns[0].parts[1:])).build(
+                self.tokenizer.encode(turns[1].text)
+            )
+        if self.template is None:
+            return self._render_plain(turns)
+        return self._render_chat(turns)
+
+    def _labelled(self, turns: Sequence[Any]) -> list[bool]:
+        last = max(i for i, t in enumerate(turns) if t.role == "assistant")
+        return [
+            t.role == "assistant" and (self.loss_turns == "all" or i == last) for i, t in enumerate(turns)
+        ]
+
+    def _render_plain(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
+        from speechlm.data.conversation import AudioRef
+
+        tok = self.tokenizer
+        if self.system_prompt and not any(t.role == "system" for t in turns):
+            raise ValueError(
+                "data.system_prompt is set but the prompt has no chat template to put it in: unset "
+                "data.system_prompt, or use a tokenizer with a chat template (data.chat_template)"
+            )
+        ids: list[int] = [] if tok.bos_id is None else [int(tok.bos_id)]
+        mask: list[bool] = [False] * len(ids)
+        for turn, labelled in zip(turns, self._labelled(turns)):
+            if turn.role == "assistant":
+                piece = [*tok.encode(turn.text), int(tok.eos_id)]
+                if tok.audio_id in piece[:-1]:
+                    raise ValueError(
+                        f"an assistant turn's text {turn.text[:60]!r} holds the audio placeholder"
+                    )
+                ids += piece
+                mask += [labelled] * len(piece)
+                continue
+            for p in turn.parts:
+                piece = [int(tok.audio_id)] if isinstance(p, AudioRef) else list(tok.encode(p))
+                ids += piece
+                mask += [False] * len(piece)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+    def _render_chat(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
+        from speechlm.data.conversation import AudioRef
+
+        tok = self.tokenizer
+        messages: list[dict[str, str]] = []
+        if self.system_prompt and not any(t.role == "system" for t in turns):
+            messages.append({"role": "system", "content": self.system_prompt})
+        sentinels: list[str] = []
+        for t in turns:
+            if t.role == "assistant":
+                sentinels.append(f"{SENTINEL}{len(sentinels)}X")
+                messages.append({"role": "assistant", "content": sentinels[-1]})
+            else:
+                parts = [self.audio_token if isinstance(p, AudioRef) else p for p in t.parts]
+                messages.append({"role": t.role, "content": "\n".join(parts)})
+        text = tok.render_chat(messages, self.template)
+        labelled = [flag for t, flag in zip(turns, self._labelled(turns)) if t.role == "assistant"]
+        answers = [t.text for t in turns if t.role == "assistant"]
+        ids: list[int] = []
+        mask: list[bool] = []
+        encode = tok.encode_template
+
+        def context(piece: str) -> None:
+            for k, chunk in enumerate(piece.split(self.audio_token)):
+                if k:
+                    ids.append(int(tok.audio_id))
+                    mask.append(False)
+                got = encode(chunk)
+                if tok.audio_id in got:
+                    raise ValueError(f"the chat template writes the audio placeholder itself: {chunk[:80]!r}")
+                ids.extend(got)
+                mask.extend([False] * len(got))
+
+        rest = text
+        for k, sentinel in enumerate(sentinels):
+            before, rest = _split_once(rest, sentinel, f"assistant turn {k}'s content")
+            if k:  # the previous answer's stop tokens lead this piece
+                before = self._stop_then(before, labelled[k - 1], ids, mask)
+            context(before)
+            target = [int(t) for t in tok.encode(answers[k])]
+            if tok.audio_id in target:
+                raise ValueError(f"assistant turn {k}'s text {answers[k][:60]!r} holds the audio placeholder")
+            ids.extend(target)
+            mask.extend([labelled[k]] * len(target))
+        rest = self._stop_then(rest, labelled[-1], ids, mask)
+        context(rest)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+    def _stop_then(self, piece: str, labelled: bool, ids: list[int], mask: list[bool]) -> str:
+        """Append the end-of-turn tokens at the head of ``piece`` (up to and including its first special
+        token; ``eos`` when it has none), labelled as the answer is; return the rest of ``piece`` as text."""
+        tok = self.tokenizer
+        got = tok.encode_template(piece)
+        k = next((j for j, t in enumerate(got) if t in tok.special_ids), None)
+        if k is None:
+            ids.append(int(tok.eos_id))
+            mask.append(labelled)
+            return piece
+        ids.extend(got[: k + 1])
+        mask.extend([labelled] * (k + 1))
+        token_text = tok.id_to_piece(got[k])
+        if token_text not in piece:
+            raise ValueError(
+                f"cannot find the end-of-turn token {token_text!r} in the rendered text {piece[:80]!r}"
+            )
+        return piece.split(token_text, 1)[1]  # the text after it: encoded by the caller as context

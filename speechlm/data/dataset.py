@@ -123,8 +123,8 @@ class DroppedSample:
 class Batch:
     """Padded utterances of one micro-batch; B = 0 when every row of it was dropped."""
 
-    audio: torch.Tensor  # [B, N] float32, zero-padded
-    audio_lens: torch.Tensor  # [B] int64, valid samples per row
+    audio: torch.Tensor  # [B, N] float32, zero-padded ([C, N]: one row per clip with conversations)
+    audio_lens: torch.Tensor  # [B] int64, valid samples per row (per clip: [C])
     tokens: torch.Tensor  # [B, L] int64, padded with the tokenizer's pad_id
     token_lens: torch.Tensor  # [B] int64
     langs: list[str]
@@ -132,6 +132,19 @@ class Batch:
     durations: torch.Tensor  # [B] float32, seconds of decoded audio
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows dropped from this batch
     dropped_files: list[str] = field(default_factory=list)  # "path (reason)" of each dropped row
+    # Conversations (`speechlm.data.conversation`). All None: one clip per row (C = B), the prompt built by
+    # the model from `tokens` with the run's PromptFormat, CTC on every clip against `tokens`. Set: C clips in
+    # `audio`/`audio_lens` (rows in order, each row's clips in the order of its placeholders), `tokens` the
+    # reference tokens of each row's last assistant turn (what evaluation scores).
+    clip_sample: torch.Tensor | None = None  # [C] int64, the row of each clip (non-decreasing)
+    prompt_ids: torch.Tensor | None = (
+        None  # [B, P] int64, rendered conversation, one audio_id per clip, pad_id
+    )
+    prompt_mask: torch.Tensor | None = None  # [B, P] bool, True on supervised (assistant) tokens
+    prompt_lens: torch.Tensor | None = None  # [B] int64
+    ctc_tokens: torch.Tensor | None = None  # [C, K] int64, each clip's transcript ids (tag first), pad_id
+    ctc_token_lens: torch.Tensor | None = None  # [C] int64, 0: no transcript, the clip gets no CTC loss
+    tasks: list[str] = field(default_factory=list)  # [B] each row's task ([] = all "asr")
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -155,9 +168,16 @@ class Batch:
             dropped_files=list(dropped_files),
         )
 
+    @property
+    def num_clips(self) -> int:
+        return int(self.audio_lens.numel())
+
     def _map_tensors(self, fn: Any) -> Batch:
+        opt = ("clip_sample", "prompt_ids", "prompt_mask", "prompt_lens", "ctc_tokens", "ctc_token_lens")
         return replace(
             self,
+            **{k: fn(getattr(self, k)) for k in opt if getattr(self, k) is not None},
+            tasks=list(self.tasks),
             audio=fn(self.audio),
             audio_lens=fn(self.audio_lens),
             tokens=fn(self.tokens),
