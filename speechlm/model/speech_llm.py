@@ -507,6 +507,23 @@ class SpeechLLM(nn.Module):
         finally:
             self.train(was_training)
 
+    @torch.no_grad()
+    def generate_for_batch(
+        self, batch: Any, *, max_new_tokens: int, use_cache: bool = True, keep_going: Any = None
+    ) -> list[list[int]]:
+        """Greedy answers for every row of a `speechlm.data.dataset.Batch` (ids without the stop token):
+        a one-clip batch through `generate_greedy`; a conversation batch (``batch.prompt_ids`` set) from
+        each row's prompt up to the start of its last answer."""
+        if getattr(batch, "prompt_ids", None) is not None:
+            raise NotImplementedError("greedy decoding of conversation batches")
+        return self.generate_greedy(
+            batch.audio,
+            batch.audio_lens,
+            max_new_tokens=max_new_tokens,
+            use_cache=use_cache,
+            keep_going=keep_going,
+        )
+
     # ------------------------------------------------------------------------------------------
     # Parameters
     # ------------------------------------------------------------------------------------------
