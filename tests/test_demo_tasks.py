@@ -265,3 +265,21 @@ def test_demo_no_train_and_asr_only(tmp_path: Path, monkeypatch, capsys) -> None
     assert f"data.train_manifest={tmp_path / 'b' / 'train.parquet'}" in seen[3]
     assert f"data.val_manifest={tmp_path / 'b' / 'val.parquet'}" in seen[3]
     assert not (tmp_path / "b" / MIX_FILE).exists() and not (tmp_path / "b" / "ast_train.parquet").exists()
+
+
+def test_the_docs_show_the_mix_and_row_counts_the_demo_writes(manifest_dir: Path) -> None:
+    """docs/training.md's "A mixed ASR+AST input_cfg" shows the generated mix file and its row counts."""
+    import re
+
+    import yaml
+
+    doc = (REPO / "docs/training.md").read_text(encoding="utf-8")
+    section = doc[doc.index("### A mixed ASR+AST input_cfg") :]
+    section = section[: section.index("\n### ")]
+    shown = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert shown is not None
+    paths = write_demo_tasks(manifest_dir)
+    assert yaml.safe_load(shown.group(1)) == yaml.safe_load(paths["mix"].read_text(encoding="utf-8"))
+    for key in ("ast_train", "ast_val", "val_tasks"):
+        rows = pq.read_metadata(paths[key]).num_rows
+        assert f"| `{paths[key].name}` | {rows} |" in section, (key, rows)
