@@ -10,9 +10,11 @@ the punctuation go (`speechlm.data.text.clean_text`), then each word is replaced
 This is a **gloss, not fluent English**: word order stays the source language's (Hindi, Bengali,
 Tamil and Telugu put the verb last), there are no articles and no inflection, and each word has
 exactly one meaning (``कल``/``কাল``, "yesterday" or "tomorrow", is glossed "tomorrow" as the Tamil and
-Telugu lists' ``நாளை``/``రేపు`` are; Tamil ``மகிழ்ச்சி`` and Telugu ``సంతోషం`` are nouns, "happiness"; Telugu
-``అన్నం`` is cooked rice, "rice", where the other languages have "food"). The target is deterministic,
-so BLEU/chrF against it measure whether the model learnt the words.
+Telugu lists' ``நாளை``/``రేపు`` are; Tamil ``மகிழ்ச்சி`` and Telugu ``సంతోషం`` are nouns, "happiness"; Tamil
+``சூடு`` and Telugu ``వేడి``, "heat" or "hot", are "hot" like Hindi/Bengali ``गरम``/``গরম``; Telugu ``అన్నం``
+is cooked rice, "rice", where the other languages have "food"). The glossary was written from
+dictionary meanings, not reviewed by native speakers. The target is deterministic, so BLEU/chrF
+against it measure whether the model learnt the words.
 
 `write_demo_tasks(manifest_dir)` reads the ASR manifests that `speechlm manifest build` wrote there
 (``train.parquet``, ``val.parquet``) and writes, next to them:
