@@ -1,7 +1,9 @@
 """`speechlm demo`: the Quick start's main job on the bundled demo corpus.
 
-build the manifest → train the tokenizer → print the epoch plan → train `configs/demo.yaml` →
-print the per-language WER table (eval.json and learning_curve.png in the run directory).
+build the manifest → train the tokenizer → generate the translation task (speech to English gloss on
+the hi/bn/ta/te clips, `speechlm.demo_tasks`) → print the epoch plan of the ASR + AST mix → train
+`configs/demo.yaml` on it → print the metrics per task and language (WER for ASR, BLEU/chrF for AST;
+eval.json and learning_curve.png in the run directory). `--asr-only` leaves the translation task out.
 Each step is the same command a user would run by hand; they are printed before they run.
 """
 
@@ -11,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+from speechlm.errors import run_guarded
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,6 +41,11 @@ def add_parser(sub: Any) -> None:
         "(default: configs/demo.yaml)",
     )
     p.add_argument("--no-train", action="store_true", help="stop after printing the plan")
+    p.add_argument(
+        "--asr-only",
+        action="store_true",
+        help="train transcription only, on train.parquet (no translation task; the demo before issue 23)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides for the training config")
     p.set_defaults(func=run_demo)
 
@@ -58,14 +67,31 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     if rc:
         return rc
-    rc = _run(["plan", "--config", args.config, "--manifest", str(out / "train.parquet")])
+    if args.asr_only:
+        data = [f"data.train_manifest={out / 'train.parquet'}", f"data.val_manifest={out / 'val.parquet'}"]
+        plan_data = ["--manifest", str(out / "train.parquet")]
+    else:
+        from speechlm.demo_tasks import MIX_FILE
+        from speechlm.demo_tasks import main as write_tasks
+
+        print(f"\n$ python -m speechlm.demo_tasks {out}", flush=True)
+        rc = run_guarded(lambda: write_tasks([str(out)]))
+        if rc:
+            return rc
+        # the ASR + AST mix trains; validation and the final evaluation score both tasks
+        data = [
+            "data.train_manifest=null",
+            f"data.input_cfg={out / MIX_FILE}",
+            f"data.val_manifest={out / 'val_tasks.parquet'}",
+        ]
+        plan_data = ["--input-cfg", str(out / MIX_FILE)]
+    rc = _run(["plan", "--config", args.config, *plan_data])
     if rc or args.no_train:
         return rc
     overrides = [
         # a second `speechlm demo` moves the first run aside (RUN_DIR.old-<time>, printed), never deletes it
         "trainer.overwrite=true",
-        f"data.train_manifest={out / 'train.parquet'}",
-        f"data.val_manifest={out / 'val.parquet'}",
+        *data,
         f"data.tokenizer={out / 'tokenizer.model'}",
         *args.overrides,
     ]
@@ -80,6 +106,7 @@ if __name__ == "__main__":
                 out="data/demo_manifest",
                 config=str(REPO / "configs/demo.yaml"),
                 no_train=False,
+                asr_only=False,
                 overrides=[],
             )
         )
