@@ -175,3 +175,38 @@ def test_best_metric_must_be_one_the_validation_produces():
         spec.check_best_metric("qa/accuracy", pairs, "val manifest v.parquet")
     msg = str(e.value)
     assert "val manifest v.parquet" in msg and "asr/wer_hi" in msg and "ast/chrf" in msg and "loss" in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("trainer.eval_metrics={ast: [blue]}", "ast: 'blue' is not one of wer, cer, bleu, chrf, accuracy"),
+        ("trainer.eval_metrics={ast: []}", "ast: must be a non-empty list"),
+        ("trainer.eval_metrics={a/b: [wer]}", "task 'a/b' is not a task name"),
+        (
+            "trainer.eval_normalize={qa: [lower]}",
+            "qa: 'lower' is not one of nfc, nfkc, lowercase, strip_punct",
+        ),
+        ("trainer.eval_normalize=lowercase", "must be a mapping"),
+        ("trainer.eval_cer_langs=zh", "must be a list"),
+        ("trainer.best_metric=bleu", "name the task: e.g. 'ast/bleu'"),
+    ],
+)
+def test_config_keys_refuse_bad_values_naming_the_key(override, says):
+    from speechlm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert f"{override.split('=')[0]}=" in str(e.value) and says in str(e.value)
+
+
+def test_config_entries_replace_only_their_tasks_default():
+    from speechlm.config import load_config
+
+    cfg = load_config(None, ["trainer.eval_metrics={ast: [bleu], caption: [chrf]}", "trainer.eval_cer_langs=[zh]",
+                             "trainer.eval_normalize={asr: [lowercase]}"])  # fmt: skip
+    spec = MetricSpec.from_config(cfg)
+    assert spec.metrics["ast"] == ("bleu",) and spec.metrics["caption"] == ("chrf",)
+    assert spec.metrics["asr"] == ("wer",) and spec.metrics["qa"] == ("accuracy",)
+    assert spec.normalize["asr"] == ("lowercase",) and spec.normalize["qa"] == ("lowercase", "strip_punct")
+    assert spec.row_metrics("asr", "zh") == ("cer",)
