@@ -223,3 +223,19 @@ def test_resume_with_another_best_metric_starts_the_best_afresh(tmp_path, monkey
     old, _, _ = _callback("wer", [], tmp_path, monkeypatch)
     old.load_state_dict({"best": 0.7, "bad_evals": 0})  # a checkpoint from before the name was saved
     assert old.best == 0.7
+
+
+def test_learning_curve_plots_each_tasks_scores_and_tolerates_missing_keys(tmp_path):
+    from speechlm.train.plots import plot_learning_curve, validation_series
+
+    val = [
+        {"kind": "val", "step": 2, "loss": 2.0, "wer": 0.9, "wer_hi": 0.8, "asr/wer": 0.9, "asr/wer_hi": 0.8,
+         "ast/bleu": 3.5, "ast/bleu_hi": 3.5, "qa/accuracy": 0.25, "utterances": 4},
+        {"kind": "val", "step": 4, "loss": 1.5, "wer": 0.7, "asr/wer": 0.7, "ast/bleu": 9.0, "qa/accuracy": 0.5},
+    ]  # fmt: skip
+    series = validation_series(val)
+    assert series["greedy WER"] == {"wer": [(2, 90.0), (4, 70.0)], "wer_hi": [(2, 80.0)]}
+    assert series["other tasks"] == {"ast/bleu": [(2, 3.5), (4, 9.0)], "qa/accuracy": [(2, 25.0), (4, 50.0)]}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"step": 1, "loss": 3.0}, *val]))
+    assert plot_learning_curve(path, tmp_path / "curve.png").stat().st_size > 0
