@@ -26,6 +26,7 @@ import yaml
 
 from parallel.backend_caps import BACKENDS
 from speechlm.errors import EXIT_DATA, UsageError
+from speechlm.metrics import METRICS, NORMALIZE_OPS, check_metric_name
 
 # --- choice fields: one Literal type each, the single source of the allowed values --------------------
 # `FIELDS` reads them (`OneOf(choices=choices_of(T))`), parsing refuses anything else (`_coerce`), and
@@ -45,7 +46,6 @@ LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "sdpa"]
 CPAttention = Literal["ring", "allgather"]
 Precision = Literal["auto", "32", "bf16"]
-BestMetric = Literal["wer", "loss"]  # what a validation computes (train/evaluate.py Evaluator)
 ResumeData = Literal["exact", "next_epoch"]
 FinalEvalSplit = Literal["auto", "val", "train", "none"]
 SplitAuto = Literal["auto"]  # parallel.cp_split_threshold's word (else a token count)
@@ -322,7 +322,9 @@ class TrainerConfig(Section):
     eval_batch_duration: float | None = None
     ckpt_every: int = 0  # optimizer steps; 0 disables periodic checkpoints
     keep_last: int = 2
-    best_metric: BestMetric = "wer"
+    # a validation metric (speechlm/metrics.py): loss, wer[_<lang>] or <task>/<metric>[_<lang>]; lower is
+    # better for loss/wer/cer, higher for bleu/chrf/accuracy
+    best_metric: str = "wer"
     early_stopping_patience: int = 0  # validations without improvement; 0 disables
     resume: str | None = None  # "auto" or a checkpoint directory
     # "exact": continue the saved epoch plan at the next unconsumed micro-batch (same dp size, seed and
@@ -335,6 +337,11 @@ class TrainerConfig(Section):
     # the split scored into eval.json: "auto" (val when data.val_manifest is set, else none), "val",
     # "train" (the demo: WER on the training utterances) or "none"
     final_eval_split: FinalEvalSplit = "auto"
+    # metrics and text normalisation per task (speechlm/metrics.py, docs/metrics.md): {task: [names]}, each
+    # entry replacing that task's default; languages scored by character error rate where a task asks for wer
+    eval_metrics: dict[str, list[str]] = field(default_factory=dict)
+    eval_normalize: dict[str, list[str]] = field(default_factory=dict)
+    eval_cer_langs: list[str] = field(default_factory=list)
     # a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time> (never deleted)
     overwrite: bool = False
 
@@ -383,7 +390,6 @@ class ExperimentConfig(Section):
 
 ENCODER_KINDS: tuple[str, ...] = choices_of(EncoderKind)
 LLM_FAMILIES: tuple[str, ...] = choices_of(LLMFamily)
-BEST_METRICS: tuple[str, ...] = choices_of(BestMetric)
 SEED_MAX = 2**32 - 1  # numpy's seed range
 
 
@@ -529,16 +535,62 @@ class Seq(Rule):
 
 @dataclass(frozen=True)
 class Names(Rule):
-    """A non-empty list of non-empty names (strings)."""
+    """A list of non-empty names (strings); non-empty unless `nonempty` is False."""
+
+    nonempty: bool = True
 
     def check(self, value: Any) -> str | None:
-        if not isinstance(value, (list, tuple)) or not value:
-            return "must be a non-empty list of names"
+        if not isinstance(value, (list, tuple)) or (self.nonempty and not value):
+            return f"must be a {'non-empty ' if self.nonempty else ''}list of names"
         bad = [v for v in value if not isinstance(v, str) or not v.strip()]
         return f"item {_show(bad[0])} is not a name" if bad else None
 
     def describe(self) -> str:
+        if not self.nonempty:
+            return "a list of names such as [zh, ja], or []"
         return "a non-empty list of names such as [q_proj, v_proj]"
+
+
+@dataclass(frozen=True)
+class TaskLists(Rule):
+    """A mapping {task: [names]}, each name one of `choices` (each list non-empty if `nonempty`)."""
+
+    choices: tuple[str, ...] = ()
+    nonempty: bool = False
+
+    def check(self, value: Any) -> str | None:
+        if not isinstance(value, Mapping):
+            return "must be a mapping {task: [names]}"
+        for task, names in value.items():
+            if not isinstance(task, str) or not task.strip() or "/" in task:
+                return f"task {_show(task)} is not a task name (non-empty, without '/')"
+            if not isinstance(names, (list, tuple)) or (self.nonempty and not names):
+                return f"{task}: must be a {'non-empty ' if self.nonempty else ''}list"
+            bad = [n for n in names if n not in self.choices]
+            if bad:
+                return f"{task}: {_show(bad[0])} is not one of {', '.join(self.choices)}"
+        return None
+
+    def describe(self) -> str:
+        lst = "a non-empty list" if self.nonempty else "a list"
+        return f"a mapping {{task: [names]}} ({lst} of {', '.join(self.choices)} per task), or {{}} (the defaults)"
+
+
+@dataclass(frozen=True)
+class MetricName(Rule):
+    """A validation metric name: 'loss', 'wer[_<lang>]' or '<task>/<metric>[_<lang>]' (speechlm.metrics)."""
+
+    def check(self, value: Any) -> str | None:
+        if not isinstance(value, str):
+            return "must be a metric name"
+        return check_metric_name(value)
+
+    def describe(self) -> str:
+        return (
+            "'wer', 'loss', 'wer_<lang>' or '<task>/<metric>[_<lang>]' with metric one of "
+            + ", ".join(METRICS)
+            + " (e.g. 'asr/wer', 'asr/wer_hi', 'ast/bleu', 'qa/accuracy')"
+        )
 
 
 @dataclass(frozen=True)
@@ -794,8 +846,9 @@ FIELDS: dict[str, Rule] = {
     ),
     "trainer.ckpt_every": Num("optimizer steps between checkpoints (0: off)", lo=0, integer=True),
     "trainer.keep_last": Num("periodic checkpoints kept (older ones are deleted)", lo=1, integer=True),
-    "trainer.best_metric": OneOf(
-        "validation metric whose minimum is kept as checkpoints/best", choices=BEST_METRICS
+    "trainer.best_metric": MetricName(
+        "validation metric whose best value (lowest for loss/wer/cer, highest for bleu/chrf/accuracy) is kept "
+        "as checkpoints/best and watched by early stopping; it must be one the validation split produces"
     ),
     "trainer.early_stopping_patience": Num(
         "validations without improvement before stopping (0: off)", lo=0, integer=True
@@ -815,6 +868,20 @@ FIELDS: dict[str, Rule] = {
     "trainer.final_eval_split": OneOf(
         "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none)",
         choices=choices_of(FinalEvalSplit),
+    ),
+    "trainer.eval_metrics": TaskLists(
+        "metrics per task, replacing that task's default (asr: [wer], ast: [bleu, chrf], qa/lid/cls: "
+        "[accuracy]); docs/metrics.md",
+        choices=METRICS,
+        nonempty=True,
+    ),
+    "trainer.eval_normalize": TaskLists(
+        "text normalisation per task before scoring, replacing that task's default (asr, ast: [], qa/lid/cls: "
+        "[lowercase, strip_punct]); whitespace is always collapsed",
+        choices=NORMALIZE_OPS,
+    ),
+    "trainer.eval_cer_langs": Names(
+        "languages scored by character error rate (cer) where their task asks for wer", nonempty=False
     ),
     "trainer.overwrite": Flag(
         "a new run in a run_dir that holds another run moves that run aside to RUN_DIR.old-<UTC time> "

@@ -343,6 +343,26 @@ def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> 
         problems += check_table(val_table, f"val manifest {cfg.data.val_manifest}", tokenizer)
     if problems:
         raise DataError(" ".join(p if p.endswith(".") else p + "." for p in problems))
+    check_eval_metrics(cfg, train_table, val_table)
+
+
+def check_eval_metrics(cfg: Any, train_table: Any, val_table: Any) -> None:
+    """Every task of an evaluated split has a metric (trainer.eval_metrics), and trainer.best_metric is a
+    metric the validation produces (when there is one): refused now, not at the first validation."""
+    from speechlm.config import final_eval_split
+    from speechlm.metrics import MetricSpec, table_pairs
+
+    spec = MetricSpec.from_config(cfg)
+    evaluated = {"val": (val_table, f"val manifest {cfg.data.val_manifest}")}
+    if final_eval_split(cfg) == "train":
+        train_name = "data.input_cfg" if cfg.data.input_cfg is not None else cfg.data.train_manifest
+        evaluated["train"] = (train_table, f"training data {train_name} (trainer.final_eval_split=train)")
+    for table, where in evaluated.values():
+        if table is not None:
+            for task in sorted({task for task, _ in table_pairs(table)}):
+                spec.check_task(task, where)
+    if val_table is not None and cfg.trainer.val_every > 0:
+        spec.check_best_metric(cfg.trainer.best_metric, table_pairs(val_table), evaluated["val"][1])
 
 
 # --- run dir and resume (train only) -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Callbacks: per-step metrics log, periodic and preemption checkpoints, WER validation.
+"""Callbacks: per-step metrics log, periodic and preemption checkpoints, validation (metrics per task).
 
 All of them act on optimizer steps (one `training_step` is one optimizer step).
 """
@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 
 from speechlm.errors import RunDirError
+from speechlm.metrics import PERCENT_METRICS, lower_is_better, split_metric_name
 from speechlm.train.checkpoint import (
     layout_of,
     save_checkpoint_atomic,
@@ -171,7 +172,11 @@ class CheckpointCallback(L.Callback):
 
 
 class ValidationCallback(L.Callback):
-    """Greedy decoding + WER per language every `every` steps; keeps the best checkpoint; early stops."""
+    """Greedy decoding + each task's metrics every `every` steps; keeps the best checkpoint; early stops.
+
+    `best_metric` is any key of the validation's result (`speechlm.metrics`); a lower value is better for
+    loss, wer and cer, a higher one for bleu, chrf and accuracy. The best value is saved with the metric's
+    name: a run resumed with another `trainer.best_metric` starts its best and its patience afresh."""
 
     def __init__(
         self,
@@ -187,6 +192,7 @@ class ValidationCallback(L.Callback):
         self.metrics = metrics
         self.every = every
         self.best_metric = best_metric
+        self.lower_is_better = lower_is_better(best_metric)
         self.patience = patience
         self.best: float | None = None
         self.bad_evals = 0
@@ -203,12 +209,11 @@ class ValidationCallback(L.Callback):
             return
         if trainer.is_global_zero:
             self.metrics.write({"kind": "val", "step": step, **result, "time": time.time()})
-            summary = " ".join(f"{k}={100 * v:.1f}%" for k, v in result.items() if k.startswith("wer"))
-            print(f"\n[val step {step}] {summary}", flush=True)
+            print(f"\n[val step {step}] {summarize_scores(result)}", flush=True)
         value = result.get(self.best_metric)
         if value is None:
             return
-        if self.best is None or value < self.best:
+        if self.best is None or (value < self.best if self.lower_is_better else value > self.best):
             self.best = value
             self.bad_evals = 0
             save_checkpoint_atomic(
@@ -230,11 +235,33 @@ class ValidationCallback(L.Callback):
                 trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "bad_evals": self.bad_evals}
+        return {"best": self.best, "bad_evals": self.bad_evals, "metric": self.best_metric}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        metric = state.get("metric", "wer")  # checkpoints from before the metric was saved: wer or loss
+        if "metric" in state and metric != self.best_metric:
+            print(
+                f"note: the checkpoint's best validation {metric}={state.get('best')} is not a "
+                f"{self.best_metric} (trainer.best_metric changed): the best and the patience start afresh",
+                flush=True,
+            )
+            return
         self.best = state.get("best")
         self.bad_evals = state.get("bad_evals", 0)
+
+
+def summarize_scores(result: dict[str, Any]) -> str:
+    """One line of a validation's scores: wer and wer_<lang> (ASR), each other task's overall metrics
+    (`wer=12.3% wer_hi=10.2% ast/bleu=20.1 ast/chrf=41.0`)."""
+    parts = []
+    for key, value in result.items():
+        name = split_metric_name(key)
+        if name is None or key == "asr/wer":  # not a metric; or the same as `wer`
+            continue
+        task, metric, lang = name
+        if task is None or lang is None:  # today's wer and wer_<lang>, and each task's overall scores
+            parts.append(f"{key}={100 * value:.1f}%" if metric in PERCENT_METRICS else f"{key}={value:.1f}")
+    return " ".join(parts)
 
 
 class TimeLimit(L.Callback):

@@ -1,4 +1,4 @@
-"""Validation: greedy decoding and word error rate per language, sharded over data-parallel ranks.
+"""Validation: greedy decoding and the metrics of each task per language, sharded over data-parallel ranks.
 
 Sharding. The split's evaluation batches (every row once, sorted by duration: `build_eval_batches`)
 are dealt round-robin to the dp ranks and padded with empty slots so that every rank holds the same
@@ -9,11 +9,14 @@ greedy loops step in lockstep through an all-reduced "anyone still decoding?" fl
 (`speechlm.model.generation`). Under FSDP each forward all-gathers weights over the mesh, so
 without this a rank that finished early would leave its peers waiting forever.
 
-WER from counts. Each utterance contributes (errors = S + D + I, reference words) computed by
-jiwer (an empty hypothesis is scored as the one word ``<empty>``; utterances with an empty
-reference are skipped). The per-utterance rows are gathered to every rank, ordered as in the
-single-rank run, and summed per language: WER = sum errors / sum words. Sums of integers do not
-depend on the sharding, so the result equals the single-rank result exactly.
+Metrics from counts. Each utterance is scored by its task's metrics (`speechlm.metrics`: WER or CER,
+BLEU and chrF, accuracy) into integer sufficient statistics, e.g. (errors = S + D + I, reference
+words) for WER, sacrebleu's n-gram counts for BLEU; utterances whose normalised reference is empty
+are not scored. The per-utterance rows are gathered to every rank, ordered as in the single-rank
+run, and summed per (task, language): `asr/wer_hi` = sum errors / sum words of the Hindi ASR rows,
+`ast/bleu` = BLEU of the summed n-gram counts of every AST row. Sums of integers do not depend on
+the sharding, so the result equals the single-rank result exactly. ASR's word error rate is also
+given under its old names `wer` and `wer_<lang>`.
 
 The teacher-forced validation loss is sharded the same way: CE sums and labelled-token counts are
 summed over the CP shards of each sequence and over the dp groups. Every collective here goes through
@@ -24,43 +27,35 @@ flag (`any`) and one `gather_objects` of every rank's share at the end.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jiwer
 import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
 from speechlm.data.text import decode_hypothesis, strip_lang_tag
 from speechlm.errors import DataError
+from speechlm.metrics import (
+    DEFAULT_TASK,
+    METRICS,
+    PERCENT_METRICS,
+    MetricSpec,
+    aggregate,
+    table_pairs,
+    word_error_counts,
+)
 
-
-def word_error_counts(ref: str, hyp: str) -> tuple[int, int]:
-    """(errors S + D + I, reference words) of one utterance; (0, 0) for an empty reference."""
-    if not ref.strip():
-        return 0, 0
-    out = jiwer.process_words(ref, hyp if hyp.strip() else "<empty>")
-    errors = out.substitutions + out.deletions + out.insertions
-    return int(errors), int(out.hits + out.substitutions + out.deletions)
+__all__ = ["strip_lang_tag", "word_error_counts"]  # re-exported: the WER helpers' old home
 
 
 def wer_from_counts(rows: Iterable[tuple[str, int, int]]) -> dict[str, float]:
-    """Corpus WER overall (`wer`) and per language (`wer_<lang>`) from (lang, errors, words) rows."""
-    errors: dict[str, int] = defaultdict(int)
-    words: dict[str, int] = defaultdict(int)
-    for lang, e, n in rows:
-        errors[lang] += e
-        words[lang] += n
-    if not words:
-        return {}
-    out = {"wer": sum(errors.values()) / max(sum(words.values()), 1) if sum(words.values()) else 0.0}
-    for lang in sorted(words):
-        out[f"wer_{lang}"] = errors[lang] / words[lang] if words[lang] else 0.0
-    return out
+    """Corpus WER overall (`wer`) and per language (`wer_<lang>`) from (lang, errors, words) rows of ASR
+    utterances (a row with no reference words is not scored)."""
+    scored = ((DEFAULT_TASK, lang, {"wer": (e, n)}) for lang, e, n in rows if n > 0)
+    return {k: v for k, v in aggregate(scored).items() if "/" not in k}
 
 
 def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> list[list[int]]:
@@ -75,6 +70,21 @@ def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> 
 DUMMY_SAMPLES = 1600  # 0.1 s of silence: what an empty slot decodes to stay in lockstep
 
 
+def dummy_batch(device: torch.device) -> Any:
+    """One clip of silence (`DUMMY_SAMPLES`), no reference: what an empty slot decodes to stay in lockstep."""
+    from speechlm.data.dataset import Batch
+
+    return Batch(
+        audio=torch.zeros(1, DUMMY_SAMPLES, device=device),
+        audio_lens=torch.tensor([DUMMY_SAMPLES], device=device),
+        tokens=torch.zeros(1, 0, dtype=torch.int64, device=device),
+        token_lens=torch.zeros(1, dtype=torch.int64, device=device),
+        langs=[""],
+        indices=[-1],
+        durations=torch.tensor([DUMMY_SAMPLES / 16000.0], device=device),
+    )
+
+
 @torch.no_grad()
 def decode_shard(
     model: Any,
@@ -85,74 +95,102 @@ def decode_shard(
     comm: Collectives,
     max_new_tokens: int = 96,
     use_cache: bool = True,
+    spec: MetricSpec | None = None,
 ) -> list[dict[str, Any]]:
-    """Greedy-decode this rank's batches (lockstep); one row per utterance: row, lang, ref, hyp, counts."""
+    """Greedy-decode this rank's batches (lockstep) with `model.generate_for_batch`; one row per utterance:
+    row, task, lang, ref, hyp, stats ({metric: statistics} under `spec`, default `MetricSpec.build()`;
+    {} when the reference is empty), and for WER-scored rows errors and words (the WER statistics)."""
+    spec = spec or MetricSpec.build()
     rows: list[dict[str, Any]] = []
     was_training = model.training
     model.eval()
     try:
         for batch in batches:
-            if len(batch) == 0:  # padding slot or every clip dropped: decode a dummy, keep nothing
-                audio = torch.zeros(1, DUMMY_SAMPLES, device=device)
-                model.generate_greedy(
-                    audio,
-                    torch.tensor([DUMMY_SAMPLES], device=device),
-                    max_new_tokens=max_new_tokens,
-                    use_cache=use_cache,
-                    keep_going=comm.any,
-                )
-                continue
-            batch = batch.to(device)
-            out_ids = model.generate_greedy(
-                batch.audio,
-                batch.audio_lens,
-                max_new_tokens=max_new_tokens,
-                use_cache=use_cache,
-                keep_going=comm.any,
+            empty = len(batch) == 0  # padding slot or every clip dropped: decode a dummy, keep nothing
+            batch = dummy_batch(device) if empty else batch.to(device)
+            out_ids = model.generate_for_batch(
+                batch, max_new_tokens=max_new_tokens, use_cache=use_cache, keep_going=comm.any
             )
+            if empty:
+                continue
+            tasks = batch.tasks or [DEFAULT_TASK] * len(batch)
             for b in range(len(batch)):
                 n = int(batch.token_lens[b])
                 ref = strip_lang_tag(tokenizer.decode(batch.tokens[b, :n].tolist()))
                 hyp = decode_hypothesis(tokenizer, out_ids[b])
-                errors, words = word_error_counts(ref, hyp)
-                rows.append(
-                    dict(
-                        row=int(batch.indices[b]),
-                        lang=batch.langs[b],
-                        ref=ref,
-                        hyp=hyp,
-                        errors=errors,
-                        words=words,
-                    )
-                )
+                stats = spec.score_utterance(tasks[b], batch.langs[b], ref, hyp) or {}
+                row = dict(row=int(batch.indices[b]), task=tasks[b], lang=batch.langs[b], ref=ref, hyp=hyp)
+                row["stats"] = stats
+                if "wer" in stats:
+                    row["errors"], row["words"] = stats["wer"]
+                rows.append(row)
     finally:
         model.train(was_training)
     return rows
 
 
-def format_wer_table(metrics: dict[str, Any], counts: dict[str, Any] | None = None) -> str:
-    """The WER table: one row per language, then `all`. `counts` is `Evaluator.last_counts` (scored and
-    dropped utterances per language, drop reasons) or a plain {lang: utterances} mapping."""
+def _cell(metric: str, value: float | None, width: int) -> str:
+    if value is None:
+        return "n/a".rjust(width)
+    text = f"{100 * value:5.1f}%" if metric in PERCENT_METRICS else f"{value:5.1f}"
+    return text.rjust(width)
+
+
+LABELS = {"wer": "WER", "cer": "CER", "bleu": "BLEU", "chrf": "chrF", "accuracy": "accuracy"}
+
+
+def format_eval_table(metrics: dict[str, Any], counts: dict[str, Any] | None = None) -> str:
+    """The evaluation table: per task a block with one row per language, then `all`, one column per
+    metric (WER/CER/accuracy in %, BLEU/chrF 0-100). An ASR-only run gets today's WER table, without a
+    task heading. `counts` is `Evaluator.last_counts` (scored and dropped utterances per task and language,
+    drop reasons) or a plain {lang: utterances} mapping; `metrics` may hold only `wer`/`wer_<lang>`."""
     if counts is not None and "scored" not in counts:
         counts = {"scored": counts, "dropped": {}, "dropped_reasons": {}}
-    scored: dict[str, int] = dict(counts["scored"]) if counts is not None else {}
-    dropped: dict[str, int] = dict(counts["dropped"]) if counts is not None else {}
-    wers = {k[4:]: v for k, v in metrics.items() if k.startswith("wer_")}
-    langs = sorted(set(wers) | {k for k, v in dropped.items() if v})
-    lines = ["language  utterances  WER", "--------  ----------  ------"]
-    for lang in langs:
-        n = "" if counts is None else str(scored.get(lang, 0))
-        wer = f"{100 * wers[lang]:5.1f}%" if lang in wers else "   n/a"
-        note = f"  ({dropped[lang]} dropped)" if dropped.get(lang) else ""
-        lines.append(f"{lang:<8}  {n:>10}  {wer}{note}")
-    if "wer" in metrics:
-        total = "" if counts is None else str(sum(scored.values()))
-        lines.append(f"{'all':<8}  {total:>10}  {100 * metrics['wer']:5.1f}%")
-    n_dropped = int(sum(int(v) for v in dropped.values()))
+    by_task: dict[str, dict[str, dict[str, float]]] = {}  # task -> metric -> lang ("" for all) -> value
+    for key, value in metrics.items():
+        task, _, name = key.rpartition("/")
+        metric, _, lang = name.partition("_")
+        if metric in METRICS and (task or (metric == "wer" and not any("/" in k for k in metrics))):
+            by_task.setdefault(task or DEFAULT_TASK, {}).setdefault(metric, {})[lang] = value
+    blocks = []
+    for task in sorted(by_task, key=lambda t: (t != DEFAULT_TASK, t)):
+        per_task = counts is not None and "scored_by_task" in counts
+        scored = dict(
+            (counts["scored_by_task"].get(task, {}) if per_task else counts["scored"]) if counts else {}
+        )
+        dropped = dict(
+            (counts["dropped_by_task"].get(task, {}) if per_task else counts["dropped"]) if counts else {}
+        )
+        names = [m for m in METRICS if m in by_task[task]]
+        widths = [max(6, len(LABELS[m])) for m in names]
+        langs = sorted(
+            {lang for m in names for lang in by_task[task][m] if lang} | {k for k, v in dropped.items() if v}
+        )
+        lines = [] if set(by_task) == {DEFAULT_TASK} else [f"task {task}:"]
+        lines.append(
+            "  ".join(
+                ["language", "utterances", *(LABELS[m].ljust(w) for m, w in zip(names, widths))]
+            ).rstrip()
+        )
+        lines.append("  ".join(["-" * 8, "-" * 10, *("-" * w for w in widths)]))
+        for lang in [*langs, ""]:
+            values = [by_task[task][m].get(lang) for m in names]
+            if not lang and all(v is None for v in values):
+                continue
+            n = "" if counts is None else str(sum(scored.values()) if not lang else scored.get(lang, 0))
+            cells = [_cell(m, v, w) for m, v, w in zip(names, values, widths)]
+            note = f"  ({dropped[lang]} dropped)" if lang and dropped.get(lang) else ""
+            lines.append(f"{lang or 'all':<8}  {n:>10}  " + "  ".join(cells) + note)
+        blocks.append("\n".join(lines))
+    out = "\n\n".join(blocks)
+    n_dropped = int(sum(int(v) for v in counts["dropped"].values())) if counts is not None else 0
     if counts is not None and n_dropped:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["dropped_reasons"].items()))
-        lines.append(f"dropped (not scored): {n_dropped} utterances ({reasons})")
-    return "\n".join(lines)
+        out += f"\ndropped (not scored): {n_dropped} utterances ({reasons})"
+    return out
+
+
+format_wer_table = format_eval_table  # its name before the metrics per task
 
 
 @dataclass
@@ -168,12 +206,15 @@ class SlotResult:
 
 
 class Evaluator:
-    """Greedy WER per language over a manifest, each data-parallel rank decoding its share (module doc).
+    """Greedy decoding and each task's metrics per language over a manifest, each data-parallel rank decoding
+    its share (module doc).
 
     The batches are streamed: each one is loaded, decoded and scored before the next is read, so a
     large split never sits in memory. ``last_decodes`` holds (lang, ref, hyp) of every decoded
-    utterance, on every rank, in the order of a single-rank run; ``last_counts`` the utterances scored
-    and dropped per language and the drop reasons, summed over the data-parallel ranks.
+    utterance, on every rank, in the order of a single-rank run (``last_tasks``: the task of each);
+    ``last_counts`` the utterances scored and dropped per language (``scored``, ``dropped``) and per task
+    and language (``scored_by_task``, ``dropped_by_task``), and the drop reasons, summed over the
+    data-parallel ranks. The metrics and normalisation of each task are `MetricSpec.from_config(cfg)`.
 
     `data.max_dropped_fraction` applies to the split: more than that fraction unreadable, or nothing
     decodable at all, is a `DataError` naming the files (never a result computed from nothing).
@@ -195,7 +236,9 @@ class Evaluator:
         self.max_new_tokens, self.max_utterances = max_new_tokens, max_utterances
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
         self.split = split
+        self.spec = MetricSpec.from_config(cfg)
         self.last_decodes: list[tuple[str, str, str]] = []
+        self.last_tasks: list[str] = []
         self.last_rows: list[int] = []
         self.last_counts: dict[str, Any] = {"scored": {}, "dropped": {}, "dropped_reasons": {}}
 
@@ -210,6 +253,10 @@ class Evaluator:
                 f"trainer.val_max_batches={self.max_batches} would evaluate no batch: give a number >= 1, or "
                 f"null (or 0) for the whole split"
             )
+        for task in sorted(
+            {task for task, _ in table_pairs(self.table)}
+        ):  # before any decoding, on every rank
+            self.spec.check_task(task, f"the {self.split} split ({self.manifest_name()})")
         batches = build_eval_batches(
             self.table, max_batch_duration=eval_batch_duration(self.cfg), max_utterances=self.max_utterances
         )
@@ -229,7 +276,8 @@ class Evaluator:
     def __call__(
         self, module: Any, *, stop: Callable[[], bool] | None = None, progress: bool = False
     ) -> dict[str, Any]:
-        """Metrics of the split: loss, wer, wer_<lang>, utterances (scored), dropped (not readable).
+        """Metrics of the split: loss, `<task>/<metric>` and `<task>/<metric>_<lang>` (`speechlm.metrics`),
+        wer and wer_<lang> (ASR), utterances (scored), dropped (not readable).
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
@@ -260,14 +308,15 @@ class Evaluator:
         ce_total = sum(p.ce for _, shard_primary, p in gathered if shard_primary)
         merged = sorted((r for p in parts for r in p.rows), key=lambda r: order[r["row"]])
         self.last_decodes = [(r["lang"], r["ref"], r["hyp"]) for r in merged]
+        self.last_tasks = [r["task"] for r in merged]
         self.last_rows = [int(r["row"]) for r in merged]  # the manifest row of each of last_decodes
         self.last_counts = self.count(merged, parts)
         self.check_drops(len(order), parts)
-        wer = wer_from_counts((r["lang"], r["errors"], r["words"]) for r in merged)
+        scores = aggregate((r["task"], r["lang"], r["stats"]) for r in merged if r["stats"])
         n_tok = sum(p.n_tokens for p in parts)
         return {
             "loss": ce_total / max(n_tok, 1),
-            **wer,
+            **scores,
             "utterances": sum(self.last_counts["scored"].values()),
             "dropped": sum(self.last_counts["dropped"].values()),
         }
@@ -301,6 +350,7 @@ class Evaluator:
                 device=module.device,
                 comm=comm,
                 max_new_tokens=self.max_new_tokens,
+                spec=self.spec,
             )
             ce, n = self.batch_loss(module, batch)
             out.ce += ce
@@ -338,23 +388,34 @@ class Evaluator:
         return float(losses.ce_sum.double().cpu()) * losses.weight, count_targets(batch, module.model)
 
     def count(self, merged: list[dict[str, Any]], parts: list[SlotResult]) -> dict[str, Any]:
+        """Scored (decoded, non-empty reference) and dropped utterances per language and per (task, language)."""
         langs = self.table.column("lang")
-        scored: dict[str, int] = {}
+        tasks = self.table.column("task") if "task" in self.table.column_names else None
+        scored: dict[str, dict[str, int]] = {}
         empty_ref = 0
         for r in merged:
-            if r["words"] > 0:
-                scored[r["lang"]] = scored.get(r["lang"], 0) + 1
+            if r["stats"]:
+                per_lang = scored.setdefault(r["task"], {})
+                per_lang[r["lang"]] = per_lang.get(r["lang"], 0) + 1
             else:
-                empty_ref += 1  # decoded, but an empty reference has no words to score
-        dropped: dict[str, int] = {}
+                empty_ref += 1  # decoded, but an empty reference has nothing to score
+        dropped: dict[str, dict[str, int]] = {}
         reasons: dict[str, int] = {}
         for p in parts:
             for row in p.dropped_rows:
                 lang = str(langs[row].as_py())
-                dropped[lang] = dropped.get(lang, 0) + 1
+                task = (tasks[row].as_py() if tasks is not None else None) or DEFAULT_TASK
+                per_lang = dropped.setdefault(str(task), {})
+                per_lang[lang] = per_lang.get(lang, 0) + 1
             for k, v in p.dropped_reasons.items():
                 reasons[k] = reasons.get(k, 0) + v
-        counts: dict[str, Any] = {"scored": scored, "dropped": dropped, "dropped_reasons": reasons}
+        counts: dict[str, Any] = {
+            "scored": sum_over_tasks(scored),
+            "dropped": sum_over_tasks(dropped),
+            "dropped_reasons": reasons,
+            "scored_by_task": scored,
+            "dropped_by_task": dropped,
+        }
         if empty_ref:
             counts["empty_reference"] = empty_ref
         return counts
@@ -379,11 +440,46 @@ class Evaluator:
             )
 
 
+def sum_over_tasks(by_task: dict[str, dict[str, int]]) -> dict[str, int]:
+    """{task: {lang: n}} -> {lang: n}."""
+    out: dict[str, int] = {}
+    for per_lang in by_task.values():
+        for lang, n in per_lang.items():
+            out[lang] = out.get(lang, 0) + n
+    return out
+
+
+def with_totals(per_lang: dict[str, int]) -> dict[str, int]:
+    """{lang: n} and "all": their sum (eval.json's utterance counts)."""
+    return {**per_lang, "all": sum(per_lang.values())}
+
+
+def count_record(counts: dict[str, Any]) -> dict[str, Any]:
+    """The utterance counts of eval.json and `speechlm evaluate --json`: per language (and all), per task."""
+    tasks = sorted(set(counts["scored_by_task"]) | set(counts["dropped_by_task"]))
+    record: dict[str, Any] = {
+        "utterances": with_totals(counts["scored"]),
+        "dropped": with_totals(counts["dropped"]),
+        "dropped_reasons": counts["dropped_reasons"],
+        "tasks": {
+            t: {
+                "utterances": with_totals(counts["scored_by_task"].get(t, {})),
+                "dropped": with_totals(counts["dropped_by_task"].get(t, {})),
+            }
+            for t in tasks
+        },
+    }
+    if counts.get("empty_reference"):
+        record["empty_reference"] = counts["empty_reference"]
+    return record
+
+
 def final_evaluation(
     cfg: ExperimentConfig, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
 ) -> dict[str, Any]:
-    """Greedy WER per language on `trainer.final_eval_split` after training; rank 0 prints the table
-    and writes eval.json, eval_decodes.jsonl and the learning curve. Returns the WER metrics.
+    """Greedy decoding and the metrics of each task per language on `trainer.final_eval_split` after
+    training; rank 0 prints the table and writes eval.json, eval_decodes.jsonl and the learning curve.
+    Returns the evaluator's metrics.
 
     The trained weights are already saved when this runs (the end-of-training checkpoint); a SIGTERM
     during it stops it on every rank at the same batch (`EvaluationInterrupted`), with no eval.json."""
@@ -398,33 +494,27 @@ def final_evaluation(
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
     final_eval = Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=split)
-    wer = final_eval(module, stop=lambda: SIGTERM_FLAG.requested, progress=True)
+    scores = final_eval(module, stop=lambda: SIGTERM_FLAG.requested, progress=True)
     if rank == 0:
         counts = final_eval.last_counts
+        what = "WER" if set(counts["scored_by_task"]) <= {DEFAULT_TASK} else "metrics per task"
         print(
-            f"\nfinal greedy WER on the {split} split after {result['steps']} steps "
+            f"\nfinal greedy {what} on the {split} split after {result['steps']} steps "
             f"({result['train_minutes']:.1f} min):"
         )
-        print(format_wer_table(wer, counts))
-        record = {
-            "split": split,
-            **result,
-            **wer,
-            "utterances": {**counts["scored"], "all": sum(counts["scored"].values())},
-            "dropped": {**counts["dropped"], "all": sum(counts["dropped"].values())},
-            "dropped_reasons": counts["dropped_reasons"],
-        }
-        if counts.get("empty_reference"):
-            record["empty_reference"] = counts["empty_reference"]
-        write_eval_outputs(run_dir, record, final_eval.last_decodes)
+        print(format_eval_table(scores, counts))
+        record = {"split": split, **result, **scores, **count_record(counts)}
+        write_eval_outputs(run_dir, record, final_eval.last_decodes, final_eval.last_tasks)
         from speechlm.train.plots import plot_learning_curve
 
         png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
         print(f"wrote {run_dir / 'eval.json'}, {png}")
-    return wer
+    return scores
 
 
-def write_eval_outputs(run_dir: Path, record: dict[str, Any], decodes: list[tuple[str, str, str]]) -> None:
+def write_eval_outputs(
+    run_dir: Path, record: dict[str, Any], decodes: list[tuple[str, str, str]], tasks: list[str] | None = None
+) -> None:
     """eval.json and eval_decodes.jsonl; a path that cannot be written (full disk, a folder in the way,
     no permission) is an OutputError naming it (the weights are in the end-of-training checkpoint)."""
     from speechlm.errors import OutputError
@@ -434,8 +524,12 @@ def write_eval_outputs(run_dir: Path, record: dict[str, Any], decodes: list[tupl
         path.write_text(json.dumps(record, indent=2))
         path = run_dir / "eval_decodes.jsonl"
         with path.open("w") as f:
-            for lang, ref, hyp in decodes:
-                f.write(json.dumps({"lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False) + "\n")
+            for i, (lang, ref, hyp) in enumerate(decodes):
+                task = tasks[i] if tasks else DEFAULT_TASK
+                f.write(
+                    json.dumps({"task": task, "lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False)
+                    + "\n"
+                )
     except OSError as e:
         raise OutputError(
             f"cannot write {path} ({e.strerror or e}); the trained weights are in {run_dir / 'checkpoints'} "

@@ -6,6 +6,30 @@ import json
 from pathlib import Path
 
 
+def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The curves of the validation records, per panel: "greedy WER" (`wer`, `wer_<lang>`, in %) and, when
+    other tasks were scored, "other tasks" (each task's overall score: `ast/bleu`, `qa/accuracy` in %, ...).
+    A record without a key (a language absent from a cut validation) leaves a gap, not an error."""
+    from speechlm.metrics import PERCENT_METRICS, split_metric_name
+
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in val:
+        for k, v in r.items():
+            name = split_metric_name(k)
+            if name is None or v is None:
+                continue
+            task, metric, lang = name
+            if task is None:
+                title = "greedy WER"
+            elif lang is None and k != "asr/wer":
+                title = "other tasks"
+            else:
+                continue
+            value = 100 * v if metric in PERCENT_METRICS else v
+            panels.setdefault(title, {}).setdefault(k, []).append((r["step"], value))
+    return {t: dict(sorted(panels[t].items())) for t in ("greedy WER", "other tasks") if t in panels}
+
+
 def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
     import matplotlib
 
@@ -18,7 +42,9 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
     for line in filter(str.strip, lines):  # an evaluation-only run into a new run dir has no history
         rec = json.loads(line)
         (val if rec.get("kind") == "val" else train).append(rec)
-    fig, ax = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), squeeze=False)
+    series = validation_series(val)
+    n = 1 + len(series)
+    fig, ax = plt.subplots(1, n, figsize=(6 + 5 * (n - 1), 4), squeeze=False)
     ax[0][0].plot([r["step"] for r in train], [r["loss"] for r in train], label="loss")
     if any(r.get("ce") is not None for r in train):
         ax[0][0].plot([r["step"] for r in train], [r["ce"] for r in train], label="text CE", alpha=0.7)
@@ -26,14 +52,13 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
     ax[0][0].set_yscale("log")
     ax[0][0].set_title("training loss")
     ax[0][0].legend()
-    if val:
-        keys = sorted({k for r in val for k in r if k.startswith("wer")})
-        for k in keys:
-            ax[0][1].plot([r["step"] for r in val], [100 * r[k] for r in val], marker="o", label=k)
-        ax[0][1].set_xlabel("optimizer step")
-        ax[0][1].set_ylabel("WER %")
-        ax[0][1].set_title("greedy WER")
-        ax[0][1].legend(fontsize=8)
+    for panel, (title, curves) in zip(ax[0][1:], series.items()):
+        for k, points in curves.items():
+            panel.plot([s for s, _ in points], [v for _, v in points], marker="o", label=k)
+        panel.set_xlabel("optimizer step")
+        panel.set_ylabel("%" if title == "greedy WER" else "score")
+        panel.set_title(title)
+        panel.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)

@@ -1,9 +1,10 @@
-"""`speechlm evaluate RUN_OR_CKPT --manifest M [--json]`: the WER table of a checkpoint on a manifest.
+"""`speechlm evaluate RUN_OR_CKPT --manifest M [--json]`: the metrics table of a checkpoint on a manifest.
 
 The checkpoint (a run dir's latest complete one, or a checkpoint dir) is rebuilt in this process with
 the config and tokenizer it was trained with (`speechlm.use.checkpoint`); the manifest is any format
 the trainer reads (`open_index`). Decoding and scoring are the training run's own (`Evaluator`:
-greedy decoding with the KV cache, WER from per-utterance error counts per language), so a checkpoint
+greedy decoding with the KV cache, each task's metrics from per-utterance statistics per language, under
+the checkpoint's `trainer.eval_*` settings: `speechlm.metrics`), so a checkpoint
 evaluated here gives the figures its run's final evaluation gives on the same manifest.
 
 Under ``torchrun`` every process holds the whole model and decodes a share of the evaluation batches
@@ -12,9 +13,10 @@ gathered and summed, which makes the table equal to the one-process table, and r
 process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo).
 
 ``--json`` prints one object instead of the table: ``checkpoint``, ``step``, ``manifest``, ``loss``
-(teacher-forced), ``wer`` and ``wer_<lang>``, ``utterances`` and ``dropped`` per language (and
-``all``), ``dropped_reasons``. ``--decodes FILE`` writes one JSON line per decoded utterance
-(``row``, ``lang``, ``ref``, ``hyp``).
+(teacher-forced), ``<task>/<metric>`` and ``<task>/<metric>_<lang>`` (``asr/wer``, ``ast/bleu``, ...),
+``wer`` and ``wer_<lang>`` (ASR), ``utterances`` and ``dropped`` per language (and ``all``), the same per
+task under ``tasks``, ``dropped_reasons``. ``--decodes FILE`` writes one JSON line per decoded utterance
+(``row``, ``task``, ``lang``, ``ref``, ``hyp``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from speechlm.errors import DataError
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "evaluate",
-        help="WER per language of a checkpoint on a manifest (sharded over ranks under torchrun)",
-        description="Greedy-decode a manifest with a checkpoint and print its WER per language. Under "
+        help="metrics per task and language of a checkpoint on a manifest (sharded over ranks under torchrun)",
+        description="Greedy-decode a manifest with a checkpoint and print each task's metrics (WER, BLEU, "
+        "accuracy, ...) per language. Under "
         "`torchrun --nproc-per-node N -m speechlm evaluate ...` each process decodes 1/N of the batches.",
     )
     from speechlm.use.transcribe import add_checkpoint_argument, add_decoding_arguments
@@ -44,7 +47,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
-        "--decodes", default=None, help="also write one JSON line per utterance (row, lang, ref, hyp)"
+        "--decodes", default=None, help="also write one JSON line per utterance (row, task, lang, ref, hyp)"
     )
     add_decoding_arguments(p, device_help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
     p.set_defaults(func=run_evaluate_command)
@@ -122,7 +125,7 @@ def evaluate_checkpoint(
     from parallel.collectives import Collectives
     from speechlm import preflight
     from speechlm.data.sources.mmap_cache import open_index
-    from speechlm.train.evaluate import Evaluator, format_wer_table
+    from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
     from speechlm.train.step import StepContext
     from speechlm.use.checkpoint import load_checkpoint
 
@@ -157,22 +160,16 @@ def evaluate_checkpoint(
                 f"{world_size} process(es)")  # fmt: skip
     metrics = evaluator(module)
     counts = evaluator.last_counts
-    wers = {k: v for k, v in metrics.items() if k.startswith("wer")}
-    record = {
-        "checkpoint": str(loaded.ckpt),
-        "step": loaded.step,
-        "manifest": str(manifest),
-        "loss": metrics["loss"],
-        **wers,
-        "utterances": {**counts["scored"], "all": sum(counts["scored"].values())},
-        "dropped": {**counts["dropped"], "all": sum(counts["dropped"].values())},
-        "dropped_reasons": counts["dropped_reasons"],
-    }
+    scores = {k: v for k, v in metrics.items() if k not in ("utterances", "dropped")}
+    record = {"checkpoint": str(loaded.ckpt), "step": loaded.step, "manifest": str(manifest), **scores}
+    record.update(count_record(counts))
     decodes = [
-        {"row": row, "lang": lang, "ref": ref, "hyp": hyp}
-        for row, (lang, ref, hyp) in zip(evaluator.last_rows, evaluator.last_decodes)
+        {"row": row, "task": task, "lang": lang, "ref": ref, "hyp": hyp}
+        for row, task, (lang, ref, hyp) in zip(
+            evaluator.last_rows, evaluator.last_tasks, evaluator.last_decodes
+        )
     ]
-    return {"record": record, "table": format_wer_table(metrics, counts), "decodes": decodes}
+    return {"record": record, "table": format_eval_table(metrics, counts), "decodes": decodes}
 
 
 def _stderr(message: str) -> None:

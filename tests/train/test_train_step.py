@@ -76,7 +76,7 @@ def test_validation_keeps_best_and_stops_after_patience(tmp_path, monkeypatch):
             break
     assert saved == ["best", "best"]  # 0.5, then 0.4; 0.45 and 0.41 are no better
     assert stopped_at == 4 and cb.best == pytest.approx(0.4)
-    assert cb.state_dict() == {"best": 0.4, "bad_evals": 2}
+    assert cb.state_dict() == {"best": 0.4, "bad_evals": 2, "metric": "wer"}
 
 
 def test_bundled_broken_files_are_dropped_and_counted(demo_data):
