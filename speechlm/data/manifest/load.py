@@ -16,7 +16,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError, _encode_sorted
+from speechlm.data.manifest.schema import (
+    CONVERSATION_SCHEMA,
+    LOCATOR_SCHEMA,
+    MANIFEST_SCHEMA,
+    ManifestError,
+    _encode_sorted,
+    llm_text_chars,
+)
 
 NOT_NULL_COLUMNS = ("segment_id",)
 
@@ -140,7 +147,7 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
                 f"has {MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build` or "
                 "`speechlm manifest convert`"
             )
-        extra = [f.name for f in LOCATOR_SCHEMA if f.name in schema.names]
+        extra = [f.name for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA) if f.name in schema.names]
         table = pq.read_table(path, columns=MANIFEST_SCHEMA.names + extra)
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
@@ -163,7 +170,7 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
                 f"{path} column {f.name!r} has type {col.type}, expected {f.type} ({e}); rebuild the manifest"
             ) from None
     fields = list(MANIFEST_SCHEMA)
-    for f in LOCATOR_SCHEMA:
+    for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA):
         if f.name in table.column_names:
             columns.append(table.column(f.name).cast(f.type))
             fields.append(f)
@@ -214,7 +221,7 @@ def manifest_arrays(table: pa.Table) -> ManifestArrays:
     if "text_chars" in table.column_names:  # the index cache stores them (sources/mmap_cache.py)
         lengths = table.column("text_chars").to_numpy()
     else:
-        lengths = pc.utf8_length(table.column("text")).to_numpy()
+        lengths = llm_text_chars(table).to_numpy()
     return ManifestArrays(
         durations=np.ascontiguousarray(durations, dtype=np.float32),
         lang_codes=codes.astype(np.int16),
