@@ -228,3 +228,13 @@ def manifest_arrays(table: pa.Table) -> ManifestArrays:
         lang_names=names,
         text_lengths=lengths.astype(np.int32),
     )
+
+
+def task_codes(table: pa.Table) -> tuple[np.ndarray, list[str]] | None:
+    """Each row's task (a null ``task`` is "asr") as codes into the sorted task names; None when the table
+    has no ``task`` column (every row is a transcript: "asr")."""
+    if "task" not in table.column_names:
+        return None
+    col = table.column("task").cast(pa.string()).fill_null("asr")
+    codes, names = _encode_sorted(col, "task", np.iinfo(np.int16).max)
+    return codes.astype(np.int16), names
