@@ -178,3 +178,54 @@ def test_conversation_json_in_a_parquet_row_that_is_broken_names_the_row(clips, 
     table = table.set_column(table.schema.get_field_index("conversation"), "conversation", [["{not json"]])
     with pytest.raises(ValueError, match=r"manifest .*, segment s1: not a conversation"):
         SpeechDataset(table, tok).conversation(0)
+
+
+def test_a_parquet_row_with_a_bad_conversation_is_refused_when_indexed(clips, tmp_path):
+    from speechlm.data.sources.mmap_cache import open_index
+
+    table = load_source(nemo_conversation_jsonl(tmp_path))
+    doc = json.loads(table.column("conversation")[0].as_py())
+    doc["turns"] = doc["turns"][:1]  # the user turn only: nothing to train on
+    table = table.set_column(
+        table.schema.get_field_index("conversation"), "conversation", [[json.dumps(doc)]]
+    )
+    pq.write_table(table, tmp_path / "bad.parquet")
+    for read in (load_source, open_index):
+        with pytest.raises(ManifestError, match=r"bad\.parquet, row 0: .*no assistant turn"):
+            read(tmp_path / "bad.parquet")
+
+
+def test_a_cut_short_conversation_file_or_tar_is_an_error_naming_it(clips, tmp_path):
+    """What a killed writer leaves: half a JSON line, a tar cut in the middle of its last member."""
+    path = nemo_conversation_jsonl(tmp_path)
+    whole = path.read_text()
+    path.write_text(whole + whole[: len(whole) // 2])
+    with pytest.raises(ManifestError, match=r"nemo_conv\.jsonl:2: not valid JSON"):
+        load_source(path)
+    folder = nemo_conversation_tarred(tmp_path, clips)
+    tar = folder / "audio_0.tar"
+    tar.write_bytes(tar.read_bytes()[: 512 * 3 + 1000])  # a.wav whole-ish, b.wav's header and part of it
+    with pytest.raises(ManifestError, match=r"audio_0\.tar"):
+        load_source(folder)
+
+
+def test_manifest_convert_writes_conversations_to_parquet(clips, tmp_path, tok):
+    from speechlm.cli import main
+
+    src = sharegpt_json(tmp_path)
+    assert (
+        main(
+            [
+                "manifest",
+                "convert",
+                str(src),
+                "--format",
+                "conversations",
+                "--out",
+                str(tmp_path / "c.parquet"),
+            ]
+        )
+        == 0
+    )
+    _, conv = read_back(tmp_path / "c.parquet", tok)
+    assert conv == expected(clips)

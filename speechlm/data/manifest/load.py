@@ -22,6 +22,7 @@ from speechlm.data.manifest.schema import (
     MANIFEST_SCHEMA,
     ManifestError,
     _encode_sorted,
+    check_conversations,
     llm_text_chars,
 )
 
@@ -169,6 +170,7 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
             raise ManifestError(
                 f"{path} column {f.name!r} has type {col.type}, expected {f.type} ({e}); rebuild the manifest"
             ) from None
+    check_conversations(table, str(path))
     fields = list(MANIFEST_SCHEMA)
     for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA):
         if f.name in table.column_names:

@@ -172,3 +172,24 @@ def llm_text_chars(columns: pa.Table | pa.RecordBatch) -> pa.Array:
                 turns = json.loads(doc).get("turns", [])
                 chars[i] = sum(len(p.get("text", "")) for t in turns for p in t.get("parts", []))
     return pa.array(chars.astype(np.int32), pa.int32())
+
+
+def check_conversations(columns: pa.Table | pa.RecordBatch, where: str, first_row: int = 0) -> None:
+    """ManifestError naming the row (``where, row N``) whose ``conversation`` is not a conversation one can
+    train on (`speechlm.data.conversation.Conversation.check`): caught when the manifest is indexed, not
+    when a worker reaches the row."""
+    if "conversation" not in columns.column_names or columns.column("conversation").null_count == len(
+        columns
+    ):
+        return
+    from speechlm.data.conversation import Conversation, ConversationError
+
+    for k, doc in enumerate(columns.column("conversation").to_pylist()):
+        if doc is not None:
+            try:
+                Conversation.from_json(doc)
+            except ConversationError as e:
+                raise ManifestError(
+                    f"{where}, row {first_row + k}: {e}; fix the row's 'conversation' (speechlm's JSON form, "
+                    "docs/data.md) or rebuild the manifest"
+                ) from None

@@ -54,6 +54,7 @@ from speechlm.data.manifest.schema import (
     LOCATOR_SCHEMA,
     MANIFEST_SCHEMA,
     ManifestError,
+    check_conversations,
     llm_text_chars,
 )
 
@@ -118,6 +119,7 @@ def _parquet_batches(path: Path, schema: pa.Schema) -> object:
             if field.name == "audio_filepath":
                 col = resolve_audio_paths(batch, path.parent)
             columns.append(col.cast(field.type))
+        check_conversations(batch, str(path), row)
         row += batch.num_rows
         yield pa.RecordBatch.from_arrays(columns, schema=schema)
 
