@@ -86,6 +86,11 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
     from speechlm.data.dataset import DroppedSample, Sample
 
     assert ds.renderer is not None
+    if ds.optional("conversation", i) is None:
+        try:
+            ds._texts[i].as_py()
+        except UnicodeDecodeError as e:
+            return ds._drop(i, "invalid_text", f"column 'text' is not valid UTF-8 ({e}): fix the text")
     conv = ds.conversation(i)
     texts = _texts(ds, i, conv)
     if not isinstance(texts, tuple):

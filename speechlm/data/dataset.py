@@ -9,6 +9,8 @@ The sampler (elsewhere) yields lists of manifest row indices; this module does a
                        manifest's duration -> Sample, or DroppedSample(reason) when the row cannot be used
     Collator(pad_id)   drop the DroppedSamples (counted per reason), zero-pad audio_BN and
                        pad tokens_BL with pad_id -> Batch; all dropped -> an empty Batch (B = 0)
+                       (conversations, `SpeechDataset(renderer=...)`: `conversation_samples`; audio
+                       per clip, the rendered prompts, per-clip CTC targets, tasks)
     build_dataloader   DataLoader(batch_sampler=..., collate_fn=Collator, worker_init_fn=seed_worker)
 
 A bad clip is never replaced by silence or by another row: the batch simply has one utterance
@@ -260,6 +262,11 @@ class SpeechDataset(Dataset):
     `source` names the manifest in messages (default: the path, or the Table's ``speechlm.source``
     metadata). A decoded clip whose length differs from the row's ``duration`` by more than
     ``max(duration_tolerance, 10% of it)`` seconds is dropped as ``duration_mismatch``.
+
+    ``renderer`` (a `speechlm.prompt.ConversationRenderer`; training passes the run's): each row is read as
+    a conversation (`conversation`), every clip decoded and the whole rendered (`conversation_samples`);
+    ``instruction`` is the instruction of rows that give none (data.instruction). Without one, today's
+    Samples.
     """
 
     def __init__(
@@ -594,21 +601,21 @@ class Collator:
                 raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
         if not kept:
             return Batch.empty(dropped, dropped_files)
-        extra: dict[str, Any] = {}
-        if kept[0].prompt_ids is not None:  # conversations (a dataset with a renderer)
-            from speechlm.data.conversation_samples import conversation_fields
-
-            extra = conversation_fields(kept, self.pad_id)
-        audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
         token_lens_B = torch.tensor([s.tokens.numel() for s in kept], dtype=torch.int64)
-        audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
         tokens_BL = torch.full((len(kept), int(token_lens_B.max())), self.pad_id, dtype=torch.int64)
         for b, s in enumerate(kept):
-            audio_BN[b, : s.audio.numel()] = s.audio
             tokens_BL[b, : s.tokens.numel()] = s.tokens
-        batch = Batch(
-            audio=audio_BN,
-            audio_lens=audio_lens_B,
+        if kept[0].prompt_ids is not None:  # conversations (a dataset with a renderer): audio per clip
+            from speechlm.data.conversation_samples import conversation_fields
+
+            fields = conversation_fields(kept, self.pad_id)
+        else:
+            audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
+            audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
+            for b, s in enumerate(kept):
+                audio_BN[b, : s.audio.numel()] = s.audio
+            fields = {"audio": audio_BN, "audio_lens": audio_lens_B}
+        return Batch(
             tokens=tokens_BL,
             token_lens=token_lens_B,
             langs=[s.lang for s in kept],
@@ -616,10 +623,8 @@ class Collator:
             durations=torch.tensor([s.duration for s in kept], dtype=torch.float32),
             dropped=dict(dropped),
             dropped_files=dropped_files,
+            **fields,
         )
-        if extra:
-            batch = replace(batch, **extra)
-        return batch
 
 
 def seed_worker(worker_id: int, *, seed: int) -> None:

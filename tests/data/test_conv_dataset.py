@@ -134,3 +134,15 @@ def test_input_cfg_task_and_prompt_default_the_rows_that_carry_none(demo_data, t
     assert first.answer == second.answer  # no answer column: the transcript
     chars = table.column("text_chars").to_pylist()
     assert chars[n] == chars[0] + len("Translate to English.")
+
+
+def test_invalid_utf8_text_is_dropped_with_a_renderer_as_without(demo_data, tok):
+    table = load_source(demo_data["val"])
+    raw = [s.encode() for s in table.column("text").to_pylist()]
+    raw[1] = b"<|en|> \xff\xfe bad"
+    table = table.set_column(
+        table.schema.get_field_index("text"), "text", pa.array(raw, pa.binary()).view(pa.string())
+    )
+    for renderer in (None, ConversationRenderer(tok)):
+        item = SpeechDataset(table, tok, renderer=renderer)[1]
+        assert isinstance(item, DroppedSample) and item.reason == "invalid_text" and "UTF-8" in item.detail
