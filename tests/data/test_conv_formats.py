@@ -229,3 +229,23 @@ def test_manifest_convert_writes_conversations_to_parquet(clips, tmp_path, tok):
     )
     _, conv = read_back(tmp_path / "c.parquet", tok)
     assert conv == expected(clips)
+
+
+def test_lhotse_cut_with_prompt_and_target_in_its_supervision_custom(clips, tmp_path, tok):
+    from lhotse import CutSet, Recording, SupervisionSegment
+
+    cut = Recording.from_file(clips["a.wav"], recording_id="rec-a").to_cut()
+    cut.id = "t1"
+    sup = SupervisionSegment("t1-sup", "rec-a", 0.0, cut.duration, text="पानी", language="hi")
+    sup.custom = {"prompt": "Translate to English.", "target": "water", "task": "ast"}
+    cut.supervisions = [sup]
+    other = Recording.from_file(clips["b.wav"], recording_id="rec-b").to_cut()
+    other.supervisions = [SupervisionSegment("o", "rec-b", 0.0, other.duration, text="घर", language="hi")]
+    CutSet.from_cuts([cut, other]).to_file(tmp_path / "cuts.jsonl.gz")
+    table = load_source(tmp_path / "cuts.jsonl.gz")
+    ds = SpeechDataset(table, tok)
+    conv = ds.conversation(0)
+    assert (conv.task, conv.answer, conv.clips[0].transcript) == ("ast", "water", "<|hi|> पानी")
+    assert conv.turns[0].parts == (AudioRef(0), "Translate to English.")
+    plain = ds.conversation(1)  # a cut without custom fields: today's transcript row
+    assert (plain.task, plain.answer) == ("asr", "<|hi|> घर") and table.column("answer")[1].as_py() is None
