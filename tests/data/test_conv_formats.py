@@ -15,6 +15,7 @@ from formats_helpers import (
     manifest_row_jsonl,
     nemo_conversation_jsonl,
     nemo_conversation_tarred,
+    nemo_turns,
     sharegpt_json,
     swift_messages_jsonl,
     write_clips,
@@ -249,3 +250,20 @@ def test_lhotse_cut_with_prompt_and_target_in_its_supervision_custom(clips, tmp_
     assert conv.turns[0].parts == (AudioRef(0), "Translate to English.")
     plain = ds.conversation(1)  # a cut without custom fields: today's transcript row
     assert (plain.task, plain.answer) == ("asr", "<|hi|> घर") and table.column("answer")[1].as_py() is None
+
+
+def test_parquet_manifest_with_a_conversations_column(clips, tmp_path, tok):
+    """A manifest's `conversations` column (NeMo form, JSON text) next to plain transcript rows."""
+    import pyarrow as pa
+
+    turns = json.dumps(nemo_turns("a.wav", "b.wav"))
+    table = pa.table({
+        "segment_id": ["s1", "p1"], "audio_filepath": ["a.wav", "b.wav"], "duration": [0.75, 0.25],
+        "text": ["", "<|hi|> घर"], "lang": ["hi", "hi"], "task": ["qa", None], "conversations": [turns, None],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "m.parquet")
+    assert detect_source_type(tmp_path / "m.parquet") == "conversations"
+    got = load_source(tmp_path / "m.parquet")
+    ds = SpeechDataset(got, tok)
+    assert ds.conversation(0) == expected(clips)
+    assert (ds.conversation(1).answer, ds.conversation(1).task) == ("<|hi|> घर", "asr")

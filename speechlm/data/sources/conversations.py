@@ -16,6 +16,8 @@ Record shapes (one JSON object per line of a ``.jsonl``, or a ``.json`` holding 
                                  record's ``audios`` / ``audio`` / ``sound`` (a path or a list) or, in a
                                  NeMo manifest row, its ``audio_filepath``.
 ``conversation``                 speechlm's own form (`Conversation.to_json`, a string or an object).
+                                 A parquet manifest with a ``conversations``/``messages`` column (JSON
+                                 text, NeMo or ShareGPT form) is read row by row the same way.
 none of these                    a NeMo manifest row (``audio_filepath``, ``duration``, ``text``) with
                                  the optional ``task``, ``instruction``/``prompt``, ``answer``/``target``.
 
@@ -296,6 +298,11 @@ def conversation_of_record(
             lang = conv.lang or record_lang(rec, where, default_lang)
             return replace(conv, clips=resolved, lang=lang, id=conv.id or rec_id)
         items = rec.get("conversations", rec.get("messages"))
+        if isinstance(items, str):  # a parquet column of JSON text
+            try:
+                items = json.loads(items)
+            except json.JSONDecodeError as e:
+                raise ManifestError(f"{where}: 'conversations' is not valid JSON ({e.msg})") from None
         if items is not None:
             if not isinstance(items, list) or not items:
                 raise ManifestError(f"{where}: 'conversations' must be a non-empty list of turns")
@@ -408,7 +415,18 @@ class RowsBuilder:
 
 
 def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """("PATH:LINE", record) of a JSON-lines file (gzip allowed), or ("PATH[i]", record) of a JSON list."""
+    """("PATH:LINE", record) of a JSON-lines file (gzip allowed), ("PATH[i]", record) of a JSON list, or
+    ("PATH, row i", record) of a parquet manifest with a ``conversations``/``messages`` column."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise ManifestError(f"{path} is not a readable parquet file ({e})") from None
+        for i, rec in enumerate(rows):
+            yield f"{path}, row {i}", {k: v for k, v in rec.items() if v is not None}
+        return
     opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:

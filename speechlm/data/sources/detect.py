@@ -97,6 +97,16 @@ def _first_json_line(path: Path) -> dict[str, Any] | None:
     return None
 
 
+def _has_conversations_column(path: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError):
+        return False  # the parquet reader gives the error
+    return "conversations" in names or "messages" in names
+
+
 def detect_source_type(path: str | Path) -> str:
     """The kind of `path` (see the module docstring); ManifestError when it is none of them."""
     path = Path(path)
@@ -123,6 +133,8 @@ def detect_source_type(path: str | Path) -> str:
         return "speechlm_shards"
     suffixes = "".join(path.suffixes[-2:]).lower()
     if path.suffix.lower() == ".parquet":
+        if path.is_file() and _has_conversations_column(path):
+            return "conversations"  # NeMo/ShareGPT turns in a column: normalised by that reader
         return "parquet"
     if path.suffix.lower() == ".list" or path.name == "data.list":
         return "wenet"
