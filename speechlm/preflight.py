@@ -344,9 +344,9 @@ def unknown_tag_rows(texts: Any, known: list[str]) -> tuple[int, list[int]]:
     return count, first
 
 
-def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
+def _tag_problems(table: Any, name: str, tokenizer: Any, column: str = "text") -> list[str]:
     known = known_tags(tokenizer)
-    texts = table.column("text")
+    texts = table.column(column)
     count, rows = unknown_tag_rows(texts, known)
     if not count:
         return []
@@ -356,7 +356,8 @@ def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
         text = texts[row].as_py()
         bad = _unknown_tags_in(text, set(known))
         tags.update(dict.fromkeys(bad))
-        quoted.append(f"{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
+        where = "" if column == "text" else f"column {column}, "
+        quoted.append(f"{where}{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
     return [
         f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
         f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
@@ -366,9 +367,16 @@ def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
 
 
 def check_table(table: Any, name: str, tokenizer: Any) -> list[str]:
-    """Problems of one manifest against the tokenizer: null values, unknown languages, unknown tags."""
+    """Problems of one manifest against the tokenizer: null values, unknown languages, unknown tags (in the
+    transcripts and in the optional instructions and answers)."""
     nulls = _null_problems(table, name)
-    return [*nulls, *_language_problems(table, name, tokenizer), *_tag_problems(table, name, tokenizer)]
+    tags = [
+        p
+        for col in ("text", "instruction", "answer")
+        if col in table.column_names
+        for p in _tag_problems(table, name, tokenizer, col)
+    ]
+    return [*nulls, *_language_problems(table, name, tokenizer), *tags]
 
 
 def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> None:

@@ -68,37 +68,27 @@ def nemo_conversation_jsonl(root: Path) -> Path:
     return write_jsonl(root / "nemo_conv.jsonl", [rec])
 
 
+def _chat_record(audio_key: str, turns_key: str, who: str, what: str, roles: tuple, marks: tuple) -> dict:
+    """The sample in a ShareGPT-like form: `roles` (user, assistant), `marks` the placeholder of each clip."""
+    (user, assistant), (m1, m2) = roles, marks
+    turns = [(user, f"{m1}{Q1}"), (assistant, A1), (user, f"{m2}{Q2}"), (assistant, A2)]
+    record = {"id": "s1", "task": "qa", "lang": "hi", audio_key: ["a.wav", "b.wav"]}
+    return {**record, turns_key: [{who: r, what: t} for r, t in turns]}
+
+
 def sharegpt_json(root: Path) -> Path:
-    rec = {
-        "id": "s1",
-        "task": "qa",
-        "lang": "hi",
-        "sound": ["a.wav", "b.wav"],
-        "conversations": [
-            {"from": "human", "value": f"<sound>\n{Q1}"},
-            {"from": "gpt", "value": A1},
-            {"from": "human", "value": f"<speech> {Q2}"},
-            {"from": "gpt", "value": A2},
-        ],
-    }
+    """ShareGPT (NeMo's share_gpt, LLaVA): a JSON list, `sound`, `<sound>`/`<speech>` placeholders."""
+    rec = _chat_record(
+        "sound", "conversations", "from", "value", ("human", "gpt"), ("<sound>\n", "<speech> ")
+    )
     path = root / "sharegpt.json"
     path.write_text(json.dumps([rec], ensure_ascii=False), encoding="utf-8")
     return path
 
 
 def swift_messages_jsonl(root: Path) -> Path:
-    rec = {
-        "id": "s1",
-        "task": "qa",
-        "lang": "hi",
-        "audios": ["a.wav", "b.wav"],
-        "messages": [
-            {"role": "user", "content": f"<audio>{Q1}"},
-            {"role": "assistant", "content": A1},
-            {"role": "user", "content": f"<audio>{Q2}"},
-            {"role": "assistant", "content": A2},
-        ],
-    }
+    """ms-swift: JSON lines of `messages` with role/content, `audios`, `<audio>` placeholders."""
+    rec = _chat_record("audios", "messages", "role", "content", ("user", "assistant"), ("<audio>", "<audio>"))
     return write_jsonl(root / "swift.jsonl", [rec])
 
 
@@ -134,3 +124,21 @@ def lhotse_cuts(root: Path, clips: dict[str, Path]) -> Path:
     path = root / "cuts.jsonl.gz"
     CutSet.from_cuts([cut]).to_file(path)
     return path
+
+
+def full_and_resumed_metrics(run_train, base: list[str], tmp_path: Path, *, steps: int, stop: int) -> tuple:
+    """Train `steps` steps in one go, and `stop` steps + a checkpoint then resumed to `steps`: the two
+    runs' metrics (`helpers.read_train_metrics`) to compare, and the first run's stdout."""
+    from helpers import read_train_metrics
+
+    runs = (
+        [f"trainer.max_steps={steps}", f"trainer.run_dir={tmp_path / 'full'}"],
+        [f"trainer.max_steps={stop}", f"trainer.ckpt_every={stop}", f"trainer.run_dir={tmp_path / 'p'}"],
+        [f"trainer.max_steps={steps}", f"trainer.run_dir={tmp_path / 'p'}", "trainer.resume=auto"],
+    )
+    outs = []
+    for args in runs:
+        r = run_train([*base, *args])
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(r.stdout)
+    return read_train_metrics(tmp_path / "full"), read_train_metrics(tmp_path / "p"), outs[0]

@@ -146,3 +146,14 @@ def test_invalid_utf8_text_is_dropped_with_a_renderer_as_without(demo_data, tok)
     for renderer in (None, ConversationRenderer(tok)):
         item = SpeechDataset(table, tok, renderer=renderer)[1]
         assert isinstance(item, DroppedSample) and item.reason == "invalid_text" and "UTF-8" in item.detail
+
+
+def test_preflight_names_an_unknown_tag_in_an_answer_column(demo_data, tok):
+    from speechlm.preflight import check_table
+
+    table = load_source(demo_data["val"])
+    answers = [None] * len(table)
+    answers[2] = "<|fr|> de l'eau"
+    table = table.append_column(pa.field("answer", pa.string()), pa.array(answers, pa.string()))
+    problems = check_table(table, "manifest m", tok)
+    assert len(problems) == 1 and "column answer, row 2" in problems[0] and "<|fr|>" in problems[0]

@@ -305,7 +305,6 @@ def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = N
         "paths": [leaf.path for leaf in items],
         "tags": [list(leaf.tags) for leaf in items],
         "read_modes": [leaf.read_mode for leaf in items],
-        "tasks": [leaf.task for leaf in items],
     }
     combined = pa.concat_tables(tables)
     return combined.replace_schema_metadata({**(combined.schema.metadata or {}), MIX_KEY: json.dumps(meta)})
