@@ -86,7 +86,8 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
     from speechlm.data.dataset import DroppedSample, Sample
 
     assert ds.renderer is not None
-    if ds.optional("conversation", i) is None:
+    plain = ds.optional("conversation", i) is None  # the transcription shape of the row's columns
+    if plain:
         try:
             ds._texts[i].as_py()
         except UnicodeDecodeError as e:
@@ -96,7 +97,19 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
     if not isinstance(texts, tuple):
         return texts
     ids, ctc = texts
-    plain = ds.optional("conversation", i) is None
+    try:
+        prompt_ids, prompt_mask = ds.renderer.render(conv)
+    except ValueError as e:  # a tag the tokenizer lacks in a turn's text, a placeholder written as text
+        return ds._drop(i, "tag_mismatch", f"its conversation cannot be rendered: {e}")
+    if not plain:
+        n_text = int((prompt_ids != ds.tokenizer.audio_id).sum())  # type: ignore[attr-defined]
+        if n_text > ds.max_tokens:
+            return ds._drop(
+                i,
+                "too_many_tokens",
+                f"its rendered conversation has {n_text} text tokens, more than data.max_tokens="
+                f"{ds.max_tokens}: raise data.max_tokens or shorten the conversation",
+            )
     decoded = []
     for k, clip in enumerate(conv.clips):
         if plain:  # the row's one clip, read as today (the row's locators)
@@ -111,16 +124,6 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
         if isinstance(audio, DroppedSample):
             return audio
         decoded.append(audio)
-    prompt_ids, prompt_mask = ds.renderer.render(conv)
-    if not plain:
-        n_text = int((prompt_ids != ds.tokenizer.audio_id).sum())  # type: ignore[attr-defined]
-        if n_text > ds.max_tokens:
-            return ds._drop(
-                i,
-                "too_many_tokens",
-                f"its rendered conversation has {n_text} text tokens, more than data.max_tokens="
-                f"{ds.max_tokens}: raise data.max_tokens or shorten the conversation",
-            )
     order = conv.audio_order
     clips = tuple(torch.from_numpy(decoded[k]) for k in order)
     return Sample(

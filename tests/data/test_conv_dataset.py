@@ -157,3 +157,11 @@ def test_preflight_names_an_unknown_tag_in_an_answer_column(demo_data, tok):
     table = table.append_column(pa.field("answer", pa.string()), pa.array(answers, pa.string()))
     problems = check_table(table, "manifest m", tok)
     assert len(problems) == 1 and "column answer, row 2" in problems[0] and "<|fr|>" in problems[0]
+
+
+def test_a_turn_with_a_tag_the_tokenizer_lacks_drops_the_sample(tmp_path, tok):
+    _, table = _two_clip_table(tmp_path, tok)
+    conv = table.column("conversation")[0].as_py().replace("And then?", "<|fr|> And then?")
+    table = table.set_column(table.schema.get_field_index("conversation"), "conversation", [[conv, None]])
+    got = SpeechDataset(table, tok, renderer=ConversationRenderer(tok))[0]
+    assert isinstance(got, DroppedSample) and got.reason == "tag_mismatch" and "<|fr|>" in got.detail
