@@ -32,6 +32,7 @@ from speechlm.metrics import METRICS, NORMALIZE_OPS, check_metric_name
 # `FIELDS` reads them (`OneOf(choices=choices_of(T))`), parsing refuses anything else (`_coerce`), and
 # mypy checks the code that compares against them.
 ReadMode = Literal["indexed", "streaming"]
+LossTurns = Literal["all", "last"]
 LangTags = Literal["special", "none"]  # language tags: one added special token each, or none
 SampleRate = Literal[16000]  # the encoders' front end reads 16 kHz (model/features.py)
 SamplerMode = Literal["temperature", "exhaustive"]
@@ -116,6 +117,9 @@ class DataConfig(Section):
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
+    # the assistant turns a conversation is trained on: "all" of them, or only the "last" (the others
+    # are context); a one-turn transcript has one either way (speechlm.prompt.ConversationRenderer)
+    loss_turns: LossTurns = "all"
     # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
     # dropped stops the run with the file names (1.0: never stop)
     max_dropped_fraction: float = 0.5
@@ -668,7 +672,15 @@ FIELDS: dict[str, Rule] = {
     "data.num_workers": Num(
         "DataLoader worker processes (0: load in the training process)", lo=0, integer=True
     ),
-    "data.instruction": Text("optional instruction placed after the audio in the prompt"),
+    "data.instruction": Text(
+        "optional instruction placed after the audio in the prompt (rows with an 'instruction' column, "
+        "or an input_cfg entry's 'prompt', use theirs)"
+    ),
+    "data.loss_turns": OneOf(
+        "assistant turns of a multi-turn conversation that get the loss: 'all', or only the 'last' (the "
+        "others are context)",
+        choices=choices_of(LossTurns),
+    ),
     "data.max_dropped_fraction": Num(
         "fraction of a training micro-batch whose audio may be unreadable before "
         "the run stops (1: never stop)",

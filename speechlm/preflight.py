@@ -138,12 +138,9 @@ def load_run_tokenizer(cfg: Any, langs: Any = ()) -> Any:
         raise DataError(f"{key}={path} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
-def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
-    """The run's `speechlm.prompt.PromptFormat` (data.chat_template, data.instruction, data.system_prompt)."""
-    from speechlm.data.tokenizer import AUDIO
-    from speechlm.prompt import build_prompt_format
-
-    template = cfg.data.chat_template
+def _run_template(cfg: Any) -> str:
+    """data.chat_template: ``auto``/``none`` or the text of the template file it names."""
+    template: str = cfg.data.chat_template
     if template not in ("auto", "none"):
         try:
             template = Path(template).read_text(encoding="utf-8")
@@ -152,6 +149,15 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
                 f"data.chat_template={cfg.data.chat_template} cannot be read ({e}): give a Jinja template "
                 "file, or 'auto' / 'none'"
             ) from None
+    return template
+
+
+def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
+    """The run's `speechlm.prompt.PromptFormat` (data.chat_template, data.instruction, data.system_prompt)."""
+    from speechlm.data.tokenizer import AUDIO
+    from speechlm.prompt import build_prompt_format
+
+    template = _run_template(cfg)
     try:
         return build_prompt_format(
             tokenizer,
@@ -164,6 +170,39 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
         raise UsageError(
             f"the prompt cannot be built (data.chat_template={cfg.data.chat_template}): {e}"
         ) from None
+
+
+def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
+    """The run's `speechlm.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
+    data.loss_turns), which every dataset of training and evaluation renders its rows with; its one-turn
+    prompts are `build_run_prompt`'s (data.instruction is the datasets' default instruction)."""
+    from speechlm.data.tokenizer import AUDIO
+    from speechlm.prompt import ConversationRenderer
+
+    return ConversationRenderer(
+        tokenizer,
+        system_prompt=cfg.data.system_prompt,
+        chat_template=_run_template(cfg),
+        loss_turns=cfg.data.loss_turns,
+        audio_token=AUDIO,
+    )
+
+
+def run_dataset(cfg: Any, table: Any, tokenizer: Any, **overrides: Any) -> Any:
+    """A `SpeechDataset` over `table` as training and evaluation read it: the run's renderer, its
+    default instruction, data.max_tokens/sample_rate/duration_tolerance (`overrides` replace them)."""
+    from speechlm.data.dataset import SpeechDataset
+
+    d = cfg.data
+    options = {
+        "max_tokens": d.max_tokens,
+        "sample_rate": d.sample_rate,
+        "duration_tolerance": d.duration_tolerance,
+        "renderer": build_run_renderer(cfg, tokenizer),
+        "instruction": d.instruction,
+        **overrides,
+    }
+    return SpeechDataset(table, tokenizer, **options)
 
 
 def tokenizer_summary(cfg: Any) -> dict[str, Any]:
@@ -305,9 +344,9 @@ def unknown_tag_rows(texts: Any, known: list[str]) -> tuple[int, list[int]]:
     return count, first
 
 
-def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
+def _tag_problems(table: Any, name: str, tokenizer: Any, column: str = "text") -> list[str]:
     known = known_tags(tokenizer)
-    texts = table.column("text")
+    texts = table.column(column)
     count, rows = unknown_tag_rows(texts, known)
     if not count:
         return []
@@ -317,7 +356,8 @@ def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
         text = texts[row].as_py()
         bad = _unknown_tags_in(text, set(known))
         tags.update(dict.fromkeys(bad))
-        quoted.append(f"{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
+        where = "" if column == "text" else f"column {column}, "
+        quoted.append(f"{where}{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
     return [
         f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
         f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
@@ -327,9 +367,16 @@ def _tag_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
 
 
 def check_table(table: Any, name: str, tokenizer: Any) -> list[str]:
-    """Problems of one manifest against the tokenizer: null values, unknown languages, unknown tags."""
+    """Problems of one manifest against the tokenizer: null values, unknown languages, unknown tags (in the
+    transcripts and in the optional instructions and answers)."""
     nulls = _null_problems(table, name)
-    return [*nulls, *_language_problems(table, name, tokenizer), *_tag_problems(table, name, tokenizer)]
+    tags = [
+        p
+        for col in ("text", "instruction", "answer")
+        if col in table.column_names
+        for p in _tag_problems(table, name, tokenizer, col)
+    ]
+    return [*nulls, *_language_problems(table, name, tokenizer), *tags]
 
 
 def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> None:

@@ -9,6 +9,8 @@ The sampler (elsewhere) yields lists of manifest row indices; this module does a
                        manifest's duration -> Sample, or DroppedSample(reason) when the row cannot be used
     Collator(pad_id)   drop the DroppedSamples (counted per reason), zero-pad audio_BN and
                        pad tokens_BL with pad_id -> Batch; all dropped -> an empty Batch (B = 0)
+                       (conversations, `SpeechDataset(renderer=...)`: `conversation_samples`; audio
+                       per clip, the rendered prompts, per-clip CTC targets, tasks)
     build_dataloader   DataLoader(batch_sampler=..., collate_fn=Collator, worker_init_fn=seed_worker)
 
 A bad clip is never replaced by silence or by another row: the batch simply has one utterance
@@ -36,7 +38,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -45,11 +47,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from speechlm.data.audio import AudioDecodeError, SegmentOutOfRangeError, decode_audio
-from speechlm.data.manifest.schema import duration_mismatch
+from speechlm.data.conversation import Clip, Conversation
+from speechlm.data.manifest.schema import CONVERSATION_SCHEMA, duration_mismatch
 from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
 from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
 from speechlm.errors import UsageError
+
+if TYPE_CHECKING:
+    from speechlm.prompt import ConversationRenderer
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +106,23 @@ def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Sample:
-    """One decoded utterance. `duration` is that of the decoded audio, in seconds."""
+    """One decoded utterance. `duration` is that of the decoded audio, in seconds (all clips).
+
+    With a renderer (`SpeechDataset(renderer=...)`) it is a conversation: ``clips`` every decoded clip
+    in the order of its placeholders (``audio`` is the first), ``prompt_ids``/``prompt_mask`` the
+    rendered conversation, ``ctc_tokens`` each clip's transcript ids (empty: none), ``tokens`` the
+    last answer's ids."""
 
     index: int
     audio: torch.Tensor  # [N] float32, mono, at the dataset's sample rate
     tokens: torch.Tensor  # [L] int64, no bos/eos, at most max_tokens
     duration: float
     lang: str
+    clips: tuple[torch.Tensor, ...] = ()
+    prompt_ids: torch.Tensor | None = None  # [P] int64, one audio_id per clip
+    prompt_mask: torch.Tensor | None = None  # [P] bool, True on the supervised tokens
+    ctc_tokens: tuple[torch.Tensor, ...] = ()  # per clip, [K] int64
+    task: str = "asr"
 
 
 @dataclass(frozen=True)
@@ -246,6 +262,11 @@ class SpeechDataset(Dataset):
     `source` names the manifest in messages (default: the path, or the Table's ``speechlm.source``
     metadata). A decoded clip whose length differs from the row's ``duration`` by more than
     ``max(duration_tolerance, 10% of it)`` seconds is dropped as ``duration_mismatch``.
+
+    ``renderer`` (a `speechlm.prompt.ConversationRenderer`; training passes the run's): each row is read as
+    a conversation (`conversation`), every clip decoded and the whole rendered (`conversation_samples`);
+    ``instruction`` is the instruction of rows that give none (data.instruction). Without one, today's
+    Samples.
     """
 
     def __init__(
@@ -258,6 +279,8 @@ class SpeechDataset(Dataset):
         base_dir: str | Path | None = None,
         duration_tolerance: float = 0.5,
         source: str | None = None,
+        renderer: ConversationRenderer | None = None,
+        instruction: str = "",
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
@@ -296,6 +319,14 @@ class SpeechDataset(Dataset):
         )
         self._locators = RowLocators(table)
         self._dataset_codes, self._dataset_paths = _dataset_paths(table)
+        # issue 23: the sample as a conversation (`conversation`), rendered when a renderer is given
+        self.renderer = renderer
+        self.instruction = instruction
+        self._optional = {
+            f.name: _strings(table.column(f.name))
+            for f in CONVERSATION_SCHEMA
+            if f.name in table.column_names and table.column(f.name).null_count < len(table)
+        }
         lang_col = table.column("lang")
         if pa.types.is_dictionary(lang_col.type) and not lang_col.null_count:
             from speechlm.data.manifest.load import dictionary_codes
@@ -371,35 +402,20 @@ class SpeechDataset(Dataset):
         i = int(index)
         if not 0 <= i < len(self):
             raise IndexError(f"row {index} is out of range for manifest {self.source} with {len(self)} rows")
+        if self.renderer is not None:
+            from speechlm.data.conversation_samples import conversation_sample
+
+            return conversation_sample(self, i)
         ids = self._tokens(i)
         if isinstance(ids, DroppedSample):
             return ids
         path = self.resolve_path(i)
         start = self._locators.start_of(i)
-        try:
-            audio_N = self._load(i)
-        except FileNotFoundError as e:
-            return self._drop(i, "missing_file", str(e))
-        except SegmentOutOfRangeError as e:
-            return self._drop(i, "segment_beyond_audio", str(e))
-        except AudioDecodeError as e:
-            return self._drop(i, "undecodable", str(e))
-        except MemberError as e:
-            return self._drop(i, e.reason, str(e))
-        if audio_N.size == 0:
-            return self._drop(i, "empty_audio", f"{path} decodes to no samples: restore or remove the file")
+        claimed = float(self._claimed[i]) if self._claimed is not None else None
+        audio_N = self._decoded(i, lambda: self._load(i), str(path), start, claimed)
+        if isinstance(audio_N, DroppedSample):
+            return audio_N
         real = audio_N.size / self.sample_rate
-        if self._claimed is not None:
-            claimed = float(self._claimed[i])
-            if duration_mismatch(claimed, real, tolerance_s=self.duration_tolerance):
-                cut = "" if start is None else f" (the segment from {start:.2f} s)"
-                return self._drop(
-                    i,
-                    "duration_mismatch",
-                    f"{path}{cut} decodes to {real:.2f} s but the manifest says {claimed:.2f} s (more than "
-                    f"data.duration_tolerance={self.duration_tolerance:g} s or 10% apart): fix the row's "
-                    "duration or audio_filepath and rebuild the manifest",
-                )
         return Sample(
             index=i,
             audio=torch.from_numpy(audio_N),
@@ -407,6 +423,99 @@ class SpeechDataset(Dataset):
             duration=real,
             lang=self.lang(i),
         )
+
+    def _decoded(
+        self, i: int, load: Any, path: str, start: float | None, claimed: float | None, what: str = ""
+    ) -> np.ndarray | DroppedSample:
+        """`load()`'s audio, or the DroppedSample of row `i` saying why it cannot be used (`what` names the
+        clip of a conversation in the message)."""
+        try:
+            audio_N: np.ndarray = load()
+        except FileNotFoundError as e:
+            return self._drop(i, "missing_file", f"{what}{e}")
+        except SegmentOutOfRangeError as e:
+            return self._drop(i, "segment_beyond_audio", f"{what}{e}")
+        except AudioDecodeError as e:
+            return self._drop(i, "undecodable", f"{what}{e}")
+        except MemberError as e:
+            return self._drop(i, e.reason, f"{what}{e}")
+        if audio_N.size == 0:
+            return self._drop(
+                i, "empty_audio", f"{what}{path} decodes to no samples: restore or remove the file"
+            )
+        real = audio_N.size / self.sample_rate
+        if claimed is not None and duration_mismatch(claimed, real, tolerance_s=self.duration_tolerance):
+            cut = "" if start is None else f" (the segment from {start:.2f} s)"
+            return self._drop(
+                i,
+                "duration_mismatch",
+                f"{what}{path}{cut} decodes to {real:.2f} s but the manifest says {claimed:.2f} s (more than "
+                f"data.duration_tolerance={self.duration_tolerance:g} s or 10% apart): fix the row's "
+                "duration or audio_filepath and rebuild the manifest",
+            )
+        return audio_N
+
+    def optional(self, name: str, i: int) -> str | None:
+        """Row `i`'s value of a `CONVERSATION_SCHEMA` column (None: absent or null)."""
+        col = self._optional.get(name)
+        return None if col is None else col[i].as_py()
+
+    def conversation(self, i: int) -> Conversation:
+        """Row `i` as a `Conversation`: its ``conversation`` JSON (relative clip paths resolved against its
+        manifest's folder), or the transcription shape of its columns (``instruction`` null: the
+        dataset's `instruction`; ``answer`` null: ``text``; ``task`` null: "asr")."""
+        task, lang = self.optional("task", i), self.lang(i)
+        doc = self.optional("conversation", i)
+        if doc is not None:
+            where = f"manifest {self._source_of(i)}, {self._describe(i)}"
+            conv = Conversation.from_json(doc, where=where)
+            base = self.base_dir
+            if base is None:
+                src = Path(self._source_of(i))
+                base = src.parent if src.is_file() else src
+            clips = tuple(
+                c if c.tar is not None or os.path.isabs(c.path) else replace(c, path=str(base / c.path))
+                for c in conv.clips
+            )
+            return replace(conv, clips=clips, task=task or conv.task, lang=conv.lang or lang)
+        text = self._texts[i].as_py()
+        loc = self._locators
+        tar = loc.tar(i)
+        clip = Clip(
+            _as_str(self._paths[i]) if tar is not None else str(self.resolve_path(i)),
+            offset=loc.start_of(i),
+            duration=float(self._claimed[i]) if self._claimed is not None else None,
+            tar=tar,
+            transcript=text or None,
+        )
+        answer = self.optional("answer", i)
+        instruction = self.optional("instruction", i)
+        seg = self._segment_ids[i].as_py() if self._segment_ids is not None else None
+        return Conversation.transcription(
+            clip,
+            answer if answer is not None else text,
+            lang=lang,
+            instruction=self.instruction if instruction is None else instruction,
+            task=task or "asr",
+            id=str(seg or ""),
+        )
+
+    def load_clip(self, clip: Clip) -> np.ndarray:
+        """One clip of a conversation: a tar member by position, a segment of a file, or a whole file."""
+        if clip.tar is not None:
+            if clip.member_offset is None or clip.member_nbytes is None or clip.header_bytes is None:
+                raise MemberError("stale_index", f"{clip.tar}:{clip.path}: the clip has no member locator")
+            data = self._locators.reader.read(
+                clip.tar, clip.path, clip.member_offset, clip.member_nbytes, clip.header_bytes
+            )
+            return decode_audio(io.BytesIO(data), f"{clip.tar}:{clip.path}", self.sample_rate)
+        if clip.offset is None:
+            return load_audio(clip.path, self.sample_rate)
+        if not os.path.isfile(clip.path):
+            raise FileNotFoundError(
+                f"audio file {clip.path} does not exist: fix the clip's path in the manifest"
+            )
+        return decode_audio(clip.path, clip.path, self.sample_rate, start=clip.offset, duration=clip.duration)
 
     def _tokens(self, i: int) -> list[int] | DroppedSample:
         """Row `i`'s token ids, or the DroppedSample saying why its text cannot be trained on."""
@@ -492,16 +601,21 @@ class Collator:
                 raise TypeError(f"Collator got a {type(item).__name__}; expected Sample or DroppedSample")
         if not kept:
             return Batch.empty(dropped, dropped_files)
-        audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
         token_lens_B = torch.tensor([s.tokens.numel() for s in kept], dtype=torch.int64)
-        audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
         tokens_BL = torch.full((len(kept), int(token_lens_B.max())), self.pad_id, dtype=torch.int64)
         for b, s in enumerate(kept):
-            audio_BN[b, : s.audio.numel()] = s.audio
             tokens_BL[b, : s.tokens.numel()] = s.tokens
+        if kept[0].prompt_ids is not None:  # conversations (a dataset with a renderer): audio per clip
+            from speechlm.data.conversation_samples import conversation_fields
+
+            fields = conversation_fields(kept, self.pad_id)
+        else:
+            audio_lens_B = torch.tensor([s.audio.numel() for s in kept], dtype=torch.int64)
+            audio_BN = torch.zeros(len(kept), int(audio_lens_B.max()), dtype=torch.float32)
+            for b, s in enumerate(kept):
+                audio_BN[b, : s.audio.numel()] = s.audio
+            fields = {"audio": audio_BN, "audio_lens": audio_lens_B}
         return Batch(
-            audio=audio_BN,
-            audio_lens=audio_lens_B,
             tokens=tokens_BL,
             token_lens=token_lens_B,
             langs=[s.lang for s in kept],
@@ -509,6 +623,7 @@ class Collator:
             durations=torch.tensor([s.duration for s in kept], dtype=torch.float32),
             dropped=dict(dropped),
             dropped_files=dropped_files,
+            **fields,
         )
 
 

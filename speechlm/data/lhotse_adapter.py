@@ -11,6 +11,13 @@ the whole file or a part of it (several cuts may share one recording). Per cut:
   use ISO codes such as ``hi`` in Lhotse, or pass `default_lang` for cuts without one);
 - ``shard_id`` = the cuts file's name, or ``cutset`` for an in-memory CutSet.
 
+Cuts that carry a prompt and a target (issue 23): ``custom`` fields of the cut or of its supervision
+``prompt``/``instruction``, ``answer``/``target``, ``task``, ``lang``, or ``conversation`` (a list of turns in
+NeMo's multimodal-conversation form, `speechlm.data.sources.conversations`, where an audio turn whose
+value is the cut's id or empty is the cut's own audio and any other value a file). A cut set with any
+such cut is read through that module's rows (a one-clip row keeps its columns; ``answer``/``task``/
+``instruction`` are added); such a cut may have no supervision (no transcript, no CTC target).
+
 Anything else (several supervisions, multi-channel, URL/memory/command sources) raises
 `ManifestError` naming the cut, since silently picking one supervision or channel would train on the
 wrong audio/text pairs. `check_cut` holds these checks for every Lhotse reader (cuts files here and
@@ -135,6 +142,8 @@ def cuts_to_manifest(
         _import_cutset()
         cuts, shard_id = cuts_or_path, "cutset"
 
+    if any(_prompt_fields(cut) for cut in cuts):
+        return _conversation_cuts(cuts, shard_id, default, counts)
     ids: list[str] = []
     paths: list[str] = []
     durations: list[float] = []
@@ -162,3 +171,81 @@ def cuts_to_manifest(
     if any(s is not None for s in starts):
         table = table.append_column(LOCATOR_SCHEMA.field("start"), pa.array(starts, pa.float64()))
     return table
+
+
+PROMPT_FIELDS = ("prompt", "instruction", "answer", "target", "task", "conversation")
+
+
+def _prompt_fields(cut: Any) -> dict[str, Any]:
+    """The issue-23 custom fields of a cut (its supervision's, overridden by the cut's own)."""
+    fields: dict[str, Any] = {}
+    sups = getattr(cut, "supervisions", None) or []
+    for custom in ([sups[0].custom] if len(sups) == 1 else []) + [getattr(cut, "custom", None)]:
+        for key, value in (custom or {}).items():
+            if key in PROMPT_FIELDS or (key == "lang" and value is not None):
+                fields[key] = value
+    return fields if any(k in fields for k in PROMPT_FIELDS) else {}
+
+
+def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: dict[str, int]) -> pa.Table:
+    """Cuts with prompts/targets as manifest rows (`speechlm.data.sources.conversations.RowsBuilder`)."""
+    from speechlm.data.sources.conversations import ClipSource, RowsBuilder, conversation_of_record
+
+    rows = RowsBuilder.new()
+    for cut in cuts:
+        where = f"cut {cut.id!r} ({shard_id})"
+        fields = _prompt_fields(cut)
+        has_sup = len(cut.supervisions) == 1
+        if not has_sup and not fields:
+            check_cut(cut, where, default)  # its error: a plain cut needs exactly one supervision
+        probe = cut if has_sup else _with_dummy_supervision(cut, fields.get("lang") or default)
+        source, sup, lang = check_cut(probe, where, default)
+        if fields.get("lang"):
+            lang = normalize_lang(str(fields["lang"])) or lang
+        text = ""
+        if has_sup and sup.text:
+            tagged, raw = split_lang_tag(sup.text)
+            cleaned = clean_text(raw)
+            reason = check_transcript(tag_text(cleaned, tagged or lang), lang)
+            if reason is not None and not (
+                fields.get("answer") or fields.get("target") or fields.get("conversation")
+            ):
+                count_drop(dropped, reason)
+                continue
+            text = tag_text(cleaned, lang) if reason is None else ""
+        whole = abs(cut.start) <= _TOLERANCE_S and abs(cut.duration - cut.recording.duration) <= _TOLERANCE_S
+        own = {
+            "value": os.path.abspath(source.source),
+            "duration": float(cut.duration),
+            **({} if whole else {"offset": float(cut.start)}),
+            **({"text": text} if text else {}),
+        }
+        rec: dict[str, Any] = {"id": cut.id, "lang": lang, "task": fields.get("task")}
+        if fields.get("conversation") is not None:
+            turns = fields["conversation"]
+            if not isinstance(turns, list):
+                raise ManifestError(f"{where}: custom 'conversation' must be a list of turns, got {turns!r}")
+            rec["conversations"] = [
+                {**t, **own}
+                if isinstance(t, dict) and t.get("type") == "audio" and t.get("value") in ("", cut.id)
+                else t
+                for t in turns
+            ]
+        else:
+            rec.update(audio_filepath=own["value"], duration=own["duration"], offset=own.get("offset"))
+            rec.update(text=text, instruction=fields.get("prompt", fields.get("instruction")))
+            rec["answer"] = fields.get("answer", fields.get("target"))
+        conv = conversation_of_record(rec, where, ClipSource(Path.cwd()), default)
+        rows.add(conv, where, task_given=fields.get("task") is not None)
+    warn_dropped(shard_id, dropped)
+    return rows.table(shard_id, "lhotse")
+
+
+def _with_dummy_supervision(cut: Any, lang: str | None) -> Any:
+    """`cut` with one empty supervision in `lang`, so that `check_cut`'s audio checks apply to it."""
+    from lhotse import SupervisionSegment
+    from lhotse.utils import fastcopy
+
+    sup = SupervisionSegment(id=f"{cut.id}-prompt", recording_id=cut.recording.id, start=0.0,
+                             duration=cut.duration, language=lang)  # fmt: skip
+    return fastcopy(cut, supervisions=[sup])

@@ -3,7 +3,8 @@
     speechlm manifest build SHARDS_DIR --out OUT_DIR [--min-duration S] [--max-duration S]
                             [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards]
     speechlm manifest stats MANIFEST [--plot FILE.png] [--json]
-    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse] [--check-audio]
+    speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse|conversations]
+        [--check-audio]
 
 Each subcommand returns 0 on success, 1 with a one-paragraph error (no traceback) when the data
 is unusable (`ManifestError`), 4 when an output (`--out`, `--plot`) cannot be written (`OutputError`);
@@ -75,12 +76,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     convert = sub.add_parser("convert", help="NeMo JSON lines (or Lhotse cuts) -> manifest parquet")
     convert.add_argument(
-        "source", metavar="NEMO_JSONL", help="NeMo manifest, or cuts.jsonl.gz with --format lhotse"
+        "source",
+        metavar="NEMO_JSONL",
+        help="NeMo manifest, cuts.jsonl.gz with --format lhotse, or with --format conversations NeMo "
+        "multimodal-conversation / ShareGPT JSON(L) or its tarred folder (docs/data.md)",
     )
     convert.add_argument("--out", required=True, metavar="FILE.parquet", help="output manifest")
     convert.add_argument("--lang", metavar="xx", help="language of lines (cuts) that have none")
     convert.add_argument(
-        "--format", choices=("nemo", "lhotse"), default="nemo", help="input format (default nemo)"
+        "--format",
+        choices=("nemo", "lhotse", "conversations"),
+        default="nemo",
+        help="input format (default nemo)",
     )
     convert.add_argument(
         "--check-audio",
@@ -148,6 +155,11 @@ def run_convert(args: argparse.Namespace) -> int:
             from speechlm.data.lhotse_adapter import cuts_to_manifest
 
             table = cuts_to_manifest(args.source, default_lang=args.lang, dropped=dropped)
+        elif args.format == "conversations":
+            from speechlm.data.sources.conversations import read_conversations
+            from speechlm.data.sources.report import SourceReport
+
+            table = read_conversations(args.source, report=SourceReport(), default_lang=args.lang)
         else:
             table = read_nemo_manifest(args.source, default_lang=args.lang, dropped=dropped)
     except ImportError as e:
@@ -161,6 +173,11 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.check_audio:
         from speechlm.data.sources.shards import plan_audio
 
+        if "conversation" in table.column_names and table.column("conversation").null_count < len(table):
+            raise ManifestError(
+                f"{args.source}: --check-audio checks one file per row, but some rows are conversations "
+                "whose clips were each found (and their durations read) while converting: leave it out"
+            )
         plan_audio(table, None, where=str(args.source))
     write_atomic(args.out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
     hours = float(sum(table.column("duration").to_numpy())) / 3600

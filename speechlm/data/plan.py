@@ -62,9 +62,14 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
         return plan_inputs_of_input_cfg(str(path))
     if not path.exists():
         raise ManifestError(f"manifest {path} does not exist; pass --manifest or set data.train_manifest")
+    from speechlm.data.manifest.schema import CONVERSATION_SCHEMA
     from speechlm.data.sources.detect import detect_source_type
 
-    if path.is_dir() or detect_source_type(path) != "parquet":
+    if (
+        path.is_dir()
+        or detect_source_type(path) != "parquet"
+        or set(pq.read_schema(path).names) & set(CONVERSATION_SCHEMA.names)  # tasks, prompts: the index
+    ):
         from speechlm.data.sources.mmap_cache import open_index
 
         return _plan_inputs_of_table(open_index(path))
@@ -236,6 +241,7 @@ def summarize_plan(
         "dropped_utterances": int(len(plan.rows) - len(used.rows)),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
+        "tasks": task_figures(used, inputs),
         "datasets": datasets,
         "buckets": bucket_figures(used, inputs, settings.bucket_boundaries),
         "padding": padding_figures(
@@ -292,6 +298,27 @@ def mix_figures(
         for i, name in enumerate(inputs.lang_names)
     ]
     return languages, datasets
+
+
+def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any]]:
+    """Per task (the ``task`` column; every row "asr" without one): natural share and what the plan uses."""
+    names = inputs.task_names or ["asr"]
+    codes = inputs.task_codes if inputs.task_codes is not None else np.zeros(len(inputs.durations), np.int16)
+    natural = np.bincount(codes, minlength=len(names))
+    planned = codes[used.rows]
+    utt = np.bincount(planned, minlength=len(names))
+    hours = np.bincount(planned, weights=used.durations, minlength=len(names)) / 3600
+    return [
+        {
+            "task": name,
+            "natural_share": natural[i] / max(natural.sum(), 1),
+            "planned_share": utt[i] / max(utt.sum(), 1),
+            "planned_utterances": int(utt[i]),
+            "planned_hours_share": hours[i] / max(hours.sum(), 1e-12),
+            "planned_hours": float(hours[i]),
+        }
+        for i, name in enumerate(names)
+    ]
 
 
 def dataset_figures(used: PlannedRows, mix: Any) -> list[dict[str, Any]]:
@@ -404,6 +431,16 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
             f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}"
             f"{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
         )
+    if s.get("tasks") and [r["task"] for r in s["tasks"]] != ["asr"]:  # a plain ASR plan prints as before
+        lines += [
+            "",
+            f"{'task':<10}{'natural':>9}{'planned':>9}{'utterances':>12}{'hours %':>9}{'hours':>10}",
+        ]
+        for r in s["tasks"]:
+            lines.append(
+                f"{r['task']:<10}{100 * r['natural_share']:>8.2f}%{100 * r['planned_share']:>8.2f}%"
+                f"{r['planned_utterances']:>12,}{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
+            )
     if s.get("datasets"):
         lines += [
             "",

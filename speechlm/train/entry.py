@@ -309,17 +309,11 @@ def save_run_tokenizer(tokenizer: Any, run_dir: Path, rank: int) -> None:
 def build_step_loader(cfg: ExperimentConfig, inputs: RunInputs) -> Any:
     import torch
 
-    from speechlm.data.dataset import SpeechDataset
+    from speechlm.preflight import run_dataset
     from speechlm.train.data import StepLoader
 
     t = cfg.trainer
-    train_ds = SpeechDataset(
-        inputs.train_table,
-        inputs.tokenizer,
-        max_tokens=cfg.data.max_tokens,
-        sample_rate=cfg.data.sample_rate,
-        duration_tolerance=cfg.data.duration_tolerance,
-    )
+    train_ds = run_dataset(cfg, inputs.train_table, inputs.tokenizer)  # rows rendered by the run's renderer
     return StepLoader(
         inputs.sampler,
         train_ds,

@@ -281,15 +281,9 @@ class Evaluator:
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
-        from speechlm.data.dataset import SpeechDataset
+        from speechlm.preflight import run_dataset
 
-        ds = SpeechDataset(
-            self.table,
-            self.tokenizer,
-            max_tokens=self.cfg.data.max_tokens,
-            sample_rate=self.cfg.data.sample_rate,
-            duration_tolerance=self.cfg.data.duration_tolerance,
-        )
+        ds = run_dataset(self.cfg, self.table, self.tokenizer)  # the run's renderer, as training reads
         batches = self.plan()
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
         comm = module.step_ctx.collectives  # the run's one collectives object (ParallelDims.collectives)

@@ -16,7 +16,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError, _encode_sorted
+from speechlm.data.manifest.schema import (
+    CONVERSATION_SCHEMA,
+    LOCATOR_SCHEMA,
+    MANIFEST_SCHEMA,
+    ManifestError,
+    _encode_sorted,
+    check_conversations,
+    llm_text_chars,
+)
 
 NOT_NULL_COLUMNS = ("segment_id",)
 
@@ -140,7 +148,7 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
                 f"has {MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build` or "
                 "`speechlm manifest convert`"
             )
-        extra = [f.name for f in LOCATOR_SCHEMA if f.name in schema.names]
+        extra = [f.name for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA) if f.name in schema.names]
         table = pq.read_table(path, columns=MANIFEST_SCHEMA.names + extra)
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
@@ -162,8 +170,9 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
             raise ManifestError(
                 f"{path} column {f.name!r} has type {col.type}, expected {f.type} ({e}); rebuild the manifest"
             ) from None
+    check_conversations(table, str(path))
     fields = list(MANIFEST_SCHEMA)
-    for f in LOCATOR_SCHEMA:
+    for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA):
         if f.name in table.column_names:
             columns.append(table.column(f.name).cast(f.type))
             fields.append(f)
@@ -214,10 +223,20 @@ def manifest_arrays(table: pa.Table) -> ManifestArrays:
     if "text_chars" in table.column_names:  # the index cache stores them (sources/mmap_cache.py)
         lengths = table.column("text_chars").to_numpy()
     else:
-        lengths = pc.utf8_length(table.column("text")).to_numpy()
+        lengths = llm_text_chars(table).to_numpy()
     return ManifestArrays(
         durations=np.ascontiguousarray(durations, dtype=np.float32),
         lang_codes=codes.astype(np.int16),
         lang_names=names,
         text_lengths=lengths.astype(np.int32),
     )
+
+
+def task_codes(table: pa.Table) -> tuple[np.ndarray, list[str]] | None:
+    """Each row's task (a null ``task`` is "asr") as codes into the sorted task names; None when the table
+    has no ``task`` column (every row is a transcript: "asr")."""
+    if "task" not in table.column_names:
+        return None
+    col = table.column("task").cast(pa.string()).fill_null("asr")
+    codes, names = _encode_sorted(col, "task", np.iinfo(np.int16).max)
+    return codes.astype(np.int16), names

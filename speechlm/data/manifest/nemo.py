@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from speechlm.data.manifest.schema import ManifestError, build_manifest_table
+from speechlm.data.manifest.schema import CONVERSATION_SCHEMA, ManifestError, build_manifest_table
 from speechlm.data.text import check_transcript, clean_text, normalize_lang, split_lang_tag, tag_text
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,15 @@ def _iter_nemo_lines(path: Path, default_lang: str | None, dropped: dict[str, in
                 ) from None
             if not isinstance(row, dict):
                 raise ManifestError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            conv_key = next(
+                (k for k in ("conversations", "messages", "conversation") if row.get(k) is not None), None
+            )
+            if conv_key is not None:
+                raise ManifestError(
+                    f"{where}: the line holds {conv_key!r}, a conversation; read the file as type "
+                    "'conversations' (data.input_cfg `type: conversations`, or put such a line first so that it "
+                    "is detected)"
+                )
             missing = [k for k in ("audio_filepath", "duration", "text") if row.get(k) is None]
             if missing:
                 raise ManifestError(
@@ -129,7 +138,9 @@ def read_nemo_manifest(
     """Read a NeMo JSON-lines manifest into `MANIFEST_SCHEMA` (source ``nemo``).
 
     Each line: ``audio_filepath`` (relative paths resolve against the manifest's folder),
-    ``duration`` (s), ``text``, optional ``lang``. The language is ``lang``, else a leading ``<|xx|>``
+    ``duration`` (s), ``text``, optional ``lang``, and the optional ``task``, ``instruction`` (or
+    ``prompt``) and ``answer`` (or ``target``) of `CONVERSATION_SCHEMA` (columns added only when a line
+    has one). The language is ``lang``, else a leading ``<|xx|>``
     tag of the text, else `default_lang`. The id is ``segment_id``/``utt_id``/``id`` if present,
     else ``audio_filepath`` as written. A duration that is NaN, Inf or <= 0 is an error naming the
     line; rows whose transcript fails `check_transcript` are dropped and counted in `dropped` (a
@@ -143,8 +154,18 @@ def read_nemo_manifest(
     durations: list[float] = []
     texts: list[str] = []
     langs: list[str] = []
+    extra: dict[str, list[str | None]] = {"task": [], "instruction": [], "answer": []}
     for line in iter_nemo_lines(path, default_lang, dropped):
         row = line.row
+        for name, keys in (
+            ("task", ("task",)),
+            ("instruction", ("instruction", "prompt")),
+            ("answer", ("answer", "target")),
+        ):
+            value = next((row[k] for k in keys if row.get(k) is not None), None)
+            if value is not None and not isinstance(value, str):
+                raise ManifestError(f"{line.where}: {name!r} must be a string, got {value!r}")
+            extra[name].append(value)
         ids.append(str(row.get("segment_id") or row.get("utt_id") or row.get("id") or line.audio))
         paths.append(os.path.normpath(os.path.join(base, line.audio)))
         durations.append(line.duration)
@@ -159,4 +180,9 @@ def read_nemo_manifest(
             base,
             outside[0],
         )
-    return build_manifest_table(ids, paths, durations, texts, langs, shard_ids=path.name, source="nemo")
+    table = build_manifest_table(ids, paths, durations, texts, langs, shard_ids=path.name, source="nemo")
+    if any(v is not None for values in extra.values() for v in values):
+        for f in CONVERSATION_SCHEMA:
+            values = extra.get(f.name) or [None] * len(ids)
+            table = table.append_column(f, pa.array(values, f.type))
+    return table

@@ -51,6 +51,22 @@ LOCATOR_SCHEMA = pa.schema(
 )
 
 
+# Optional columns of a sample that is more than a transcript (`speechlm.data.conversation`, issue 23):
+# ``task`` (null: the `data.input_cfg` entry's task, else "asr"), ``instruction`` (the user's text after
+# the audio of a one-clip row; null: the entry's prompt, else data.instruction), ``answer`` (what the
+# assistant says; null: ``text``, the tagged transcript), ``conversation`` (`Conversation.to_json`, its
+# clips with their own locators; null: the row is the transcription shape built from the columns).
+# ``text`` stays the row's ASR transcript where it has one (the CTC target of its one clip), else "".
+CONVERSATION_SCHEMA = pa.schema(
+    [
+        pa.field("task", pa.string(), nullable=True),
+        pa.field("instruction", pa.string(), nullable=True),
+        pa.field("answer", pa.string(), nullable=True),
+        pa.field("conversation", pa.string(), nullable=True),
+    ]
+)
+
+
 class ManifestError(DataError, ValueError):
     """A shard, manifest or option that cannot be used; the message says where and what to do."""
 
@@ -129,3 +145,51 @@ def duration_mismatch(
     if not (math.isfinite(claimed) and math.isfinite(real)):
         return True
     return abs(real - claimed) > max(tolerance_s, tolerance_frac * abs(claimed))
+
+
+def llm_text_chars(columns: pa.Table | pa.RecordBatch) -> pa.Array:
+    """Characters of text each row puts into the LLM (int32), for the sampler's token estimate: ``text``
+    for a transcript row (as before issue 23); ``instruction`` + ``answer`` (or ``text``) for a row of the
+    transcription shape with those columns; every turn's text for a ``conversation`` row."""
+    names = columns.column_names
+
+    def length(name: str) -> np.ndarray:
+        col = columns.column(name)
+        return np.asarray(pc.fill_null(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), np.int64)
+
+    chars = length("text")
+    if "answer" in names:
+        has = np.asarray(pc.is_valid(columns.column("answer")).to_numpy(zero_copy_only=False), bool)
+        chars = np.where(has, length("answer"), chars)
+    if "instruction" in names:
+        chars = chars + length("instruction")
+    if "conversation" in names and columns.column("conversation").null_count < len(columns):
+        import json
+
+        docs = columns.column("conversation").to_pylist()
+        for i, doc in enumerate(docs):
+            if doc is not None:
+                turns = json.loads(doc).get("turns", [])
+                chars[i] = sum(len(p.get("text", "")) for t in turns for p in t.get("parts", []))
+    return pa.array(chars.astype(np.int32), pa.int32())
+
+
+def check_conversations(columns: pa.Table | pa.RecordBatch, where: str, first_row: int = 0) -> None:
+    """ManifestError naming the row (``where, row N``) whose ``conversation`` is not a conversation one can
+    train on (`speechlm.data.conversation.Conversation.check`): caught when the manifest is indexed, not
+    when a worker reaches the row."""
+    if "conversation" not in columns.column_names or columns.column("conversation").null_count == len(
+        columns
+    ):
+        return
+    from speechlm.data.conversation import Conversation, ConversationError
+
+    for k, doc in enumerate(columns.column("conversation").to_pylist()):
+        if doc is not None:
+            try:
+                Conversation.from_json(doc)
+            except ConversationError as e:
+                raise ManifestError(
+                    f"{where}, row {first_row + k}: {e}; fix the row's 'conversation' (speechlm's JSON form, "
+                    "docs/data.md) or rebuild the manifest"
+                ) from None

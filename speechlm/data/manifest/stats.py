@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from speechlm.data.manifest.checks import check_durations
-from speechlm.data.manifest.load import manifest_arrays
+from speechlm.data.manifest.load import manifest_arrays, task_codes
 from speechlm.data.manifest.report import _format_table
 
 
@@ -23,7 +23,8 @@ def _count_bins(longest: float, width: float) -> int:
 def manifest_stats(
     table: pa.Table, *, bin_width: float | None = None, where: str = "manifest"
 ) -> dict[str, Any]:
-    """Hours and utterances per language and in total, and a duration histogram per language.
+    """Hours and utterances per language and in total, and a duration histogram per language; per task
+    (``tasks``, only for a manifest with a ``task`` column) utterances, hours and their shares.
 
     The histogram bins start at 0 s; `bin_width` defaults to the smallest of 0.1, 0.25, 0.5, 1, 2, 5,
     10 s that needs at most 40 bins. A duration that is NaN, Inf or <= 0 is a ManifestError naming
@@ -47,11 +48,22 @@ def manifest_stats(
             "max_duration_s": round(float(dl.max()), 3) if dl.size else 0.0,
             "histogram": np.histogram(dl, bins=edges)[0].tolist(),
         }
+    tasks = task_codes(table)
+    by_task: dict[str, Any] = {}
+    for code, name in enumerate(tasks[1] if tasks is not None else []):
+        dt = d[tasks[0] == code] if tasks is not None else d
+        by_task[name] = {
+            "utterances": int(dt.size),
+            "hours": round(float(dt.sum()) / 3600.0, 4),
+            "utterance_share": round(dt.size / max(d.size, 1), 4),
+            "hours_share": round(float(dt.sum()) / max(float(d.sum()), 1e-12), 4),
+        }
     return {
         "utterances": int(d.size),
         "hours": round(float(d.sum()) / 3600.0, 4),
         "mean_duration_s": round(float(d.mean()), 3) if d.size else 0.0,
         "languages": languages,
+        **({"tasks": by_task} if by_task else {}),
         "histogram": {"bin_edges_s": edges.tolist(), "counts": np.histogram(d, bins=edges)[0].tolist()},
     }
 
@@ -73,6 +85,18 @@ def format_stats(stats: dict[str, Any]) -> str:
         ["total", stats["utterances"], f"{stats['hours']:.2f}", f"{stats['mean_duration_s']:.2f}", "", ""]
     )
     lines = _format_table(["lang", "utterances", "hours", "mean s", "min s", "max s"], rows)
+    if stats.get("tasks"):  # a manifest with a task column (issue 23): the share of each task
+        task_rows = [
+            [
+                name,
+                t["utterances"],
+                f"{100 * t['utterance_share']:.1f}%",
+                f"{t['hours']:.2f}",
+                f"{100 * t['hours_share']:.1f}%",
+            ]
+            for name, t in stats["tasks"].items()
+        ]
+        lines += ["", *_format_table(["task", "utterances", "share", "hours", "hours share"], task_rows)]
     edges, counts = stats["histogram"]["bin_edges_s"], stats["histogram"]["counts"]
     peak = max(counts, default=0) or 1
     first = next((i for i, c in enumerate(counts) if c), 0)  # leading empty bins are not printed

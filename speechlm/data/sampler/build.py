@@ -94,14 +94,17 @@ class SamplerInputs:
     text_chars: np.ndarray | None  # int32 [N] characters of `text`, when the manifest has it
     mix: DatasetMix | None = None  # the dataset weights of a data.input_cfg
     streaming: StreamingLayout | None = None  # the rows' places in their shards, when the run streams
+    task_codes: np.ndarray | None = None  # int16 [N] into task_names; None: every row is "asr"
+    task_names: list[str] = dataclasses.field(default_factory=list)
 
 
 def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
     """The inputs of `table` (any index: `open_index`, `load_input_cfg`) under `cfg.data`."""
-    from speechlm.data.manifest.load import manifest_arrays
+    from speechlm.data.manifest.load import manifest_arrays, task_codes
     from speechlm.data.sources.input_cfg import mix_of_table
 
     arr = manifest_arrays(table)
+    tasks = task_codes(table)
     return SamplerInputs(
         durations=arr.durations,
         lang_codes=arr.lang_codes,
@@ -109,6 +112,8 @@ def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
         text_chars=arr.text_lengths,
         mix=mix_of_table(table),
         streaming=streaming_layout(cfg, table),
+        task_codes=None if tasks is None else tasks[0],
+        task_names=[] if tasks is None else tasks[1],
     )
 
 

@@ -12,6 +12,8 @@ Every source becomes the same in-memory index the sampler and the dataset use: a
 ``lhotse_shar``           a Lhotse Shar folder (``cuts.NNNNNN.jsonl.gz`` + ``recording.NNNNNN.tar``)
 ``lhotse_cuts``           a Lhotse cuts file (``.jsonl.gz`` / ``.jsonl``), with offsets allowed
 ``wenet``                 a WeNet ``data.list`` (raw: one JSON per line; shard: one tar per line)
+``conversations``         samples with prompts and several clips (`conversations`): NeMo multimodal
+                          conversation JSONL or its tarred folder, ShareGPT JSON, rows with a conversation
 ========================  ==============================================================
 
 `load_source` is the one dispatcher from a path to a manifest table, in memory: it detects the kind
@@ -43,7 +45,16 @@ logger = logging.getLogger(__name__)
 SourceReader = Callable[..., pa.Table]  # (path, *, report, default_lang, **options) -> table
 
 SOURCE_READERS: dict[str, SourceReader] = {}
-SOURCE_TYPES = ("parquet", "nemo", "speechlm_shards", "nemo_tarred", "lhotse_shar", "lhotse_cuts", "wenet")
+SOURCE_TYPES = (
+    "parquet",
+    "nemo",
+    "speechlm_shards",
+    "nemo_tarred",
+    "lhotse_shar",
+    "lhotse_cuts",
+    "wenet",
+    "conversations",
+)
 
 
 def register_source(kind: str) -> Callable[[SourceReader], SourceReader]:
@@ -77,11 +88,23 @@ def _first_json_line(path: Path) -> dict[str, Any] | None:
         with opener(path, "rt", encoding="utf-8") as f:
             for line in f:
                 if line.strip():
+                    if line.lstrip().startswith("["):  # a JSON list of records (ShareGPT)
+                        return {"conversations": []}
                     value = json.loads(line)
                     return value if isinstance(value, dict) else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return None
+
+
+def _has_conversations_column(path: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError):
+        return False  # the parquet reader gives the error
+    return "conversations" in names or "messages" in names
 
 
 def detect_source_type(path: str | Path) -> str:
@@ -96,16 +119,22 @@ def detect_source_type(path: str | Path) -> str:
             return "nemo_tarred"
         if any(path.glob("cuts.*.jsonl*")):
             return "lhotse_shar"
+        from speechlm.data.sources.conversations import is_tarred_conversations
+
+        if is_tarred_conversations(path):
+            return "conversations"
         raise ManifestError(
             f"{path} is a folder but not a known dataset: expected index.parquet + shard-*.tar (speechlm "
             "shards), tarred_audio_manifest.json + audio_*.tar (NeMo tarred), or cuts.NNNNNN.jsonl.gz "
-            "(Lhotse Shar); for a manifest file pass the file, e.g. "
+            "(Lhotse Shar), manifest_K.jsonl + audio_K.tar (NeMo conversations); for a manifest file pass the file, e.g. "
             f"{path / 'train.parquet'}"
         )
     if path.name == "index.parquet" and is_shard_dir(path.parent):
         return "speechlm_shards"
     suffixes = "".join(path.suffixes[-2:]).lower()
     if path.suffix.lower() == ".parquet":
+        if path.is_file() and _has_conversations_column(path):
+            return "conversations"  # NeMo/ShareGPT turns in a column: normalised by that reader
         return "parquet"
     if path.suffix.lower() == ".list" or path.name == "data.list":
         return "wenet"
@@ -115,6 +144,10 @@ def detect_source_type(path: str | Path) -> str:
         first = _first_json_line(path) if path.is_file() else None
         if first is not None and "supervisions" in first and "recording" in first:
             return "lhotse_cuts"
+        if first is not None and any(
+            first.get(k) is not None for k in ("conversations", "messages", "conversation")
+        ):
+            return "conversations"
         return "nemo"
     raise ManifestError(
         f"{path}: unknown manifest format; expected a .parquet manifest, a NeMo .json(l), a Lhotse "
@@ -147,7 +180,7 @@ def _import_readers() -> None:
     """Import the reader modules so that they register (each imports its optional dependency lazily)."""
     import importlib
 
-    for module in ("nemo_tarred", "lhotse_shar", "wenet", "lhotse_cuts"):
+    for module in ("nemo_tarred", "lhotse_shar", "wenet", "lhotse_cuts", "conversations"):
         try:
             importlib.import_module(f"speechlm.data.sources.{module}")
         except ModuleNotFoundError as e:

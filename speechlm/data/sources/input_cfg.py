@@ -10,6 +10,9 @@ An entry is a dataset or a group::
       read_mode: streaming         # optional: this dataset's read mode (default data.read_mode)
       tags: [read, clean]          # optional, free-form, shown by `speechlm plan` (a mapping, as NeMo
                                    # writes it, is kept as ["key=value", ...])
+      task: ast                    # optional: the task of rows that carry none (default "asr")
+      prompt: Translate to English.  # optional: the instruction of rows that carry none (default
+                                   # data.instruction); rows with a conversation keep their own turns
     - group: indic_asr             # a group splits its weight over its inputs
       weight: 1.0
       inputs: [ ... entries ... ]
@@ -47,11 +50,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import yaml
 
-from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError
+from speechlm.data.manifest.schema import (
+    CONVERSATION_SCHEMA,
+    LOCATOR_SCHEMA,
+    MANIFEST_SCHEMA,
+    ManifestError,
+    llm_text_chars,
+)
 from speechlm.data.sources.detect import SOURCE_TYPES
 
 MIX_KEY = b"speechlm.input_cfg"
-LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags", "read_mode"}
+LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags", "read_mode", "task", "prompt"}
 GROUP_KEYS = {"group", "weight", "inputs", "tags"}
 
 
@@ -65,6 +74,8 @@ class InputLeaf:
     name: str
     tags: tuple[str, ...] = ()
     read_mode: str | None = None  # "indexed" | "streaming"; None: data.read_mode
+    task: str | None = None  # the task of this dataset's rows that name none
+    prompt: str | None = None  # the instruction of this dataset's rows that give none
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,11 @@ def _entry(entry: Any, where: str, base: Path | None) -> InputLeaf | InputGroup:
     mode = entry.get("read_mode")
     if mode is not None and mode not in ("indexed", "streaming"):
         raise ManifestError(f"{where}.read_mode={mode!r}: use 'indexed' or 'streaming' (or leave it out)")
+    for key in ("task", "prompt"):
+        if entry.get(key) is not None and not isinstance(entry[key], str):
+            raise ManifestError(f"{where}.{key}={entry[key]!r}: give a string (or leave it out)")
+    if entry.get("task") is not None and not str(entry["task"]).strip():
+        raise ManifestError(f"{where}.task is empty: name the task (asr, ast, qa, ...) or leave it out")
     kind = entry.get("type")
     if kind is not None and kind not in SOURCE_TYPES:
         raise ManifestError(f"{where}.type={kind!r}: use one of {', '.join(SOURCE_TYPES)} (or leave it out)")
@@ -178,6 +194,8 @@ def _entry(entry: Any, where: str, base: Path | None) -> InputLeaf | InputGroup:
         str(entry.get("name") or path),
         _tags(entry, where),
         mode,
+        entry.get("task"),
+        entry.get("prompt"),
     )
 
 
@@ -215,8 +233,20 @@ def compute_shares(tree: InputGroup, rows: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def _with_columns(table: pa.Table, dataset_code: int, names: list[str]) -> pa.Table:
-    """`table` in the common schema: every locator column present (null where absent), the dataset."""
+def _defaulted(table: pa.Table, name: str, default: str | None) -> pa.ChunkedArray:
+    """Column `name` of `table` as strings (all null where absent), its nulls filled with `default`."""
+    if name in table.column_names:
+        col = table.column(name).cast(pa.string())
+    else:
+        col = pa.chunked_array([pa.nulls(len(table), pa.string())])
+    return col if default is None or not col.null_count else col.fill_null(default)
+
+
+def _with_columns(
+    table: pa.Table, dataset_code: int, names: list[str], leaf: InputLeaf | None = None
+) -> pa.Table:
+    """`table` in the common schema: every locator and conversation column present (null where absent;
+    the entry's `task`/`prompt` filling the rows that carry none), the dataset."""
     n = len(table)
     columns = [table.column(f.name) for f in MANIFEST_SCHEMA]
     fields = list(MANIFEST_SCHEMA)
@@ -231,10 +261,22 @@ def _with_columns(table: pa.Table, dataset_code: int, names: list[str]) -> pa.Ta
         else:
             columns.append(pa.chunked_array([pa.nulls(n, f.type)]))
         fields.append(f)
+    task, prompt = (leaf.task, leaf.prompt) if leaf is not None else (None, None)
+    plain = _defaulted(table, "conversation", None).is_null()
+    instruction = _defaulted(table, "instruction", None)
+    for f in CONVERSATION_SCHEMA:
+        if f.name == "instruction" and prompt:  # only rows of the transcription shape take the prompt
+            columns.append(pc.if_else(pc.and_(plain, instruction.is_null()), prompt, instruction))
+        else:
+            columns.append(_defaulted(table, f.name, task if f.name == "task" else None))
+        fields.append(f)
     if "text_chars" in table.column_names:
         chars = table.column("text_chars")
     else:
-        chars = pc.utf8_length(table.column("text")).cast(pa.int32())
+        chars = llm_text_chars(table)
+    if prompt:
+        extra = pc.if_else(pc.and_(plain, instruction.is_null()), len(prompt), 0)
+        chars = pc.add(chars, extra.cast(pa.int32())).cast(pa.int32())
     columns.append(chars)
     fields.append(pa.field("text_chars", pa.int32(), nullable=False))
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
@@ -255,7 +297,7 @@ def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = N
         table = open_index(leaf.path, leaf.type, cache_dir=cache_dir, default_lang=leaf.lang)
         if len(table) == 0:
             raise ManifestError(f"{leaf.where}: {leaf.path} has no utterances")
-        tables.append(_with_columns(table, code, names))
+        tables.append(_with_columns(table, code, names, leaf))
     shares = compute_shares(tree, {leaf.name: len(t) for leaf, t in zip(items, tables)})
     meta = {
         "names": names,

@@ -49,11 +49,18 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from speechlm.data.manifest.schema import LOCATOR_SCHEMA, MANIFEST_SCHEMA, ManifestError
+from speechlm.data.manifest.schema import (
+    CONVERSATION_SCHEMA,
+    LOCATOR_SCHEMA,
+    MANIFEST_SCHEMA,
+    ManifestError,
+    check_conversations,
+    llm_text_chars,
+)
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "2"  # 2: relative parquet paths resolved, indexed files recorded
+CACHE_VERSION = "3"  # 2: relative parquet paths resolved, indexed files recorded; 3: conversation columns
 BATCH_ROWS = 1 << 20
 FILES_KEY = b"speechlm.indexed_files"  # [[path, size, mtime_ns], ...] of the files an entry indexed
 SOURCE_KEY = b"speechlm.source"  # the manifest path, for messages (dataset.SpeechDataset)
@@ -83,7 +90,7 @@ def _write_ipc(target: Path, batches: object, schema: pa.Schema) -> None:
     try:
         with ipc.new_file(tmp, schema) as writer:
             for batch in batches:  # type: ignore[attr-defined]
-                chars = pc.utf8_length(batch.column("text")).cast(pa.int32())
+                chars = llm_text_chars(batch)
                 writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, chars], schema=schema))
         os.replace(tmp, target)
     except BaseException:
@@ -112,6 +119,7 @@ def _parquet_batches(path: Path, schema: pa.Schema) -> object:
             if field.name == "audio_filepath":
                 col = resolve_audio_paths(batch, path.parent)
             columns.append(col.cast(field.type))
+        check_conversations(batch, str(path), row)
         row += batch.num_rows
         yield pa.RecordBatch.from_arrays(columns, schema=schema)
 
@@ -172,7 +180,8 @@ def _parquet_schema(path: Path) -> pa.Schema:
             f"{path} is missing column {', '.join(map(repr, missing))}; a training manifest has "
             f"{MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build`"
         )
-    return pa.schema(list(MANIFEST_SCHEMA) + [f for f in LOCATOR_SCHEMA if f.name in names])
+    optional = [f for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA) if f.name in names]
+    return pa.schema(list(MANIFEST_SCHEMA) + optional)
 
 
 def open_index(
