@@ -1,6 +1,11 @@
 """The context-parallel layout of a model, as one typed object: place, encode, shard, attention context.
 
-Letters: B clips (= sequences) of a micro-batch, N audio samples, T packed tokens, H hidden.
+Letters: B clips of a micro-batch, N audio samples, T packed tokens, H hidden.
+
+Clips and sequences. A plan is per sequence (`place` sees sequence lengths); with one clip per sample
+clip i is sequence i. Samples with several clips (conversations) see the plan through
+`plan_for_clips(plan, clip_sample)`: each clip is encoded by its sequence's clip owner and gathered to
+every rank when its sequence is split, so a whole sequence's clips all stay on the rank that decodes it.
 
 A speech LLM's micro-batch goes through four CP decisions, in this order (`SpeechLLM.forward`):
 
@@ -45,7 +50,7 @@ from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
 
-__all__ = ["CPLayout", "CPPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan"]
+__all__ = ["CPLayout", "CPPlan", "ClipPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan", "plan_for_clips"]
 
 E = TypeVar("E")
 
@@ -130,6 +135,50 @@ class WholePlan:
 
 
 @dataclass(frozen=True)
+class ClipPlan:
+    """A plan whose samples hold any number of clips (conversations): the sequences are ``plan``'s, the
+    clips those of ``clip_sample`` (the sequence of each clip, non-decreasing). A clip lives where its
+    sequence lives: it is encoded by its sequence's clip owner, and gathered when its sequence is split.
+    Being a function of the plan and ``clip_sample`` only, it is identical on every CP rank."""
+
+    plan: CPPlan
+    clip_sample: tuple[int, ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return self.plan.indices
+
+    @property
+    def padded_lengths(self) -> list[int]:
+        return self.plan.padded_lengths
+
+    @property
+    def n_split(self) -> int:
+        return self.plan.n_split
+
+    @property
+    def clip_owners(self) -> list[int]:
+        owners = self.plan.clip_owners
+        return [owners[s] for s in self.clip_sample]
+
+    @property
+    def gathered(self) -> list[bool]:
+        gathered = self.plan.gathered
+        return [gathered[s] for s in self.clip_sample]
+
+
+def plan_for_clips(plan: CPPlan, clip_sample: Sequence[int]) -> ClipPlan:
+    """``plan`` (per sequence) seen per clip: ``clip_sample[c]`` is the sequence of clip ``c``."""
+    n = len(plan.clip_owners)
+    bad = [c for c, s in enumerate(clip_sample) if not 0 <= int(s) < n]
+    if bad:
+        raise ValueError(
+            f"clip {bad[0]} belongs to sequence {clip_sample[bad[0]]}, but the plan has {n} sequences"
+        )
+    return ClipPlan(plan, tuple(int(s) for s in clip_sample))
+
+
+@dataclass(frozen=True)
 class NullCPLayout:
     """One CP rank: nothing is split, gathered or sharded (module docstring)."""
 
@@ -146,7 +195,7 @@ class NullCPLayout:
         self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
     ) -> PlacedEncoding[E]:
         embeds, extra = encode_fn(audio_BN, audio_lens_B)
-        return PlacedEncoding(list(embeds), plan.indices, extra)
+        return PlacedEncoding(list(embeds), list(range(len(embeds))), extra)
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

@@ -1,0 +1,156 @@
+"""SpeechLLM on conversation batches (several clips per sample, per-sample prompts): forward, CTC per
+clip, the step's counts and greedy answers, against the one-clip path where the two must agree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from multiclip_helpers import make_conv_batch, transcription_pair
+from parallel_harness import VOCAB, build_model, make_batch, tiny_config
+
+from parallel.cp_layout import NullCPLayout
+from speechlm.model.speech_llm import last_target_start
+from speechlm.packing import pack_thd
+from speechlm.train.step import count_ctc_clips, count_targets
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_config())
+
+
+def _losses(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(batch)
+    (out.ce_sum + out.ctc_sum).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_transcription_rows_give_the_legacy_losses_and_gradients(model, packed):
+    model.cfg = dataclasses.replace(model.cfg, packed_sequences=packed)
+    try:
+        legacy = make_batch(3, 4)
+        conv = transcription_pair(legacy)
+        assert conv.prompt_ids is not None and conv.clip_sample.tolist() == [0, 1, 2, 3]
+        ref, ref_grads = _losses(model, legacy)
+        got, grads = _losses(model, conv)
+    finally:
+        model.cfg = dataclasses.replace(model.cfg, packed_sequences=True)
+    assert float(got.ce_sum) == pytest.approx(float(ref.ce_sum), rel=1e-6, abs=1e-6)
+    assert float(got.ctc_sum) == pytest.approx(float(ref.ctc_sum), rel=1e-6, abs=1e-6)
+    assert (got.n_labelled, got.n_clips) == (ref.n_labelled, ref.n_clips)
+    assert set(grads) == set(ref_grads)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_multiclip_forward_same_in_thd_bshd_and_cp_rounding(model):
+    batch = make_conv_batch(7, 4, VOCAB)
+    assert batch.audio.shape[0] > len(batch)  # several clips per row
+    thd = model(batch)
+    model.cfg = dataclasses.replace(model.cfg, packed_sequences=False)
+    try:
+        bshd = model(batch)
+    finally:
+        model.cfg = dataclasses.replace(model.cfg, packed_sequences=True)
+    model.set_cp_layout(NullCPLayout(round_cp=2, tp=2))  # every sequence padded as for cp2 x tp2
+    try:
+        rounded = model(batch)
+    finally:
+        model.set_cp_layout(NullCPLayout(tp=1, pad_to_multiple=model.cfg.pad_to_multiple))
+    for other in (bshd, rounded):
+        assert float(other.ce_sum) == pytest.approx(float(thd.ce_sum), rel=1e-5)
+        assert other.n_labelled == thd.n_labelled
+    assert thd.n_labelled == int(batch.prompt_mask.sum()) == count_targets(batch, model)
+
+
+def test_ctc_is_per_clip_and_clips_without_transcript_count_nothing(model):
+    batch = make_conv_batch(11, 3, VOCAB)
+    lens = batch.ctc_token_lens
+    assert bool((lens == 0).any()) and bool((lens > 0).any())
+    out = model(batch)
+    assert out.n_clips == int((lens > 0).sum()) == count_ctc_clips(batch)
+    enc = model.encode_audio(batch.audio, batch.audio_lens)
+    keep = torch.nonzero(lens > 0).flatten()
+    total = torch.zeros(())
+    for c in keep.tolist():
+        one = model.encode_audio(
+            batch.audio[c : c + 1, : int(batch.audio_lens[c])], batch.audio_lens[c : c + 1]
+        )
+        s, _ = model.ctc_loss_sum(
+            one.enc_hidden, one.enc_lens_B, batch.ctc_tokens[c : c + 1], lens[c : c + 1]
+        )
+        total = total + s
+    assert float(out.ctc_sum) == pytest.approx(float(total), rel=1e-5)
+    assert len(enc.embeds) == batch.audio.shape[0]
+
+
+def test_clips_without_any_transcript_keep_the_ctc_head_in_the_graph(model):
+    batch = make_conv_batch(11, 3, VOCAB)
+    batch.ctc_token_lens = torch.zeros_like(batch.ctc_token_lens)
+    model.zero_grad(set_to_none=True)
+    out = model(batch)
+    assert float(out.ctc_sum) == 0.0 and out.n_clips == 0 == count_ctc_clips(batch)
+    (out.ce_sum + out.ctc_sum).backward()
+    assert model.ctc_head.weight.grad is not None and float(model.ctc_head.weight.grad.abs().sum()) == 0.0
+
+
+def test_inconsistent_conversation_fields_are_clear_errors(model):
+    batch = make_conv_batch(7, 2, VOCAB)
+    bad = dataclasses.replace(batch, clip_sample=batch.clip_sample.flip(0))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(bad)
+    bad = dataclasses.replace(batch, clip_sample=batch.clip_sample[:-1])
+    with pytest.raises(ValueError, match="clip_sample has"):
+        model(bad)
+    bad = dataclasses.replace(batch, clip_sample=torch.zeros_like(batch.clip_sample))
+    with pytest.raises(ValueError, match="audio placeholders"):
+        model(bad)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_for_batch_equals_generate_greedy_on_transcription_rows(model, use_cache):
+    legacy = make_batch(5, 3)
+    want = model.generate_greedy(legacy.audio, legacy.audio_lens, max_new_tokens=6, use_cache=use_cache)
+    assert model.generate_for_batch(legacy, max_new_tokens=6, use_cache=use_cache) == want
+    conv = transcription_pair(legacy)
+    assert model.generate_for_batch(conv, max_new_tokens=6, use_cache=use_cache) == want
+
+
+def test_generate_for_batch_starts_at_the_last_answer_of_multiclip_rows(model):
+    torch.manual_seed(0)
+    batch = make_conv_batch(4, 4, VOCAB)
+    cached = model.generate_for_batch(batch, max_new_tokens=5)
+    assert cached == model.generate_for_batch(batch, max_new_tokens=5, use_cache=False)
+    # the first generated token is the argmax of a forward over the prompt cut where the last answer starts
+    prompts, clip_sample = model.conversation_prompts(batch)
+    enc = model.encode_audio(batch.audio, batch.audio_lens)
+    c = 0
+    model.eval()
+    for b, (ids, mask) in enumerate(prompts):
+        k = clip_sample.count(b)
+        start = last_target_start(mask)
+        assert bool(mask[start:].any()) and not bool(mask[start - 1])
+        head = (ids[:start], torch.zeros(start, dtype=torch.bool))
+        n_head = int((ids[:start] == model.audio_id).sum())
+        with torch.no_grad():
+            packed = pack_thd(
+                [head], enc.embeds_of(range(c, c + n_head)), model.embed_tokens, audio_id=model.audio_id,
+                clip_counts=[n_head],
+            )  # fmt: skip
+            logits = model.forward_packed(packed, return_logits=True)
+        first = int(logits[-1].argmax())
+        assert cached[b][:1] == ([] if first == model.prompt.stop_id else [first])
+        c += k
+    model.train()
+
+
+def test_last_target_start_finds_the_last_run():
+    mask = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    assert last_target_start(mask) == 5
+    with pytest.raises(ValueError, match="row 3: the prompt has no target"):
+        last_target_start(torch.zeros(4, dtype=torch.bool), 3)
