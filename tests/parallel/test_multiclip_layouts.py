@@ -1,0 +1,112 @@
+"""Layout equivalence with multi-clip samples (conversation batches), and where their clips are encoded.
+
+The multi-process test runs the harness' conversation batches (rows of 1-3 clips, one or two answers,
+CTC transcripts on some clips; `parallel_harness.make_conversation_batch`) through the real training
+step at dp2 and cp2 (dynamic CP with a mix of whole and split samples, every sample split, every
+sample whole; ring and all-gather attention) and compares the losses of 3 steps and the gradients
+after the first with one process, as `test_parallel_equivalence` does for one clip per sample.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import BACKENDS, skip_unless_backend
+from parallel_harness import Layout, build_model, global_steps, rank_layouts, reference_run, tiny_config
+from test_parallel_equivalence import assert_matches
+
+from parallel.cp_layout import NullCPLayout, WholePlan, plan_for_clips
+from parallel.cp_placement import place_sequences
+from parallel.testing import run_distributed
+from speechlm.model.speech_llm import clips_per_sample, conversation_seq_lens
+
+N_STEPS = 3
+THRESHOLD = 14  # the conversation samples are 8-20 tokens: whole and split ones in one micro-batch
+
+CONV_LAYOUTS = [
+    Layout("dp2-conv", 2, 1, 1, batches="conversations"),
+    Layout("cp2-ring-conv", 1, 2, 1, split_threshold=THRESHOLD, batches="conversations"),
+    Layout("cp2-allgather-conv", 1, 2, 1, "allgather", THRESHOLD, batches="conversations"),
+    Layout("cp2-split-all-conv", 1, 2, 1, split_threshold=0, batches="conversations"),
+    Layout("cp2-all-whole-conv", 1, 2, 1, split_threshold=1000, batches="conversations"),
+]
+
+
+@functools.cache
+def reference(dp: int) -> dict:
+    return reference_run(tiny_config(), global_steps(N_STEPS, dp, batches="conversations"))
+
+
+def _sample_lengths() -> list[tuple[list[int], list[int]]]:
+    """(packed length per sample, clip_sample) of every micro-batch of the conversation steps."""
+    model = build_model(tiny_config())
+    out = []
+    for step in global_steps(N_STEPS, 2, batches="conversations"):
+        for b in step:
+            prompts, clip_sample = model.conversation_prompts(b)
+            counts = clips_per_sample(clip_sample, len(prompts))
+            out.append(
+                (conversation_seq_lens(prompts, counts, model.audio_embed_lengths(b.audio_lens)), clip_sample)
+            )
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multiclip_layouts_match_single_process(backend):
+    skip_unless_backend(backend, 2)
+    got = run_distributed(rank_layouts, 2, backend, CONV_LAYOUTS, N_STEPS, backend, timeout_s=1100)
+    failed = []
+    for i, lay in enumerate(CONV_LAYOUTS):
+        try:
+            assert_matches(reference(lay.dp), [per_rank[i] for per_rank in got])
+        except AssertionError as e:
+            failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, {lay.cp_attention}): {e}")
+    assert not failed, "\n".join(failed)
+
+
+def test_conversation_batches_cover_the_dynamic_cp_cases():
+    """The conversation steps hold several clips per sample, and at cp2 with THRESHOLD a micro-batch
+    with whole and split samples, and a whole sample of several clips (its clips stay on one rank)."""
+    cases = _sample_lengths()
+    assert any(len(cs) > len(set(cs)) for _, cs in cases)
+    placements = [(place_sequences(lens, 2, threshold=THRESHOLD), cs) for lens, cs in cases]
+    assert any(any(p.split) and not all(p.split) for p, _ in placements)
+    assert any(not p.split[s] and cs.count(s) > 1 for p, cs in placements for s in set(cs))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_clip_owners_are_the_samples_and_identical_on_every_rank(cp):
+    for lens, clip_sample in _sample_lengths():
+        placement = place_sequences(lens, cp, threshold=THRESHOLD)
+        views = [plan_for_clips(placement.local(r), clip_sample) for r in range(cp)]
+        owners, gathered = views[0].clip_owners, views[0].gathered
+        assert all(v.clip_owners == owners and v.gathered == gathered for v in views)
+        seq_owner = placement.clip_owners()
+        assert owners == [seq_owner[s] for s in clip_sample]
+        assert gathered == [placement.split[s] for s in clip_sample]
+        for c, s in enumerate(clip_sample):  # a whole sample's clips are encoded where it is decoded
+            if not placement.split[s]:
+                assert owners[c] == placement.owner[s] and s in views[owners[c]].indices
+
+
+def test_plan_for_clips_rejects_a_clip_of_no_sample():
+    with pytest.raises(ValueError, match="clip 1 belongs to sequence 2, but the plan has 2 sequences"):
+        plan_for_clips(WholePlan([4, 6]), [0, 2])
+
+
+def test_null_layout_reports_every_clip_it_encoded():
+    calls = []
+
+    def encode_fn(audio, lens):
+        calls.append(audio.shape[0])
+        return [audio[i, :1] for i in range(audio.shape[0])], "extra"
+
+    audio = torch.zeros(3, 4)
+    res = NullCPLayout().encode(
+        encode_fn, audio, torch.tensor([4, 4, 4]), plan_for_clips(WholePlan([5, 9]), [0, 0, 1])
+    )
+    assert calls == [3] and res.clips == [0, 1, 2] and len(res.embeds) == 3
