@@ -46,7 +46,7 @@ from torch import Tensor
 from parallel.cp_attention import CPAttention, CPAttentionContext
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
-from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
+from parallel.dist_encode import EncodeFn, PlacedEncoding, dummy_clip, encode_placed
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
 
@@ -194,6 +194,9 @@ class NullCPLayout:
     def encode(
         self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
     ) -> PlacedEncoding[E]:
+        if audio_BN.shape[0] == 0:  # samples without audio only: a dummy keeps the encoder in the graph
+            embeds, extra = encode_fn(*dummy_clip(audio_BN, audio_lens_B))
+            return PlacedEncoding([], [], extra, 0.0, unused=list(embeds))
         embeds, extra = encode_fn(audio_BN, audio_lens_B)
         return PlacedEncoding(list(embeds), list(range(len(embeds))), extra)
 

@@ -116,11 +116,21 @@ def collate(
     )
 
 
-def make_conv_batch(seed: int, n_rows: int, vocab: int) -> Batch:
-    """``n_rows`` conversations of 1-3 clips, one or two answers each (loss on all answers)."""
+def text_conversation(g: torch.Generator, vocab: int) -> Conversation:
+    """A conversation without audio: a user question and an answer."""
+    q, a = (
+        torch.randint(8, vocab, (3,), generator=g).tolist(),
+        torch.randint(8, vocab, (2,), generator=g).tolist(),
+    )
+    return Conversation((Turn("user", (words(q),)), Turn("assistant", (words(a),))), (), task="chat")
+
+
+def make_conv_batch(seed: int, n_rows: int, vocab: int, *, text_rows: int = 0) -> Batch:
+    """``n_rows`` conversations of 1-3 clips, one or two answers each (loss on all answers); the first
+    ``text_rows`` of them hold no audio."""
     g = torch.Generator().manual_seed(seed)
-    convs = []
-    for i in range(n_rows):
+    convs = [text_conversation(g, vocab) for _ in range(text_rows)]
+    for i in range(text_rows, n_rows):
         n_clips = 1 + (seed + i) % 3
         convs.append(random_conversation(g, n_clips, vocab, two_turns=(seed + i) % 2 == 1))
     n = sum(len(c.audio_order) for c in convs)

@@ -96,10 +96,22 @@ def make_conversation_batch(seed: int, n_rows: int) -> Batch:
     return make_conv_batch(seed, n_rows, VOCAB)
 
 
+def make_text_and_audio_batch(seed: int, n_rows: int) -> Batch:
+    """`make_conversation_batch` whose first row holds no audio (under CP a rank may own no clip)."""
+    from multiclip_helpers import make_conv_batch
+
+    return make_conv_batch(seed, n_rows, VOCAB, text_rows=1)
+
+
 def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -> list[list[Batch]]:
     """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
-    ``batches``: "clips" (one clip per row, `make_batch`) or "conversations" (`make_conversation_batch`)."""
-    make = {"clips": make_batch, "conversations": make_conversation_batch}[batches]
+    ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`)
+    or "text+audio" (`make_text_and_audio_batch`)."""
+    make = {
+        "clips": make_batch,
+        "conversations": make_conversation_batch,
+        "text+audio": make_text_and_audio_batch,
+    }[batches]
     return [[make(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
 
 

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, plan_for_clips
+from parallel.dist_encode import dummy_clip
 from speechlm.config import ModelConfig
 from speechlm.model.attention import ensure_registered, get_backend
 from speechlm.model.encoders import build_encoder
@@ -89,6 +90,9 @@ class EncoderOutput:
     # CTC counts once); empty: enc_hidden is a dummy clip's, kept in the graph with ctc_weight 0
     ctc_rows: list[int]
     ctc_weight: float = 1.0
+    # a dummy clip's embeddings no sample uses (this rank has no clip: samples without audio); the
+    # loss keeps them with weight 0 so the projector and encoder stay in every rank's backward
+    unused: list[Tensor] = field(default_factory=list)
 
     @property
     def enc_lens(self) -> Tensor:
@@ -442,7 +446,7 @@ class SpeechLLM(nn.Module):
 
         res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan)
         enc_hidden, enc_lens_B = res.extra
-        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight)
+        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
 
     def ctc_of(
         self, enc: EncoderOutput, tokens_BL: Tensor, token_lens_B: Tensor, *, per_clip: bool = False
@@ -521,6 +525,8 @@ class SpeechLLM(nn.Module):
                 clip_counts=clip_counts,
             )
             ce_sum, n_labelled = self.forward_padded(padded)
+        for e in enc.unused:  # weight 0: in the graph, counts nothing
+            ce_sum = ce_sum + 0.0 * e.sum()
         return MicroLosses(
             ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=n_clips
         )
@@ -683,10 +689,11 @@ class SpeechLLM(nn.Module):
             device = next(self.parameters()).device
             prompts, clip_sample = self.conversation_prompts(batch)
             counts = clips_per_sample(clip_sample, len(prompts))
-            embeds: list[Tensor] = []
-            if clip_sample:
-                enc = self.encode_audio(batch.audio.to(device), batch.audio_lens.to(device))
-                embeds = enc.embeds_of(range(len(clip_sample)))
+            audio, audio_lens = batch.audio.to(device), batch.audio_lens.to(device)
+            if not clip_sample:  # rows without audio: a dummy keeps FSDP's encoder collectives in step
+                audio, audio_lens = dummy_clip(audio, audio_lens)
+            enc = self.encode_audio(audio, audio_lens)
+            embeds = enc.embeds_of(range(len(clip_sample)))
             rows, c = [], 0
             for b, ((ids, mask), k) in enumerate(zip(prompts, counts)):
                 head = ids[: last_target_start(mask, b)]

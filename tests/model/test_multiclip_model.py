@@ -154,3 +154,30 @@ def test_last_target_start_finds_the_last_run():
     assert last_target_start(mask) == 5
     with pytest.raises(ValueError, match="row 3: the prompt has no target"):
         last_target_start(torch.zeros(4, dtype=torch.bool), 3)
+
+
+def test_rows_without_audio_train_and_a_batch_without_any_keeps_the_encoder_in_the_graph(model):
+    mixed = make_conv_batch(7, 3, VOCAB, text_rows=1)
+    assert 0 not in mixed.clip_sample.tolist()
+    out = model(mixed)
+    assert out.n_labelled == int(mixed.prompt_mask.sum()) and torch.isfinite(out.ce_sum)
+    # the text row's loss is its own: the same as in a batch of its own
+    text_only = make_conv_batch(7, 1, VOCAB, text_rows=1)
+    assert text_only.audio.shape[0] == 0
+    model.zero_grad(set_to_none=True)
+    alone = model(text_only)
+    rest_rows = dataclasses.replace(
+        mixed,
+        prompt_ids=mixed.prompt_ids[1:],
+        prompt_mask=mixed.prompt_mask[1:],
+        prompt_lens=mixed.prompt_lens[1:],
+        clip_sample=mixed.clip_sample - 1,
+        indices=mixed.indices[1:],
+    )
+    assert float(alone.ce_sum) + float(model(rest_rows).ce_sum) == pytest.approx(float(out.ce_sum), rel=1e-5)
+    (alone.ce_sum + alone.ctc_sum).backward()  # the dummy clip: encoder and projector in the graph, weight 0
+    for part in (model.encoder, model.projector, model.ctc_head):
+        grads = [p.grad for p in part.parameters() if p.requires_grad]
+        assert grads and all(g is not None and float(g.abs().sum()) == 0.0 for g in grads)
+    assert alone.n_clips == 0 and float(alone.ctc_sum) == 0.0
+    assert len(model.generate_for_batch(text_only, max_new_tokens=3)) == 1

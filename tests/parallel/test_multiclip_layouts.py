@@ -31,19 +31,23 @@ CONV_LAYOUTS = [
     Layout("cp2-allgather-conv", 1, 2, 1, "allgather", THRESHOLD, batches="conversations"),
     Layout("cp2-split-all-conv", 1, 2, 1, split_threshold=0, batches="conversations"),
     Layout("cp2-all-whole-conv", 1, 2, 1, split_threshold=1000, batches="conversations"),
+    # a row without audio first: at cp2 a rank owns only it (all whole: its dummy clip reaches no
+    # exchange) or it and no clip while another sample is split (its dummy goes through the gather)
+    Layout("cp2-all-whole-text", 1, 2, 1, split_threshold=1000, batches="text+audio"),
+    Layout("cp2-ring-text", 1, 2, 1, split_threshold=THRESHOLD, batches="text+audio"),
 ]
 
 
 @functools.cache
-def reference(dp: int) -> dict:
-    return reference_run(tiny_config(), global_steps(N_STEPS, dp, batches="conversations"))
+def reference(dp: int, batches: str) -> dict:
+    return reference_run(tiny_config(), global_steps(N_STEPS, dp, batches=batches))
 
 
-def _sample_lengths() -> list[tuple[list[int], list[int]]]:
+def _sample_lengths(batches: str = "conversations") -> list[tuple[list[int], list[int]]]:
     """(packed length per sample, clip_sample) of every micro-batch of the conversation steps."""
     model = build_model(tiny_config())
     out = []
-    for step in global_steps(N_STEPS, 2, batches="conversations"):
+    for step in global_steps(N_STEPS, 2, batches=batches):
         for b in step:
             prompts, clip_sample = model.conversation_prompts(b)
             counts = clips_per_sample(clip_sample, len(prompts))
@@ -62,7 +66,7 @@ def test_multiclip_layouts_match_single_process(backend):
     failed = []
     for i, lay in enumerate(CONV_LAYOUTS):
         try:
-            assert_matches(reference(lay.dp), [per_rank[i] for per_rank in got])
+            assert_matches(reference(lay.dp, lay.batches), [per_rank[i] for per_rank in got])
         except AssertionError as e:
             failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, {lay.cp_attention}): {e}")
     assert not failed, "\n".join(failed)
@@ -76,6 +80,14 @@ def test_conversation_batches_cover_the_dynamic_cp_cases():
     placements = [(place_sequences(lens, 2, threshold=THRESHOLD), cs) for lens, cs in cases]
     assert any(any(p.split) and not all(p.split) for p, _ in placements)
     assert any(not p.split[s] and cs.count(s) > 1 for p, cs in placements for s in set(cs))
+    # the text+audio steps: a CP rank that encodes no clip, with nothing gathered and with something gathered
+    for threshold, gathered in ((1000, False), (THRESHOLD, True)):
+        views = [
+            plan_for_clips(place_sequences(lens, 2, threshold=threshold).local(r), cs)
+            for lens, cs in _sample_lengths("text+audio")
+            for r in range(2)
+        ]
+        assert any(r not in v.clip_owners and any(v.gathered) == gathered for v in views for r in range(2))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
