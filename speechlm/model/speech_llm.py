@@ -37,8 +37,13 @@ projector and the CTC head run on packed frames (`speechlm.model.packed_encoder`
 then `PackedFrames`), equal per utterance to the padded path. Greedy decoding lives in
 `speechlm.model.generation` (batched KV cache; the prefix-recompute decoder is kept as the oracle).
 
-FSDP2 hooks ``forward``; `generate_greedy` is the only other entry point the training layer
-registers (``register_fsdp_forward_method``).
+Conversation batches (``batch.prompt_ids`` set): the prompts come with the batch (one placeholder per
+clip, the assistant turns labelled), the batch holds C clips (``clip_sample`` the row of each), the
+placement stays per row and each clip is encoded where its row lives (`parallel.cp_layout.plan_for_clips`),
+CTC is per clip (`forward`). `generate_for_batch` decodes each row from the start of its last answer.
+
+FSDP2 hooks ``forward``; `generate_greedy` and `generate_for_batch` are the other entry points the
+training layer registers (``register_fsdp_forward_method``).
 """
 
 from __future__ import annotations
