@@ -145,7 +145,7 @@ def _optional_field(batch: Any, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
-def conversation_prompts(batch: Any) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
+def conversation_prompts(batch: Any, audio_id: int) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
     """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch (see
     `SpeechLLM.conversation_prompts`); a batch whose fields disagree is a ValueError naming them."""
     ids_BP, mask_BP = _field(batch, "prompt_ids"), _optional_field(batch, "prompt_mask")
@@ -173,6 +173,16 @@ def conversation_prompts(batch: Any) -> tuple[list[tuple[Tensor, Tensor]], list[
             f"clip_sample {clip_sample} must list each clip's row in [0, {B}), non-decreasing (rows in order, "
             "each row's clips in the order of its placeholders)"
         )
+    counts = clips_per_sample(clip_sample, B)
+    indices = _optional_field(batch, "indices") or list(range(B))
+    for b, ((ids, _), k) in enumerate(zip(prompts, counts)):
+        n = int((ids == audio_id).sum())
+        if n != k:
+            raise ValueError(
+                f"row {b} (manifest row {indices[b]}): its prompt holds {n} audio placeholders "
+                f"(audio_id={audio_id}) but the batch gives it {k} clip(s); render it with "
+                "ConversationRenderer (one placeholder per clip reference) and collate its clips in order"
+            )
     return prompts, clip_sample
 
 
@@ -539,7 +549,7 @@ class SpeechLLM(nn.Module):
     def conversation_prompts(self, batch: Any) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
         """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch: each row's
         rendered prompt (``prompt_ids``/``prompt_mask`` cut to ``prompt_lens``) and the row of each clip."""
-        return conversation_prompts(batch)
+        return conversation_prompts(batch, self.audio_id)
 
     def pack_for_layout(
         self,

@@ -107,8 +107,10 @@ def test_inconsistent_conversation_fields_are_clear_errors(model):
     bad = dataclasses.replace(batch, clip_sample=batch.clip_sample[:-1])
     with pytest.raises(ValueError, match="clip_sample has"):
         model(bad)
-    bad = dataclasses.replace(batch, clip_sample=torch.zeros_like(batch.clip_sample))
-    with pytest.raises(ValueError, match="audio placeholders"):
+    bad = dataclasses.replace(batch, clip_sample=torch.zeros_like(batch.clip_sample), indices=[40, 41])
+    with pytest.raises(
+        ValueError, match=r"row 0 \(manifest row 40\): its prompt holds 2 audio placeholders .* 5 clip"
+    ):
         model(bad)
 
 
