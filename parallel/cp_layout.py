@@ -138,11 +138,17 @@ class WholePlan:
 class ClipPlan:
     """A plan whose samples hold any number of clips (conversations): the sequences are ``plan``'s, the
     clips those of ``clip_sample`` (the sequence of each clip, non-decreasing). A clip lives where its
-    sequence lives: it is encoded by its sequence's clip owner, and gathered when its sequence is split.
-    Being a function of the plan and ``clip_sample`` only, it is identical on every CP rank."""
+    sequence lives: a whole sequence's clips are encoded by its owner and stay there; a split
+    sequence's clips are gathered to every rank. With ``clip_lens`` (frames per clip) the gathered
+    clips are dealt one by one, longest first, to the rank with the least encoding work so far (ties:
+    lower clip, lower rank), so that the clips of one long conversation do not all land on one
+    encoder; without, each goes to its sequence's clip owner. A function of the plan, ``clip_sample``
+    and ``clip_lens`` only, so identical on every CP rank."""
 
     plan: CPPlan
     clip_sample: tuple[int, ...]
+    clip_lens: tuple[int, ...] = ()
+    cp_size: int = 1
 
     @property
     def indices(self) -> list[int]:
@@ -158,8 +164,20 @@ class ClipPlan:
 
     @property
     def clip_owners(self) -> list[int]:
-        owners = self.plan.clip_owners
-        return [owners[s] for s in self.clip_sample]
+        per_seq = self.plan.clip_owners
+        owners = [per_seq[s] for s in self.clip_sample]
+        if not self.clip_lens or self.cp_size <= 1:
+            return owners
+        gathered = self.gathered
+        work = [0] * self.cp_size
+        for c, o in enumerate(owners):
+            if not gathered[c]:
+                work[o] += self.clip_lens[c]
+        for c in sorted((c for c, g in enumerate(gathered) if g), key=lambda c: (-self.clip_lens[c], c)):
+            r = min(range(self.cp_size), key=lambda r: (work[r], r))
+            owners[c] = r
+            work[r] += self.clip_lens[c]
+        return owners
 
     @property
     def gathered(self) -> list[bool]:
@@ -167,15 +185,20 @@ class ClipPlan:
         return [gathered[s] for s in self.clip_sample]
 
 
-def plan_for_clips(plan: CPPlan, clip_sample: Sequence[int]) -> ClipPlan:
-    """``plan`` (per sequence) seen per clip: ``clip_sample[c]`` is the sequence of clip ``c``."""
+def plan_for_clips(
+    plan: CPPlan, clip_sample: Sequence[int], clip_lens: Sequence[int] = (), cp_size: int = 1
+) -> ClipPlan:
+    """``plan`` (per sequence) seen per clip: ``clip_sample[c]`` is the sequence of clip ``c``;
+    ``clip_lens`` (its frames) and ``cp_size`` spread the split sequences' clips (`ClipPlan`)."""
     n = len(plan.clip_owners)
     bad = [c for c, s in enumerate(clip_sample) if not 0 <= int(s) < n]
     if bad:
         raise ValueError(
             f"clip {bad[0]} belongs to sequence {clip_sample[bad[0]]}, but the plan has {n} sequences"
         )
-    return ClipPlan(plan, tuple(int(s) for s in clip_sample))
+    if clip_lens and len(clip_lens) != len(clip_sample):
+        raise ValueError(f"got {len(clip_lens)} clip lengths for {len(clip_sample)} clips")
+    return ClipPlan(plan, tuple(int(s) for s in clip_sample), tuple(int(a) for a in clip_lens), int(cp_size))
 
 
 @dataclass(frozen=True)

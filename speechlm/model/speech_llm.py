@@ -510,7 +510,7 @@ class SpeechLLM(nn.Module):
             clip_counts = clips_per_sample(clip_sample, len(prompts))
             seq_lens = conversation_seq_lens(prompts, clip_counts, audio_lens)
             plan = lay.place(seq_lens)
-            enc_plan: CPPlan = plan_for_clips(plan, clip_sample)
+            enc_plan: CPPlan = plan_for_clips(plan, clip_sample, audio_lens, lay.cp_size)
             ctc_tokens, ctc_lens = conversation_ctc_targets(batch, len(clip_sample))
             n_clips = int((ctc_lens > 0).sum())
         else:

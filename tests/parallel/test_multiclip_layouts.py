@@ -31,8 +31,7 @@ CONV_LAYOUTS = [
     Layout("cp2-allgather-conv", 1, 2, 1, "allgather", THRESHOLD, batches="conversations"),
     Layout("cp2-split-all-conv", 1, 2, 1, split_threshold=0, batches="conversations"),
     Layout("cp2-all-whole-conv", 1, 2, 1, split_threshold=1000, batches="conversations"),
-    # a row without audio first: at cp2 a rank owns only it (all whole: its dummy clip reaches no
-    # exchange) or it and no clip while another sample is split (its dummy goes through the gather)
+    # a row without audio first: at cp2 all whole a rank owns only it (its dummy clip reaches no exchange)
     Layout("cp2-all-whole-text", 1, 2, 1, split_threshold=1000, batches="text+audio"),
     Layout("cp2-ring-text", 1, 2, 1, split_threshold=THRESHOLD, batches="text+audio"),
 ]
@@ -43,17 +42,16 @@ def reference(dp: int, batches: str) -> dict:
     return reference_run(tiny_config(), global_steps(N_STEPS, dp, batches=batches))
 
 
-def _sample_lengths(batches: str = "conversations") -> list[tuple[list[int], list[int]]]:
-    """(packed length per sample, clip_sample) of every micro-batch of the conversation steps."""
+def _sample_lengths(batches: str = "conversations") -> list[tuple[list[int], list[int], list[int]]]:
+    """(packed length per sample, clip_sample, frames per clip) of every micro-batch of the steps."""
     model = build_model(tiny_config())
     out = []
     for step in global_steps(N_STEPS, 2, batches=batches):
         for b in step:
             prompts, clip_sample = model.conversation_prompts(b)
             counts = clips_per_sample(clip_sample, len(prompts))
-            out.append(
-                (conversation_seq_lens(prompts, counts, model.audio_embed_lengths(b.audio_lens)), clip_sample)
-            )
+            frames = model.audio_embed_lengths(b.audio_lens)
+            out.append((conversation_seq_lens(prompts, counts, frames), clip_sample, frames))
     return out
 
 
@@ -76,33 +74,65 @@ def test_conversation_batches_cover_the_dynamic_cp_cases():
     """The conversation steps hold several clips per sample, and at cp2 with THRESHOLD a micro-batch
     with whole and split samples, and a whole sample of several clips (its clips stay on one rank)."""
     cases = _sample_lengths()
-    assert any(len(cs) > len(set(cs)) for _, cs in cases)
-    placements = [(place_sequences(lens, 2, threshold=THRESHOLD), cs) for lens, cs in cases]
+    assert any(len(cs) > len(set(cs)) for _, cs, _ in cases)
+    placements = [(place_sequences(lens, 2, threshold=THRESHOLD), cs) for lens, cs, _ in cases]
     assert any(any(p.split) and not all(p.split) for p, _ in placements)
     assert any(not p.split[s] and cs.count(s) > 1 for p, cs in placements for s in set(cs))
-    # the text+audio steps: a CP rank that encodes no clip, with nothing gathered and with something gathered
-    for threshold, gathered in ((1000, False), (THRESHOLD, True)):
-        views = [
-            plan_for_clips(place_sequences(lens, 2, threshold=threshold).local(r), cs)
-            for lens, cs in _sample_lengths("text+audio")
-            for r in range(2)
-        ]
-        assert any(r not in v.clip_owners and any(v.gathered) == gathered for v in views for r in range(2))
+    # the text+audio steps, all whole: a CP rank that encodes no clip and gathers none (its dummy's
+    # embeddings reach no exchange); at THRESHOLD a split sample's clips are dealt over both encoders
+    views = [
+        plan_for_clips(place_sequences(lens, 2, threshold=1000).local(0), cs, frames, 2)
+        for lens, cs, frames in _sample_lengths("text+audio")
+    ]
+    assert any(r not in v.clip_owners and not any(v.gathered) for v in views for r in range(2))
+    views = [
+        plan_for_clips(place_sequences(lens, 2, threshold=THRESHOLD).local(0), cs, frames, 2)
+        for lens, cs, frames in _sample_lengths("conversations")
+    ]
+    assert any(
+        len({o for o, g, s in zip(v.clip_owners, v.gathered, v.clip_sample) if g and s == split}) == 2
+        for v in views
+        for split in set(v.clip_sample)
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_clip_owners_are_the_samples_and_identical_on_every_rank(cp):
-    for lens, clip_sample in _sample_lengths():
+def test_clip_owners_follow_their_sample_and_are_identical_on_every_rank(cp):
+    for lens, clip_sample, frames in _sample_lengths():
         placement = place_sequences(lens, cp, threshold=THRESHOLD)
-        views = [plan_for_clips(placement.local(r), clip_sample) for r in range(cp)]
+        views = [plan_for_clips(placement.local(r), clip_sample, frames, cp) for r in range(cp)]
         owners, gathered = views[0].clip_owners, views[0].gathered
         assert all(v.clip_owners == owners and v.gathered == gathered for v in views)
-        seq_owner = placement.clip_owners()
-        assert owners == [seq_owner[s] for s in clip_sample]
         assert gathered == [placement.split[s] for s in clip_sample]
         for c, s in enumerate(clip_sample):  # a whole sample's clips are encoded where it is decoded
             if not placement.split[s]:
                 assert owners[c] == placement.owner[s] and s in views[owners[c]].indices
+        # without clip lengths: each clip goes to its sample's clip owner
+        seq_owner = placement.clip_owners()
+        assert plan_for_clips(placement.local(0), clip_sample).clip_owners == [
+            seq_owner[s] for s in clip_sample
+        ]
+
+
+def test_a_split_samples_clips_are_dealt_over_the_encoders():
+    """One long conversation of 3 clips split over cp2 (and a short whole one on rank 0): its clips go,
+    longest first, to the rank with the least encoding work, not all to one rank."""
+    placement = place_sequences([40, 6], 2, threshold=10)
+    assert placement.split == (True, False) and placement.owner[1] in (0, 1)
+    whole_rank = placement.owner[1]
+    view = plan_for_clips(placement.local(0), [0, 0, 0, 1], [9, 7, 5, 4], 2)
+    owners = view.clip_owners
+    assert owners[3] == whole_rank
+    work = [0, 0]
+    work[whole_rank] += 4
+    for c in (0, 1, 2):  # longest first to the least loaded
+        r = min((0, 1), key=lambda r: (work[r], r))
+        assert owners[c] == r
+        work[r] += [9, 7, 5][c]
+    assert set(owners[:3]) == {0, 1} and view.gathered == [True, True, True, False]
+    assert (
+        plan_for_clips(placement.local(0), [0, 0, 0, 1]).clip_owners[:3] == [placement.clip_owners()[0]] * 3
+    )
 
 
 def test_plan_for_clips_rejects_a_clip_of_no_sample():
