@@ -665,24 +665,12 @@ class SpeechLLM(nn.Module):
         """Greedy continuations of the prompt embeddings (`speechlm.model.generation`)."""
         from speechlm.model.generation import greedy_recompute, greedy_with_cache
 
-        if use_cache and self.backend.caps.bshd:
-            return greedy_with_cache(
-                self.llm,
-                self.embed_tokens,
-                prompts,
-                eos_id=self.prompt.stop_id,
-                max_new_tokens=max_new_tokens,
-                keep_going=keep_going,
-            )
-        return greedy_recompute(
-            self.llm,
-            self.embed_tokens,
-            prompts,
-            eos_id=self.prompt.stop_id,
-            max_new_tokens=max_new_tokens,
-            thd=self.backend.caps.thd,
-            keep_going=keep_going,
+        kw: dict[str, Any] = dict(
+            eos_id=self.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going
         )
+        if use_cache and self.backend.caps.bshd:
+            return greedy_with_cache(self.llm, self.embed_tokens, prompts, **kw)
+        return greedy_recompute(self.llm, self.embed_tokens, prompts, thd=self.backend.caps.thd, **kw)
 
     @torch.no_grad()
     def generate_for_batch(
