@@ -63,7 +63,7 @@ def test_multiclip_forward_same_in_thd_bshd_and_cp_rounding(model):
     finally:
         model.set_cp_layout(NullCPLayout(tp=1, pad_to_multiple=model.cfg.pad_to_multiple))
     for other in (bshd, rounded):
-        assert float(other.ce_sum) == pytest.approx(float(thd.ce_sum), rel=1e-5)
+        assert other.ce_sum.item() == pytest.approx(thd.ce_sum.item(), rel=1e-5)
         assert other.n_labelled == thd.n_labelled
     assert thd.n_labelled == int(batch.prompt_mask.sum()) == count_targets(batch, model)
 

@@ -9,12 +9,22 @@ after the first with one process, as `test_parallel_equivalence` does for one cl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 from helpers import BACKENDS, skip_unless_backend
-from parallel_harness import Layout, build_model, global_steps, rank_layouts, reference_run, tiny_config
+from parallel_harness import (
+    VOCAB,
+    Layout,
+    build_model,
+    global_steps,
+    make_conversation_batch,
+    rank_layouts,
+    reference_run,
+    tiny_config,
+)
 from test_parallel_equivalence import assert_matches
 
 from parallel.cp_layout import NullCPLayout, WholePlan, plan_for_clips
@@ -152,3 +162,59 @@ def test_null_layout_reports_every_clip_it_encoded():
         encode_fn, audio, torch.tensor([4, 4, 4]), plan_for_clips(WholePlan([5, 9]), [0, 0, 1])
     )
     assert calls == [3] and res.clips == [0, 1, 2] and len(res.embeds) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy answers of conversation batches under FSDP2 (sharded evaluation's lockstep)
+# ------------------------------------------------------------------------------------------------
+
+GEN_BATCHES = 4
+
+
+def _gen_model(stop: int):
+    model = build_model(tiny_config())
+    model.prompt = dataclasses.replace(model.prompt, stop=(stop,))
+    return model
+
+
+def _gen_single(stop: int) -> list[list[list[int]]]:
+    model = _gen_model(stop)
+    batches = [make_conversation_batch(50 + k, 2 + k % 2) for k in range(GEN_BATCHES)]
+    return [model.generate_for_batch(b, max_new_tokens=8) for b in batches]
+
+
+def _pick_stop() -> int:
+    """A stop token the rows reach at different steps (so that the ranks' lockstep really matters)."""
+    hyps = [h for out in _gen_single(VOCAB) for h in out]  # VOCAB: never generated
+    return max(
+        sorted({t for h in hyps for t in h}), key=lambda t: len({h.index(t) if t in h else 8 for h in hyps})
+    )
+
+
+def _gen_worker(rank: int, world: int, stop: int) -> list[list[list[int]]]:
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from parallel.mesh import ParallelDims
+    from speechlm.train.distributed import FSDP_ENTRY_METHODS
+
+    torch.set_num_threads(1)
+    model = _gen_model(stop)
+    for unit in (*model.llm.model.layers, model.encoder, model.projector):
+        fully_shard(unit)  # every forward all-gathers over both ranks: unequal step counts would hang
+    fully_shard(model)
+    for name in FSDP_ENTRY_METHODS:
+        register_fsdp_forward_method(model, name)
+    comm = ParallelDims(world).collectives(rank)
+    batches = [make_conversation_batch(50 + k, 2 + k % 2) for k in range(GEN_BATCHES)]
+    return [model.generate_for_batch(b, max_new_tokens=8, keep_going=comm.any) for b in batches[rank::world]]
+
+
+@pytest.mark.multiproc
+def test_generate_for_batch_under_fsdp_equals_one_process():
+    """Each rank decodes other conversation batches (rows stopping at different steps) through the
+    FSDP-registered `generate_for_batch`; the answers equal one process's."""
+    stop = _pick_stop()
+    want = _gen_single(stop)
+    assert len({len(h) for out in want for h in out}) > 1
+    got = run_distributed(_gen_worker, 2, "gloo", stop, timeout_s=300)
+    assert got[0] == want[0::2] and got[1] == want[1::2]
