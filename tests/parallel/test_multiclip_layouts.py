@@ -47,6 +47,14 @@ CONV_LAYOUTS = [
 ]
 
 
+# four processes: TP rounding and dp x cp with multi-clip samples (slow: run with -m slow)
+CONV_LAYOUTS_4 = [
+    Layout("cp2-tp2-conv", 1, 2, 2, split_threshold=THRESHOLD, batches="conversations"),
+    Layout("dp2-cp2-conv", 2, 2, 1, split_threshold=THRESHOLD, batches="conversations"),
+    Layout("cp4-conv", 1, 4, 1, split_threshold=THRESHOLD, batches="text+audio"),
+]
+
+
 @functools.cache
 def reference(dp: int, batches: str) -> dict:
     return reference_run(tiny_config(), global_steps(N_STEPS, dp, batches=batches))
@@ -68,15 +76,17 @@ def _sample_lengths(batches: str = "conversations") -> list[tuple[list[int], lis
 @pytest.mark.multiproc
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_multiclip_layouts_match_single_process(backend):
-    skip_unless_backend(backend, 2)
-    got = run_distributed(rank_layouts, 2, backend, CONV_LAYOUTS, N_STEPS, backend, timeout_s=1100)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_multiclip_layouts_match_single_process(world, backend):
+    skip_unless_backend(backend, world)
+    layouts = CONV_LAYOUTS if world == 2 else CONV_LAYOUTS_4
+    got = run_distributed(rank_layouts, world, backend, layouts, N_STEPS, backend, timeout_s=1100)
     failed = []
-    for i, lay in enumerate(CONV_LAYOUTS):
+    for i, lay in enumerate(layouts):
         try:
             assert_matches(reference(lay.dp, lay.batches), [per_rank[i] for per_rank in got])
         except AssertionError as e:
-            failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, {lay.cp_attention}): {e}")
+            failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, tp={lay.tp}, {lay.cp_attention}): {e}")
     assert not failed, "\n".join(failed)
 
 
