@@ -85,7 +85,7 @@ def test_ctc_is_per_clip_and_clips_without_transcript_count_nothing(model):
             one.enc_hidden, one.enc_lens_B, batch.ctc_tokens[c : c + 1], lens[c : c + 1]
         )
         total = total + s
-    assert float(out.ctc_sum) == pytest.approx(float(total), rel=1e-5)
+    assert out.ctc_sum.item() == pytest.approx(total.item(), rel=1e-5)
     assert len(enc.embeds) == batch.audio.shape[0]
 
 
@@ -183,3 +183,22 @@ def test_rows_without_audio_train_and_a_batch_without_any_keeps_the_encoder_in_t
         assert grads and all(g is not None and float(g.abs().sum()) == 0.0 for g in grads)
     assert alone.n_clips == 0 and float(alone.ctc_sum) == 0.0
     assert len(model.generate_for_batch(text_only, max_new_tokens=3)) == 1
+
+
+def test_the_training_step_normalises_by_assistant_tokens_and_clips_with_a_transcript():
+    from parallel_harness import reference_run
+
+    from speechlm.train.step import StepContext, agree_step
+
+    cfg = tiny_config()
+    batches = [make_conv_batch(21, 3, VOCAB), make_conv_batch(22, 2, VOCAB)]
+    counts = agree_step(build_model(cfg), batches, StepContext()).counts
+    assert counts.tokens == sum(int(b.prompt_mask.sum()) for b in batches)
+    assert counts.clips == sum(int((b.ctc_token_lens > 0).sum()) for b in batches) > 0
+    model = build_model(cfg)
+    with torch.no_grad():
+        outs = [model(b) for b in batches]
+    ce = sum(float(o.ce_sum) for o in outs) / counts.tokens
+    ctc = sum(float(o.ctc_sum) for o in outs) / counts.clips
+    got = reference_run(cfg, [batches])["losses"][0]
+    assert got == pytest.approx(ce + cfg.model.ctc_weight * ctc, rel=1e-6)
