@@ -94,7 +94,7 @@ def test_clips_without_any_transcript_keep_the_ctc_head_in_the_graph(model):
     batch.ctc_token_lens = torch.zeros_like(batch.ctc_token_lens)
     model.zero_grad(set_to_none=True)
     out = model(batch)
-    assert float(out.ctc_sum) == 0.0 and out.n_clips == 0 == count_ctc_clips(batch)
+    assert out.ctc_sum.item() == 0.0 and out.n_clips == 0 == count_ctc_clips(batch)
     (out.ce_sum + out.ctc_sum).backward()
     assert model.ctc_head.weight.grad is not None and float(model.ctc_head.weight.grad.abs().sum()) == 0.0
 
@@ -176,12 +176,12 @@ def test_rows_without_audio_train_and_a_batch_without_any_keeps_the_encoder_in_t
         clip_sample=mixed.clip_sample - 1,
         indices=mixed.indices[1:],
     )
-    assert float(alone.ce_sum) + float(model(rest_rows).ce_sum) == pytest.approx(float(out.ce_sum), rel=1e-5)
+    assert alone.ce_sum.item() + model(rest_rows).ce_sum.item() == pytest.approx(out.ce_sum.item(), rel=1e-5)
     (alone.ce_sum + alone.ctc_sum).backward()  # the dummy clip: encoder and projector in the graph, weight 0
     for part in (model.encoder, model.projector, model.ctc_head):
         grads = [p.grad for p in part.parameters() if p.requires_grad]
         assert grads and all(g is not None and float(g.abs().sum()) == 0.0 for g in grads)
-    assert alone.n_clips == 0 and float(alone.ctc_sum) == 0.0
+    assert alone.n_clips == 0 and alone.ctc_sum.item() == 0.0
     assert len(model.generate_for_batch(text_only, max_new_tokens=3)) == 1
 
 
