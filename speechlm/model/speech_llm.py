@@ -216,6 +216,24 @@ def last_target_start(target_mask_L: Tensor, row: int = 0) -> int:
     return start
 
 
+def last_answer_start(ids_L: Tensor, target_mask_L: Tensor, answer_ids: Sequence[int], row: int = 0) -> int:
+    """Where the last answer starts: the start of the last target run, or, when that run holds
+    ``answer_ids`` (the row's last answer, `Batch.tokens`) later on, followed by at least one stop token,
+    the last such place (two answers labelled back to back make one run)."""
+    start = last_target_start(target_mask_L, row)
+    end = start
+    while end < target_mask_L.numel() and bool(target_mask_L[end]):
+        end += 1
+    n = len(answer_ids)
+    if n == 0:
+        return start
+    want = torch.as_tensor(list(answer_ids), dtype=ids_L.dtype)
+    for s in range(end - n - 1, start, -1):
+        if torch.equal(ids_L[s : s + n], want):
+            return s
+    return start
+
+
 def conversation_ctc_targets(batch: Any, n_clips: int) -> tuple[Tensor, Tensor]:
     """``(ctc_tokens [C, K], ctc_token_lens [C])`` of a conversation batch; none given: every clip 0."""
     tokens, lens = _optional_field(batch, "ctc_tokens"), _optional_field(batch, "ctc_token_lens")
@@ -678,9 +696,9 @@ class SpeechLLM(nn.Module):
     ) -> list[list[int]]:
         """Greedy answers for every row of a `speechlm.data.dataset.Batch` (ids without the stop token):
         a one-clip batch through `generate_greedy`; a conversation batch (``batch.prompt_ids`` set) from
-        each row's prompt up to the start of its last target run (the last assistant answer; an answer
-        labelled right after another one, with no context between them, continues that run), each
-        placeholder replaced by its clip's embeddings. ``use_cache``/``keep_going`` as in
+        each row's prompt up to the start of its last target run (the last assistant answer; where two
+        answers are labelled back to back, the place in that run where ``batch.tokens``, the last
+        answer, starts: `last_answer_start`), each placeholder replaced by its clip's embeddings. ``use_cache``/``keep_going`` as in
         `generate_greedy`; the training layer registers this method with FSDP like it."""
         if getattr(batch, "prompt_ids", None) is None:
             return self._greedy_transcripts(
@@ -697,9 +715,10 @@ class SpeechLLM(nn.Module):
                 audio, audio_lens = dummy_clip(audio, audio_lens)
             enc = self.encode_audio(audio, audio_lens)
             embeds = enc.embeds_of(range(len(clip_sample)))
+            answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
             rows, c = [], 0
             for b, ((ids, mask), k) in enumerate(zip(prompts, counts)):
-                head = ids[: last_target_start(mask, b)]
+                head = ids[: last_answer_start(ids, mask, answers[b], b)]
                 rows.append(self.splice_prompt(head, embeds[c : c + k], device))
                 c += k
             return self._decode(rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going)

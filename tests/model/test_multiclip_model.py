@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from multiclip_helpers import make_conv_batch, transcription_pair
+from multiclip_helpers import EOS, make_conv_batch, transcription_pair
 from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 
 from parallel.cp_layout import NullCPLayout
@@ -202,3 +202,40 @@ def test_the_training_step_normalises_by_assistant_tokens_and_clips_with_a_trans
     ctc = sum(float(o.ctc_sum) for o in outs) / counts.clips
     got = reference_run(cfg, [batches])["losses"][0]
     assert got == pytest.approx(ce + cfg.model.ctc_weight * ctc, rel=1e-6)
+
+
+def test_two_answers_back_to_back_decode_from_the_second():
+    """loss_turns=all labels two consecutive assistant turns as one run: the prompt is cut where the
+    last answer (`Batch.tokens`) starts, not where the run starts."""
+    from multiclip_helpers import collate, random_audio, renderer
+
+    from speechlm.data.conversation import AudioRef, Clip, Conversation, Turn
+    from speechlm.model.speech_llm import last_answer_start
+
+    conv = Conversation(
+        (
+            Turn("user", (AudioRef(0), "w20")),
+            Turn("assistant", ("w5 w30 w31",)),
+            Turn("assistant", ("w40 w41",)),
+        ),
+        (Clip("a.wav"),),
+    )
+    audio, lens = random_audio(torch.Generator().manual_seed(3), 1)
+    batch = collate([conv], audio, lens, renderer("all"))
+    ids, mask = batch.prompt_ids[0], batch.prompt_mask[0]
+    run = last_target_start(mask)
+    second = last_answer_start(ids, mask, [40, 41])
+    assert ids[run : run + 3].tolist() == [5, 30, 31] and ids[second : second + 2].tolist() == [40, 41]
+    assert int(ids[second - 1]) == EOS and second > run
+    assert last_answer_start(ids, mask, [40, 42]) == run  # not found: the run's start
+    m = build_model(tiny_config())
+    got = m.generate_for_batch(batch, max_new_tokens=4)
+    cut = dataclasses.replace(
+        batch,
+        prompt_ids=ids[None, : second + 3],
+        prompt_mask=torch.cat([torch.zeros(second, dtype=torch.bool), torch.ones(3, dtype=torch.bool)])[None],
+        prompt_lens=torch.tensor([second + 3]),
+    )  # the same context, the second answer alone labelled
+    assert got == m.generate_for_batch(cut, max_new_tokens=4)
+    whole_run = dataclasses.replace(batch, tokens=torch.tensor([[5, 30, 31]]), token_lens=torch.tensor([3]))
+    assert m.generate_for_batch(whole_run, max_new_tokens=4) != got  # cut at the run: another context
