@@ -11,7 +11,7 @@ from multiclip_helpers import EOS, make_conv_batch, transcription_pair
 from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 
 from parallel.cp_layout import NullCPLayout
-from speechlm.model.speech_llm import last_target_start
+from speechlm.model.conversation_inputs import last_target_start
 from speechlm.packing import pack_thd
 from speechlm.train.step import count_ctc_clips, count_targets
 
@@ -210,7 +210,7 @@ def test_two_answers_back_to_back_decode_from_the_second():
     from multiclip_helpers import collate, random_audio, renderer
 
     from speechlm.data.conversation import AudioRef, Clip, Conversation, Turn
-    from speechlm.model.speech_llm import last_answer_start
+    from speechlm.model.conversation_inputs import last_answer_start
 
     conv = Conversation(
         (

@@ -30,7 +30,7 @@ from test_parallel_equivalence import assert_matches
 from parallel.cp_layout import NullCPLayout, WholePlan, plan_for_clips
 from parallel.cp_placement import place_sequences
 from parallel.testing import run_distributed
-from speechlm.model.speech_llm import clips_per_sample, conversation_seq_lens
+from speechlm.model.conversation_inputs import clips_per_sample, conversation_seq_lens
 
 N_STEPS = 3
 THRESHOLD = 14  # the conversation samples are 8-20 tokens: whole and split ones in one micro-batch
