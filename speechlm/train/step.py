@@ -69,7 +69,11 @@ def count_targets(batch: Any, model: Any) -> int:
     if len(batch) == 0:
         return 0
     if getattr(batch, "prompt_ids", None) is not None:
-        return sum(int(m[:n].sum()) for m, n in zip(batch.prompt_mask, batch.prompt_lens.tolist()))
+        mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
+        within_BP = (
+            torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
+        )
+        return int((mask_BP & within_BP).sum())
     return int(sum(int(mask.sum()) for _, mask in model.build_prompts(batch.tokens, batch.token_lens)))
 
 
