@@ -1,6 +1,11 @@
 """The context-parallel layout of a model, as one typed object: place, encode, shard, attention context.
 
-Letters: B clips (= sequences) of a micro-batch, N audio samples, T packed tokens, H hidden.
+Letters: B clips of a micro-batch, N audio samples, T packed tokens, H hidden.
+
+Clips and sequences. A plan is per sequence (`place` sees sequence lengths); with one clip per sample
+clip i is sequence i. Samples with several clips (conversations) see the plan through
+`plan_for_clips(plan, clip_sample)`: each clip is encoded by its sequence's clip owner and gathered to
+every rank when its sequence is split, so a whole sequence's clips all stay on the rank that decodes it.
 
 A speech LLM's micro-batch goes through four CP decisions, in this order (`SpeechLLM.forward`):
 
@@ -42,10 +47,11 @@ from parallel.cp_attention import CPAttention, CPAttentionContext
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
 from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
+from parallel.dist_encode import dummy_clip as dummy_clip  # re-exported: the model's no-clip dummy
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
 
-__all__ = ["CPLayout", "CPPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan"]
+__all__ = ["CPLayout", "CPPlan", "ClipPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan", "plan_for_clips"]
 
 E = TypeVar("E")
 
@@ -130,6 +136,73 @@ class WholePlan:
 
 
 @dataclass(frozen=True)
+class ClipPlan:
+    """A plan whose samples hold any number of clips (conversations): the sequences are ``plan``'s, the
+    clips those of ``clip_sample`` (the sequence of each clip, non-decreasing). A clip lives where its
+    sequence lives: a whole sequence's clips are encoded by its owner and stay there; a split
+    sequence's clips are gathered to every rank. With ``clip_lens`` (frames per clip) the gathered
+    clips are dealt one by one, longest first, to the rank with the least encoding work so far (ties:
+    lower clip, lower rank), so that the clips of one long conversation do not all land on one
+    encoder; without, each goes to its sequence's clip owner. A function of the plan, ``clip_sample``
+    and ``clip_lens`` only, so identical on every CP rank."""
+
+    plan: CPPlan
+    clip_sample: tuple[int, ...]
+    clip_lens: tuple[int, ...] = ()
+    cp_size: int = 1
+
+    @property
+    def indices(self) -> list[int]:
+        return self.plan.indices
+
+    @property
+    def padded_lengths(self) -> list[int]:
+        return self.plan.padded_lengths
+
+    @property
+    def n_split(self) -> int:
+        return self.plan.n_split
+
+    @property
+    def clip_owners(self) -> list[int]:
+        per_seq = self.plan.clip_owners
+        owners = [per_seq[s] for s in self.clip_sample]
+        if not self.clip_lens or self.cp_size <= 1:
+            return owners
+        gathered = self.gathered
+        work = [0] * self.cp_size
+        for c, o in enumerate(owners):
+            if not gathered[c]:
+                work[o] += self.clip_lens[c]
+        for c in sorted((c for c, g in enumerate(gathered) if g), key=lambda c: (-self.clip_lens[c], c)):
+            r = min(range(self.cp_size), key=lambda r: (work[r], r))
+            owners[c] = r
+            work[r] += self.clip_lens[c]
+        return owners
+
+    @property
+    def gathered(self) -> list[bool]:
+        gathered = self.plan.gathered
+        return [gathered[s] for s in self.clip_sample]
+
+
+def plan_for_clips(
+    plan: CPPlan, clip_sample: Sequence[int], clip_lens: Sequence[int] = (), cp_size: int = 1
+) -> ClipPlan:
+    """``plan`` (per sequence) seen per clip: ``clip_sample[c]`` is the sequence of clip ``c``;
+    ``clip_lens`` (its frames) and ``cp_size`` spread the split sequences' clips (`ClipPlan`)."""
+    n = len(plan.clip_owners)
+    bad = [c for c, s in enumerate(clip_sample) if not 0 <= int(s) < n]
+    if bad:
+        raise ValueError(
+            f"clip {bad[0]} belongs to sequence {clip_sample[bad[0]]}, but the plan has {n} sequences"
+        )
+    if clip_lens and len(clip_lens) != len(clip_sample):
+        raise ValueError(f"got {len(clip_lens)} clip lengths for {len(clip_sample)} clips")
+    return ClipPlan(plan, tuple(int(s) for s in clip_sample), tuple(int(a) for a in clip_lens), int(cp_size))
+
+
+@dataclass(frozen=True)
 class NullCPLayout:
     """One CP rank: nothing is split, gathered or sharded (module docstring)."""
 
@@ -145,8 +218,11 @@ class NullCPLayout:
     def encode(
         self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
     ) -> PlacedEncoding[E]:
+        if audio_BN.shape[0] == 0:  # samples without audio only: a dummy keeps the encoder in the graph
+            embeds, extra = encode_fn(*dummy_clip(audio_BN, audio_lens_B))
+            return PlacedEncoding([], [], extra, 0.0, unused=list(embeds))
         embeds, extra = encode_fn(audio_BN, audio_lens_B)
-        return PlacedEncoding(list(embeds), plan.indices, extra)
+        return PlacedEncoding(list(embeds), list(range(len(embeds))), extra)
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

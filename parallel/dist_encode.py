@@ -11,8 +11,10 @@ clip (`CPPlacement.clip_owners`). Then `encode_placed`:
 1. Own clips. Rank r encodes the clips it owns in one ``encode_fn`` call: first those it must send
    (clips of split sequences), then those it keeps. A rank that owns no clip encodes a dummy (zero
    audio of ``dummy_len`` samples), so FSDP2's all-gathers and reduce-scatters of the encoder run the
-   same number of times on every rank. The placement only leaves a rank without a clip when some
-   clip is gathered.
+   same number of times on every rank. With one clip per sample the placement only leaves a rank
+   without a clip when some clip is gathered; with samples that hold no audio (conversations) a rank
+   may own only those: its dummy reaches no exchange and comes back in `PlacedEncoding.unused`, for
+   the caller to keep in its loss with weight 0.
 2. Gather. Frame counts U_i differ per clip, so each rank first all-gathers the frame counts of the
    clips it sends (a fixed-size int tensor), pads its sent rows to ``P = max_r`` and runs one
    DIFFERENTIABLE exchange (``parallel.collectives.gather_head_dim0``: all-gather forward,
@@ -38,14 +40,14 @@ clip. Dummies pass through batch statistics if the encoder has BatchNorm in trai
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["EncodeFn", "PlacedEncoding", "encode_placed"]
+__all__ = ["EncodeFn", "PlacedEncoding", "dummy_clip", "encode_placed"]
 
 E = TypeVar("E")
 EncodeFn = Callable[[Tensor, Tensor], tuple[list[Tensor], E]]
@@ -59,6 +61,16 @@ class PlacedEncoding(Generic[E]):
     clips: list[int]  # the clips this rank encoded, in the order of `extra`; empty: only a dummy
     extra: E  # encode_fn's extra for `clips` (or for the dummy clip)
     weight: float = 1.0  # 0.0 when `extra` is the dummy's: keep it in the graph, count nothing
+    # a dummy's embeddings that no exchange carries (this rank owns no clip and none is gathered:
+    # samples without audio): the caller keeps them in its loss with weight 0
+    unused: list[Tensor] = field(default_factory=list)
+
+
+def dummy_clip(audio_BN: Tensor, audio_lens_B: Tensor, dummy_len: int = 1600) -> tuple[Tensor, Tensor]:
+    """``(audio [1, dummy_len], lens [1])`` of silence: what a rank with no clip of its own encodes, so
+    that the encoder's collectives (FSDP) run the same number of times on every rank."""
+    audio = audio_BN.new_zeros((1, dummy_len))
+    return audio, torch.tensor([dummy_len], dtype=audio_lens_B.dtype, device=audio_lens_B.device)
 
 
 def _gather_frame_counts(
@@ -106,21 +118,18 @@ def encode_placed(
     sent = [[i for i, o in enumerate(owners) if o == r and gathered[i]] for r in range(cp_size)]
     kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i]]
     mine = sent[cp_rank] + kept  # gathered ones first: the head of the exchange below
-    if not mine and not any_gathered:
-        raise ValueError(
-            f"CP rank {cp_rank} owns no clip and none is gathered: it would have nothing in step with "
-            "the other ranks' encoder backward (the placement must give every rank work)"
-        )
     if mine:
         idx = torch.tensor(mine, dtype=torch.long, device=audio_BN.device)
         lens_b = audio_lens_B.index_select(0, idx)
         audio_bN = audio_BN.index_select(0, idx)[:, : int(lens_b.max())]
     else:
-        audio_bN = audio_BN.new_zeros((1, dummy_len))
-        lens_b = torch.tensor([dummy_len], dtype=audio_lens_B.dtype, device=audio_lens_B.device)
+        audio_bN, lens_b = dummy_clip(audio_BN, audio_lens_B, dummy_len)
     local_embeds, extra = encode_fn(audio_bN, lens_b)
     embeds: list[Tensor | None] = [None] * num_clips
     result = PlacedEncoding(embeds, mine, extra, 1.0 if mine else 0.0)
+    if not mine and not any_gathered:  # samples without audio only: the dummy reaches no exchange
+        result.unused = list(local_embeds)
+        return result
     if not any_gathered:
         for i, e in zip(mine, local_embeds):
             embeds[i] = e

@@ -4,9 +4,13 @@ Letters: N utterances, L one prompt's length (before audio expansion), A one cli
 T packed tokens (all utterances, padding included), B batch rows, S padded row length, H hidden,
 M supervised positions.
 
-A prompt is ``ids_L`` plus ``target_mask_L`` (see ``speechlm.prompt``) and holds exactly one
-``audio_id`` placeholder. Packing replaces that placeholder by the clip's ``A`` audio slots, so an
-utterance has ``seq_len = L - 1 + A`` positions.
+A prompt is ``ids_L`` plus ``target_mask_L`` (see ``speechlm.prompt``) and holds one ``audio_id``
+placeholder per audio clip: exactly one (a transcription prompt, the default), or ``clip_counts[i]``
+for a conversation (`speechlm.prompt.ConversationRenderer`: several clips, several turns). Packing
+replaces each placeholder by its clip's ``A_c`` audio slots, in place, so an utterance with ``k``
+clips has ``seq_len = L - k + sum_c A_c`` positions. Audio lengths and embeddings are per clip,
+flattened in prompt order: prompt 0's clips in the order of its placeholders, then prompt 1's, ...
+``cu_seqlens`` stay per utterance (a sequence is a sample, whatever its number of clips).
 
 Labels. ``shift_labels_within`` is the one place where labels are shifted:
 ``labels[t] = ids[t + 1]`` when position ``t + 1`` is a target *of the same sequence*, else
@@ -101,7 +105,8 @@ class PackLayout:
     cu_seqlens: Tensor  # int32 [N + 1], cumulative padded lengths
     max_seqlen: int  # max padded length
     seq_lens: list[int]  # unpadded lengths (audio expanded)
-    audio_lens: list[int]  # audio slots per utterance (checked by splice_embeddings)
+    audio_lens: list[int]  # audio slots per clip, in prompt order (checked by splice_embeddings)
+    clip_counts: list[int] | None = None  # clips per utterance; None: one each
 
     @property
     def num_tokens(self) -> int:
@@ -120,20 +125,36 @@ def _as_prompt(i: int, prompt: Prompt) -> Prompt:
     return ids_L, mask_L
 
 
-def _check_audio_lens(audio_lens: Sequence[int], n: int) -> list[int]:
+def _check_audio_lens(
+    audio_lens: Sequence[int], n: int, clip_counts: Sequence[int] | None = None
+) -> list[int]:
     lens = [int(a) for a in audio_lens]
-    if len(lens) != n:
-        raise ValueError(f"got {n} prompts but {len(lens)} audio lengths; pass one clip per prompt")
+    if clip_counts is None:
+        if len(lens) != n:
+            raise ValueError(f"got {n} prompts but {len(lens)} audio lengths; pass one clip per prompt")
+    elif len(clip_counts) != n or sum(int(k) for k in clip_counts) != len(lens):
+        raise ValueError(
+            f"got {n} prompts with clip_counts {list(clip_counts)} (one count per prompt) but {len(lens)} "
+            "audio lengths; pass one length per clip, prompt 0's clips first"
+        )
     for i, a in enumerate(lens):
         if a < 0:
-            raise ValueError(f"utterance {i}: audio length {a} is negative")
+            raise ValueError(
+                f"{'utterance' if clip_counts is None else 'clip'} {i}: audio length {a} is negative"
+            )
     return lens
 
 
-def _raise_placeholder_error(i: int, count: int, audio_id: int) -> None:
+def _raise_placeholder_error(i: int, count: int, audio_id: int, expected: int = 1) -> None:
+    if expected == 1:
+        raise ValueError(
+            f"utterance {i}: prompt holds {count} audio placeholders (audio_id={audio_id}), expected exactly "
+            "one; build prompts with speechlm.prompt.build_prompt and keep audio_id out of the text vocabulary"
+        )
     raise ValueError(
-        f"utterance {i}: prompt holds {count} audio placeholders (audio_id={audio_id}), expected exactly "
-        "one; build prompts with speechlm.prompt.build_prompt and keep audio_id out of the text vocabulary"
+        f"utterance {i}: prompt holds {count} audio placeholders (audio_id={audio_id}) but the sample has "
+        f"{expected} clip(s); render it with speechlm.prompt.ConversationRenderer (one placeholder per clip "
+        "reference) and keep audio_id out of the text vocabulary"
     )
 
 
@@ -146,18 +167,20 @@ def plan_thd(
     tp: int = 1,
     pad_to_multiple: int | None = None,
     padded_lengths: Sequence[int] | None = None,
+    clip_counts: Sequence[int] | None = None,
 ) -> PackLayout:
     """Lay out the prompts as one THD stream: expand audio, shift labels, round, build cu_seqlens.
 
-    ``padded_lengths`` (dynamic CP: `parallel.cp_placement`) gives every sequence's padded length
+    ``audio_lens``: per clip, in prompt order; ``clip_counts``: the clips of each prompt (None: one
+    each). ``padded_lengths`` (dynamic CP: `parallel.cp_placement`) gives every sequence's padded length
     instead of the `round_lengths` rule; each must be at least the sequence's length.
 
     Vectorised: the prompts are concatenated, and one end-of-utterance marker per utterance is
     appended to carry its padding. ``repeat_interleave`` then expands each entry by its repeat
-    count (1 for a text token, ``A_i`` for the placeholder, the padding amount for the marker).
+    count (1 for a text token, ``A_c`` for clip c's placeholder, the padding amount for the marker).
     """
     n = len(prompts)
-    lens_audio = _check_audio_lens(audio_lens, n)
+    lens_audio = _check_audio_lens(audio_lens, n, clip_counts)
     pairs = [_as_prompt(i, p) for i, p in enumerate(prompts)]
     if n == 0:
         empty_l = torch.zeros(0, dtype=torch.long)
@@ -172,16 +195,21 @@ def plan_thd(
 
     is_audio = ids_cat == audio_id
     counts = torch.bincount(utt_of_token[is_audio], minlength=n)
-    bad = torch.nonzero(counts != 1).flatten()
+    expected = torch.ones(n, dtype=torch.long) if clip_counts is None else torch.tensor(clip_counts).long()
+    bad = torch.nonzero(counts != expected).flatten()
     if bad.numel():
         i = int(bad[0])
-        _raise_placeholder_error(i, int(counts[i]), audio_id)
+        _raise_placeholder_error(i, int(counts[i]), audio_id, 1 if clip_counts is None else int(expected[i]))
     supervised_audio = torch.nonzero(is_audio & mask_cat).flatten()
     if supervised_audio.numel():
         i = int(utt_of_token[supervised_audio[0]])
         raise ValueError(f"utterance {i}: the audio placeholder is marked as a target; it must not be")
 
-    seq_lens_t = prompt_lens - 1 + torch.tensor(lens_audio, dtype=torch.long)
+    # placeholders in stream order are the clips in prompt order: clip c belongs to utt_of_token there
+    audio_of_utt = torch.zeros(n, dtype=torch.long).index_add_(
+        0, utt_of_token[is_audio], torch.tensor(lens_audio, dtype=torch.long)
+    )
+    seq_lens_t = prompt_lens - counts + audio_of_utt
     seq_lens = seq_lens_t.tolist()
     if padded_lengths is None:
         padded = round_lengths(seq_lens, cp=cp, tp=tp, total_multiple=pad_to_multiple)
@@ -234,16 +262,20 @@ def plan_thd(
         max_seqlen=max(padded),
         seq_lens=seq_lens,
         audio_lens=lens_audio,
+        clip_counts=None if clip_counts is None else [int(k) for k in clip_counts],
     )
 
 
-def _check_audio_embeds(audio_embeds: Sequence[Tensor], audio_lens: Sequence[int], hidden: int) -> None:
+def _check_audio_embeds(
+    audio_embeds: Sequence[Tensor], audio_lens: Sequence[int], hidden: int, one_clip: bool = True
+) -> None:
+    what = "utterance" if one_clip else "clip"
     if len(audio_embeds) != len(audio_lens):
-        raise ValueError(f"got {len(audio_embeds)} audio embeddings for {len(audio_lens)} utterances")
+        raise ValueError(f"got {len(audio_embeds)} audio embeddings for {len(audio_lens)} {what}s")
     for i, (emb, a) in enumerate(zip(audio_embeds, audio_lens)):
         if emb.dim() != 2 or emb.shape[0] != a or emb.shape[1] != hidden:
             raise ValueError(
-                f"utterance {i}: audio embeddings have shape {tuple(emb.shape)}, expected ({a}, {hidden}) "
+                f"{what} {i}: audio embeddings have shape {tuple(emb.shape)}, expected ({a}, {hidden}) "
                 "(audio length used to plan the pack, text hidden size)"
             )
 
@@ -259,7 +291,7 @@ def splice_embeddings(layout: PackLayout, text_embeds_TH: Tensor, audio_embeds: 
             f"text embeddings have shape {tuple(text_embeds_TH.shape)}, expected ({layout.num_tokens}, H)"
         )
     H = text_embeds_TH.shape[1]
-    _check_audio_embeds(audio_embeds, layout.audio_lens, H)
+    _check_audio_embeds(audio_embeds, layout.audio_lens, H, layout.clip_counts is None)
     device = text_embeds_TH.device
     audio_mask_T = layout.audio_mask_T.to(device)
     drop_T1 = (audio_mask_T | layout.pad_mask_T.to(device)).unsqueeze(1)
@@ -308,9 +340,11 @@ def pack_thd(
     tp: int = 1,
     pad_to_multiple: int | None = None,
     padded_lengths: Sequence[int] | None = None,
+    clip_counts: Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
-    """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's)."""
+    """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's).
+    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each)."""
     layout = plan_thd(
         prompts,
         [int(e.shape[0]) for e in audio_embeds],
@@ -319,6 +353,7 @@ def pack_thd(
         tp=tp,
         pad_to_multiple=pad_to_multiple,
         padded_lengths=padded_lengths,
+        clip_counts=clip_counts,
     )
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     inputs_embeds = splice_embeddings(layout, embed_tokens(layout.input_ids_T.to(dev)), audio_embeds)
@@ -345,19 +380,23 @@ class PaddedBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-def _expand_prompt(i: int, prompt: Prompt, audio_len: int, audio_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Return ``(ids, target_mask, audio_mask)`` of one utterance with the placeholder expanded."""
+def _expand_prompt(
+    i: int, prompt: Prompt, audio_lens: Sequence[int], audio_id: int, one_clip: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Return ``(ids, target_mask, audio_mask)`` of one utterance with each placeholder expanded to its
+    clip's length (``audio_lens``, in placeholder order)."""
     ids_L, mask_L = _as_prompt(i, prompt)
     where = torch.nonzero(ids_L == audio_id).flatten()
-    if where.numel() != 1:
-        _raise_placeholder_error(i, where.numel(), audio_id)
-    k = int(where[0])
-    if bool(mask_L[k]):
+    if where.numel() != len(audio_lens):
+        _raise_placeholder_error(i, where.numel(), audio_id, 1 if one_clip else len(audio_lens))
+    if bool(mask_L[where].any()):
         raise ValueError(f"utterance {i}: the audio placeholder is marked as a target; it must not be")
-    ids = torch.cat([ids_L[:k], torch.zeros(audio_len, dtype=torch.long), ids_L[k + 1 :]])
-    mask = torch.cat([mask_L[:k], torch.zeros(audio_len, dtype=torch.bool), mask_L[k + 1 :]])
-    audio = torch.zeros(ids.shape[0], dtype=torch.bool)
-    audio[k : k + audio_len] = True
+    repeats = torch.ones(ids_L.shape[0], dtype=torch.long)
+    repeats[where] = torch.tensor([int(a) for a in audio_lens], dtype=torch.long)
+    is_audio = ids_L == audio_id
+    ids = torch.repeat_interleave(torch.where(is_audio, 0, ids_L), repeats)
+    mask = torch.repeat_interleave(mask_L, repeats)
+    audio = torch.repeat_interleave(is_audio, repeats)
     return ids, mask, audio
 
 
@@ -368,14 +407,21 @@ def pack_bshd(
     *,
     audio_id: int,
     pad_to_multiple: int = 1,
+    clip_counts: Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> PaddedBatch:
-    """Right-pad each expanded utterance to ``S = round_up(max seq_len, pad_to_multiple)``."""
+    """Right-pad each expanded utterance to ``S = round_up(max seq_len, pad_to_multiple)``.
+    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each)."""
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     B = len(prompts)
-    lens_audio = _check_audio_lens([int(e.shape[0]) for e in audio_embeds], B)
-    rows = [_expand_prompt(i, p, a, audio_id) for i, (p, a) in enumerate(zip(prompts, lens_audio))]
+    lens_audio = _check_audio_lens([int(e.shape[0]) for e in audio_embeds], B, clip_counts)
+    counts = [1] * B if clip_counts is None else [int(k) for k in clip_counts]
+    starts = [sum(counts[:i]) for i in range(B)]
+    rows = [
+        _expand_prompt(i, p, lens_audio[starts[i] : starts[i] + counts[i]], audio_id, clip_counts is None)
+        for i, p in enumerate(prompts)
+    ]
     seq_lens = [r[0].shape[0] for r in rows]
     S = -(-max(seq_lens, default=0) // pad_to_multiple) * pad_to_multiple
     ids_BS = torch.zeros(B, S, dtype=torch.long)
@@ -393,7 +439,7 @@ def pack_bshd(
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     text_BSH = embed_tokens(ids_BS.to(dev))
     H = text_BSH.shape[-1]
-    _check_audio_embeds(audio_embeds, lens_audio, H)
+    _check_audio_embeds(audio_embeds, lens_audio, H, clip_counts is None)
     audio_flat = audio_BS.flatten().to(dev)
     drop = (audio_flat | (attn_BS.flatten().to(dev) == 0)).unsqueeze(1)
     out_TH = text_BSH.reshape(B * S, H).masked_fill(drop, 0.0)

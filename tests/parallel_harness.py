@@ -88,9 +88,31 @@ def make_batch(seed: int, n_clips: int) -> Batch:
     )
 
 
-def global_steps(n_steps: int, dp: int, seed: int = 0) -> list[list[Batch]]:
-    """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work."""
-    return [[make_batch(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
+def make_conversation_batch(seed: int, n_rows: int) -> Batch:
+    """A conversation batch (`multiclip_helpers.make_conv_batch`): rows of 1-3 clips and one or two
+    answers, CTC transcripts on some clips only."""
+    from multiclip_helpers import make_conv_batch
+
+    return make_conv_batch(seed, n_rows, VOCAB)
+
+
+def make_text_and_audio_batch(seed: int, n_rows: int) -> Batch:
+    """`make_conversation_batch` whose first row holds no audio (under CP a rank may own no clip)."""
+    from multiclip_helpers import make_conv_batch
+
+    return make_conv_batch(seed, n_rows, VOCAB, text_rows=1)
+
+
+def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -> list[list[Batch]]:
+    """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
+    ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`)
+    or "text+audio" (`make_text_and_audio_batch`)."""
+    make = {
+        "clips": make_batch,
+        "conversations": make_conversation_batch,
+        "text+audio": make_text_and_audio_batch,
+    }[batches]
+    return [[make(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
 
 
 def build_model(cfg: ExperimentConfig, added_token_ids: Any = None) -> Any:
@@ -166,6 +188,7 @@ def rank_run(
     split_threshold: int | str = 9,
     backend: str = "gloo",
     overrides: tuple[str, ...] = (),
+    batches: str = "clips",
 ) -> dict[str, Any] | None:
     """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share (on cuda:rank
     under NCCL; the results come back on the CPU)."""
@@ -181,7 +204,7 @@ def rank_run(
     cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold, overrides)
     model = build_model(cfg).to(device)
     ctx = build_distributed_context(model, dims, cfg, device)
-    steps = global_steps(n_steps, dims.dp)
+    steps = global_steps(n_steps, dims.dp, batches=batches)
     d = dims.dp_rank(rank)
     out = to_cpu(run_steps(model, ctx, cfg, [[batch_to(s[d], device)] for s in steps]))
     return out if rank == 0 else {"losses": out["losses"]}
@@ -197,6 +220,7 @@ class Layout(NamedTuple):
     cp_attention: str = "ring"
     split_threshold: int | str = 9
     overrides: tuple[str, ...] = ()  # config overrides of the model (e.g. model.llm.train=lora)
+    batches: str = "clips"  # or "conversations" (several clips per row: `global_steps`)
 
     @property
     def world(self) -> int:
@@ -223,6 +247,7 @@ def rank_layouts(
                 lay.split_threshold,
                 backend,
                 lay.overrides,
+                lay.batches,
             )
         )
     return out

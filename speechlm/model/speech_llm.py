@@ -37,23 +37,36 @@ projector and the CTC head run on packed frames (`speechlm.model.packed_encoder`
 then `PackedFrames`), equal per utterance to the padded path. Greedy decoding lives in
 `speechlm.model.generation` (batched KV cache; the prefix-recompute decoder is kept as the oracle).
 
-FSDP2 hooks ``forward``; `generate_greedy` is the only other entry point the training layer
-registers (``register_fsdp_forward_method``).
+Conversation batches (``batch.prompt_ids`` set): the prompts come with the batch (one placeholder per
+clip, the assistant turns labelled), the batch holds C clips (``clip_sample`` the row of each), the
+placement stays per row and each clip is encoded where its row lives (`parallel.cp_layout.plan_for_clips`),
+CTC is per clip (`forward`). `generate_for_batch` decodes each row from the start of its last answer.
+
+FSDP2 hooks ``forward``; `generate_greedy` and `generate_for_batch` are the other entry points the
+training layer registers (``register_fsdp_forward_method``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout
+from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, dummy_clip, plan_for_clips
 from speechlm.config import ModelConfig
 from speechlm.model.attention import ensure_registered, get_backend
+from speechlm.model.conversation_inputs import (
+    clips_per_sample,
+    conversation_ctc_targets,
+    conversation_prompts,
+    conversation_seq_lens,
+    last_answer_start,
+    optional_field,
+)
 from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
@@ -89,6 +102,9 @@ class EncoderOutput:
     # CTC counts once); empty: enc_hidden is a dummy clip's, kept in the graph with ctc_weight 0
     ctc_rows: list[int]
     ctc_weight: float = 1.0
+    # a dummy clip's embeddings no sample uses (this rank has no clip: samples without audio); the
+    # loss keeps them with weight 0 so the projector and encoder stay in every rank's backward
+    unused: list[Tensor] = field(default_factory=list)
 
     @property
     def enc_lens(self) -> Tensor:
@@ -233,7 +249,12 @@ class SpeechLLM(nn.Module):
         ]
 
     def ctc_loss_sum(
-        self, enc_hidden: PackedFrames | Tensor, enc_lens_B: Tensor, tokens_BL: Tensor, token_lens_B: Tensor
+        self,
+        enc_hidden: PackedFrames | Tensor,
+        enc_lens_B: Tensor,
+        tokens_BL: Tensor,
+        token_lens_B: Tensor,
+        weights_B: Tensor | None = None,
     ) -> tuple[Tensor, int]:
         """Summed CTC loss over the batch (fp32, blank = ctc_blank_id, impossible alignments count 0).
 
@@ -241,7 +262,8 @@ class SpeechLLM(nn.Module):
         loss kernel gets them laid out as ``[max U, B, V]`` and reads each clip's first U_b frames) or
         a padded ``[B, U, E]`` tensor. ``tokens_BL``/``token_lens_B`` are the batch's transcript tokens
         as collated, language tag first; the first ``ctc_skip_leading`` tokens (the tag) are dropped
-        here (`ctc_targets`).
+        here (`ctc_targets`). ``weights_B``: a weight per clip (conversations: 0 for a clip without a
+        transcript); None sums every clip.
         """
         if self.ctc_head is None:
             raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
@@ -264,9 +286,11 @@ class SpeechLLM(nn.Module):
                 lens_B,
                 target_lens_B,
                 blank=self.ctc_blank_id,
-                reduction="sum",
+                reduction="sum" if weights_B is None else "none",
                 zero_infinity=True,
             )
+            if weights_B is not None:
+                loss = (loss * weights_B.to(device=device, dtype=loss.dtype)).sum()
         return loss, n_clips
 
     def ctc_targets(self, tokens_BL: Tensor, token_lens_B: Tensor) -> tuple[Tensor, Tensor]:
@@ -353,18 +377,24 @@ class SpeechLLM(nn.Module):
 
         res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan)
         enc_hidden, enc_lens_B = res.extra
-        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight)
+        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
 
-    def ctc_of(self, enc: EncoderOutput, tokens_BL: Tensor, token_lens_B: Tensor) -> Tensor:
+    def ctc_of(
+        self, enc: EncoderOutput, tokens_BL: Tensor, token_lens_B: Tensor, *, per_clip: bool = False
+    ) -> Tensor:
         """Weighted CTC sum of the clips in ``enc`` (a dummy clip's with weight 0: the head stays in
-        the graph, FSDP's reduce-scatter of it runs on every rank)."""
+        the graph, FSDP's reduce-scatter of it runs on every rank). ``per_clip`` (conversations): the
+        rows of ``tokens_BL`` are clips, and a clip of length 0 (no transcript) gets weight 0."""
+        weights = None
         if enc.ctc_rows:
             tokens, lens = tokens_BL[enc.ctc_rows], token_lens_B[enc.ctc_rows]
+            if per_clip:
+                weights = (lens > 0).to(torch.float32)
         else:
             n = len(enc.enc_lens_B)
             tokens = torch.full((n, 2), self.eos_id, dtype=torch.long, device=tokens_BL.device)
             lens = torch.full((n,), 2, dtype=torch.long, device=tokens_BL.device)
-        ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens, lens)
+        ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens, lens, weights)
         return ctc_sum * enc.ctc_weight
 
     def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
@@ -374,6 +404,12 @@ class SpeechLLM(nn.Module):
         ``self.cp_layout``) or pad (BSHD), decode. Training, the teacher-forced validation loss and the
         tests all run this.
 
+        A conversation batch (``prompt_ids`` set: `speechlm.data.dataset.Batch`) brings its own prompts
+        (`conversation_prompts`) and C clips (``audio`` [C, N], ``clip_sample`` [C]); each clip is
+        spliced at its placeholder, the CP plan is per sample and a clip lives where its sample lives
+        (`parallel.cp_layout.plan_for_clips`), CTC runs per clip against ``ctc_tokens`` (clips of
+        length 0 count nothing) and ``n_clips`` counts the clips with a CTC target.
+
         A frozen encoder runs without autograd inside `encode_audio`; the projector still trains."""
         lay = self.cp_layout
         if not self.cfg.packed_sequences and lay.cp_size > 1:
@@ -382,15 +418,30 @@ class SpeechLLM(nn.Module):
                 "attention path; set model.packed_sequences=true"
             )
         audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
-        tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
-        prompts = self.build_prompts(tokens_BL, token_lens_B)
         # placement first, from lengths known before encoding
         audio_lens = self.audio_embed_lengths(audio_lens_B)
-        plan = lay.place([int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)])
-        enc = self.encode_for_layout(audio_BN, audio_lens_B, plan, freeze_encoder=encoder_frozen)
-        ctc_sum = self.ctc_of(enc, tokens_BL, token_lens_B) if self.ctc_head is not None else None
+        clip_counts: list[int] | None = None
+        if optional_field(batch, "prompt_ids") is not None:
+            prompts, clip_sample = self.conversation_prompts(batch)
+            clip_counts = clips_per_sample(clip_sample, len(prompts))
+            seq_lens = conversation_seq_lens(prompts, clip_counts, audio_lens)
+            plan = lay.place(seq_lens)
+            enc_plan: CPPlan = plan_for_clips(plan, clip_sample, audio_lens, lay.cp_size)
+            ctc_tokens, ctc_lens = conversation_ctc_targets(batch, len(clip_sample))
+            n_clips = int((ctc_lens > 0).sum())
+        else:
+            tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
+            prompts = self.build_prompts(tokens_BL, token_lens_B)
+            plan = enc_plan = lay.place(
+                [int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)]
+            )
+            ctc_tokens, ctc_lens, n_clips = tokens_BL, token_lens_B, len(prompts)
+        enc = self.encode_for_layout(audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen)
+        ctc_sum = None
+        if self.ctc_head is not None:
+            ctc_sum = self.ctc_of(enc, ctc_tokens, ctc_lens, per_clip=clip_counts is not None)
         if self.cfg.packed_sequences:
-            packed = self.pack_for_layout(prompts, enc, plan, audio_BN.device)
+            packed = self.pack_for_layout(prompts, enc, plan, audio_BN.device, clip_counts)
             ce_sum, _ = self.forward_packed(packed)
             n_labelled = sum(int(mask.sum()) for _, mask in prompts)  # the whole micro-batch's
         else:
@@ -398,30 +449,52 @@ class SpeechLLM(nn.Module):
 
             padded = pack_bshd(
                 prompts,
-                enc.embeds_of(range(len(prompts))),
+                enc.embeds_of(range(len(enc.embeds))),
                 self.embed_tokens,
                 audio_id=self.audio_id,
                 pad_to_multiple=self.cfg.pad_to_multiple or lay.tp,
+                clip_counts=clip_counts,
             )
             ce_sum, n_labelled = self.forward_padded(padded)
+        for e in enc.unused:  # weight 0: in the graph, counts nothing
+            ce_sum = ce_sum + 0.0 * e.sum()
         return MicroLosses(
-            ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=len(prompts)
+            ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=n_clips
         )
 
+    def conversation_prompts(self, batch: Any) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
+        """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch: each row's
+        rendered prompt (``prompt_ids``/``prompt_mask`` cut to ``prompt_lens``) and the row of each clip."""
+        return conversation_prompts(batch, self.audio_id)
+
     def pack_for_layout(
-        self, prompts: list[tuple[Tensor, Tensor]], enc: EncoderOutput, plan: CPPlan, device: torch.device
+        self,
+        prompts: list[tuple[Tensor, Tensor]],
+        enc: EncoderOutput,
+        plan: CPPlan,
+        device: torch.device,
+        clip_counts: Sequence[int] | None = None,
     ) -> PackedBatch:
         """This rank's THD stream: its sequences of ``plan`` packed to their padded lengths, then its
-        share of them (`CPLayout.shard`)."""
+        share of them (`CPLayout.shard`). ``clip_counts``: clips per sequence (None: one each)."""
         from speechlm.packing import pack_thd
 
         local = plan.indices
+        local_counts = None
+        clips: Sequence[int] = local
+        if clip_counts is not None:
+            starts = [0]
+            for k in clip_counts:
+                starts.append(starts[-1] + k)
+            clips = [c for i in local for c in range(starts[i], starts[i + 1])]
+            local_counts = [clip_counts[i] for i in local]
         packed = pack_thd(
             [prompts[i] for i in local],
-            enc.embeds_of(local),
+            enc.embeds_of(clips),
             self.embed_tokens,
             audio_id=self.audio_id,
             padded_lengths=plan.padded_lengths,
+            clip_counts=local_counts,
             device=device,
         )
         parts, cu, max_len = self.cp_layout.shard(
@@ -466,8 +539,21 @@ class SpeechLLM(nn.Module):
         recomputes the prefix at every step (the oracle). ``keep_going``: the lockstep hook for
         sharded validation under FSDP (see that module).
         """
-        from speechlm.model.generation import greedy_recompute, greedy_with_cache
+        return self._greedy_transcripts(
+            audio_BN, audio_lens_B, max_new_tokens, lang_id, use_cache, keep_going
+        )
 
+    def _greedy_transcripts(
+        self,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        max_new_tokens: int,
+        lang_id: int | None,
+        use_cache: bool,
+        keep_going: Any,
+    ) -> list[list[int]]:
+        """`generate_greedy`'s body (also `generate_for_batch`'s for one-clip batches: each FSDP entry
+        method calls it, never the other entry method)."""
         was_training = self.training
         self.eval()
         try:
@@ -484,28 +570,23 @@ class SpeechLLM(nn.Module):
                 tag = self.embed_tokens(torch.tensor([lang_id], device=device))
                 prompts = [torch.cat([p, tag]) for p in prompts]
                 budget, prefix = max_new_tokens - 1, [int(lang_id)]
-            if use_cache and self.backend.caps.bshd:
-                outputs = greedy_with_cache(
-                    self.llm,
-                    self.embed_tokens,
-                    prompts,
-                    eos_id=self.prompt.stop_id,
-                    max_new_tokens=budget,
-                    keep_going=keep_going,
-                )
-            else:
-                outputs = greedy_recompute(
-                    self.llm,
-                    self.embed_tokens,
-                    prompts,
-                    eos_id=self.prompt.stop_id,
-                    max_new_tokens=budget,
-                    thd=self.backend.caps.thd,
-                    keep_going=keep_going,
-                )
+            outputs = self._decode(prompts, budget, use_cache=use_cache, keep_going=keep_going)
             return [prefix + o for o in outputs]
         finally:
             self.train(was_training)
+
+    def _decode(
+        self, prompts: list[Tensor], max_new_tokens: int, *, use_cache: bool, keep_going: Any
+    ) -> list[list[int]]:
+        """Greedy continuations of the prompt embeddings (`speechlm.model.generation`)."""
+        from speechlm.model.generation import greedy_recompute, greedy_with_cache
+
+        kw: dict[str, Any] = dict(
+            eos_id=self.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going
+        )
+        if use_cache and self.backend.caps.bshd:
+            return greedy_with_cache(self.llm, self.embed_tokens, prompts, **kw)
+        return greedy_recompute(self.llm, self.embed_tokens, prompts, thd=self.backend.caps.thd, **kw)
 
     @torch.no_grad()
     def generate_for_batch(
@@ -513,16 +594,47 @@ class SpeechLLM(nn.Module):
     ) -> list[list[int]]:
         """Greedy answers for every row of a `speechlm.data.dataset.Batch` (ids without the stop token):
         a one-clip batch through `generate_greedy`; a conversation batch (``batch.prompt_ids`` set) from
-        each row's prompt up to the start of its last answer."""
-        if getattr(batch, "prompt_ids", None) is not None:
-            raise NotImplementedError("greedy decoding of conversation batches")
-        return self.generate_greedy(
-            batch.audio,
-            batch.audio_lens,
-            max_new_tokens=max_new_tokens,
-            use_cache=use_cache,
-            keep_going=keep_going,
-        )
+        each row's prompt up to the start of its last target run (the last assistant answer; where two
+        answers are labelled back to back, the place in that run where ``batch.tokens``, the last
+        answer, starts: `last_answer_start`), each placeholder replaced by its clip's embeddings. ``use_cache``/``keep_going`` as in
+        `generate_greedy`; the training layer registers this method with FSDP like it."""
+        if getattr(batch, "prompt_ids", None) is None:
+            return self._greedy_transcripts(
+                batch.audio, batch.audio_lens, max_new_tokens, None, use_cache, keep_going
+            )
+        was_training = self.training
+        self.eval()
+        try:
+            device = next(self.parameters()).device
+            prompts, clip_sample = self.conversation_prompts(batch)
+            counts = clips_per_sample(clip_sample, len(prompts))
+            audio, audio_lens = batch.audio.to(device), batch.audio_lens.to(device)
+            if not clip_sample:  # rows without audio: a dummy keeps FSDP's encoder collectives in step
+                audio, audio_lens = dummy_clip(audio, audio_lens)
+            enc = self.encode_audio(audio, audio_lens)
+            embeds = enc.embeds_of(range(len(clip_sample)))
+            answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
+            rows, c = [], 0
+            for b, ((ids, mask), k) in enumerate(zip(prompts, counts)):
+                head = ids[: last_answer_start(ids, mask, answers[b], b)]
+                rows.append(self.splice_prompt(head, embeds[c : c + k], device))
+                c += k
+            return self._decode(rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going)
+        finally:
+            self.train(was_training)
+
+    def splice_prompt(self, ids_L: Tensor, clips: Sequence[Tensor], device: torch.device) -> Tensor:
+        """``[P, H]``: the text ids embedded piece by piece, each ``audio_id`` replaced by the next clip
+        (clips past the last placeholder in ``ids_L`` are not used)."""
+        where = torch.nonzero(ids_L == self.audio_id).flatten().tolist()
+        pieces, start = [], 0
+        for j, k in enumerate(where):
+            pieces.append(self.embed_tokens(ids_L[start:k].to(device)))
+            pieces.append(clips[j])
+            start = k + 1
+        pieces.append(self.embed_tokens(ids_L[start:].to(device)))
+        dtype = pieces[0].dtype
+        return torch.cat([p.to(dtype) for p in pieces])
 
     # ------------------------------------------------------------------------------------------
     # Parameters

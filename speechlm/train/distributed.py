@@ -77,7 +77,7 @@ def parallelize_speech_llm(
 
 
 # SpeechLLM methods besides forward() that the training layer calls from outside (evaluation)
-FSDP_ENTRY_METHODS = ("generate_greedy",)
+FSDP_ENTRY_METHODS = ("generate_greedy", "generate_for_batch")
 
 
 def build_distributed_context(

@@ -64,10 +64,26 @@ class StepAgreement:
 
 
 def count_targets(batch: Any, model: Any) -> int:
-    """Labelled tokens of a micro-batch: the transcript tokens and EOS of every utterance."""
+    """Labelled tokens of a micro-batch: the transcript tokens and EOS of every utterance (a conversation
+    batch: its assistant tokens, ``prompt_mask``)."""
     if len(batch) == 0:
         return 0
+    if getattr(batch, "prompt_ids", None) is not None:
+        mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
+        within_BP = (
+            torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
+        )
+        return int((mask_BP & within_BP).sum())
     return int(sum(int(mask.sum()) for _, mask in model.build_prompts(batch.tokens, batch.token_lens)))
+
+
+def count_ctc_clips(batch: Any) -> int:
+    """Clips a micro-batch's CTC loss counts (its normaliser): every row, or a conversation batch's
+    clips with a transcript (``ctc_token_lens > 0``)."""
+    if getattr(batch, "prompt_ids", None) is not None:
+        lens = batch.ctc_token_lens
+        return 0 if lens is None else int((lens > 0).sum())
+    return len(batch)
 
 
 def agree_step(
@@ -84,7 +100,7 @@ def agree_step(
     when any rank's is. `skip`: this rank trains nothing this step (it found a data error): it adds
     zero tokens and clips, and still takes part."""
     n_tok = 0 if skip else sum(count_targets(b, model) for b in micro_batches)
-    n_clip = 0 if skip else sum(len(b) for b in micro_batches)
+    n_clip = 0 if skip else sum(count_ctc_clips(b) for b in micro_batches)
     total, agreed = ctx.collectives.agree([float(n_tok), float(n_clip), *extra], list(flags))
     counts = StepCounts(tokens=int(round(total[0])), clips=int(round(total[1])))
     return StepAgreement(counts=counts, extra=total[2:], flags=agreed)
