@@ -287,16 +287,15 @@ class ConversationRenderer:
         return fmt
 
     def render(self, conv: Any) -> tuple[Tensor, Tensor]:
-        """``(ids_L int64, target_mask_L bool)`` of one conversation."""
-        from speechlm.data.conversation import AudioRef
-
+        """``(ids_L int64, target_mask_L bool)`` of one conversation. A part that is not a ``str`` is an
+        audio reference (`speechlm.data.conversation.AudioRef`; not imported: this module needs torch only)."""
         turns = conv.turns
         if (
             len(turns) == 2
             and turns[0].role == "user"
             and turns[1].role == "assistant"
             and turns[0].parts
-            and isinstance(turns[0].parts[0], AudioRef)
+            and not isinstance(turns[0].parts[0], str)
             and all(isinstance(p, str) for p in turns[0].parts[1:])
             and all(isinstance(p, str) for p in turns[1].parts)
         ):
@@ -314,8 +313,6 @@ class ConversationRenderer:
         ]
 
     def _render_plain(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
-        from speechlm.data.conversation import AudioRef
-
         tok = self.tokenizer
         if self.system_prompt and not any(t.role == "system" for t in turns):
             raise ValueError(
@@ -335,14 +332,12 @@ class ConversationRenderer:
                 mask += [labelled] * len(piece)
                 continue
             for p in turn.parts:
-                piece = [int(tok.audio_id)] if isinstance(p, AudioRef) else list(tok.encode(p))
+                piece = list(tok.encode(p)) if isinstance(p, str) else [int(tok.audio_id)]
                 ids += piece
                 mask += [False] * len(piece)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
     def _render_chat(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
-        from speechlm.data.conversation import AudioRef
-
         tok = self.tokenizer
         messages: list[dict[str, str]] = []
         if self.system_prompt and not any(t.role == "system" for t in turns):
@@ -353,7 +348,7 @@ class ConversationRenderer:
                 sentinels.append(f"{SENTINEL}{len(sentinels)}X")
                 messages.append({"role": "assistant", "content": sentinels[-1]})
             else:
-                parts = [self.audio_token if isinstance(p, AudioRef) else p for p in t.parts]
+                parts = [p if isinstance(p, str) else self.audio_token for p in t.parts]
                 messages.append({"role": t.role, "content": "\n".join(parts)})
         text = tok.render_chat(messages, self.template)
         labelled = [flag for t, flag in zip(turns, self._labelled(turns)) if t.role == "assistant"]

@@ -22,15 +22,17 @@ know drops the row as ``tag_mismatch``, as today.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from speechlm.data.conversation import Conversation
+from speechlm.data.samples import DroppedSample, Sample
 from speechlm.data.text import check_transcript
 
-if TYPE_CHECKING:
-    from speechlm.data.dataset import DroppedSample, Sample, SpeechDataset
+# `ds` below is the `speechlm.data.dataset.SpeechDataset` that calls in (typed Any: the dataset imports
+# this module, and importing it back would make a cycle)
+SpeechDataset = Any
 
 
 def _encode(ds: SpeechDataset, i: int, text: str, what: str) -> list[int] | DroppedSample:
@@ -83,8 +85,6 @@ def _texts(
 
 def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
     """Row `i` of `ds` rendered by ``ds.renderer`` (see the module docstring)."""
-    from speechlm.data.dataset import DroppedSample, Sample
-
     assert ds.renderer is not None
     plain = ds.optional("conversation", i) is None  # the transcription shape of the row's columns
     if plain:

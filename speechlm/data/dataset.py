@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 from speechlm.data.audio import AudioDecodeError, SegmentOutOfRangeError, decode_audio
 from speechlm.data.conversation import Clip, Conversation
 from speechlm.data.manifest.schema import CONVERSATION_SCHEMA, duration_mismatch
+from speechlm.data.samples import DroppedSample, Sample
 from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
 from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
@@ -102,37 +103,6 @@ def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
     return decode_audio(path, path, target_sr)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One decoded utterance. `duration` is that of the decoded audio, in seconds (all clips).
-
-    With a renderer (`SpeechDataset(renderer=...)`) it is a conversation: ``clips`` every decoded clip
-    in the order of its placeholders (``audio`` is the first), ``prompt_ids``/``prompt_mask`` the
-    rendered conversation, ``ctc_tokens`` each clip's transcript ids (empty: none), ``tokens`` the
-    last answer's ids."""
-
-    index: int
-    audio: torch.Tensor  # [N] float32, mono, at the dataset's sample rate
-    tokens: torch.Tensor  # [L] int64, no bos/eos, at most max_tokens
-    duration: float
-    lang: str
-    clips: tuple[torch.Tensor, ...] = ()
-    prompt_ids: torch.Tensor | None = None  # [P] int64, one audio_id per clip
-    prompt_mask: torch.Tensor | None = None  # [P] bool, True on the supervised tokens
-    ctc_tokens: tuple[torch.Tensor, ...] = ()  # per clip, [K] int64
-    task: str = "asr"
-
-
-@dataclass(frozen=True)
-class DroppedSample:
-    """A row whose audio could not be used; `reason` is one of DROP_REASONS."""
-
-    index: int
-    reason: str
-    detail: str = ""
-    path: str = ""
 
 
 @dataclass

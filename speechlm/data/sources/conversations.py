@@ -56,7 +56,7 @@ from speechlm.data.manifest.schema import (
     ManifestError,
     build_manifest_table,
 )
-from speechlm.data.sources.detect import register_source
+from speechlm.data.sources.detect import register_source, tarred_shards
 from speechlm.data.sources.join import members_by_name, scan_or_fail
 from speechlm.data.sources.report import SourceReport
 from speechlm.data.text import clean_text, normalize_lang, split_lang_tag, tag_text
@@ -450,26 +450,6 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
             raise ManifestError(
                 f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno}); each line must be one object"
             ) from None
-
-
-def tarred_shards(folder: Path) -> list[tuple[Path, Path]]:
-    """(manifest_K.jsonl, audio_K.tar) of a tarred conversation folder, in shard order."""
-    pairs = []
-    for manifest in folder.glob("manifest_*.json*"):
-        k = re.fullmatch(r"manifest_(\d+)\.jsonl?", manifest.name)
-        if k is not None:
-            pairs.append((int(k.group(1)), manifest, folder / f"audio_{k.group(1)}.tar"))
-    if not pairs:
-        raise ManifestError(f"{folder} has no manifest_K.jsonl: not a tarred conversation folder")
-    return [(m, t) for _, m, t in sorted(pairs)]
-
-
-def is_tarred_conversations(folder: Path) -> bool:
-    try:
-        pairs = tarred_shards(folder)
-    except ManifestError:
-        return False
-    return all(t.is_file() for _, t in pairs)
 
 
 @register_source("conversations")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,26 @@ def _has_conversations_column(path: Path) -> bool:
     return "conversations" in names or "messages" in names
 
 
+def tarred_shards(folder: Path) -> list[tuple[Path, Path]]:
+    """(manifest_K.jsonl, audio_K.tar) of a tarred conversation folder, in shard order."""
+    pairs = []
+    for manifest in folder.glob("manifest_*.json*"):
+        k = re.fullmatch(r"manifest_(\d+)\.jsonl?", manifest.name)
+        if k is not None:
+            pairs.append((int(k.group(1)), manifest, folder / f"audio_{k.group(1)}.tar"))
+    if not pairs:
+        raise ManifestError(f"{folder} has no manifest_K.jsonl: not a tarred conversation folder")
+    return [(m, t) for _, m, t in sorted(pairs)]
+
+
+def is_tarred_conversations(folder: Path) -> bool:
+    try:
+        pairs = tarred_shards(folder)
+    except ManifestError:
+        return False
+    return all(t.is_file() for _, t in pairs)
+
+
 def detect_source_type(path: str | Path) -> str:
     """The kind of `path` (see the module docstring); ManifestError when it is none of them."""
     path = Path(path)
@@ -119,8 +140,6 @@ def detect_source_type(path: str | Path) -> str:
             return "nemo_tarred"
         if any(path.glob("cuts.*.jsonl*")):
             return "lhotse_shar"
-        from speechlm.data.sources.conversations import is_tarred_conversations
-
         if is_tarred_conversations(path):
             return "conversations"
         raise ManifestError(
