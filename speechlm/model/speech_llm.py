@@ -560,16 +560,15 @@ class SpeechLLM(nn.Module):
             device = next(self.parameters()).device
             enc = self.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
             head_ids, tail_ids = self.prompt.generation_prompt
-            head = self.embed_tokens(torch.tensor(head_ids, dtype=torch.long, device=device))
-            tail = self.embed_tokens(torch.tensor(tail_ids, dtype=torch.long, device=device))
+            forced = lang_id is not None and max_new_tokens > 0
+            tag_ids = (int(lang_id),) if forced and lang_id is not None else ()
+            head, tail, tag = self.embed_pieces([head_ids, tail_ids, tag_ids], device)
             prompts = [
-                torch.cat([head, a.to(head.dtype), tail]) for a in enc.embeds_of(range(len(enc.embeds)))
+                torch.cat([head, a.to(head.dtype), tail, tag]) for a in enc.embeds_of(range(len(enc.embeds)))
             ]
             budget, prefix = max_new_tokens, []
-            if lang_id is not None and max_new_tokens > 0:
-                tag = self.embed_tokens(torch.tensor([lang_id], device=device))
-                prompts = [torch.cat([p, tag]) for p in prompts]
-                budget, prefix = max_new_tokens - 1, [int(lang_id)]
+            if forced:
+                budget, prefix = max_new_tokens - 1, list(tag_ids)
             outputs = self._decode(prompts, budget, use_cache=use_cache, keep_going=keep_going)
             return [prefix + o for o in outputs]
         finally:
@@ -614,27 +613,47 @@ class SpeechLLM(nn.Module):
             enc = self.encode_audio(audio, audio_lens)
             embeds = enc.embeds_of(range(len(clip_sample)))
             answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
-            rows, c = [], 0
-            for b, ((ids, mask), k) in enumerate(zip(prompts, counts)):
-                head = ids[: last_answer_start(ids, mask, answers[b], b)]
-                rows.append(self.splice_prompt(head, embeds[c : c + k], device))
-                c += k
+            heads = [
+                ids[: last_answer_start(ids, mask, answers[b], b)] for b, (ids, mask) in enumerate(prompts)
+            ]
+            starts = [sum(counts[:b]) for b in range(len(counts))]
+            rows = self.splice_prompts(heads, [embeds[c : c + k] for c, k in zip(starts, counts)], device)
             return self._decode(rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going)
         finally:
             self.train(was_training)
 
-    def splice_prompt(self, ids_L: Tensor, clips: Sequence[Tensor], device: torch.device) -> Tensor:
-        """``[P, H]``: the text ids embedded piece by piece, each ``audio_id`` replaced by the next clip
-        (clips past the last placeholder in ``ids_L`` are not used)."""
-        where = torch.nonzero(ids_L == self.audio_id).flatten().tolist()
-        pieces, start = [], 0
-        for j, k in enumerate(where):
-            pieces.append(self.embed_tokens(ids_L[start:k].to(device)))
-            pieces.append(clips[j])
-            start = k + 1
-        pieces.append(self.embed_tokens(ids_L[start:].to(device)))
-        dtype = pieces[0].dtype
-        return torch.cat([p.to(dtype) for p in pieces])
+    def embed_pieces(self, pieces: Sequence[Sequence[int] | Tensor], device: torch.device) -> list[Tensor]:
+        """Each piece of token ids embedded (``[len, H]``), in ONE `embed_tokens` call: under FSDP every call
+        all-gathers the embedding, so the count of calls must not depend on the batch's content (a rank
+        decoding a dummy batch would otherwise wait in a collective its peers never reach)."""
+        ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu() for p in pieces]
+        flat = self.embed_tokens(torch.cat(ids).to(device)) if ids else None
+        if flat is None:
+            return []
+        return list(torch.split(flat, [int(t.numel()) for t in ids]))
+
+    def splice_prompts(
+        self, heads: Sequence[Tensor], clips: Sequence[Sequence[Tensor]], device: torch.device
+    ) -> list[Tensor]:
+        """``[P_b, H]`` per row: row ``b``'s text ids embedded (all rows in one `embed_pieces` call), each
+        ``audio_id`` replaced by the row's next clip (clips past its last placeholder are not used)."""
+        texts: list[Tensor] = []
+        layout: list[list[int]] = []
+        for ids_L in heads:
+            ids_L = ids_L.cpu()
+            where = torch.nonzero(ids_L == self.audio_id).flatten().tolist()
+            bounds = [-1, *where, int(ids_L.numel())]
+            layout.append(where)
+            texts += [ids_L[bounds[j] + 1 : bounds[j + 1]] for j in range(len(bounds) - 1)]
+        embedded = self.embed_pieces(texts, device)
+        rows, t = [], 0
+        for where, row_clips in zip(layout, clips):
+            parts = [embedded[t]]
+            for j in range(len(where)):
+                parts += [row_clips[j].to(embedded[t].dtype), embedded[t + j + 1]]
+            t += len(where) + 1
+            rows.append(torch.cat(parts))
+        return rows
 
     # ------------------------------------------------------------------------------------------
     # Parameters

@@ -239,3 +239,25 @@ def test_two_answers_back_to_back_decode_from_the_second():
     assert got == m.generate_for_batch(cut, max_new_tokens=4)
     whole_run = dataclasses.replace(batch, tokens=torch.tensor([[5, 30, 31]]), token_lens=torch.tensor([3]))
     assert m.generate_for_batch(whole_run, max_new_tokens=4) != got  # cut at the run: another context
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_decoding_embeds_as_often_whatever_the_batch_holds(model, use_cache):
+    """Under FSDP every `embed_tokens` call all-gathers the embedding: a rank decoding a multi-clip
+    conversation batch and a rank decoding evaluation's one-clip dummy must make the same calls, or the
+    rank with fewer waits forever (dp=2 final evaluation with a dropped batch hung)."""
+    from speechlm.train.evaluate import dummy_batch
+
+    calls: list[int] = []
+    orig = model.embed_tokens
+    model.embed_tokens = lambda ids: (calls.append(1), orig(ids))[1]
+    try:
+        counts = []
+        for batch in (make_conv_batch(4, 4, VOCAB), dummy_batch(torch.device("cpu")), make_batch(5, 3)):
+            calls.clear()
+            # max_new_tokens=0: only the prompt is embedded (the decoding steps run in lockstep already)
+            model.generate_for_batch(batch, max_new_tokens=0, use_cache=use_cache)
+            counts.append(len(calls))
+    finally:
+        del model.embed_tokens
+    assert counts[0] == counts[1] == counts[2] == 1

@@ -126,7 +126,7 @@ def test_evaluation_streams_its_batches(demo_data):
     loaded: list[int] = []
     seen_at_decode: list[int] = []
     orig_get = SpeechDataset.__getitem__
-    orig_gen = module.model.generate_greedy
+    orig_gen = module.model.generate_for_batch  # what evaluation decodes through
 
     def getitem(self, i):
         loaded.append(i)
@@ -136,7 +136,7 @@ def test_evaluation_streams_its_batches(demo_data):
         seen_at_decode.append(len(loaded))
         return orig_gen(*a, **k)
 
-    module.model.generate_greedy = generate
+    module.model.generate_for_batch = generate
     SpeechDataset.__getitem__ = getitem
     try:
         result = ev(module)
