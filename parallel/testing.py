@@ -35,6 +35,7 @@ teardown: pack several checks (layouts, cases) into one call where they share a 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -137,6 +138,10 @@ def _run_once(
     ]
     sys.stdout.flush()  # a forked child would write the parent's buffered output a second time
     sys.stderr.flush()
+    # Garbage the children would inherit is freed here, where it was made: a destroyed process group still
+    # held in a reference cycle, collected in a forked child, joins gloo threads the child does not have
+    # and never returns.
+    gc.collect()
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

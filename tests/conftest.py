@@ -51,6 +51,9 @@ def _no_leaked_process_group():
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            import gc
+
+            gc.collect()  # the group's Python object may sit in a cycle: free it here, not in a forked child
     for k, v in before.items():
         if v is None:
             os.environ.pop(k, None)
