@@ -68,8 +68,10 @@ AST_INSTRUCTION = "Translate the speech to English."
 TASK_COLUMNS = ("task", "instruction", "answer")
 AST_SUFFIX = "-ast"  # segment_id of the translation row of clip <id>: "<id>-ast"
 MIX_FILE = "asr_ast.yaml"
-# equal shares of an epoch for the two tasks (natural mix would be about 2:1, en having no AST rows)
-MIX_WEIGHTS = {"asr": 1.0, "ast": 1.0}
+# three quarters of an epoch transcribes, one quarter translates: at 1:1 English (no AST rows) fell to about
+# 14% of the utterances and its training-split WER was 91% after the 10-minute demo (ASR-only: 0.0%),
+# while AST reached BLEU 94; the natural mix would be about 2:1
+MIX_WEIGHTS = {"asr": 3.0, "ast": 1.0}
 
 # One English gloss per word of scripts/make_demo_corpus.py's VOCAB, in its order
 # (tests/test_demo_tasks.py checks that the keys are exactly that vocabulary).
