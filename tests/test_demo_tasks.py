@@ -203,7 +203,7 @@ def test_a_missing_or_corrupt_asr_manifest_is_an_error_naming_it(manifest_dir: P
 # the mix and `speechlm demo`
 
 
-def test_the_demo_mix_loads_with_asr_weighted_three_to_one(manifest_dir: Path, capsys) -> None:
+def test_the_demo_mix_loads_with_both_tasks_weighted_equally(manifest_dir: Path, capsys) -> None:
     from speechlm.cli import main
     from speechlm.data.sources.input_cfg import load_input_cfg, mix_of_table
 
@@ -213,14 +213,14 @@ def test_the_demo_mix_loads_with_asr_weighted_three_to_one(manifest_dir: Path, c
     n_ast = pq.read_metadata(paths["ast_train"]).num_rows
     assert table.num_rows == n_asr + n_ast
     mix = mix_of_table(table)
-    assert mix.names == ("asr", "ast") and mix.shares == (0.75, 0.25)
+    assert mix.names == ("asr", "ast") and mix.shares == (0.5, 0.5)
     assert main(["plan", "--config", str(REPO / "configs/demo.yaml"), "--input-cfg", str(paths["mix"])]) == 0
     out = capsys.readouterr().out
     shares = {
         line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("asr ", "ast "))
     }
-    assert shares["asr"][:3] == [str(n_asr), f"{100 * n_asr / (n_asr + n_ast):.2f}%", "75.00%"]
-    assert shares["ast"][:3] == [str(n_ast), f"{100 * n_ast / (n_asr + n_ast):.2f}%", "25.00%"]
+    assert shares["asr"][:3] == [str(n_asr), f"{100 * n_asr / (n_asr + n_ast):.2f}%", "50.00%"]
+    assert shares["ast"][:3] == [str(n_ast), f"{100 * n_ast / (n_asr + n_ast):.2f}%", "50.00%"]
 
 
 def _demo_commands(monkeypatch, argv: list[str]) -> tuple[int, list[list[str]]]:

@@ -119,4 +119,5 @@ def test_training_and_decoding_prompts_share_the_instruction():
     embed = model.embed_tokens
     model.embed_tokens = lambda t: (embedded.append(t.tolist()), embed(t))[1]
     model.generate_greedy(torch.zeros(1, 3200), torch.tensor([3200]), max_new_tokens=1)
-    assert embedded[0] == [2, 9, 10]  # the prompt's text around the audio, embedded in one call: bos, instruction
+    # the prompt's text around the audio, embedded in one call: bos, instruction
+    assert embedded[0] == [2, 9, 10]
