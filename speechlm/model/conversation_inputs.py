@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "batch_field",
     "clips_per_sample",
     "conversation_ctc_targets",
     "conversation_prompts",
@@ -28,7 +29,8 @@ __all__ = [
 ]
 
 
-def _field(batch: Any, name: str) -> Any:
+def batch_field(batch: Any, name: str) -> Any:
+    """``batch.name`` (attribute or mapping key)."""
     return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
 
 
@@ -40,7 +42,7 @@ def optional_field(batch: Any, name: str) -> Any:
 def conversation_prompts(batch: Any, audio_id: int) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
     """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch (see
     `SpeechLLM.conversation_prompts`); a batch whose fields disagree is a ValueError naming them."""
-    ids_BP, mask_BP = _field(batch, "prompt_ids"), optional_field(batch, "prompt_mask")
+    ids_BP, mask_BP = batch_field(batch, "prompt_ids"), optional_field(batch, "prompt_mask")
     lens_B, clip_sample_C = optional_field(batch, "prompt_lens"), optional_field(batch, "clip_sample")
     if mask_BP is None or lens_B is None or clip_sample_C is None:
         raise ValueError(
@@ -57,7 +59,7 @@ def conversation_prompts(batch: Any, audio_id: int) -> tuple[list[tuple[Tensor, 
     rows, masks = ids_BP.detach().cpu(), mask_BP.detach().cpu().to(torch.bool)
     prompts = [(rows[b, : lens[b]].clone(), masks[b, : lens[b]].clone()) for b in range(B)]
     clip_sample = [int(c) for c in clip_sample_C.tolist()]
-    n_audio = int(_field(batch, "audio_lens").numel())
+    n_audio = int(batch_field(batch, "audio_lens").numel())
     if len(clip_sample) != n_audio:
         raise ValueError(f"clip_sample has {len(clip_sample)} entries for {n_audio} clips (audio_lens)")
     if any(b < a for a, b in zip(clip_sample, clip_sample[1:])) or any(not 0 <= c < B for c in clip_sample):
@@ -129,7 +131,7 @@ def last_answer_start(ids_L: Tensor, target_mask_L: Tensor, answer_ids: Sequence
 def conversation_ctc_targets(batch: Any, n_clips: int) -> tuple[Tensor, Tensor]:
     """``(ctc_tokens [C, K], ctc_token_lens [C])`` of a conversation batch; none given: every clip 0."""
     tokens, lens = optional_field(batch, "ctc_tokens"), optional_field(batch, "ctc_token_lens")
-    device = _field(batch, "audio_lens").device
+    device = batch_field(batch, "audio_lens").device
     if tokens is None or lens is None:
         return torch.zeros(n_clips, 1, dtype=torch.long, device=device), torch.zeros(
             n_clips, dtype=torch.long, device=device

@@ -49,7 +49,7 @@ training layer registers (``register_fsdp_forward_method``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, dummy_clip, plan_
 from speechlm.config import ModelConfig
 from speechlm.model.attention import ensure_registered, get_backend
 from speechlm.model.conversation_inputs import (
+    batch_field,
     clips_per_sample,
     conversation_ctc_targets,
     conversation_prompts,
@@ -142,10 +143,6 @@ def _packed_to_time_major(x_UV: Tensor, lens_B: Tensor) -> Tensor:
     t_U = torch.arange(x_UV.shape[0], device=x_UV.device) - starts_B[clip_U]
     out = x_UV.new_zeros(max_len * B, x_UV.shape[1])
     return out.index_copy(0, t_U * B + clip_U, x_UV).view(max_len, B, x_UV.shape[1])
-
-
-def _field(batch: Any, name: str) -> Any:
-    return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
 
 
 class SpeechLLM(nn.Module):
@@ -417,7 +414,7 @@ class SpeechLLM(nn.Module):
                 "model.packed_sequences=false (BSHD) with cp > 1: padding cannot be masked in the CP "
                 "attention path; set model.packed_sequences=true"
             )
-        audio_BN, audio_lens_B = _field(batch, "audio"), _field(batch, "audio_lens")
+        audio_BN, audio_lens_B = batch_field(batch, "audio"), batch_field(batch, "audio_lens")
         # placement first, from lengths known before encoding
         audio_lens = self.audio_embed_lengths(audio_lens_B)
         clip_counts: list[int] | None = None
@@ -430,7 +427,7 @@ class SpeechLLM(nn.Module):
             ctc_tokens, ctc_lens = conversation_ctc_targets(batch, len(clip_sample))
             n_clips = int((ctc_lens > 0).sum())
         else:
-            tokens_BL, token_lens_B = _field(batch, "tokens"), _field(batch, "token_lens")
+            tokens_BL, token_lens_B = batch_field(batch, "tokens"), batch_field(batch, "token_lens")
             prompts = self.build_prompts(tokens_BL, token_lens_B)
             plan = enc_plan = lay.place(
                 [int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)]
