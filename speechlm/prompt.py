@@ -286,10 +286,13 @@ class ConversationRenderer:
             self._formats[instruction] = fmt
         return fmt
 
-    def render(self, conv: Any) -> tuple[Tensor, Tensor]:
+    def render(self, conv: Any, *, answer_ids: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """``(ids_L int64, target_mask_L bool)`` of one conversation. A part that is not a ``str`` is an
-        audio reference (`speechlm.data.conversation.AudioRef`; not imported: this module needs torch only)."""
+        audio reference (`speechlm.data.conversation.AudioRef`; not imported: this module needs torch only).
+        ``answer_ids``: the last assistant turn's ids when the caller has encoded them already (the dataset
+        has, for `Batch.tokens`); None: encoded here."""
         turns = conv.turns
+        answers = self.answers_of(turns, answer_ids)
         if (
             len(turns) == 2
             and turns[0].role == "user"
@@ -299,12 +302,17 @@ class ConversationRenderer:
             and all(isinstance(p, str) for p in turns[0].parts[1:])
             and all(isinstance(p, str) for p in turns[1].parts)
         ):
-            return self.format_for("\n".join(str(p) for p in turns[0].parts[1:])).build(
-                self.tokenizer.encode(turns[1].text)
-            )
+            return self.format_for("\n".join(str(p) for p in turns[0].parts[1:])).build(answers[0])
         if self.template is None:
-            return self._render_plain(turns)
-        return self._render_chat(turns)
+            return self._render_plain(turns, answers)
+        return self._render_chat(turns, answers)
+
+    def answers_of(self, turns: Sequence[Any], answer_ids: Sequence[int] | None = None) -> list[list[int]]:
+        """The ids of each assistant turn's text, the last one ``answer_ids`` when given."""
+        said = [t.text for t in turns if t.role == "assistant"]
+        answers = [list(self.tokenizer.encode(text)) for text in said[:-1]]
+        last = self.tokenizer.encode(said[-1]) if answer_ids is None else answer_ids
+        return [*answers, [int(t) for t in last]]
 
     def _labelled(self, turns: Sequence[Any]) -> list[bool]:
         last = max(i for i, t in enumerate(turns) if t.role == "assistant")
@@ -312,7 +320,7 @@ class ConversationRenderer:
             t.role == "assistant" and (self.loss_turns == "all" or i == last) for i, t in enumerate(turns)
         ]
 
-    def _render_plain(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
+    def _render_plain(self, turns: Sequence[Any], answers: Sequence[list[int]]) -> tuple[Tensor, Tensor]:
         tok = self.tokenizer
         if self.system_prompt and not any(t.role == "system" for t in turns):
             raise ValueError(
@@ -321,9 +329,10 @@ class ConversationRenderer:
             )
         ids: list[int] = [] if tok.bos_id is None else [int(tok.bos_id)]
         mask: list[bool] = [False] * len(ids)
+        answer = iter(answers)
         for turn, labelled in zip(turns, self._labelled(turns)):
             if turn.role == "assistant":
-                piece = [*tok.encode(turn.text), int(tok.eos_id)]
+                piece = [*next(answer), int(tok.eos_id)]
                 if tok.audio_id in piece[:-1]:
                     raise ValueError(
                         f"an assistant turn's text {turn.text[:60]!r} holds the audio placeholder"
@@ -337,7 +346,7 @@ class ConversationRenderer:
                 mask += [False] * len(piece)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
-    def _render_chat(self, turns: Sequence[Any]) -> tuple[Tensor, Tensor]:
+    def _render_chat(self, turns: Sequence[Any], answers: Sequence[list[int]]) -> tuple[Tensor, Tensor]:
         tok = self.tokenizer
         messages: list[dict[str, str]] = []
         if self.system_prompt and not any(t.role == "system" for t in turns):
@@ -352,7 +361,7 @@ class ConversationRenderer:
                 messages.append({"role": t.role, "content": "\n".join(parts)})
         text = tok.render_chat(messages, self.template)
         labelled = [flag for t, flag in zip(turns, self._labelled(turns)) if t.role == "assistant"]
-        answers = [t.text for t in turns if t.role == "assistant"]
+        texts = [t.text for t in turns if t.role == "assistant"]
         ids: list[int] = []
         mask: list[bool] = []
         encode = tok.encode_template
@@ -374,9 +383,9 @@ class ConversationRenderer:
             if k:  # the previous answer's stop tokens lead this piece
                 before = self._stop_then(before, labelled[k - 1], ids, mask)
             context(before)
-            target = [int(t) for t in tok.encode(answers[k])]
+            target = [int(t) for t in answers[k]]
             if tok.audio_id in target:
-                raise ValueError(f"assistant turn {k}'s text {answers[k][:60]!r} holds the audio placeholder")
+                raise ValueError(f"assistant turn {k}'s text {texts[k][:60]!r} holds the audio placeholder")
             ids.extend(target)
             mask.extend([labelled[k]] * len(target))
         rest = self._stop_then(rest, labelled[-1], ids, mask)

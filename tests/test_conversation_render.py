@@ -85,7 +85,8 @@ def test_transcription_shape_renders_as_the_prompt_format():
     ).build(tok.encode("<|en|> the cat"))
     assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
     # the general plain path gives the same ids for that shape (the fast path is only a cache)
-    ids2, mask2 = ConversationRenderer(tok)._render_plain(conv.turns)
+    r = ConversationRenderer(tok)
+    ids2, mask2 = r._render_plain(conv.turns, r.answers_of(conv.turns))
     assert ids2.tolist() == want_ids.tolist() and mask2.tolist() == want_mask.tolist()
 
 
@@ -129,7 +130,7 @@ def test_chat_transcription_shape_equals_the_prompt_format_both_paths(hf_tok):
     want = build_prompt_format(hf_tok, instruction="Transcribe this.", system_prompt="You transcribe.").build(
         hf_tok.encode("<|en|> the cat")
     )
-    for ids, mask in (r.render(conv), r._render_chat(conv.turns)):
+    for ids, mask in (r.render(conv), r._render_chat(conv.turns, r.answers_of(conv.turns))):
         assert ids.tolist() == want[0].tolist() and mask.tolist() == want[1].tolist()
 
 

@@ -43,10 +43,10 @@ def _encode(ds: SpeechDataset, i: int, text: str, what: str) -> list[int] | Drop
 
 
 def _texts(
-    ds: SpeechDataset, i: int, conv: Conversation
+    ds: SpeechDataset, i: int, conv: Conversation, plain: bool
 ) -> tuple[list[int], list[list[int]]] | DroppedSample:
-    """(answer ids, per-clip transcript ids) of row `i`, or why it is dropped."""
-    plain = ds.optional("conversation", i) is None
+    """(answer ids, per-clip transcript ids) of row `i` (``plain``: it has no ``conversation``), or why it
+    is dropped."""
     if plain and ds.optional("answer", i) is None:
         ids = ds._tokens(i)  # today's row: today's checks and drops, the same ids
         return (ids, [ids]) if isinstance(ids, list) else ids
@@ -93,12 +93,12 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
         except UnicodeDecodeError as e:
             return ds._drop(i, "invalid_text", f"column 'text' is not valid UTF-8 ({e}): fix the text")
     conv = ds.conversation(i)
-    texts = _texts(ds, i, conv)
+    texts = _texts(ds, i, conv, plain)
     if not isinstance(texts, tuple):
         return texts
     ids, ctc = texts
     try:
-        prompt_ids, prompt_mask = ds.renderer.render(conv)
+        prompt_ids, prompt_mask = ds.renderer.render(conv, answer_ids=ids)  # the answer encoded once
     except ValueError as e:  # a tag the tokenizer lacks in a turn's text, a placeholder written as text
         return ds._drop(i, "tag_mismatch", f"its conversation cannot be rendered: {e}")
     if not plain:
