@@ -55,7 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--val-fraction",
         type=float,
         metavar="F",
-        help=f"fraction of each language held out for validation (default {HELP_DEFAULTS['val_fraction']})",
+        help="fraction of each language held out for validation, among the rows whose metadata has no "
+        f"'split' value (default {HELP_DEFAULTS['val_fraction']})",
     )
     build.add_argument(
         "--seed", type=int, default=0, metavar="N", help="salt of the train/val hash (default 0)"

@@ -10,7 +10,8 @@ One concern per module:
 - `build`: `build_manifest`, raw shards -> ``train.parquet``, ``val.parquet`` and
   ``build_report.json`` (shard listing and reading, filters, text cleaning);
 - `report`: `BuildReport` and `DROP_REASONS`, what a build kept and dropped;
-- `split`: the stable train/val split by a hash of ``segment_id`` (`hash_uniform`, `split_val`);
+- `split`: the train/val split: a shard's optional ``split`` column (`split_codes`, `SPLIT_VALUES`),
+  else a stable hash of ``segment_id`` (`hash_uniform`, `split_val`);
 - `nemo`: `read_nemo_manifest`;
 - `stats`: `manifest_stats`, `format_stats`, `plot_stats`;
 - `checks`: row checks the data tools share (`check_durations`: NaN/Inf/<= 0; `check_utf8`);
@@ -29,6 +30,7 @@ from speechlm.data.manifest.build import (
     INDEX_COLUMNS,
     INDEX_OPTIONAL_COLUMNS,
     METADATA_COLUMNS,
+    METADATA_OPTIONAL_COLUMNS,
     build_manifest,
     clean_text_column,
     list_shards,
@@ -49,7 +51,7 @@ from speechlm.data.manifest.schema import (
     ManifestError,
     build_manifest_table,
 )
-from speechlm.data.manifest.split import hash_uniform, split_val
+from speechlm.data.manifest.split import SPLIT_VALUES, hash_uniform, split_codes, split_val
 from speechlm.data.manifest.stats import format_stats, manifest_stats, plot_stats
 
 __all__ = [
@@ -63,7 +65,9 @@ __all__ = [
     "LOCATOR_SCHEMA",
     "MANIFEST_SCHEMA",
     "METADATA_COLUMNS",
+    "METADATA_OPTIONAL_COLUMNS",
     "NOT_NULL_COLUMNS",
+    "SPLIT_VALUES",
     "UNKNOWN_LANG",
     "BuildReport",
     "Column",
@@ -81,5 +85,6 @@ __all__ = [
     "read_nemo_manifest",
     "read_parquet_manifest",
     "shard_language",
+    "split_codes",
     "split_val",
 ]

@@ -17,8 +17,9 @@
    already kept (the first kept copy wins, so a duplicate of a filtered row is not lost).
 4. Clean the text once per distinct string (dictionary-encode, clean the dictionary, take), then
    prepend the language tag.
-5. Split train/val by a stable hash of ``segment_id`` and the seed (see `split`), so adding shards
-   never moves an existing row between train and val.
+5. Split train/val: a row whose optional ``split`` column says ``train`` or ``val`` (``dev``,
+   ``validation``) goes there; the others by a stable hash of ``segment_id`` and the seed (see
+   `split`), so adding shards never moves an existing row between train and val.
 
 Default filters: 0.5 s <= duration <= 20 s (shorter clips are mostly fillers, longer ones blow up
 micro-batch budgets), ``tx_quality_score >= 0.5`` (`DEFAULT_MIN_QUALITY`, the midpoint of the score
@@ -43,7 +44,7 @@ from speechlm.data.manifest.load import _read_checked
 from speechlm.data.manifest.outputs import prepare_dir, write_atomic
 from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildReport
 from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_sorted, build_manifest_table
-from speechlm.data.manifest.split import hash_uniform, split_val
+from speechlm.data.manifest.split import HASHED, check_train_rows, hash_uniform, split_codes, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
 
 _TAG_PATTERN = r"^\s*<\|(?P<tag>[A-Za-z][A-Za-z0-9_-]*)\|>"
@@ -60,6 +61,7 @@ METADATA_COLUMNS = {
     "tx_quality_score": "number",
     "segment_language": "string",
 }
+METADATA_OPTIONAL_COLUMNS = {"split": "string"}  # split.SPLIT_VALUES, or null: the hash decides
 INDEX_COLUMNS = {"segment_id": "string", "tar_member_name": "string"}
 INDEX_OPTIONAL_COLUMNS = {"tar_path": "string"}
 
@@ -81,11 +83,11 @@ def shard_language(shard_name: str) -> str | None:
 
 def _read_shard(shard_dir: Path) -> pa.Table:
     """Candidate rows of one shard: segment_id, audio_filepath (null: no index entry), duration,
-    quality, text (raw), lang (null: unknown)."""
-    meta = _read_checked(shard_dir / "metadata.parquet", METADATA_COLUMNS, {})
+    quality, text (raw), lang (null: unknown), split (int8 `split.split_codes`: -1 for the hash)."""
+    meta = _read_checked(shard_dir / "metadata.parquet", METADATA_COLUMNS, METADATA_OPTIONAL_COLUMNS)
     index = _read_checked(shard_dir / "audio_index.parquet", INDEX_COLUMNS, INDEX_OPTIONAL_COLUMNS)
     for name, table, columns in (
-        ("metadata.parquet", meta, METADATA_COLUMNS),
+        ("metadata.parquet", meta, {**METADATA_COLUMNS, **METADATA_OPTIONAL_COLUMNS}),
         ("audio_index.parquet", index, {**INDEX_COLUMNS, **INDEX_OPTIONAL_COLUMNS}),
     ):
         for col, kind in columns.items():
@@ -107,6 +109,9 @@ def _read_shard(shard_dir: Path) -> pa.Table:
     paths = pc.if_else(absolute, member, paths)  # null where tar_member_name is null: no audio
 
     seg = _as_string(meta.column("segment_id"))
+    split = np.full(len(meta), HASHED, np.int8)
+    if "split" in meta.column_names:
+        split = split_codes(meta.column("split"), seg, str(shard_dir / "metadata.parquet"))
     hit = pc.index_in(seg, value_set=_as_string(index.column("segment_id")).combine_chunks())
     audio = pc.take(paths, pc.fill_null(hit, 0)) if len(index) else pa.nulls(len(meta), pa.string())
     audio = pc.if_else(pc.is_null(hit), pa.scalar(None, pa.string()), audio)
@@ -126,6 +131,7 @@ def _read_shard(shard_dir: Path) -> pa.Table:
             "quality": meta.column("tx_quality_score").cast(pa.float64()),
             "text": _as_string(meta.column("transcription_native")),
             "lang": lang,
+            "split": pa.array(split, pa.int8()),
         }
     )
 
@@ -197,8 +203,11 @@ def build_manifest(
     table, lang_codes, lang_names = assemble_manifest(
         rows, keep, seg_ids, cleaned, duration, shard, shard_names
     )
-    is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction)
+    fixed = rows.column("split").to_numpy()[keep]
+    is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction, fixed)
+    check_train_rows(is_val, lang_codes, lang_names)
     _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
+    _fill_split_source(report, lang_names, lang_codes, is_val, fixed)
     report.elapsed_s = round(time.perf_counter() - start, 3)
     write_build(table, is_val, report, shards_dir, out_dir)
     return report
@@ -364,6 +373,19 @@ def _parquet_writer(table: pa.Table) -> Callable[[Path], None]:
         pq.write_table(table, path, compression="zstd")
 
     return write
+
+
+def _fill_split_source(
+    report: BuildReport, lang_names: list[str], lang_codes: np.ndarray, is_val: np.ndarray, fixed: np.ndarray
+) -> None:
+    """Kept rows per language placed by the ``split`` column and by the hash, each as train and val."""
+    cell = lang_codes * 4 + (fixed == HASHED) * 2 + is_val
+    counts = np.bincount(cell, minlength=4 * len(lang_names)).reshape(len(lang_names), 2, 2)
+    for i, name in enumerate(lang_names):
+        report.split_source[name] = {
+            how: {"train": int(counts[i, j, 0]), "val": int(counts[i, j, 1])}
+            for j, how in enumerate(("column", "hash"))
+        }
 
 
 def _fill_counts(

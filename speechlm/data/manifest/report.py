@@ -37,6 +37,8 @@ class BuildReport:
     rows_read: int = 0
     kept: dict[str, dict[str, int]] = field(default_factory=dict)  # lang -> {"train": n, "val": n}
     kept_hours: dict[str, float] = field(default_factory=dict)  # lang -> hours, train + val
+    # lang -> {"column": {"train": n, "val": n}, "hash": {...}}: placed by metadata's `split` or the hash
+    split_source: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # reason -> lang -> n
     failed_shards: dict[str, str] = field(default_factory=dict)  # shard path -> error message
     elapsed_s: float = 0.0
@@ -60,6 +62,11 @@ class BuildReport:
     def write_json(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
 
+    def _placed(self, lang: str) -> list[int]:
+        """[rows of `lang` placed by the metadata's split column, rows placed by the hash]."""
+        source = self.split_source.get(lang, {})
+        return [sum(source.get(how, {}).values()) for how in ("column", "hash")]
+
     def format(self) -> str:
         """Readable summary: totals, kept per language, dropped per reason and language, failures."""
         train = sum(c["train"] for c in self.kept.values())
@@ -73,11 +80,12 @@ class BuildReport:
             "",
         ]
         rows = [
-            [lang, c["train"], c["val"], f"{self.kept_hours.get(lang, 0.0):.2f}"]
+            [lang, c["train"], c["val"], f"{self.kept_hours.get(lang, 0.0):.2f}", *self._placed(lang)]
             for lang, c in self.kept.items()
         ]
-        rows.append(["total", train, val, f"{sum(self.kept_hours.values()):.2f}"])
-        lines += _format_table(["kept", "train", "val", "hours"], rows) + [""]
+        totals = [sum(col) for col in zip(*(self._placed(lang) for lang in self.kept))] or [0, 0]
+        rows.append(["total", train, val, f"{sum(self.kept_hours.values()):.2f}", *totals])
+        lines += _format_table(["kept", "train", "val", "hours", "by column", "by hash"], rows) + [""]
         langs = sorted({lang for per_lang in self.dropped.values() for lang in per_lang})
         drop_rows = [
             [
