@@ -114,7 +114,20 @@ def train_eval_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> 
     """The training rows `final_eval_split=both` scores: `trainer.final_eval_train_utterances` (default: the
     val split's utterances) chosen by `choose_train_rows`."""
     n = cfg.trainer.final_eval_train_utterances or len(val_table)
-    return choose_train_rows(row_groups(train_table), row_groups(val_table), n)
+    train_groups, val_groups = row_groups(train_table), row_groups(val_table)
+    return require_rows(choose_train_rows(train_groups, val_groups, n), val_groups)
+
+
+def require_rows(rows: list[int], val_groups: np.ndarray) -> list[int]:
+    """`rows`, or a DataError when no training row shares a (task, language) with the val split."""
+    if not rows:
+        raise DataError(
+            f"no row of the training split has a (task, language) of the val split "
+            f"({', '.join(sorted(set(val_groups.astype(str))))}), so there is no training subset to score beside "
+            f"it: give a val manifest of the training languages, or turn the training-split scores off "
+            f"(trainer.final_eval_split=val, trainer.val_train_batches=0)"
+        )
+    return rows
 
 
 def periodic_train_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
@@ -139,7 +152,7 @@ def periodic_train_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return choose(lo)
+    return require_rows(choose(lo), val_groups)
 
 
 def with_prefix(scores: dict[str, Any], prefix: str = TRAIN_PREFIX) -> dict[str, Any]:

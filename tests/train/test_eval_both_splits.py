@@ -56,6 +56,20 @@ def test_train_rows_are_capped_by_what_each_group_has():
     assert choose_train_rows(train, val, 10_000) == list(range(len(train)))  # asked more than there is: all
 
 
+def test_a_val_split_of_languages_training_lacks_is_refused_by_name(demo_data):
+    from speechlm.data.sources.mmap_cache import open_index
+    from speechlm.errors import DataError
+
+    train, val = open_index(demo_data["train"]), open_index(demo_data["val"])
+    other = val.set_column(val.schema.get_field_index("lang"), "lang", [["xx"] * len(val)])
+    for k, choose in ((0, train_eval_rows), (1, periodic_train_rows)):
+        cfg = smoke_cfg(demo_data, "trainer.val_every=1", f"trainer.val_train_batches={k}")
+        with pytest.raises(
+            DataError, match=r"no row of the training split .*\(asr/xx\).*val_train_batches=0"
+        ):
+            choose(cfg, train, other)
+
+
 def test_final_train_subset_defaults_to_the_val_size_and_the_key_caps_it(demo_data):
     from speechlm.data.sources.mmap_cache import open_index
 
