@@ -373,8 +373,8 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
         evaluator: Any = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.rank)
         if t.val_train_batches > 0:  # the same training rows at every validation (evaluate.py module doc)
             rows = periodic_train_rows(cfg, inputs.train_table, inputs.val_table)
-            train_eval = Evaluator(
-                cfg, inputs.tokenizer, inputs.train_table, inputs.rank, split="train", rows=rows
+            train_eval = Evaluator(  # its rows fit val_train_batches; val_max_batches cuts the val split only
+                cfg, inputs.tokenizer, inputs.train_table, inputs.rank, None, split="train", rows=rows
             )
             evaluator = with_train_split(evaluator, train_eval)
         callbacks.append(

@@ -133,13 +133,14 @@ def require_rows(rows: list[int], val_groups: np.ndarray) -> list[int]:
 def periodic_train_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
     """The training rows each validation decodes (`trainer.val_train_batches` = K): the largest subset
     chosen by `choose_train_rows` whose decoding batches are at most K (a binary search over its size)."""
+    import pyarrow as pa
+
     from speechlm.config import eval_batch_duration
-    from speechlm.data.manifest import manifest_arrays
     from speechlm.data.sampler.batching import batch_by_duration
 
     k, budget = cfg.trainer.val_train_batches, eval_batch_duration(cfg)
     train_groups, val_groups = row_groups(train_table), row_groups(val_table)
-    durations = manifest_arrays(train_table).durations
+    durations = train_table.column("duration").cast(pa.float32()).to_numpy()  # as build_eval_batches reads
 
     def choose(m: int) -> list[int]:
         return choose_train_rows(train_groups, val_groups, m)

@@ -264,6 +264,19 @@ def test_val_train_batches_adds_train_keys_to_each_validation(demo_data, tmp_pat
     )
 
 
+def test_val_max_batches_cuts_the_val_split_not_the_training_subset(demo_data, tmp_path):
+    from parallel.mesh import ParallelDims
+
+    cfg, inputs, module = both_inputs(demo_data)
+    inputs.rank, inputs.dims = 0, ParallelDims(1, 1, 1, 1, 1)
+    t = cfg.trainer
+    t.val_every, t.val_max_batches, t.val_train_batches, t.eval_batch_duration = 1, 1, 2, 6.0
+    rows = periodic_train_rows(cfg, inputs.train_table, inputs.val_table)
+    record = validations(cfg, inputs, module, tmp_path)[0]
+    assert record["utterances"] + record["dropped"] < len(inputs.val_table)  # one batch of val
+    assert record["train_utterances"] + record["train_dropped"] == len(rows)  # both training batches
+
+
 def test_best_metric_may_name_a_train_key_kept_in_its_direction(demo_data):
     from speechlm import preflight
     from speechlm.config import ConfigError, load_config
