@@ -48,8 +48,11 @@ AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "
 CPAttention = Literal["ring", "allgather"]
 Precision = Literal["auto", "32", "bf16"]
 ResumeData = Literal["exact", "next_epoch"]
-FinalEvalSplit = Literal["auto", "val", "train", "none"]
+FinalEvalSplit = Literal["auto", "val", "train", "both", "none"]
 SplitAuto = Literal["auto"]  # parallel.cp_split_threshold's word (else a token count)
+
+
+TRAIN_PREFIX = "train_"  # validation keys of the training split (trainer.val_train_batches): train_wer, ...
 
 
 def choices_of(tp: Any) -> tuple[Any, ...]:
@@ -320,6 +323,9 @@ class TrainerConfig(Section):
     log_every: int = 1
     val_every: int = 0  # optimizer steps; 0 disables periodic validation
     val_max_batches: int | None = None
+    # decoding batches of a fixed subset of the TRAINING split greedy-decoded at each validation too, logged
+    # as train_wer, train_wer_<lang>, train_<task>/<metric> beside the val metrics; 0: off
+    val_train_batches: int = 0
     # seconds of audio per greedy-decoding batch (validation, final WER); None: 4x sampler.max_batch_duration.
     # Decoding keeps no activations for backward, so its batches can be larger than training's, and the
     # KV-cache decoder gains most from wide batches (docs/benchmarks.md, greedy decoding)
@@ -339,8 +345,11 @@ class TrainerConfig(Section):
         False  # evaluate only (restoring trainer.resume if set): no optimizer step, no backward
     )
     # the split scored into eval.json: "auto" (val when data.val_manifest is set, else none), "val",
-    # "train" (the demo: WER on the training utterances) or "none"
+    # "train" (the demo: WER on the training utterances), "both" (val, then a subset of train) or "none"
     final_eval_split: FinalEvalSplit = "auto"
+    # training utterances the "both" evaluation scores (None: as many as the val split has), spread over the
+    # (task, language) groups in the val split's proportions (speechlm/train/evaluate.py, train_eval_rows)
+    final_eval_train_utterances: int | None = None
     # metrics and text normalisation per task (speechlm/metrics.py, docs/metrics.md): {task: [names]}, each
     # entry replacing that task's default; languages scored by character error rate where a task asks for wer
     eval_metrics: dict[str, list[str]] = field(default_factory=dict)
@@ -350,13 +359,19 @@ class TrainerConfig(Section):
     overwrite: bool = False
 
     def problems(self) -> list[str]:
+        out = []
         if self.early_stopping_patience > 0 and self.val_every == 0:
-            return [
+            out.append(
                 f"trainer.early_stopping_patience={self.early_stopping_patience} but trainer.val_every=0 (no "
                 "validation, so it could never stop early): set trainer.val_every=N, or "
                 "trainer.early_stopping_patience=0"
-            ]
-        return []
+            )
+        if self.val_train_batches > 0 and self.val_every == 0:
+            out.append(
+                f"trainer.val_train_batches={self.val_train_batches} but trainer.val_every=0 (no validation to "
+                "decode the training batches at): set trainer.val_every=N, or trainer.val_train_batches=0"
+            )
+        return out
 
 
 @dataclass
@@ -374,9 +389,9 @@ class ExperimentConfig(Section):
         d, t = self.data, self.trainer
         out = []
         if d.val_manifest is None:
-            if t.final_eval_split == "val":
+            if t.final_eval_split in ("val", "both"):
                 out.append(
-                    "trainer.final_eval_split='val' but data.val_manifest is not set: set "
+                    f"trainer.final_eval_split={t.final_eval_split!r} but data.val_manifest is not set: set "
                     "data.val_manifest=PATH, or use trainer.final_eval_split=train or none"
                 )
             if t.val_every > 0:
@@ -582,18 +597,20 @@ class TaskLists(Rule):
 
 @dataclass(frozen=True)
 class MetricName(Rule):
-    """A validation metric name: 'loss', 'wer[_<lang>]' or '<task>/<metric>[_<lang>]' (speechlm.metrics)."""
+    """A validation metric name: 'loss', 'wer[_<lang>]' or '<task>/<metric>[_<lang>]' (speechlm.metrics), or
+    one of them prefixed 'train_' (the training-split metrics of trainer.val_train_batches)."""
 
     def check(self, value: Any) -> str | None:
         if not isinstance(value, str):
             return "must be a metric name"
-        return check_metric_name(value)
+        return check_metric_name(value.removeprefix(TRAIN_PREFIX))
 
     def describe(self) -> str:
         return (
             "'wer', 'loss', 'wer_<lang>' or '<task>/<metric>[_<lang>]' with metric one of "
             + ", ".join(METRICS)
-            + " (e.g. 'asr/wer', 'asr/wer_hi', 'ast/bleu', 'qa/accuracy')"
+            + " (e.g. 'asr/wer', 'asr/wer_hi', 'ast/bleu', 'qa/accuracy'); any of them prefixed 'train_' "
+            "(e.g. 'train_wer') names the training-split metric of trainer.val_train_batches"
         )
 
 
@@ -853,6 +870,12 @@ FIELDS: dict[str, Rule] = {
     "trainer.val_max_batches": Num(
         "decoding batches per validation", lo=1, integer=True, null="the whole validation split"
     ),
+    "trainer.val_train_batches": Num(
+        "decoding batches of a fixed, per-language proportional subset of the training split decoded at each "
+        "validation too (train_wer, train_wer_<lang>; 0: off; needs trainer.val_every)",
+        lo=0,
+        integer=True,
+    ),
     "trainer.eval_batch_duration": Num(
         "seconds of audio per greedy-decoding batch", lo=0, lo_open=True, null="4x sampler.max_batch_duration"
     ),
@@ -878,8 +901,15 @@ FIELDS: dict[str, Rule] = {
     ),
     "trainer.validate_only": Flag("evaluate only (restoring trainer.resume if set): no optimizer step"),
     "trainer.final_eval_split": OneOf(
-        "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none)",
+        "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none; "
+        "'both': val, then a subset of train of trainer.final_eval_train_utterances)",
         choices=choices_of(FinalEvalSplit),
+    ),
+    "trainer.final_eval_train_utterances": Num(
+        "training utterances scored by final_eval_split=both, in the val split's (task, language) proportions",
+        lo=1,
+        integer=True,
+        null="as many as the val split has",
     ),
     "trainer.eval_metrics": TaskLists(
         "metrics per task, replacing that task's default (asr: [wer], ast: [bleu, chrf], qa/lid/cls: "
@@ -1214,8 +1244,8 @@ CROSS_FIELD_RULES = (
     "`data.train_manifest` and `data.input_cfg` are exclusive (set the other to `null`); training needs "
     "one of them and `data.tokenizer` or `model.llm.pretrained` (checked when a run starts, not by `speechlm "
     "validate` of a layout)",
-    "`trainer.final_eval_split: val` and `trainer.val_every > 0` need `data.val_manifest`",
-    "`trainer.early_stopping_patience > 0` needs `trainer.val_every > 0`",
+    "`trainer.final_eval_split: val` (or `both`) and `trainer.val_every > 0` need `data.val_manifest`",
+    "`trainer.early_stopping_patience > 0` and `trainer.val_train_batches > 0` need `trainer.val_every > 0`",
     "a model built from its sizes (no `pretrained`): `llm.num_heads` a multiple of `llm.num_kv_heads`, "
     "`llm.hidden_size` a multiple of `llm.num_heads` with an even head size (rotary embeddings), "
     "`encoder.hidden_size` even and a multiple of `encoder.num_heads`",
@@ -1256,7 +1286,7 @@ def require_inputs(cfg: ExperimentConfig) -> None:
 
 
 def final_eval_split(cfg: ExperimentConfig) -> str:
-    """The split the final evaluation scores: "train", "val" or "none" ("auto": val if there is one)."""
+    """The split the final evaluation scores: "train", "val", "both" or "none" ("auto": val if there is one)."""
     split = cfg.trainer.final_eval_split
     if split == "auto":
         return "val" if cfg.data.val_manifest is not None else "none"

@@ -401,15 +401,26 @@ def check_eval_metrics(cfg: Any, train_table: Any, val_table: Any) -> None:
 
     spec = MetricSpec.from_config(cfg)
     evaluated = {"val": (val_table, f"val manifest {cfg.data.val_manifest}")}
-    if final_eval_split(cfg) == "train":
+    split = final_eval_split(cfg)
+    if split in ("train", "both") or cfg.trainer.val_train_batches > 0:
         train_name = "data.input_cfg" if cfg.data.input_cfg is not None else cfg.data.train_manifest
-        evaluated["train"] = (train_table, f"training data {train_name} (trainer.final_eval_split=train)")
+        why = (
+            f"trainer.final_eval_split={split}" if split in ("train", "both") else "trainer.val_train_batches"
+        )
+        evaluated["train"] = (train_table, f"training data {train_name} ({why})")
     for table, where in evaluated.values():
         if table is not None:
             for task in sorted({task for task, _ in table_pairs(table)}):
                 spec.check_task(task, where)
     if val_table is not None and cfg.trainer.val_every > 0:
-        spec.check_best_metric(cfg.trainer.best_metric, table_pairs(val_table), evaluated["val"][1])
+        name = cfg.trainer.best_metric
+        if name.startswith("train_") and cfg.trainer.val_train_batches == 0:
+            raise UsageError(
+                f"trainer.best_metric={name!r} is a training-split metric but trainer.val_train_batches=0 (the "
+                "validation decodes no training rows): set trainer.val_train_batches=N, or name a val metric"
+            )
+        # a train_ key: the training rows are chosen in the val split's (task, language) proportions
+        spec.check_best_metric(name.removeprefix("train_"), table_pairs(val_table), evaluated["val"][1])
 
 
 # --- run dir and resume (train only) -----------------------------------------------------------------

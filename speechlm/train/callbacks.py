@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 
+from speechlm.config import TRAIN_PREFIX
 from speechlm.errors import RunDirError
 from speechlm.metrics import PERCENT_METRICS, lower_is_better, split_metric_name
 from speechlm.train.checkpoint import (
@@ -175,8 +176,10 @@ class ValidationCallback(L.Callback):
     """Greedy decoding + each task's metrics every `every` steps; keeps the best checkpoint; early stops.
 
     `best_metric` is any key of the validation's result (`speechlm.metrics`); a lower value is better for
-    loss, wer and cer, a higher one for bleu, chrf and accuracy. The best value is saved with the metric's
-    name: a run resumed with another `trainer.best_metric` starts its best and its patience afresh."""
+    loss, wer and cer, a higher one for bleu, chrf and accuracy; a training-split key (`train_wer`, with
+    `trainer.val_train_batches`) goes the way of the metric it prefixes. The best value is saved with the
+    metric's name: a run resumed with another `trainer.best_metric` starts its best and its patience
+    afresh."""
 
     def __init__(
         self,
@@ -192,7 +195,7 @@ class ValidationCallback(L.Callback):
         self.metrics = metrics
         self.every = every
         self.best_metric = best_metric
-        self.lower_is_better = lower_is_better(best_metric)
+        self.lower_is_better = lower_is_better(best_metric.removeprefix(TRAIN_PREFIX))
         self.patience = patience
         self.best: float | None = None
         self.bad_evals = 0
@@ -252,11 +255,12 @@ class ValidationCallback(L.Callback):
 
 def summarize_scores(result: dict[str, Any]) -> str:
     """One line of a validation's scores: wer and wer_<lang> (ASR), each other task's overall metrics
-    (`wer=12.3% wer_hi=10.2% ast/bleu=20.1 ast/chrf=41.0`)."""
+    (`wer=12.3% wer_hi=10.2% ast/bleu=20.1 ast/chrf=41.0`), then the same of the training split when
+    `trainer.val_train_batches` decoded it (`train_wer=4.1% train_wer_hi=3.0%`)."""
     parts = []
-    for key, value in result.items():
-        name = split_metric_name(key)
-        if name is None or key == "asr/wer":  # not a metric; or the same as `wer`
+    for key, value in sorted(result.items(), key=lambda kv: kv[0].startswith(TRAIN_PREFIX)):  # val first
+        name = split_metric_name(key.removeprefix(TRAIN_PREFIX))
+        if name is None or key.removeprefix(TRAIN_PREFIX) == "asr/wer":  # not a metric; or the same as `wer`
             continue
         task, metric, lang = name
         if task is None or lang is None:  # today's wer and wer_<lang>, and each task's overall scores

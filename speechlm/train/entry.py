@@ -177,7 +177,9 @@ def already_evaluated(cfg: ExperimentConfig, run_dir: Path, ckpt: Path | None, s
         ev = json.loads((run_dir / "eval.json").read_text())
     except (OSError, ValueError):
         return False
-    return saved_step == step and ev.get("steps") == step and ev.get("split") == final_eval_split(cfg)
+    split = final_eval_split(cfg)
+    same_split = ev.get("split") == split or (split == "both" and ev.get("split") == "val" and "train" in ev)
+    return saved_step == step and ev.get("steps") == step and same_split
 
 
 def total_train_minutes(trainer: Any, elapsed: float) -> float:
@@ -359,7 +361,7 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
         ValidationCallback,
         build_progress_bar,
     )
-    from speechlm.train.evaluate import Evaluator
+    from speechlm.train.evaluate import Evaluator, periodic_train_rows, with_train_split
     from speechlm.train.faults import active_faults
     from speechlm.train.strategy import SpeechParallelStrategy
 
@@ -368,7 +370,13 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
     faults = active_faults()  # the fault-injection harness (speechlm faults); empty in normal runs
     callbacks: list[Any] = [metrics, *([FaultInjector(faults)] if faults else []), build_progress_bar()]
     if inputs.val_table is not None and t.val_every > 0:
-        evaluator = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.rank)
+        evaluator: Any = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.rank)
+        if t.val_train_batches > 0:  # the same training rows at every validation (evaluate.py module doc)
+            rows = periodic_train_rows(cfg, inputs.train_table, inputs.val_table)
+            train_eval = Evaluator(  # its rows fit val_train_batches; val_max_batches cuts the val split only
+                cfg, inputs.tokenizer, inputs.train_table, inputs.rank, None, split="train", rows=rows
+            )
+            evaluator = with_train_split(evaluator, train_eval)
         callbacks.append(
             ValidationCallback(
                 evaluator,

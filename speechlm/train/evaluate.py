@@ -18,6 +18,17 @@ run, and summed per (task, language): `asr/wer_hi` = sum errors / sum words of t
 the sharding, so the result equals the single-rank result exactly. ASR's word error rate is also
 given under its old names `wer` and `wer_<lang>`.
 
+The training split beside the held-out one. A model that memorises scores well on the rows it trained on
+and badly on new sentences, so the training split is scored too, on a subset that costs about what the
+val split costs: `choose_train_rows` apportions N rows over the (task, language) groups of the training
+split in the proportions of the val split's groups (largest remainders; a group with fewer training rows
+gives all it has, a val group absent from training gives none) and takes each group's rows evenly spread
+over its rows in manifest order (position floor((i + 0.5) * rows / k) of k), not the first N. The choice
+depends only on the two manifests and N, so every rank and every validation of a run scores the same rows.
+`trainer.final_eval_split=both` scores N = `trainer.final_eval_train_utterances` (default: the val split's
+utterances) after the val split; `trainer.val_train_batches=K` scores, at each validation, the largest
+such subset that fits in K decoding batches (`periodic_train_rows`), its keys prefixed `train_`.
+
 The teacher-forced validation loss is sharded the same way: CE sums and labelled-token counts are
 summed over the CP shards of each sequence and over the dp groups. Every collective here goes through
 the run's one `parallel.collectives.Collectives` (the module's `step_ctx.collectives`): the lockstep
@@ -32,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from parallel.collectives import Collectives
-from speechlm.config import ExperimentConfig
+from speechlm.config import TRAIN_PREFIX, ExperimentConfig
 from speechlm.data.text import decode_hypothesis, strip_lang_tag
 from speechlm.errors import DataError
 from speechlm.metrics import (
@@ -44,6 +56,7 @@ from speechlm.metrics import (
     PERCENT_METRICS,
     MetricSpec,
     aggregate,
+    split_metric_name,
     table_pairs,
     word_error_counts,
 )
@@ -65,6 +78,97 @@ def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> 
     share = batches[dp_rank::dp_size]
     n_slots = -(-len(batches) // dp_size)
     return share + [[] for _ in range(n_slots - len(share))]
+
+
+def row_groups(table: Any) -> np.ndarray:
+    """The (task, language) group of each manifest row as "task/lang" (no `task` column, or a null: asr)."""
+    langs = [str(x) for x in table.column("lang").to_pylist()]
+    tasks = table.column("task").to_pylist() if "task" in table.column_names else [None] * len(langs)
+    return np.array([f"{t or DEFAULT_TASK}/{lang}" for t, lang in zip(tasks, langs)], dtype=object)
+
+
+def apportion(counts: np.ndarray, n: int) -> np.ndarray:
+    """`n` split in proportion to `counts` by largest remainders (ties: the earlier group), summing to n."""
+    exact = n * counts / max(int(counts.sum()), 1)
+    quota = np.floor(exact).astype(np.int64)
+    extra = np.argsort(-(exact - quota), kind="stable")[: n - int(quota.sum())]
+    quota[extra] += 1
+    return quota
+
+
+def choose_train_rows(train_groups: np.ndarray, val_groups: np.ndarray, n: int) -> list[int]:
+    """At most `n` training rows, apportioned over the val split's (task, language) groups in its
+    proportions, each group's rows evenly spread over its training rows (module doc); sorted."""
+    names, counts = np.unique(val_groups.astype(str), return_counts=True)
+    train = train_groups.astype(str)
+    chosen = []
+    for name, k in zip(names, apportion(counts, n)):
+        rows = np.flatnonzero(train == name)
+        k = min(int(k), len(rows))
+        if k:
+            chosen.append(rows[((np.arange(k) + 0.5) * len(rows) / k).astype(np.int64)])
+    return sorted(int(r) for r in np.concatenate(chosen)) if chosen else []
+
+
+def train_eval_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
+    """The training rows `final_eval_split=both` scores: `trainer.final_eval_train_utterances` (default: the
+    val split's utterances) chosen by `choose_train_rows`."""
+    n = cfg.trainer.final_eval_train_utterances or len(val_table)
+    train_groups, val_groups = row_groups(train_table), row_groups(val_table)
+    return require_rows(choose_train_rows(train_groups, val_groups, n), val_groups)
+
+
+def require_rows(rows: list[int], val_groups: np.ndarray) -> list[int]:
+    """`rows`, or a DataError when no training row shares a (task, language) with the val split."""
+    if not rows:
+        raise DataError(
+            f"no row of the training split has a (task, language) of the val split "
+            f"({', '.join(sorted(set(val_groups.astype(str))))}), so there is no training subset to score beside "
+            f"it: give a val manifest of the training languages, or turn the training-split scores off "
+            f"(trainer.final_eval_split=val, trainer.val_train_batches=0)"
+        )
+    return rows
+
+
+def periodic_train_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
+    """The training rows each validation decodes (`trainer.val_train_batches` = K): the largest subset
+    chosen by `choose_train_rows` whose decoding batches are at most K (a binary search over its size)."""
+    import pyarrow as pa
+
+    from speechlm.config import eval_batch_duration
+    from speechlm.data.sampler.batching import batch_by_duration
+
+    k, budget = cfg.trainer.val_train_batches, eval_batch_duration(cfg)
+    train_groups, val_groups = row_groups(train_table), row_groups(val_table)
+    durations = train_table.column("duration").cast(pa.float32()).to_numpy()  # as build_eval_batches reads
+
+    def choose(m: int) -> list[int]:
+        return choose_train_rows(train_groups, val_groups, m)
+
+    def fits(m: int) -> bool:
+        return len(batch_by_duration(durations[choose(m)], budget)) <= k
+
+    shortest = float(durations.min()) if len(durations) else 1.0
+    lo, hi = 1, min(len(durations), k * (int(budget / max(shortest, 1e-3)) + 1))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return require_rows(choose(lo), val_groups)
+
+
+def with_prefix(scores: dict[str, Any], prefix: str = TRAIN_PREFIX) -> dict[str, Any]:
+    """The scores of the training split as a validation logs them: `train_wer`, `train_asr/wer_hi`, ..."""
+    return {prefix + k: v for k, v in scores.items()}
+
+
+def with_train_split(val_eval: Callable[[Any], dict[str, Any]], train_eval: Any) -> Callable[[Any], dict]:
+    """A validation that scores the val split, then (every rank, in lockstep) `train_eval`'s training rows,
+    into one record: the val keys as they are, the training keys prefixed `train_`."""
+
+    def evaluate(module: Any) -> dict[str, Any]:
+        return {**val_eval(module), **with_prefix(train_eval(module))}
+
+    return evaluate
 
 
 DUMMY_SAMPLES = 1600  # 0.1 s of silence: what an empty slot decodes to stay in lockstep
@@ -231,8 +335,10 @@ class Evaluator:
         split: str = "val",
         max_new_tokens: int = 96,
         max_utterances: int | None = None,
+        rows: list[int] | None = None,
     ):
         self.cfg, self.tokenizer, self.table, self.rank = cfg, tokenizer, table, rank
+        self.rows = rows  # the manifest rows to score (`choose_train_rows`); None: every row
         self.max_new_tokens, self.max_utterances = max_new_tokens, max_utterances
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
         self.split = split
@@ -257,9 +363,12 @@ class Evaluator:
             {task for task, _ in table_pairs(self.table)}
         ):  # before any decoding, on every rank
             self.spec.check_task(task, f"the {self.split} split ({self.manifest_name()})")
+        table = self.table if self.rows is None else self.table.take(self.rows)
         batches = build_eval_batches(
-            self.table, max_batch_duration=eval_batch_duration(self.cfg), max_utterances=self.max_utterances
+            table, max_batch_duration=eval_batch_duration(self.cfg), max_utterances=self.max_utterances
         )
+        if self.rows is not None:  # positions in the subset -> manifest rows
+            batches = [[self.rows[i] for i in b] for b in batches]
         if self.max_batches:
             batches = batches[: self.max_batches]
         if not batches:
@@ -271,7 +380,8 @@ class Evaluator:
 
     def manifest_name(self) -> str:
         d = self.cfg.data
-        return str(d.val_manifest if self.split == "val" else (d.train_manifest or "data.input_cfg"))
+        name = str(d.val_manifest if self.split == "val" else (d.train_manifest or "data.input_cfg"))
+        return name if self.rows is None else f"{len(self.rows)} rows of {name}"
 
     def __call__(
         self, module: Any, *, stop: Callable[[], bool] | None = None, progress: bool = False
@@ -473,44 +583,95 @@ def final_evaluation(
 ) -> dict[str, Any]:
     """Greedy decoding and the metrics of each task per language on `trainer.final_eval_split` after
     training; rank 0 prints the table and writes eval.json, eval_decodes.jsonl and the learning curve.
-    Returns the evaluator's metrics.
+    Returns the evaluator's metrics (with `both`: the val split's, and the training subset's prefixed
+    `train_`).
+
+    `both` scores the val split, then `train_eval_rows` of the training split, and prints both tables (val
+    first) and one line per language with the two side by side; eval.json holds the val record at the top
+    level and the training one under `train`, eval_decodes.jsonl gives each decode's `split`.
 
     The trained weights are already saved when this runs (the end-of-training checkpoint); a SIGTERM
-    during it stops it on every rank at the same batch (`EvaluationInterrupted`), with no eval.json."""
+    during it stops it on every rank at the same batch (`EvaluationInterrupted`), with no eval.json (with
+    `both`, nothing is written before both splits are scored)."""
     from speechlm.config import final_eval_split
     from speechlm.train.preempt import SIGTERM_FLAG
 
     split = final_eval_split(cfg)  # "auto" resolved: val when there is a val manifest, else none
-    table = {"train": inputs.train_table, "val": inputs.val_table}.get(split)
+    tables = {"train": inputs.train_table, "val": inputs.val_table}
+    table = tables["val" if split == "both" else split] if split != "none" else None
     if table is None:
         if rank == 0:
             why = " and no data.val_manifest" if cfg.trainer.final_eval_split == "auto" else ""
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
-    final_eval = Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=split)
-    scores = final_eval(module, stop=lambda: SIGTERM_FLAG.requested, progress=True)
-    if rank == 0:
-        counts = final_eval.last_counts
-        what = "WER" if set(counts["scored_by_task"]) <= {DEFAULT_TASK} else "metrics per task"
-        print(
-            f"\nfinal greedy {what} on the {split} split after {result['steps']} steps "
-            f"({result['train_minutes']:.1f} min):"
+    first = "val" if split == "both" else split
+    evaluators = [Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=first)]
+    if split == "both":
+        rows = train_eval_rows(cfg, inputs.train_table, table)
+        evaluators.append(
+            Evaluator(
+                cfg, inputs.tokenizer, inputs.train_table, rank, max_batches=None, split="train", rows=rows
+            )
         )
-        print(format_eval_table(scores, counts))
-        record = {"split": split, **result, **scores, **count_record(counts)}
-        write_eval_outputs(run_dir, record, final_eval.last_decodes, final_eval.last_tasks)
+    scores = [ev(module, stop=lambda: SIGTERM_FLAG.requested, progress=True) for ev in evaluators]
+    if rank == 0:
+        records: list[dict[str, Any]] = []
+        decodes: list[tuple[str, str, str]] = []
+        tasks: list[str] = []
+        splits: list[str] = []
+        for ev, sc in zip(evaluators, scores):
+            counts = ev.last_counts
+            what = "WER" if set(counts["scored_by_task"]) <= {DEFAULT_TASK} else "metrics per task"
+            print(
+                f"\nfinal greedy {what} on the {ev.split} split after {result['steps']} steps "
+                f"({result['train_minutes']:.1f} min):"
+            )
+            print(format_eval_table(sc, counts))
+            records.append({"split": ev.split, **result, **sc, **count_record(counts)})
+            decodes += ev.last_decodes
+            tasks += ev.last_tasks
+            splits += [ev.split] * len(ev.last_decodes)
+        if len(scores) == 2:
+            print("\nheld-out (val) and training-split scores side by side:")
+            print(format_side_by_side(scores[0], scores[1]))
+        record = records[0] if len(records) == 1 else {**records[0], "train": records[1]}
+        write_eval_outputs(run_dir, record, decodes, tasks, splits=splits)
         from speechlm.train.plots import plot_learning_curve
 
         png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
         print(f"wrote {run_dir / 'eval.json'}, {png}")
-    return scores
+    return scores[0] if len(scores) == 1 else {**scores[0], **with_prefix(scores[1])}
+
+
+def format_side_by_side(val: dict[str, Any], train: dict[str, Any]) -> str:
+    """One line per language (then `all`) with the val and training-split score of each per-language metric:
+    `hi  val 12.3%  train 4.1%` for WER; `hi  ast/bleu  val 20.1  train 35.2` for another task's metric."""
+    lines = []
+    for overall in (False, True):
+        for key in val:
+            name = split_metric_name(key)
+            if name is None or key.startswith("asr/wer") or (name[2] is None) != overall:
+                continue  # not a metric; asr/wer* repeat wer*; per-language lines first, then the overall
+            task, metric, lang = name
+            what = "" if task is None else f"  {task}/{metric}"
+            cells = [
+                f"{s} {_cell(metric, d.get(key), 0).strip()}" for s, d in (("val", val), ("train", train))
+            ]
+            lines.append(f"{lang or 'all':<8}{what}  " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def write_eval_outputs(
-    run_dir: Path, record: dict[str, Any], decodes: list[tuple[str, str, str]], tasks: list[str] | None = None
+    run_dir: Path,
+    record: dict[str, Any],
+    decodes: list[tuple[str, str, str]],
+    tasks: list[str] | None = None,
+    *,
+    splits: list[str] | None = None,
 ) -> None:
-    """eval.json and eval_decodes.jsonl; a path that cannot be written (full disk, a folder in the way,
-    no permission) is an OutputError naming it (the weights are in the end-of-training checkpoint)."""
+    """eval.json and eval_decodes.jsonl (with `splits`, each decode names its `split`); a path that cannot
+    be written (full disk, a folder in the way, no permission) is an OutputError naming it (the weights are
+    in the end-of-training checkpoint)."""
     from speechlm.errors import OutputError
 
     path = run_dir / "eval.json"
@@ -520,10 +681,10 @@ def write_eval_outputs(
         with path.open("w") as f:
             for i, (lang, ref, hyp) in enumerate(decodes):
                 task = tasks[i] if tasks else DEFAULT_TASK
-                f.write(
-                    json.dumps({"task": task, "lang": lang, "ref": ref, "hyp": hyp}, ensure_ascii=False)
-                    + "\n"
-                )
+                row = {"task": task, "lang": lang, "ref": ref, "hyp": hyp}
+                if splits:
+                    row = {"split": splits[i], **row}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
     except OSError as e:
         raise OutputError(
             f"cannot write {path} ({e.strerror or e}); the trained weights are in {run_dir / 'checkpoints'} "

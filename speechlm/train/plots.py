@@ -5,23 +5,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from speechlm.config import TRAIN_PREFIX
+
+
+def is_train_curve(key: str) -> bool:
+    """A training-split curve (`train_wer`, `train_ast/bleu`): drawn dashed in its val curve's colour."""
+    return key.startswith(TRAIN_PREFIX)
+
 
 def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """The curves of the validation records, per panel: "greedy WER" (`wer`, `wer_<lang>`, in %) and, when
     other tasks were scored, "other tasks" (each task's overall score: `ast/bleu`, `qa/accuracy` in %, ...).
+    The training-split curves of `trainer.val_train_batches` (`train_wer`, `train_wer_<lang>`,
+    `train_ast/bleu`, ...) go in the panel of the key they prefix (`is_train_curve`: drawn dashed).
     A record without a key (a language absent from a cut validation) leaves a gap, not an error."""
     from speechlm.metrics import PERCENT_METRICS, split_metric_name
 
     panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for r in val:
         for k, v in r.items():
-            name = split_metric_name(k)
+            base = k.removeprefix(TRAIN_PREFIX)
+            name = split_metric_name(base)
             if name is None or v is None:
                 continue
             task, metric, lang = name
             if task is None:
                 title = "greedy WER"
-            elif lang is None and k != "asr/wer":
+            elif lang is None and base != "asr/wer":
                 title = "other tasks"
             else:
                 continue
@@ -53,8 +63,19 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
     ax[0][0].set_title("training loss")
     ax[0][0].legend()
     for panel, (title, curves) in zip(ax[0][1:], series.items()):
-        for k, points in curves.items():
-            panel.plot([s for s, _ in points], [v for _, v in points], marker="o", label=k)
+        colours: dict[str, str] = {}  # one colour per metric key, shared by its val and train curves
+        for k in sorted(curves, key=is_train_curve):  # val first: it picks the colour
+            points, base = curves[k], k.removeprefix(TRAIN_PREFIX)
+            dashed = is_train_curve(k)
+            line = panel.plot(
+                [s for s, _ in points],
+                [v for _, v in points],
+                marker="x" if dashed else "o",
+                linestyle="--" if dashed else "-",
+                color=colours.get(base),
+                label=f"{base} ({'train' if dashed else 'val'})",
+            )[0]
+            colours.setdefault(base, line.get_color())
         panel.set_xlabel("optimizer step")
         panel.set_ylabel("%" if title == "greedy WER" else "score")
         panel.set_title(title)
