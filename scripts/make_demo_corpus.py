@@ -30,13 +30,10 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import unicodedata
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,51 +41,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
+# the vocabularies, the sentence generator and the bad rows are the synthesized corpus' too
+from speechlm.demo_corpus import BAD_ROWS, VOCAB, BadRow, make_sentence
+
+__all__ = ["BAD_ROWS", "VOCAB", "build", "make_sentence"]
+
 TARGET_SR = 16000
 MIN_UTT_S = 1.0  # valid utterances are kept inside [MIN_UTT_S, MAX_UTT_S]
 MAX_UTT_S = 8.0
 KEEP_EDGE_S = 0.05  # silence kept at each end after trimming
 SILENCE_THRESHOLD = 0.01  # absolute amplitude (full scale = 1.0) regarded as silence
-
-# --------------------------------------------------------------------------------------------
-# Vocabularies: common, distinct words in the native script of each language.
-# --------------------------------------------------------------------------------------------
-VOCAB: dict[str, list[str]] = {
-    "en": (
-        "cat dog sun moon water tree house red blue green big small happy run walk eat see "
-        "book girl boy bird fish river road school city day night good old new cold hot rain "
-        "milk bread apple door window table chair friend mother father child sleep play sing "
-        "sky flower"
-    ).split(),
-    "hi": (
-        "पानी घर किताब लड़का लड़की माँ पिता दोस्त सूरज चाँद पेड़ नदी शहर गाँव स्कूल दिन रात "
-        "खाना दूध रोटी आम फूल पक्षी मछली कुत्ता बिल्ली बड़ा छोटा अच्छा नया पुराना लाल नीला "
-        "हरा ठंडा गरम खुश है और बहुत आज कल सुबह शाम बारिश दरवाज़ा खिड़की मेज़ आकाश"
-    ).split(),
-    "bn": (
-        "জল বাড়ি বই ছেলে মেয়ে মা বাবা বন্ধু সূর্য চাঁদ গাছ নদী শহর গ্রাম স্কুল দিন রাত খাবার "
-        "দুধ রুটি আম ফুল পাখি মাছ কুকুর বিড়াল বড় ছোট ভালো নতুন পুরনো লাল নীল সবুজ ঠান্ডা "
-        "গরম খুশি আর খুব আজ কাল সকাল সন্ধ্যা বৃষ্টি দরজা জানালা টেবিল আকাশ"
-    ).split(),
-    "ta": (
-        "தண்ணீர் வீடு புத்தகம் பையன் பெண் அம்மா அப்பா நண்பன் சூரியன் நிலா மரம் ஆறு நகரம் "
-        "கிராமம் பள்ளி நாள் இரவு சாப்பாடு பால் ரொட்டி மாம்பழம் பூ பறவை மீன் நாய் பூனை பெரிய "
-        "சிறிய நல்ல புதிய பழைய சிவப்பு நீலம் பச்சை குளிர் சூடு மகிழ்ச்சி மிகவும் இன்று நாளை "
-        "காலை மாலை மழை கதவு ஜன்னல் மேசை வானம்"
-    ).split(),
-    "te": (
-        "నీరు ఇల్లు పుస్తకం అబ్బాయి అమ్మాయి అమ్మ నాన్న స్నేహితుడు సూర్యుడు చంద్రుడు చెట్టు నది "
-        "నగరం గ్రామం బడి రోజు రాత్రి అన్నం పాలు రొట్టె మామిడి పువ్వు పక్షి చేప కుక్క పిల్లి పెద్ద "
-        "చిన్న మంచి కొత్త పాత ఎరుపు నీలం ఆకుపచ్చ చల్లని వేడి సంతోషం చాలా ఈరోజు రేపు ఉదయం "
-        "సాయంత్రం వర్షం తలుపు కిటికీ బల్ల ఆకాశం"
-    ).split(),
-}
-VOCAB = {lang: [unicodedata.normalize("NFC", w) for w in words] for lang, words in VOCAB.items()}
-
-FULL_STOP = {"en": ".", "hi": "।", "bn": "।", "ta": ".", "te": "."}
-ESPEAK_VOICE = {"en": "en", "hi": "hi", "bn": "bn", "ta": "ta", "te": "te"}
-TAGS = ("[laugh]", "[music]", "[noise]")
-TAG_RE = re.compile(r"\[[^\]]*\]")
 
 # Valid utterances per shard: en 110, hi 55, bn 35, ta 20, te 11 (231 in all; en ~10x te).
 SHARDS: dict[str, int] = {
@@ -102,63 +64,6 @@ SHARDS: dict[str, int] = {
 }
 
 
-@dataclass
-class BadRow:
-    """An extra row that must be dropped somewhere downstream."""
-
-    shard: str
-    kind: str
-    reason: str
-    params: dict = field(default_factory=dict)
-
-
-# Rows that the manifest build drops (filters / join / de-duplication) ...
-BAD_ROWS: list[BadRow] = [
-    BadRow("en_000", "short", "duration 0.3 s < 0.5 s minimum", {"dur": 0.30}),
-    BadRow("ta_000", "short", "duration 0.25 s < 0.5 s minimum", {"dur": 0.25}),
-    BadRow("hi_000", "long", "duration > 20 s maximum (about 24 s)", {"dur": 24.0}),
-    BadRow("bn_000", "low_quality", "tx_quality_score 0.1 < 0.5 threshold", {"q": 0.10}),
-    BadRow("en_001", "low_quality", "tx_quality_score 0.2 < 0.5 threshold", {"q": 0.20}),
-    BadRow("hi_001", "low_quality", "tx_quality_score 0.05 < 0.5 threshold", {"q": 0.05}),
-    BadRow("ta_000", "empty_text", "empty transcription ''", {"text": ""}),
-    BadRow("te_000", "blank_text", "whitespace-only transcription", {"text": "   \t "}),
-    BadRow("en_000", "null_text", "null transcription", {"text": None}),
-    BadRow("hi_000", "null_text", "null transcription", {"text": None}),
-    BadRow("hi_001", "no_audio_index", "metadata row without an audio_index entry (inner join drops it)"),
-    BadRow("bn_000", "duplicate", "second metadata row with an already used segment_id"),
-    # ... and rows that pass the manifest filters but whose audio cannot be decoded: the dataset
-    # drops and counts them.
-    BadRow("en_001", "random_bytes", "audio file is random bytes with a .flac name (undecodable)"),
-    BadRow("hi_000", "truncated_flac", "audio file is the first 100 bytes of a FLAC (undecodable)"),
-]
-
-
-# --------------------------------------------------------------------------------------------
-# Text generation
-# --------------------------------------------------------------------------------------------
-def make_sentence(rng: random.Random, lang: str) -> tuple[str, str]:
-    """Return (raw transcription, text to speak). The spoken text has no bracket tags."""
-    vocab = VOCAB[lang]
-    n = rng.randint(4, 7) if lang == "en" else rng.choice([3, 4, 4, 5, 5, 6, 6, 7])
-    words = [rng.choice(vocab) for _ in range(n)]
-    # optional quotes around one word
-    if rng.random() < 0.08:
-        i = rng.randrange(n)
-        words[i] = f'"{words[i]}"'
-    # optional comma after a middle word
-    if n >= 4 and rng.random() < 0.25:
-        i = rng.randrange(1, n - 1)
-        words[i] = words[i] + ","
-    end = "?" if rng.random() < 0.15 else (FULL_STOP[lang] if rng.random() < 0.75 else "")
-    text = " ".join(words) + end
-    # optional non-speech tag in the raw transcription only
-    if rng.random() < 0.08:
-        tag = rng.choice(TAGS)
-        text = f"{tag} {text}" if rng.random() < 0.5 else f"{text} {tag}"
-    spoken = " ".join(TAG_RE.sub(" ", text).split())
-    return text, spoken
-
-
 # --------------------------------------------------------------------------------------------
 # Audio synthesis
 # --------------------------------------------------------------------------------------------
@@ -168,7 +73,7 @@ def synth(text: str, lang: str, speed: int, pitch: int, tmpdir: Path) -> np.ndar
     cmd = [
         "espeak-ng",
         "-v",
-        ESPEAK_VOICE[lang],
+        lang,
         "-s",
         str(speed),
         "-p",

@@ -1,10 +1,14 @@
-"""`speechlm demo`: the Quick start's main job on the bundled demo corpus.
+"""`speechlm demo`: the Quick start's main job on a demo corpus synthesized here.
 
-build the manifest → train the tokenizer → generate the translation task (speech to English gloss on
+synthesize the corpus (thousands of utterances in five languages with a held-out split whose sentences
+never occur in training, `speechlm.demo_corpus`; cached, so a second run reuses it) → build the manifest → train the tokenizer → generate the translation task (speech to English gloss on
 the hi/bn/ta/te clips, `speechlm.demo_tasks`) → print the epoch plan of the ASR + AST mix → train
 `configs/demo.yaml` on it → print the metrics per task and language (WER for ASR, BLEU/chrF for AST;
 eval.json and learning_curve.png in the run directory). `--asr-only` leaves the translation task out.
 Each step is the same command a user would run by hand; they are printed before they run.
+
+`speechlm demo corpus [--corpus DIR] [--utterances N] [--heldout N] [--seed S]` only synthesizes the corpus.
+`--shards data/demo/shards` trains on the small bundled corpus instead (231 utterances, the tests' corpus).
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speechlm import demo_corpus
 from speechlm.errors import run_guarded
 
 REPO = Path(__file__).resolve().parent.parent
+# Large enough that every word of the demo vocabularies is one piece: at the default 500, a Telugu word is 4-5
+# pieces, ~10 tokens per second of speech, close to the encoder's 12.5 frames/s, and CTC cannot align them
+DEMO_VOCAB_SIZE = 1200
 
 
 def add_parser(sub: Any) -> None:
@@ -28,9 +36,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--shards",
-        default=str(REPO / "data/demo/shards"),
-        help="raw shard folder to build the manifest from (default: the bundled data/demo/shards)",
+        default=None,
+        help="raw shard folder to build the manifest from instead of the synthesized corpus (e.g. the small "
+        "bundled data/demo/shards)",
     )
+    p.add_argument(
+        "--corpus",
+        default="data/demo_corpus",
+        help="where the synthesized corpus goes, and is found again by a second run (default: %(default)s)",
+    )
+    demo_corpus.add_arguments(p)
     p.add_argument(
         "--out", default="data/demo_manifest", help="manifest and tokenizer directory (default: %(default)s)"
     )
@@ -46,7 +61,11 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="train transcription only, on train.parquet (no translation task; the demo before issue 23)",
     )
-    p.add_argument("overrides", nargs="*", help="dotted overrides for the training config")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides for the training config; `speechlm demo corpus ...` only synthesizes the corpus",
+    )
     p.set_defaults(func=run_demo)
 
 
@@ -58,12 +77,33 @@ def _run(argv: list[str]) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    corpus_only = args.overrides == ["corpus"]  # `speechlm demo corpus [--corpus ...]` (an override has "=")
     out = Path(args.out)
-    rc = _run(["manifest", "build", args.shards, "--out", str(out)])
+    shards = args.shards
+    if shards is None or corpus_only:
+        settings = demo_corpus.settings_of(args)
+        print(
+            f"\n$ speechlm demo corpus --corpus {args.corpus} --utterances {settings.utterances} "
+            f"--heldout {settings.heldout} --seed {settings.seed}",
+            flush=True,
+        )
+        rc = run_guarded(lambda: demo_corpus.generate_corpus(args.corpus, settings) is None)
+        if rc or corpus_only:
+            return rc
+        shards = args.corpus
+    rc = _run(["manifest", "build", shards, "--out", str(out)])
     if rc:
         return rc
     rc = _run(
-        ["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")]
+        [
+            "tokenizer",
+            "train",
+            "--manifest",
+            str(out / "train.parquet"),
+            "--out",
+            str(out / "tokenizer"),
+            *(["--vocab-size", str(DEMO_VOCAB_SIZE)] if args.shards is None else []),
+        ]
     )
     if rc:
         return rc
@@ -102,7 +142,11 @@ if __name__ == "__main__":
     sys.exit(
         run_demo(
             argparse.Namespace(
-                shards=str(REPO / "data/demo/shards"),
+                shards=None,
+                corpus="data/demo_corpus",
+                utterances=demo_corpus.CorpusSettings().utterances,
+                heldout=demo_corpus.CorpusSettings().heldout,
+                seed=demo_corpus.CorpusSettings().seed,
                 out="data/demo_manifest",
                 config=str(REPO / "configs/demo.yaml"),
                 no_train=False,

@@ -224,7 +224,8 @@ def test_the_demo_mix_loads_with_both_tasks_weighted_equally(manifest_dir: Path,
 
 
 def _demo_commands(monkeypatch, argv: list[str]) -> tuple[int, list[list[str]]]:
-    """`speechlm demo ARGV` with its `speechlm` steps recorded; build/tokenizer/plan run, train does not."""
+    """`speechlm demo --shards <bundled corpus> ARGV` with its `speechlm` steps recorded; build/tokenizer/plan
+    run, train does not (tests/test_demo_synth.py runs it on a synthesized corpus)."""
     import speechlm.demo as demo
     from speechlm.cli import main
 
@@ -236,7 +237,7 @@ def _demo_commands(monkeypatch, argv: list[str]) -> tuple[int, list[list[str]]]:
         return 0 if args[0] == "train" else real_run(args)
 
     monkeypatch.setattr(demo, "_run", record)
-    return main(["demo", *argv]), seen
+    return main(["demo", "--shards", str(REPO / "data/demo/shards"), *argv]), seen
 
 
 def test_demo_trains_the_asr_ast_mix_and_validates_both_tasks(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -169,7 +169,15 @@ def test_demo_run_twice_moves_the_first_run_aside(tmp_path: Path, monkeypatch) -
     """The Quick start's `speechlm demo`, run a second time, must not stop on its own earlier run (a used
     run dir is refused for plain `train`): the demo moves it to RUN_DIR.old-<time> and keeps it."""
     monkeypatch.chdir(tmp_path)
-    args = ["demo", "trainer.max_steps=1", "trainer.final_eval_split=none", "trainer.run_dir=runs/demo"]
+    shards = str(Path(__file__).resolve().parents[2] / "data/demo/shards")  # the small bundled corpus
+    args = [
+        "demo",
+        "--shards",
+        shards,
+        "trainer.max_steps=1",
+        "trainer.final_eval_split=none",
+        "trainer.run_dir=runs/demo",
+    ]
     assert main(args) == 0
     assert (tmp_path / "runs/demo/metrics.jsonl").read_text().strip()
     assert main(args) == 0

@@ -1,0 +1,242 @@
+"""The demo corpus synthesized at demo time (speechlm/demo_corpus.py): deterministic, cached, with the bad
+rows the build and the loader drop, and a held-out split sharing no sentence and no word pair with training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from speechlm import demo_corpus as dc
+from speechlm.data.manifest.build import build_manifest
+from speechlm.data.text import clean_text, split_lang_tag
+from speechlm.errors import UsageError
+
+pytest.importorskip("espeakng_loader", reason="the corpus is synthesized with espeakng-loader (a dependency)")
+
+SMALL = dc.CorpusSettings(utterances=40, heldout=4, seed=7)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "corpus"
+    dc.generate_corpus(out, SMALL)
+    return out
+
+
+def _rows(root: Path) -> list[dict]:
+    rows = []
+    for meta in sorted(root.glob("*/metadata.parquet")):
+        rows += pq.read_table(meta).to_pylist()
+    return rows
+
+
+def _words(text: str) -> list[str]:
+    return clean_text(split_lang_tag(text)[1] if text.startswith("<|") else text).split()
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(corpus: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    dc.generate_corpus(again, SMALL)
+    assert dc.digest(again) == dc.digest(corpus)
+    other = tmp_path / "other"
+    dc.generate_corpus(other, dc.CorpusSettings(utterances=40, heldout=4, seed=8))
+    assert dc.digest(other) != dc.digest(corpus)
+
+
+def test_sizes_languages_and_stamp(corpus: Path) -> None:
+    stamp = json.loads((corpus / dc.STAMP).read_text())
+    assert stamp["key"]["espeak_ng"].startswith("1.52")
+    assert stamp["summary"]["train_utterances"] == SMALL.utterances
+    assert stamp["summary"]["heldout_utterances"] == SMALL.heldout * len(dc.LANG_SHARES)
+    rows = _rows(corpus)
+    per_lang: dict[str, int] = {}
+    for r in rows:
+        if r["split"] == "train" and r["segment_id"].split("_")[1] != "heldout":
+            per_lang[r["segment_id"].split("_")[0]] = per_lang.get(r["segment_id"].split("_")[0], 0) + 1
+    assert set(per_lang) == set(dc.LANG_SHARES)
+    assert per_lang["en"] > per_lang["te"]  # skewed, so that language balancing has work
+
+
+def test_heldout_shares_no_sentence_and_no_word_pair_with_training(corpus: Path) -> None:
+    rows = [r for r in _rows(corpus) if r["transcription_native"] and r["transcription_native"].strip()]
+    by_split: dict[str, dict[str, list[list[str]]]] = {"train": {}, "val": {}}
+    for r in rows:
+        words = _words(r["transcription_native"])
+        if words:
+            by_split[r["split"]].setdefault(r["segment_id"].split("_")[0], []).append(words)
+    assert set(by_split["val"]) == set(dc.LANG_SHARES)
+    for lang, held in by_split["val"].items():
+        train = by_split["train"][lang]
+        train_pairs = {p for s in train for p in zip(s, s[1:])}
+        train_sentences = {" ".join(s) for s in train}
+        for s in held:
+            assert " ".join(s) not in train_sentences
+            assert not set(zip(s, s[1:])) & train_pairs, (lang, s)
+    # the construction, at the size the demo uses: the pair sets are disjoint by definition
+    graphs = dc.pair_graphs("hi", SMALL.seed)
+    for a in dc.VOCAB["hi"]:
+        assert not set(graphs["train"][a]) & set(graphs["val"][a])
+        assert set(graphs["train"][a]) | set(graphs["val"][a]) == set(dc.VOCAB["hi"])
+
+
+def test_the_build_drops_the_bad_rows_and_puts_exactly_the_heldout_rows_in_val(
+    corpus: Path, tmp_path: Path
+) -> None:
+    build_manifest(corpus, tmp_path / "m")
+    report = json.loads((tmp_path / "m" / "build_report.json").read_text())
+    assert report["total_dropped"] == dc.N_DROPPED_BY_BUILD == 12
+    expected: dict[str, dict[str, int]] = {}
+    reason_of = {
+        "short": "too_short",
+        "long": "too_long",
+        "low_quality": "low_quality",
+        "empty_text": "empty_text",
+        "blank_text": "empty_text",
+        "null_text": "empty_text",
+        "duplicate": "duplicate",
+        "no_audio_index": "no_audio_index",
+    }
+    for b in dc.BAD_ROWS:
+        if b.kind in reason_of:
+            lang = b.shard.split("_")[0]
+            expected.setdefault(reason_of[b.kind], {}).setdefault(lang, 0)
+            expected[reason_of[b.kind]][lang] += 1
+    assert report["dropped"] == expected
+    val = pq.read_table(tmp_path / "m" / "val.parquet").column("segment_id").to_pylist()
+    train = pq.read_table(tmp_path / "m" / "train.parquet").column("segment_id").to_pylist()
+    assert sorted(val) == sorted(
+        f"{lang}_heldout_{i:05d}" for lang in dc.LANG_SHARES for i in range(SMALL.heldout)
+    )
+    # every valid training utterance is kept, plus the two undecodable files the dataset drops and counts
+    assert len(train) == SMALL.utterances + 2
+    assert not any("_heldout_" in s for s in train)
+
+
+def test_a_second_run_synthesizes_nothing(corpus: Path, capsys, monkeypatch) -> None:
+    before = {p: p.stat().st_mtime_ns for p in corpus.rglob("*")}
+
+    def no_pool(*a, **k):
+        raise AssertionError("synthesized again")
+
+    monkeypatch.setattr(dc, "write_shard", no_pool)
+    dc.generate_corpus(corpus, SMALL)
+    assert "up to date" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in corpus.rglob("*")} == before
+
+
+def test_a_missing_file_or_other_settings_rebuild_and_a_foreign_folder_is_never_replaced(
+    corpus: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "c"
+    subprocess.run(["cp", "-r", str(corpus), str(copy)], check=True)
+    victim = next((copy / "te_000" / "audio").iterdir())
+    victim.unlink()
+    assert dc.cached(copy, json.loads((copy / dc.STAMP).read_text())["key"]) is None
+    dc.generate_corpus(copy, SMALL)
+    assert victim.is_file() and dc.digest(copy) == dc.digest(corpus)
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(UsageError, match="not a generated demo corpus"):
+        dc.generate_corpus(foreign, SMALL)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_a_killed_run_leaves_only_partial_and_the_next_run_completes(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "k"
+    env = {**os.environ, "PYTHONPATH": str(Path(dc.__file__).resolve().parent.parent)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "speechlm.demo_corpus",
+        "--corpus",
+        str(out),
+        "--utterances",
+        "600",
+        "--heldout",
+        "4",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    partial = out.with_name("k.partial")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(partial.glob("*/audio/*.flac")):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the pool's workers too
+    proc.wait()
+    assert partial.is_dir() and not out.exists()
+    dc.generate_corpus(out, SMALL)
+    assert not partial.exists()
+    assert dc.digest(out) == dc.digest(corpus)
+
+
+def test_without_espeakng_loader_the_error_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "espeakng_loader", None)
+    with pytest.raises(UsageError, match=f"pip install espeakng-loader=={dc.ESPEAKNG_LOADER_VERSION}"):
+        dc.Espeak()
+
+
+def test_settings_are_checked() -> None:
+    import argparse
+
+    with pytest.raises(UsageError, match="at least 5 training"):
+        dc.settings_of(argparse.Namespace(utterances=3, heldout=1, seed=0))
+
+
+def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import speechlm.demo as demo
+    from speechlm.cli import main
+
+    seen: list[list[str]] = []
+    real_run = demo._run
+
+    def record(args: list[str]) -> int:
+        seen.append(args)
+        return 0 if args[0] == "train" else real_run(args)
+
+    monkeypatch.setattr(demo, "_run", record)
+    corpus, out = tmp_path / "corpus", tmp_path / "m"
+    argv = [
+        "demo",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--utterances",
+        "40",
+        "--heldout",
+        "4",
+        "--seed",
+        "7",
+    ]
+    assert main([*argv, "--asr-only", "trainer.max_steps=2"]) == 0
+    assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
+    assert seen[0][2] == str(corpus)
+    assert seen[1][-2:] == ["--vocab-size", str(demo.DEMO_VOCAB_SIZE)]
+    assert f"data.val_manifest={out / 'val.parquet'}" in seen[3]
+    val = pq.read_table(out / "val.parquet").column("segment_id").to_pylist()
+    assert len(val) == 4 * len(dc.LANG_SHARES) and all("_heldout_" in v for v in val)
+    printed = capsys.readouterr().out
+    assert "held-out word coverage" in printed
+    # a second demo finds the corpus and synthesizes nothing; `speechlm demo corpus` is the first step alone
+    assert main([*argv, "--no-train"]) == 0
+    assert "is up to date" in capsys.readouterr().out
+    assert (
+        main(
+            ["demo", "corpus", "--corpus", str(corpus), "--utterances", "40", "--heldout", "4", "--seed", "7"]
+        )
+        == 0
+    )
+    assert "is up to date" in capsys.readouterr().out
