@@ -351,6 +351,9 @@ class CorpusSettings:
     utterances: int = 6000  # valid training utterances, over all languages (`LANG_SHARES`)
     heldout: int = 100  # held-out utterances per language
     seed: int = 1234
+    sentences: int = (
+        0  # distinct training sentences over all languages, each spoken several times; 0: all new
+    )
 
 
 @dataclass(frozen=True)
@@ -361,6 +364,7 @@ class ShardJob:
     valid: int
     seed: int
     bad: tuple[str, ...] = ()  # kinds of BAD_ROWS in this shard
+    pool: int = 0  # distinct training sentences of the language (0: every utterance a new one)
 
 
 def shard_jobs(settings: CorpusSettings) -> list[ShardJob]:
@@ -377,9 +381,10 @@ def shard_jobs(settings: CorpusSettings) -> list[ShardJob]:
             if b.shard.split("_")[0] == lang:
                 name = b.shard if b.shard in names else names[-1]
                 bad.setdefault(name, []).append(b.kind)
+        pool = max(1, round(settings.sentences * share)) if settings.sentences else 0
         for i, name in enumerate(names):
             valid = total // n_shards + (i < total % n_shards)
-            jobs.append(ShardJob(name, lang, "train", valid, settings.seed, tuple(bad.get(name, ()))))
+            jobs.append(ShardJob(name, lang, "train", valid, settings.seed, tuple(bad.get(name, ())), pool))
         if settings.heldout > 0:
             jobs.append(ShardJob(f"{lang}_heldout", lang, "val", settings.heldout, settings.seed))
     return jobs
@@ -416,8 +421,17 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
             (sdir / member).write_bytes(audio_bytes)
             index.append({"segment_id": seg, "tar_member_name": member})
 
+    sentence_pool: list[list[str]] = []
+    if job.pool:  # the language's distinct sentences, the same in each of its shards
+        pool_rng = random.Random(f"{job.seed}/{job.lang}/pool")
+        sentence_pool = [
+            walk(pool_rng, job.lang, sentence_length(pool_rng, job.lang), successors) for _ in range(job.pool)
+        ]
     for i in range(job.valid):
-        words = walk(rng, job.lang, sentence_length(rng, job.lang), successors)
+        if sentence_pool:
+            words = rng.choice(sentence_pool)
+        else:
+            words = walk(rng, job.lang, sentence_length(rng, job.lang), successors)
         words_seen += words
         text, spoken = decorate(rng, job.lang, words)
         audio = utterance(tts, rng, job.lang, spoken)
@@ -654,6 +668,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=d.seed, help="seed of texts, voices and noise (default %(default)s)"
     )
+    p.add_argument(
+        "--sentences",
+        type=int,
+        default=d.sentences,
+        help="distinct training sentences over all languages, each spoken several times in different voices; "
+        "0: every training utterance is a new sentence (default %(default)s)",
+    )
 
 
 def settings_of(args: argparse.Namespace) -> CorpusSettings:
@@ -664,7 +685,12 @@ def settings_of(args: argparse.Namespace) -> CorpusSettings:
             f"--utterances {args.utterances} --heldout {args.heldout}: give at least {len(LANG_SHARES)} training "
             "utterances (one per language) and 0 or more held-out ones"
         )
-    return CorpusSettings(utterances=args.utterances, heldout=args.heldout, seed=args.seed)
+    return CorpusSettings(
+        utterances=args.utterances,
+        heldout=args.heldout,
+        seed=args.seed,
+        sentences=getattr(args, "sentences", 0),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

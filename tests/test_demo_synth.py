@@ -240,3 +240,58 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
         == 0
     )
     assert "is up to date" in capsys.readouterr().out
+
+
+def test_a_sentence_pool_repeats_training_sentences_in_other_voices_and_keeps_heldout_apart(
+    tmp_path: Path,
+) -> None:
+    settings = dc.CorpusSettings(utterances=60, heldout=3, seed=7, sentences=10)
+    dc.generate_corpus(tmp_path / "p", settings)
+    rows = _rows(tmp_path / "p")
+    train = [r for r in rows if r["split"] == "train" and r["segment_id"].split("_")[1] != "heldout"]
+    n_valid = {j.name: j.valid for j in dc.shard_jobs(settings)}  # bad rows are numbered after the valid ones
+    valid = [
+        r
+        for r in train
+        if int(r["segment_id"].rsplit("_", 1)[1]) < n_valid[r["segment_id"].rsplit("_", 1)[0]]
+    ]
+    by_lang: dict[str, set[str]] = {}
+    for r in valid:
+        by_lang.setdefault(r["segment_id"].split("_")[0], set()).add(
+            " ".join(_words(r["transcription_native"]))
+        )
+    pools = {j.lang: j.pool for j in dc.shard_jobs(settings) if j.split == "train"}
+    for lang, sentences in by_lang.items():
+        assert 1 <= len(sentences) <= pools[lang]
+    held = [_words(r["transcription_native"]) for r in rows if r["split"] == "val"]
+    train_pairs = {p for r in valid for s in [_words(r["transcription_native"])] for p in zip(s, s[1:])}
+    assert held and not any(set(zip(s, s[1:])) & train_pairs for s in held)
+
+
+@pytest.mark.slow
+def test_the_demo_reports_heldout_and_training_wer_side_by_side(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`speechlm demo` end to end on a small synthesized corpus with a short budget: the final evaluation
+    scores the held-out split (sentences never trained on) and a training subset of the same size, per
+    language, in eval.json and in the printed side-by-side lines; the learning curve has both splits.
+    (It checks the wiring, not the WER: the tiny model does not learn in 30 steps; docs/training.md has
+    the measured figures.)"""
+    from speechlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["demo", "--asr-only", "--utterances", "100", "--heldout", "4", "trainer.max_steps=30"]
+    assert main([*argv, "trainer.max_minutes=0", "trainer.val_every=15", "trainer.ckpt_every=0"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "runs/demo/eval.json").read_text())
+    assert record["split"] == "val" and record["train"]["split"] == "train"
+    for lang in dc.LANG_SHARES:
+        assert f"wer_{lang}" in record and f"wer_{lang}" in record["train"]
+        assert any(line.split()[:2] == [lang, "val"] for line in out.splitlines()), out[-2000:]
+    decodes = [json.loads(line) for line in (tmp_path / "runs/demo/eval_decodes.jsonl").open()]
+    held = [d["ref"] for d in decodes if d["split"] == "val"]
+    train_refs = {d["ref"] for d in decodes if d["split"] == "train"}
+    assert len(held) == 4 * len(dc.LANG_SHARES) and not set(held) & train_refs
+    assert len(train_refs) > 0
+    val_records = [json.loads(line) for line in (tmp_path / "runs/demo/metrics.jsonl").open()]
+    val_records = [r for r in val_records if r.get("kind") == "val"]
+    assert val_records and all("train_wer" in r and "wer" in r for r in val_records)
+    assert (tmp_path / "runs/demo/learning_curve.png").stat().st_size > 0

@@ -161,6 +161,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
 ADAPT: dict[tuple[str, str], list[tuple[str, str]]] = {
     ("README.md", "pip install torch==2.13.0 && pip install -e . && speechlm demo"): [
         ("pip install torch==2.13.0 && pip install -e . && ", ""),  # installing is not what is tested
+        ("speechlm demo", "speechlm demo --utterances 100 --heldout 4"),  # a small synthesized corpus
     ],
     (
         "README.md",
