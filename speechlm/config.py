@@ -174,6 +174,10 @@ class EncoderConfig(Section):
     num_heads: int = 4
     intermediate_size: int = 704
     subsampling_conv_channels: int = 64
+    # feature frames (10 ms) per encoder frame of a Parakeet encoder built from sizes: 8 (80 ms, FastConformer's),
+    # 4 (40 ms: room for CTC on subword pieces spoken fast) or another power of two; None: 8 (a pretrained
+    # encoder keeps its own)
+    subsampling_factor: int | None = None
     num_mel_bins: int = 80
     # normalisation in the Conformer conv module: "auto" (layer_norm from scratch, batch_norm for a
     # pretrained encoder), "layer_norm" (over channels, per frame) or "batch_norm" (frozen running stats)
@@ -200,6 +204,17 @@ class EncoderConfig(Section):
             out.append(
                 f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={self.pretrained!r}: the "
                 "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
+            )
+        factor = self.subsampling_factor
+        if factor is not None and (self.kind != "parakeet" or self.pretrained is not None):
+            out.append(
+                f"model.encoder.subsampling_factor={factor} applies to a Parakeet encoder built from sizes only "
+                f"(kind={self.kind!r}, pretrained={self.pretrained!r} has its own): remove it"
+            )
+        elif factor is not None and (factor < 2 or factor & (factor - 1)):
+            out.append(
+                f"model.encoder.subsampling_factor={factor} must be a power of two >= 2 (stride-2 convolutions), "
+                "e.g. 4 or 8"
             )
         if self.pretrained is None and self.hidden_size % self.num_heads:
             out.append(
@@ -756,6 +771,12 @@ FIELDS: dict[str, Rule] = {
     "model.encoder.num_heads": Num(_SIZE + " (divides hidden_size)", lo=1, integer=True),
     "model.encoder.intermediate_size": Num(_SIZE, lo=1, integer=True),
     "model.encoder.subsampling_conv_channels": Num(_SIZE, lo=1, integer=True),
+    "model.encoder.subsampling_factor": Num(
+        "feature frames (10 ms) per encoder frame, a power of two (Parakeet built from sizes)",
+        lo=2,
+        integer=True,
+        null="8, FastConformer's; a pretrained encoder keeps its own",
+    ),
     "model.encoder.num_mel_bins": Num("mel bins of the front end", lo=1, integer=True),
     "model.encoder.conv_norm": OneOf(
         "normalisation in the Conformer conv module (auto: layer_norm from "

@@ -224,7 +224,6 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
     assert main([*argv, "--asr-only", "trainer.max_steps=2"]) == 0
     assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
     assert seen[0][2] == str(corpus)
-    assert seen[1][-2:] == ["--vocab-size", str(demo.DEMO_VOCAB_SIZE)]
     assert f"data.val_manifest={out / 'val.parquet'}" in seen[3]
     val = pq.read_table(out / "val.parquet").column("segment_id").to_pylist()
     assert len(val) == 4 * len(dc.LANG_SHARES) and all("_heldout_" in v for v in val)

@@ -242,7 +242,7 @@ def _demo_commands(monkeypatch, argv: list[str]) -> tuple[int, list[list[str]]]:
 
 def test_demo_trains_the_asr_ast_mix_and_validates_both_tasks(tmp_path: Path, monkeypatch, capsys) -> None:
     out = tmp_path / "m"
-    rc, seen = _demo_commands(monkeypatch, ["--out", str(out), "trainer.max_steps=3"])
+    rc, seen = _demo_commands(monkeypatch, ["--with-ast", "--out", str(out), "trainer.max_steps=3"])
     assert rc == 0
     assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
     assert seen[2][-2:] == ["--input-cfg", str(out / MIX_FILE)]
@@ -257,7 +257,7 @@ def test_demo_trains_the_asr_ast_mix_and_validates_both_tasks(tmp_path: Path, mo
 
 
 def test_demo_no_train_and_asr_only(tmp_path: Path, monkeypatch, capsys) -> None:
-    rc, seen = _demo_commands(monkeypatch, ["--out", str(tmp_path / "a"), "--no-train"])
+    rc, seen = _demo_commands(monkeypatch, ["--with-ast", "--out", str(tmp_path / "a"), "--no-train"])
     assert rc == 0 and [s[0] for s in seen] == ["manifest", "tokenizer", "plan"]
     assert (tmp_path / "a" / MIX_FILE).is_file()
     rc, seen = _demo_commands(monkeypatch, ["--out", str(tmp_path / "b"), "--asr-only"])
@@ -266,6 +266,8 @@ def test_demo_no_train_and_asr_only(tmp_path: Path, monkeypatch, capsys) -> None
     assert f"data.train_manifest={tmp_path / 'b' / 'train.parquet'}" in seen[3]
     assert f"data.val_manifest={tmp_path / 'b' / 'val.parquet'}" in seen[3]
     assert not (tmp_path / "b" / MIX_FILE).exists() and not (tmp_path / "b" / "ast_train.parquet").exists()
+    rc, default = _demo_commands(monkeypatch, ["--out", str(tmp_path / "b")])  # ASR only by default (issue 24)
+    assert rc == 0 and default[2][-2:] == seen[2][-2:] and default[3] == seen[3]
 
 
 def test_the_docs_show_the_mix_and_row_counts_the_demo_writes(manifest_dir: Path) -> None:

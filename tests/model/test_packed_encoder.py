@@ -105,10 +105,16 @@ def test_subsampling_segments_leave_a_zero_frame_after_every_clip_at_every_level
     assert int((seg - lens).max()) <= 16  # at most two output frames of gap per clip
 
 
-@pytest.mark.parametrize("conv_norm", ["layer_norm", "batch_norm"])
-def test_packed_encoder_equals_padded_forward_and_backward(conv_norm):
+@pytest.mark.parametrize(
+    ("conv_norm", "factor"),
+    [("layer_norm", None), ("batch_norm", None), ("layer_norm", 4), ("layer_norm", 16)],
+)
+def test_packed_encoder_equals_padded_forward_and_backward(conv_norm, factor):
     torch.manual_seed(0)
-    enc = build_encoder(encoder_cfg(conv_norm=conv_norm, num_mel_bins=80), dropout=0.0)
+    enc = build_encoder(
+        encoder_cfg(conv_norm=conv_norm, num_mel_bins=80, subsampling_factor=factor), dropout=0.0
+    )
+    assert enc.subsampling == (factor or 8) and enc.n_convs == (factor or 8).bit_length() - 1
     enc.train()
     audio, lens = make_audio(AUDIO_LENS)
     feats_BTF, feat_lens = LogMelFeatures().forward(audio, lens)
@@ -287,3 +293,23 @@ def test_packed_encoder_under_cp2_gives_the_padded_single_process_gradients(froz
     assert summed.keys() == want.keys()
     for k, g in want.items():
         assert_grad_close(summed[k], g, k)
+
+
+def test_subsampling_factor_sets_the_encoder_frames_the_sampler_cost_and_is_checked():
+    """model.encoder.subsampling_factor: 4 gives 40 ms frames (room for CTC on subword pieces spoken fast);
+    the sampler's token cost follows it; a non power of two, or a pretrained / non-Parakeet encoder, is refused."""
+    from speechlm.config import ConfigError, load_config
+    from speechlm.data.sampler.build import token_cost_of
+
+    enc = build_encoder(encoder_cfg(subsampling_factor=4), dropout=0.0)
+    assert enc.output_lengths(torch.tensor([400, 401, 7])).tolist() == [100, 101, 2]
+    cfg = load_config(None, ["model.encoder.subsampling_factor=4"])
+    assert token_cost_of(cfg.model).encoder_subsampling == 4
+    assert token_cost_of(load_config(None, []).model).encoder_subsampling == 8
+    for bad, why in [
+        (["model.encoder.subsampling_factor=6"], "power of two"),
+        (["model.encoder.subsampling_factor=1"], "subsampling_factor"),
+        (["model.encoder.subsampling_factor=4", "model.encoder.kind=whisper"], "built from sizes only"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, bad)

@@ -47,8 +47,11 @@ CHARS_PER_TOKEN = 3.0  # text characters per token (a small SentencePiece vocab)
 
 
 # --- 1. settings --------------------------------------------------------------------------------
-def encoder_subsampling(kind: str, pretrained: str | None = None) -> int:
-    """Feature frames per encoder frame of encoder `kind` (a pretrained Parakeet's own factor wins)."""
+def encoder_subsampling(kind: str, pretrained: str | None = None, factor: int | None = None) -> int:
+    """Feature frames per encoder frame of encoder `kind`: `factor` (model.encoder.subsampling_factor) when
+    set, else a pretrained Parakeet's own factor, else the kind's."""
+    if factor is not None:
+        return int(factor)
     if kind not in ENCODER_SUBSAMPLING:
         raise ValueError(f"model.encoder.kind={kind!r}: use one of {', '.join(ENCODER_SUBSAMPLING)}")
     if kind == "parakeet" and pretrained and (Path(pretrained) / "config.json").is_file():
@@ -65,7 +68,9 @@ def token_cost_of(model: ModelConfig) -> TokenCostModel:
     """The tokens an utterance puts into the LLM under `model` (its encoder and projector)."""
     return TokenCostModel(
         audio_frames_per_second=FEATURE_FRAMES_PER_SECOND,
-        encoder_subsampling=encoder_subsampling(model.encoder.kind, model.encoder.pretrained),
+        encoder_subsampling=encoder_subsampling(
+            model.encoder.kind, model.encoder.pretrained, model.encoder.subsampling_factor
+        ),
         projector_stack=model.projector_stack,
     )
 

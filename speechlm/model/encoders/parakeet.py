@@ -25,6 +25,8 @@ from speechlm.model.encoders.base import (
 )
 from speechlm.model.features import FeatureSettings
 
+DEFAULT_SUBSAMPLING = 8  # FastConformer's 80 ms frames (model.encoder.subsampling_factor: null)
+
 
 class ParakeetAudioEncoder(AudioEncoder):
     supports_packed = True
@@ -93,6 +95,7 @@ def build_parakeet_config(enc_cfg: EncoderConfig, *, dropout: float) -> Any:
         intermediate_size=enc_cfg.intermediate_size,
         subsampling_conv_channels=enc_cfg.subsampling_conv_channels,
         num_mel_bins=enc_cfg.num_mel_bins,
+        subsampling_factor=enc_cfg.subsampling_factor or DEFAULT_SUBSAMPLING,
     )
     _set_parakeet_dropout(cfg, dropout)
     return cfg
