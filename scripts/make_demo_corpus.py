@@ -37,12 +37,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import soundfile as sf
 
 # the vocabularies, the sentence generator and the bad rows are the synthesized corpus' too
-from speechlm.demo_corpus import BAD_ROWS, VOCAB, BadRow, make_sentence
+from speechlm.demo_corpus import BAD_ROWS, VOCAB, BadRow, make_sentence, write_shard_tables
 
 __all__ = ["BAD_ROWS", "VOCAB", "build", "make_sentence"]
 
@@ -234,18 +232,7 @@ def build(out: Path, seed: int) -> dict[str, dict[str, int]]:
                 (sdir / member).write_bytes(row_audio)
                 index.append({"segment_id": seg, "tar_member_name": member})
 
-            meta_schema = pa.schema(
-                [
-                    ("segment_id", pa.string()),
-                    ("transcription_native", pa.string()),
-                    ("duration_s", pa.float64()),
-                    ("tx_quality_score", pa.float64()),
-                    ("segment_language", pa.string()),
-                ]
-            )
-            index_schema = pa.schema([("segment_id", pa.string()), ("tar_member_name", pa.string())])
-            pq.write_table(pa.Table.from_pylist(meta, schema=meta_schema), sdir / "metadata.parquet")
-            pq.write_table(pa.Table.from_pylist(index, schema=index_schema), sdir / "audio_index.parquet")
+            write_shard_tables(sdir, meta, index, split_column=False)
             summary[shard] = {
                 "valid": n_valid,
                 "bad": len(bad_by_shard.get(shard, [])),

@@ -61,7 +61,9 @@ def add_parser(sub: Any) -> None:
         "two tasks leave transcription far behind: docs/training.md)",
     )
     p.add_argument(
-        "--asr-only", action="store_true", help="transcription only: the default since issue 24 (kept for scripts)"
+        "--asr-only",
+        action="store_true",
+        help="transcription only: the default since issue 24 (kept for scripts)",
     )
     p.add_argument(
         "overrides",

@@ -392,9 +392,6 @@ def shard_jobs(settings: CorpusSettings) -> list[ShardJob]:
 
 def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
     """Synthesize one shard into `root`/<name> (runs in a fresh process: espeak-ng keeps state)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     tts = Espeak()
     sdir = Path(root) / job.name
     (sdir / "audio").mkdir(parents=True, exist_ok=True)
@@ -478,19 +475,7 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
                 data = data[:100]
         add(seg, text, None if kind == "no_audio_index" else data, float(dur), q, job.lang)
 
-    meta_schema = pa.schema(
-        [
-            ("segment_id", pa.string()),
-            ("transcription_native", pa.string()),
-            ("duration_s", pa.float64()),
-            ("tx_quality_score", pa.float64()),
-            ("segment_language", pa.string()),
-            ("split", pa.string()),
-        ]
-    )
-    index_schema = pa.schema([("segment_id", pa.string()), ("tar_member_name", pa.string())])
-    pq.write_table(pa.Table.from_pylist(meta, schema=meta_schema), sdir / "metadata.parquet")
-    pq.write_table(pa.Table.from_pylist(index, schema=index_schema), sdir / "audio_index.parquet")
+    write_shard_tables(sdir, meta, index, split_column=True)
     return {
         "name": job.name,
         "lang": job.lang,
@@ -501,6 +486,26 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
         "files": len(index),
         "words": words_seen,
     }
+
+
+def write_shard_tables(
+    sdir: Path, meta: list[dict[str, Any]], index: list[dict[str, Any]], *, split_column: bool
+) -> None:
+    """A shard's ``metadata.parquet`` (with the ``split`` column when asked) and ``audio_index.parquet``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [
+        ("segment_id", pa.string()),
+        ("transcription_native", pa.string()),
+        ("duration_s", pa.float64()),
+        ("tx_quality_score", pa.float64()),
+        ("segment_language", pa.string()),
+    ]
+    meta_schema = pa.schema(columns + ([("split", pa.string())] if split_column else []))
+    index_schema = pa.schema([("segment_id", pa.string()), ("tar_member_name", pa.string())])
+    pq.write_table(pa.Table.from_pylist(meta, schema=meta_schema), sdir / "metadata.parquet")
+    pq.write_table(pa.Table.from_pylist(index, schema=index_schema), sdir / "audio_index.parquet")
 
 
 def _write_shard_star(args: tuple[ShardJob, str]) -> dict[str, Any]:

@@ -126,3 +126,19 @@ def train_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
         rc = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out, err)
+
+
+def record_demo_commands(monkeypatch: Any, argv: list[str]) -> tuple[int, list[list[str]]]:
+    """`speechlm demo ARGV` with its `speechlm` steps recorded: build/tokenizer/plan run, train does not."""
+    import speechlm.demo as demo
+    from speechlm.cli import main
+
+    seen: list[list[str]] = []
+    real_run = demo._run
+
+    def record(args: list[str]) -> int:
+        seen.append(args)
+        return 0 if args[0] == "train" else real_run(args)
+
+    monkeypatch.setattr(demo, "_run", record)
+    return main(["demo", *argv]), seen

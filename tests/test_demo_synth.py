@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import record_demo_commands
 
 from speechlm import demo_corpus as dc
 from speechlm.data.manifest.build import build_manifest
@@ -196,17 +197,8 @@ def test_settings_are_checked() -> None:
 def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    import speechlm.demo as demo
     from speechlm.cli import main
 
-    seen: list[list[str]] = []
-    real_run = demo._run
-
-    def record(args: list[str]) -> int:
-        seen.append(args)
-        return 0 if args[0] == "train" else real_run(args)
-
-    monkeypatch.setattr(demo, "_run", record)
     corpus, out = tmp_path / "corpus", tmp_path / "m"
     argv = [
         "demo",
@@ -221,7 +213,8 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
         "--seed",
         "7",
     ]
-    assert main([*argv, "--asr-only", "trainer.max_steps=2"]) == 0
+    rc, seen = record_demo_commands(monkeypatch, [*argv[1:], "--asr-only", "trainer.max_steps=2"])
+    assert rc == 0
     assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
     assert seen[0][2] == str(corpus)
     assert f"data.val_manifest={out / 'val.parquet'}" in seen[3]

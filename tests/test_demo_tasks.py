@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import record_demo_commands
 
 from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError
 from speechlm.demo_tasks import (
@@ -224,20 +225,9 @@ def test_the_demo_mix_loads_with_both_tasks_weighted_equally(manifest_dir: Path,
 
 
 def _demo_commands(monkeypatch, argv: list[str]) -> tuple[int, list[list[str]]]:
-    """`speechlm demo --shards <bundled corpus> ARGV` with its `speechlm` steps recorded; build/tokenizer/plan
-    run, train does not (tests/test_demo_synth.py runs it on a synthesized corpus)."""
-    import speechlm.demo as demo
-    from speechlm.cli import main
-
-    seen: list[list[str]] = []
-    real_run = demo._run
-
-    def record(args: list[str]) -> int:
-        seen.append(args)
-        return 0 if args[0] == "train" else real_run(args)
-
-    monkeypatch.setattr(demo, "_run", record)
-    return main(["demo", "--shards", str(REPO / "data/demo/shards"), *argv]), seen
+    """`speechlm demo --shards <bundled corpus> ARGV` with its steps recorded (tests/test_demo_synth.py runs it on
+    a synthesized corpus)."""
+    return record_demo_commands(monkeypatch, ["--shards", str(REPO / "data/demo/shards"), *argv])
 
 
 def test_demo_trains_the_asr_ast_mix_and_validates_both_tasks(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -266,7 +256,9 @@ def test_demo_no_train_and_asr_only(tmp_path: Path, monkeypatch, capsys) -> None
     assert f"data.train_manifest={tmp_path / 'b' / 'train.parquet'}" in seen[3]
     assert f"data.val_manifest={tmp_path / 'b' / 'val.parquet'}" in seen[3]
     assert not (tmp_path / "b" / MIX_FILE).exists() and not (tmp_path / "b" / "ast_train.parquet").exists()
-    rc, default = _demo_commands(monkeypatch, ["--out", str(tmp_path / "b")])  # ASR only by default (issue 24)
+    rc, default = _demo_commands(
+        monkeypatch, ["--out", str(tmp_path / "b")]
+    )  # ASR only by default (issue 24)
     assert rc == 0 and default[2][-2:] == seen[2][-2:] and default[3] == seen[3]
 
 
