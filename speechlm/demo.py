@@ -150,6 +150,7 @@ if __name__ == "__main__":
                 utterances=demo_corpus.CorpusSettings().utterances,
                 heldout=demo_corpus.CorpusSettings().heldout,
                 seed=demo_corpus.CorpusSettings().seed,
+                sentences=demo_corpus.CorpusSettings().sentences,
                 out="data/demo_manifest",
                 config=str(REPO / "configs/demo.yaml"),
                 no_train=False,

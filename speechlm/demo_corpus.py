@@ -172,8 +172,7 @@ def decorate(rng: random.Random, lang: str, words: list[str]) -> tuple[str, str]
 def make_sentence(rng: random.Random, lang: str) -> tuple[str, str]:
     """A sentence of 3-7 words drawn uniformly from `VOCAB[lang]` (the bundled corpus' generator)."""
     vocab = VOCAB[lang]
-    n = rng.randint(4, 7) if lang == "en" else rng.choice([3, 4, 4, 5, 5, 6, 6, 7])
-    return decorate(rng, lang, [rng.choice(vocab) for _ in range(n)])
+    return decorate(rng, lang, [rng.choice(vocab) for _ in range(sentence_length(rng, lang))])
 
 
 def split_pairs(lang: str, seed: int, fraction: float = HELDOUT_PAIR_FRACTION) -> set[tuple[str, str]]:
@@ -234,7 +233,6 @@ class Espeak:
                 f"not installed: pip install espeakng-loader=={ESPEAKNG_LOADER_VERSION} (or pass --shards "
                 "data/demo/shards to use the small bundled corpus)"
             ) from None
-        self._ctypes = ctypes
         self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
         self.lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self.lib.espeak_Info.restype = ctypes.c_char_p
@@ -363,7 +361,7 @@ class ShardJob:
     split: str  # "train" or "val"
     valid: int
     seed: int
-    bad: tuple[str, ...] = ()  # kinds of BAD_ROWS in this shard
+    bad: tuple[BadRow, ...] = ()  # the rows of BAD_ROWS in this shard
     pool: int = 0  # distinct training sentences of the language (0: every utterance a new one)
 
 
@@ -376,11 +374,11 @@ def shard_jobs(settings: CorpusSettings) -> list[ShardJob]:
         total = max(1, round(settings.utterances * share))
         n_shards = -(-total // SHARD_UTTERANCES)
         names = [f"{lang}_{i:03d}" for i in range(n_shards)]
-        bad: dict[str, list[str]] = {}
+        bad: dict[str, list[BadRow]] = {}
         for b in BAD_ROWS:
             if b.shard.split("_")[0] == lang:
                 name = b.shard if b.shard in names else names[-1]
-                bad.setdefault(name, []).append(b.kind)
+                bad.setdefault(name, []).append(b)
         pool = max(1, round(settings.sentences * share)) if settings.sentences else 0
         for i, name in enumerate(names):
             valid = total // n_shards + (i < total % n_shards)
@@ -392,6 +390,8 @@ def shard_jobs(settings: CorpusSettings) -> list[ShardJob]:
 
 def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
     """Synthesize one shard into `root`/<name> (runs in a fresh process: espeak-ng keeps state)."""
+    import numpy as np
+
     tts = Espeak()
     sdir = Path(root) / job.name
     (sdir / "audio").mkdir(parents=True, exist_ok=True)
@@ -445,8 +445,8 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
             None if null_lang else job.lang,
         )
 
-    for j, kind in enumerate(job.bad):
-        b = next(b for b in BAD_ROWS if b.kind == kind and b.shard.split("_")[0] == job.lang)
+    for j, b in enumerate(job.bad):
+        kind = b.kind
         seg = f"{job.name}_{job.valid + j:05d}"
         text, spoken = decorate(rng, job.lang, walk(rng, job.lang, 4, successors))
         q = float(b.params.get("q", round(rng.uniform(0.6, 1.0), 3)))
@@ -460,8 +460,6 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
                 t, s = decorate(rng, job.lang, walk(rng, job.lang, 6, successors))
                 parts.append(utterance(tts, rng, job.lang, s))
                 text += " " + t
-            import numpy as np
-
             audio = np.concatenate(parts)[: int(b.params["dur"] * TARGET_SR)]
             data, dur = flac_bytes(audio), audio.size / TARGET_SR
         elif kind == "random_bytes":
@@ -481,7 +479,7 @@ def write_shard(job: ShardJob, root: str) -> dict[str, Any]:
         "lang": job.lang,
         "split": job.split,
         "valid": job.valid,
-        "bad": list(job.bad),
+        "bad": [b.kind for b in job.bad],
         "seconds": round(seconds, 2),
         "files": len(index),
         "words": words_seen,
@@ -694,7 +692,7 @@ def settings_of(args: argparse.Namespace) -> CorpusSettings:
         utterances=args.utterances,
         heldout=args.heldout,
         seed=args.seed,
-        sentences=getattr(args, "sentences", 0),
+        sentences=args.sentences,
     )
 
 
