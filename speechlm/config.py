@@ -292,6 +292,17 @@ class ModelConfig(Section):
     attention_backend: AttentionBackend = "reference"
     dropout: float = 0.0  # 0 turns off every source of randomness in the forward pass
     ctc_weight: float = 0.3  # auxiliary CTC loss on the encoder output; 0 disables it
+    # transcripts decoded by joint CTC/attention greedy search: this weight on the CTC head's prefix
+    # scores, 1 - it on the LLM's (0: the LLM alone; needs ctc_weight > 0)
+    decode_ctc_weight: float = 0.0
+
+    def problems(self) -> list[str]:
+        if self.decode_ctc_weight > 0 and self.ctc_weight == 0:
+            return [
+                f"model.decode_ctc_weight={self.decode_ctc_weight} needs the CTC head, but model.ctc_weight=0 "
+                "leaves it out: set model.ctc_weight > 0 (the head is trained with it) or decode_ctc_weight=0"
+            ]
+        return []
 
 
 @dataclass
@@ -836,6 +847,12 @@ FIELDS: dict[str, Rule] = {
         hi_open=True,
     ),
     "model.ctc_weight": Num("weight of the auxiliary CTC loss on the encoder output (0 disables it)", lo=0),
+    "model.decode_ctc_weight": Num(
+        "weight of the CTC head's prefix scores in joint CTC/attention greedy decoding of transcripts "
+        "(0: the LLM alone)",
+        lo=0,
+        hi=1,
+    ),
     # parallel
     "parallel.dp_replicate": Num("data-parallel replicas (HSDP outer dimension)", lo=1, integer=True),
     "parallel.dp_shard": Either("FSDP shards", rules=(OneOf("", choices=(-1,)), _POS_INT)),

@@ -17,6 +17,9 @@ reached eos or ``max_new_tokens`` leaves the batch and its rows of the cache
 `greedy_recompute` (the oracle the tests compare against): at every step the whole prefix of every
 still-active utterance is recomputed as one packed THD batch (or padded, for BSHD-only backends).
 
+``pick`` replaces the argmax (joint CTC/attention decoding: `speechlm.model.ctc_prefix`); it is called
+once per step with the rows still in the batch (a lockstep rank's finished rows included, ignored).
+
 Lockstep (``keep_going``). Under FSDP every forward of a sharded unit is a collective, so every rank
 of the mesh must run the same number of forwards. With sharded validation the ranks decode different
 utterances that finish at different steps. ``keep_going(local_active) -> bool`` (an all-reduce of a
@@ -33,6 +36,13 @@ import torch
 from torch import Tensor
 
 KeepGoing = Callable[[bool], bool]
+# ``pick(rows, logits_RV) -> ids [R]``: the next token of each decoding row (``rows`` index the prompts) from
+# the LLM's logits at its last position; None: argmax. `speechlm.model.ctc_prefix.JointCTCScorer.step`.
+Pick = Callable[[list[int], Tensor], Tensor]
+
+
+def _choose(pick: Pick | None, rows: list[int], logits_RV: Tensor) -> Tensor:
+    return logits_RV.argmax(dim=-1) if pick is None else pick(rows, logits_RV)
 
 
 def cache_keyword(llm: Any) -> str:
@@ -61,6 +71,7 @@ def greedy_with_cache(
     eos_id: int,
     max_new_tokens: int,
     keep_going: KeepGoing | None = None,
+    pick: Pick | None = None,
 ) -> list[list[int]]:
     from transformers import DynamicCache
 
@@ -91,7 +102,7 @@ def greedy_with_cache(
     next_pos_B1 = pos_BP[:, -1:] + 1
     rows = list(range(B))  # clip of each cache row
     while True:
-        next_ids = out.logits[:, -1].argmax(dim=-1)
+        next_ids = _choose(pick, rows, out.logits[:, -1])
         for j, t in enumerate(next_ids.tolist()):
             b = rows[j]
             if done[b]:
@@ -160,13 +171,14 @@ def greedy_recompute(
     max_new_tokens: int,
     thd: bool,
     keep_going: KeepGoing | None = None,
+    pick: Pick | None = None,
 ) -> list[list[int]]:
     seqs = list(prompts)
     outputs: list[list[int]] = [[] for _ in seqs]
     active = [i for i in range(len(seqs)) if max_new_tokens > 0]
     while _decide(bool(active), keep_going):
         rows = active or [0]  # a finished rank kept in lockstep recomputes one row, ignored
-        next_ids = _last_logits(llm, [seqs[i] for i in rows], thd=thd).argmax(dim=-1).tolist()
+        next_ids = _choose(pick, rows, _last_logits(llm, [seqs[i] for i in rows], thd=thd)).tolist()
         new_emb = embed_tokens(torch.tensor(next_ids, device=seqs[0].device))
         still = []
         for j, i in enumerate(active):

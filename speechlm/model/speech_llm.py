@@ -181,6 +181,8 @@ class SpeechLLM(nn.Module):
         self.added_token_ids = tuple(int(i) for i in added_token_ids)
         self.ctc_blank_id = pad_id if ctc_blank_id is None else int(ctc_blank_id)
         self.ctc_weight = model_cfg.ctc_weight
+        # joint CTC/attention greedy decoding of transcripts (`_joint_ctc_pick`); transcribe/evaluate may set it
+        self.decode_ctc_weight = float(model_cfg.decode_ctc_weight)
         self.backend = get_backend(model_cfg.attention_backend)
         attn_implementation = ensure_registered(model_cfg.attention_backend)
 
@@ -566,19 +568,62 @@ class SpeechLLM(nn.Module):
             budget, prefix = max_new_tokens, []
             if forced:
                 budget, prefix = max_new_tokens - 1, list(tag_ids)
-            outputs = self._decode(prompts, budget, use_cache=use_cache, keep_going=keep_going)
+            pick = self._joint_ctc_pick(enc, skip=0 if forced else self.ctc_skip_leading)
+            outputs = self._decode(prompts, budget, use_cache=use_cache, keep_going=keep_going, pick=pick)
             return [prefix + o for o in outputs]
         finally:
             self.train(was_training)
 
+    def _joint_ctc_pick(
+        self, enc: EncoderOutput, *, skip: int, clip_of_row: Sequence[int | None] | None = None
+    ) -> Any:
+        """The token picker of joint CTC/attention decoding (`speechlm.model.ctc_prefix`), or None: plain
+        greedy (``decode_ctc_weight`` 0 or no CTC head). Decoding row ``b`` reads clip ``clip_of_row[b]``
+        of ``enc`` (None: that row is the LLM's alone, e.g. a translation); default: row b, clip b."""
+        weight = self.decode_ctc_weight
+        if weight <= 0 or self.ctc_head is None:
+            return None
+        from speechlm.model.ctc_prefix import JointCTCScorer
+
+        hidden = enc.enc_hidden
+        lens_C = enc.enc_lens_B.to(torch.long)
+        with torch.autocast(device_type=lens_C.device.type, enabled=False):
+            if isinstance(hidden, PackedFrames):
+                logp = self.ctc_head(hidden.data_UE).float().log_softmax(dim=-1)
+                logp_CTV = _packed_to_time_major(logp, lens_C.to(logp.device)).transpose(0, 1)
+            else:
+                logp_CTV = self.ctc_head(hidden).float().log_softmax(dim=-1)
+        if clip_of_row is None:
+            clip_of_row = list(range(int(lens_C.numel())))
+        if not any(c is not None for c in clip_of_row):
+            return None
+        take = torch.tensor([0 if c is None else c for c in clip_of_row], device=logp_CTV.device)
+        weights = torch.tensor([0.0 if c is None else weight for c in clip_of_row])
+        scorer = JointCTCScorer(
+            logp_CTV[take],
+            lens_C.to(take.device)[take],
+            blank=self.ctc_blank_id,
+            eos=self.prompt.stop_id,
+            weight=weights,
+            skip=skip,
+        )
+        return scorer.step
+
     def _decode(
-        self, prompts: list[Tensor], max_new_tokens: int, *, use_cache: bool, keep_going: Any
+        self,
+        prompts: list[Tensor],
+        max_new_tokens: int,
+        *,
+        use_cache: bool,
+        keep_going: Any,
+        pick: Any = None,
     ) -> list[list[int]]:
-        """Greedy continuations of the prompt embeddings (`speechlm.model.generation`)."""
+        """Greedy continuations of the prompt embeddings (`speechlm.model.generation`); ``pick`` replaces
+        the argmax (joint CTC/attention decoding)."""
         from speechlm.model.generation import greedy_recompute, greedy_with_cache
 
         kw: dict[str, Any] = dict(
-            eos_id=self.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going
+            eos_id=self.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going, pick=pick
         )
         if use_cache and self.backend.caps.bshd:
             return greedy_with_cache(self.llm, self.embed_tokens, prompts, **kw)
@@ -615,7 +660,12 @@ class SpeechLLM(nn.Module):
             ]
             starts = [sum(counts[:b]) for b in range(len(counts))]
             rows = self.splice_prompts(heads, [embeds[c : c + k] for c, k in zip(starts, counts)], device)
-            return self._decode(rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going)
+            # joint CTC decoding for the rows that transcribe their one clip (a translation's answer is
+            # not the clip's transcript: the LLM alone decodes it)
+            tasks = list(batch.tasks) or ["asr"] * len(rows)
+            clip_of_row = [c if k == 1 and t == "asr" else None for c, k, t in zip(starts, counts, tasks)]
+            pick = self._joint_ctc_pick(enc, skip=self.ctc_skip_leading, clip_of_row=clip_of_row)
+            return self._decode(rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going, pick=pick)
         finally:
             self.train(was_training)
 

@@ -71,6 +71,7 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             max_utterances=args.batch_size,
             batch_seconds=args.batch_seconds,
+            ctc_weight=args.ctc_weight,
         )
     finally:
         if world_size > 1:
@@ -118,6 +119,7 @@ def evaluate_checkpoint(
     max_new_tokens: int = 96,
     max_utterances: int | None = None,
     batch_seconds: float | None = None,
+    ctc_weight: float | None = None,
 ) -> dict[str, Any]:
     """Evaluate on this rank's share, gather; returns {record, table, decodes} (the same on every rank).
 
@@ -140,6 +142,9 @@ def evaluate_checkpoint(
     if problems:
         raise DataError("\n".join(problems))
     module = loaded.module
+    from speechlm.use.transcribe import apply_ctc_weight
+
+    apply_ctc_weight(module.model, ctc_weight)
     module.step_ctx = StepContext(
         rank=rank,
         collectives=Collectives(

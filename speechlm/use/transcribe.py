@@ -78,7 +78,26 @@ def add_decoding_arguments(p: argparse.ArgumentParser, *, device_help: str) -> N
         default=DEFAULT_MAX_NEW_TOKENS,
         help=f"tokens per utterance at most (default {DEFAULT_MAX_NEW_TOKENS}, as in training's evaluation)",
     )
+    p.add_argument(
+        "--ctc-weight",
+        type=float,
+        default=None,
+        help="weight of the CTC head's prefix scores in joint CTC/attention greedy decoding, 0-1 (default: the "
+        "model's model.decode_ctc_weight; 0: the LLM alone)",
+    )
     p.add_argument("--device", default=None, help=device_help)
+
+
+def apply_ctc_weight(model: Any, weight: float | None) -> None:
+    """``--ctc-weight``: set the model's joint-decoding weight; refused when it has no CTC head."""
+    if weight is None:
+        return
+    if weight > 0 and getattr(model, "ctc_head", None) is None:
+        raise UsageError(
+            f"--ctc-weight {weight}: this model was trained without a CTC head (model.ctc_weight=0); leave out "
+            "--ctc-weight"
+        )
+    model.decode_ctc_weight = float(weight)
 
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
@@ -88,6 +107,8 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch-seconds {args.batch_seconds}: give seconds of audio > 0")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
+    if args.ctc_weight is not None and not 0.0 <= args.ctc_weight <= 1.0:
+        raise UsageError(f"--ctc-weight {args.ctc_weight}: give a weight between 0 and 1")
 
 
 @dataclass
@@ -141,6 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run_transcribe_command(args: argparse.Namespace) -> int:
     check_args(args)
     um = load_model(args.model, args.device or default_device())
+    apply_ctc_weight(um.model, args.ctc_weight)
     lang_id = None
     if args.lang is not None:
         if not um.tokenizer.tag_tokens:

@@ -111,3 +111,56 @@ def test_kv_cache_is_passed_by_the_keyword_the_installed_transformers_takes():
             raise AssertionError("not called")
 
     assert cache_keyword(OldForward()) == "past_key_values"
+
+
+@pytest.mark.parametrize("lang_id", [None, LANG])
+def test_joint_ctc_decoding_is_per_clip_and_the_same_with_and_without_cache(lang_id):
+    model = build_model()
+    assert model.ctc_head is not None
+    audio, lens = make_audio([16000, 4000, 9000])
+    model.prompt = replace(model.prompt, stop=(VOCAB,))  # the random LLM's eos would end every clip at once
+    plain = model.generate_greedy(audio, lens, max_new_tokens=10, lang_id=lang_id)
+    model.decode_ctc_weight = 0.0
+    assert model.generate_greedy(audio, lens, max_new_tokens=10, lang_id=lang_id) == plain
+    model.decode_ctc_weight = 0.6
+    joint = model.generate_greedy(audio, lens, max_new_tokens=10, lang_id=lang_id)
+    assert joint != plain  # the CTC head's scores change the transcripts
+    assert model.generate_greedy(audio, lens, max_new_tokens=10, lang_id=lang_id, use_cache=False) == joint
+    for b in range(3):  # a clip decodes alike alone and in the batch: each row reads its own clip's CTC
+        n = int(lens[b])
+        assert model.generate_greedy(
+            audio[b : b + 1, :n], lens[b : b + 1], max_new_tokens=10, lang_id=lang_id
+        ) == [joint[b]]
+    if lang_id is None:  # the first token (the language tag) is the LLM's alone
+        assert [o[0] for o in joint] == [o[0] for o in plain]
+
+
+def test_joint_ctc_decoding_at_weight_one_spells_the_ctc_heads_transcript():
+    from speechlm.model.ctc_prefix import JointCTCScorer
+
+    model = build_model()
+    audio, lens = make_audio([12000, 6000])
+    model.decode_ctc_weight = 1.0
+    got = model.generate_greedy(audio, lens, max_new_tokens=8, lang_id=LANG)
+    enc = model.encode_audio(audio, lens)
+    for b in range(2):  # the scorer on this clip's CTC posteriors alone, the LLM's logits unused
+        hidden = enc.enc_hidden.data_UE[int(enc.enc_lens_B[:b].sum()) :][: int(enc.enc_lens_B[b])]
+        logp = model.ctc_head(hidden).log_softmax(-1)[None]
+        sc = JointCTCScorer(logp, enc.enc_lens_B[b : b + 1], blank=PAD, eos=EOS, weight=1.0)
+        want: list[int] = []
+        while len(want) < 7:
+            t = int(sc.step([0], torch.zeros(1, VOCAB))[0])
+            if t == EOS:
+                break
+            want.append(t)
+        assert got[b] == [LANG, *want]
+
+
+def test_decode_ctc_weight_needs_the_ctc_head():
+    from speechlm.config import ConfigError
+
+    cfg = ModelConfig(ctc_weight=0.0, decode_ctc_weight=0.5)
+    with pytest.raises(ConfigError, match="decode_ctc_weight=0.5 needs the CTC head"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="decode_ctc_weight"):
+        ModelConfig(decode_ctc_weight=1.5).validate()

@@ -261,3 +261,20 @@ def test_decoding_embeds_as_often_whatever_the_batch_holds(model, use_cache):
     finally:
         del model.embed_tokens
     assert counts[0] == counts[1] == counts[2] == 1
+
+
+def test_joint_ctc_decoding_scores_transcription_rows_only(model):
+    legacy = make_batch(5, 3)
+    plain = model.generate_for_batch(transcription_pair(legacy), max_new_tokens=6)
+    model.decode_ctc_weight = 0.8
+    try:
+        want = model.generate_greedy(legacy.audio, legacy.audio_lens, max_new_tokens=6)
+        assert want != plain  # the CTC head's prefix scores change the transcripts
+        conv = transcription_pair(legacy)
+        assert model.generate_for_batch(conv, max_new_tokens=6) == want  # the conversation path joins alike
+        # a translation row's answer is not its clip's transcript: the LLM alone decodes it
+        tasks = ["asr", "ast", "asr", "ast", "ast"][: len(conv)]
+        mixed = model.generate_for_batch(dataclasses.replace(conv, tasks=tasks), max_new_tokens=6)
+        assert mixed == [w if t == "asr" else p for w, p, t in zip(want, plain, tasks)]
+    finally:
+        model.decode_ctc_weight = 0.0

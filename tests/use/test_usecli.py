@@ -336,3 +336,34 @@ def test_transcribe_lang_forces_the_language_tag(exported, demo_data, capsys):
     assert len(lines) == 12 and {line["lang"] for line in lines} == {"ta"}
     assert main(["transcribe", str(exported), "--manifest", demo_data["val"], "--lang", "xx"]) == 2
     assert "--lang xx" in capsys.readouterr().err
+
+
+def test_ctc_weight_decodes_jointly_alike_in_transcribe_and_evaluate(
+    trained_run, exported, demo_data, capsys
+):
+    from speechlm.cli import main
+    from speechlm.use.evaluate_cli import evaluate_checkpoint
+
+    texts = {}
+    for weight in ("0", "1"):
+        argv = ["transcribe", str(exported), "--manifest", demo_data["val"], "--ctc-weight", weight]
+        assert main(argv) == 0
+        texts[weight] = {
+            json.loads(x)["row"]: json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()
+        }
+    plain = {
+        json.loads(x)["row"]: json.loads(x)["text"] for x in _transcribe_default(exported, demo_data, capsys)
+    }
+    assert texts["0"] == plain  # weight 0: the LLM alone, the default of a model trained without the key
+    assert texts["1"] != plain  # weight 1: the CTC head spells the transcript
+    joint = evaluate_checkpoint(trained_run, demo_data["val"], ctc_weight=1.0)
+    assert {d["row"]: d["hyp"] for d in joint["decodes"]} == texts["1"]
+    assert main(["transcribe", str(exported), "--manifest", demo_data["val"], "--ctc-weight", "1.5"]) == 2
+    assert "--ctc-weight 1.5" in capsys.readouterr().err
+
+
+def _transcribe_default(exported, demo_data, capsys) -> list[str]:
+    from speechlm.cli import main
+
+    assert main(["transcribe", str(exported), "--manifest", demo_data["val"]]) == 0
+    return capsys.readouterr().out.splitlines()
