@@ -23,6 +23,7 @@ from speechlm import demo_corpus
 from speechlm.errors import run_guarded
 
 REPO = Path(__file__).resolve().parent.parent
+DEMO_VOCAB_SIZE = 300  # docs/training.md, the demo: what the tokenizer's size does to 10 CPU minutes
 
 
 def add_parser(sub: Any) -> None:
@@ -52,6 +53,13 @@ def add_parser(sub: Any) -> None:
         default=str(REPO / "configs/demo.yaml"),
         help="training config; its data paths are replaced by the ones built in --out "
         "(default: configs/demo.yaml)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEMO_VOCAB_SIZE,
+        help="pieces of the demo's tokenizer (default: %(default)s, about one piece per character: the CTC head "
+        "leaves its blank plateau within 250 steps, where 500 pieces took 450-600 and whole words over 1,800)",
     )
     p.add_argument("--no-train", action="store_true", help="stop after printing the plan")
     p.add_argument(
@@ -106,6 +114,8 @@ def run_demo(args: argparse.Namespace) -> int:
             str(out / "train.parquet"),
             "--out",
             str(out / "tokenizer"),
+            "--vocab-size",
+            str(args.vocab_size),
         ]
     )
     if rc:
@@ -152,6 +162,7 @@ if __name__ == "__main__":
                 seed=demo_corpus.CorpusSettings().seed,
                 sentences=demo_corpus.CorpusSettings().sentences,
                 out="data/demo_manifest",
+                vocab_size=DEMO_VOCAB_SIZE,
                 config=str(REPO / "configs/demo.yaml"),
                 no_train=False,
                 asr_only=False,
