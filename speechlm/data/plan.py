@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from parallel.cp_placement import (  # stdlib only
-    place_sequences,
-)
+from parallel.cp_placement import place_sequences  # stdlib only
+from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
 from speechlm.data.sampler.build import (
     CHARS_PER_TOKEN,
@@ -171,30 +170,66 @@ def cp_padding(
     """THD figures of every micro-batch under the CP placement of `parallel.cp_placement` (threshold 0:
     every sequence split, the `speechlm.packing.round_lengths` rule): computed tokens with this
     threshold and with 0, the busiest rank's modelled cost over the mean (summed over micro-batches,
-    so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring."""
-    computed = computed_all = ring = 0
+    so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring.
+
+    Only a threshold other than 0 at cp > 1 needs the placement itself, one micro-batch at a time
+    (`place_sequences`, as training calls it). Everything else is closed-form and vectorised: at cp = 1
+    every sequence stays whole on the one rank (only the micro-batch's total is padded to a multiple of
+    tp), and splitting every sequence pads each to a multiple of 2*cp and the total to
+    `rounding_unit(cp, tp)`, which balances the ranks exactly and puts every token on the ring."""
+    split_all = packed_tokens(lengths, batch_offsets, cp, tp)
+    if cp == 1 or threshold == 0:
+        return {
+            "computed": split_all,
+            "computed_split_all": split_all,
+            "max_over_mean": 1.0,
+            "ring_tokens": split_all if cp > 1 else 0,
+        }
+    computed = ring = 0
     worst = mean = 0.0
-    for lo, hi in zip(batch_offsets[:-1], batch_offsets[1:]):
-        seqs = [int(n) for n in lengths[lo:hi]]
-        if not seqs:
+    for lo, hi in zip(batch_offsets[:-1].tolist(), batch_offsets[1:].tolist()):
+        if hi == lo:
             continue
-        p = place_sequences(seqs, cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
+        p = place_sequences(lengths[lo:hi].tolist(), cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
         computed += p.computed_tokens()
         ring += p.ring_tokens()
         worst += max(p.loads)
         mean += sum(p.loads) / cp
-        computed_all += (
-            place_sequences(seqs, cp, threshold=0, tp=tp).computed_tokens() if cp > 1 else p.computed_tokens()
-        )
     return {
         "computed": computed,
-        "computed_split_all": computed_all,
+        "computed_split_all": split_all,
         "max_over_mean": worst / mean if mean else 1.0,
         "ring_tokens": ring,
     }
 
 
+def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
+    """Tokens THD computes over all micro-batches when every sequence is rounded by
+    `speechlm.packing.round_lengths` (each to a multiple of `sequence_multiple(cp)`, each micro-batch's
+    total to a multiple of `rounding_unit(cp, tp)`): at cp = 1, the real tokens plus the tp padding."""
+    offsets = np.asarray(batch_offsets, np.int64)
+    starts = offsets[:-1][offsets[1:] > offsets[:-1]]  # empty micro-batches compute nothing
+    if not len(starts):
+        return 0
+    chunk, unit = sequence_multiple(cp), rounding_unit(cp, tp)
+    padded = lengths[: offsets[-1]]
+    if chunk > 1:  # int32 or narrower stays so: 10M tokens are 40 MB, not 80
+        padded = -(-padded // chunk) * chunk
+    totals = np.add.reduceat(padded, starts, dtype=np.int64)
+    return int((-(-totals // unit) * unit).sum())
+
+
 CHUNK = 1 << 20  # rows per piece where the summary needs wide temporaries
+
+
+def count_by(codes: np.ndarray, n: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """`np.bincount(codes, weights, minlength=n)` a million rows at a time: bincount widens small codes
+    to intp and weights to float64, which for 10M rows would be 160 MB of temporaries at the peak."""
+    total = np.zeros(n, np.float64 if weights is not None else np.int64)
+    for lo in range(0, len(codes), CHUNK):
+        w = None if weights is None else weights[lo : lo + CHUNK]
+        total += np.bincount(codes[lo : lo + CHUNK], w, minlength=n)
+    return total
 
 
 def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -274,7 +309,7 @@ def mix_figures(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(per language, per dataset of a mix): natural and target shares next to what the plan uses."""
     n_langs = len(inputs.lang_names)
-    natural = np.bincount(inputs.lang_codes, minlength=n_langs)
+    natural = count_by(inputs.lang_codes, n_langs)
     targets = compute_language_targets(natural, temperature)
     datasets = []
     if inputs.mix is not None:  # the targets are per (dataset, language) cell: add them up both ways
@@ -283,8 +318,8 @@ def mix_figures(
         _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, temperature)
         targets = cells.reshape(len(inputs.mix.names), n_langs).sum(axis=0)
         datasets = dataset_figures(used, inputs.mix)
-    utt = np.bincount(used.lang_codes, minlength=n_langs)
-    hours = np.bincount(used.lang_codes, weights=used.durations, minlength=n_langs) / 3600
+    utt = count_by(used.lang_codes, n_langs)
+    hours = count_by(used.lang_codes, n_langs, used.durations) / 3600
     languages = [
         {
             "lang": name,
@@ -303,11 +338,15 @@ def mix_figures(
 def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any]]:
     """Per task (the ``task`` column; every row "asr" without one): natural share and what the plan uses."""
     names = inputs.task_names or ["asr"]
-    codes = inputs.task_codes if inputs.task_codes is not None else np.zeros(len(inputs.durations), np.int16)
-    natural = np.bincount(codes, minlength=len(names))
-    planned = codes[used.rows]
-    utt = np.bincount(planned, minlength=len(names))
-    hours = np.bincount(planned, weights=used.durations, minlength=len(names)) / 3600
+    if inputs.task_codes is None:  # every row "asr": nothing to count
+        natural = np.array([len(inputs.durations)])
+        utt = np.array([len(used.rows)])
+        hours = np.array([used.durations.sum(dtype=np.float64) / 3600])
+    else:
+        natural = count_by(inputs.task_codes, len(names))
+        planned = inputs.task_codes[used.rows]
+        utt = count_by(planned, len(names))
+        hours = count_by(planned, len(names), used.durations) / 3600
     return [
         {
             "task": name,
@@ -325,9 +364,10 @@ def dataset_figures(used: PlannedRows, mix: Any) -> list[dict[str, Any]]:
     """Per dataset of a `data.input_cfg`: rows, natural and target shares, and what the plan uses."""
     n_sets = len(mix.names)
     set_codes = np.asarray(mix.dataset_codes)
-    set_rows = np.bincount(set_codes, minlength=n_sets)
-    set_utt = np.bincount(set_codes[used.rows], minlength=n_sets)
-    set_hours = np.bincount(set_codes[used.rows], weights=used.durations, minlength=n_sets) / 3600
+    set_rows = count_by(set_codes, n_sets)
+    planned = set_codes[used.rows]
+    set_utt = count_by(planned, n_sets)
+    set_hours = count_by(planned, n_sets, used.durations) / 3600
     return [
         {
             "dataset": name,
@@ -348,12 +388,12 @@ def bucket_figures(
     """Per duration bucket (of each micro-batch's first row): utterances, micro-batches, hours."""
     first_rows = used.rows[used.offsets[:-1]]
     batch_bucket = assign_buckets(inputs.durations[first_rows], bucket_boundaries)
-    row_bucket = np.repeat(batch_bucket, used.lengths)
     edges = [0.0, *bucket_boundaries, math.inf]
     n_buckets = len(edges) - 1
-    b_utt = np.bincount(row_bucket, minlength=n_buckets)
+    b_utt = np.bincount(batch_bucket, used.lengths, minlength=n_buckets).astype(np.int64)
     b_batches = np.bincount(batch_bucket, minlength=n_buckets)
-    b_hours = np.bincount(row_bucket, weights=used.durations, minlength=n_buckets) / 3600
+    batch_seconds = batch_sums(used.durations, used.offsets)
+    b_hours = np.bincount(batch_bucket, batch_seconds, minlength=n_buckets) / 3600
     return [
         {
             "from_s": edges[b],
@@ -364,6 +404,18 @@ def bucket_figures(
         }
         for b in range(n_buckets)
     ]
+
+
+def batch_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """float64 sum of `values` per micro-batch (offsets as in `PlannedRows`), a million rows at a time."""
+    sums = np.zeros(len(offsets) - 1, np.float64)
+    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+    step = max(1, CHUNK // max(1, int(np.diff(offsets).mean()) if len(offsets) > 1 else 1))
+    for b0 in range(0, len(nonempty), step):
+        b = nonempty[b0 : b0 + step]
+        lo, hi = int(offsets[b[0]]), int(offsets[b[-1] + 1])
+        sums[b] = np.add.reduceat(values[lo:hi].astype(np.float64), offsets[b] - lo)
+    return sums
 
 
 def planned_tokens(

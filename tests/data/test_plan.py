@@ -213,3 +213,55 @@ def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_p
     shares = {d["dataset"]: d for d in json.loads(out.read_text())["datasets"]}
     assert shares["files"]["target_share"] == pytest.approx(0.25)
     assert shares["tars"]["planned_share"] == pytest.approx(0.75, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("cp", "tp", "threshold"),
+    [(1, 1, "auto"), (1, 2, "auto"), (1, 4, 0), (2, 1, 0), (2, 2, 0), (4, 2, 0), (2, 1, "auto"), (4, 1, 40)],
+)
+def test_cp_padding_matches_the_per_micro_batch_placement(cp, tp, threshold):
+    """The vectorised summary equals `place_sequences` run on every micro-batch (the summary before it),
+    empty micro-batches included; at cp = 1 and at threshold 0 it never calls `place_sequences`."""
+    from speechlm.bench import load_benchmark
+
+    reference = load_benchmark("plan-memory").per_batch_cp_padding
+    rng = np.random.default_rng(cp * 10 + tp)
+    lengths = rng.integers(1, 300, 400).astype(np.int32)
+    offsets = np.unique(np.concatenate(([0, 400], rng.integers(0, 400, 60), [17, 17])))
+    offsets = np.sort(np.concatenate((offsets, [17])))  # one empty micro-batch
+    want = reference(lengths, offsets, cp, tp, threshold, 1 / 384)
+    got = cp_padding(lengths, offsets, cp, tp, threshold, 1 / 384)
+    assert {k: got[k] for k in ("computed", "computed_split_all", "ring_tokens")} == {
+        k: want[k] for k in ("computed", "computed_split_all", "ring_tokens")
+    }
+    assert got["max_over_mean"] == pytest.approx(want["max_over_mean"], rel=1e-12)
+
+
+def test_plan_prints_what_the_per_micro_batch_summary_printed(manifest, tmp_path, capsys, monkeypatch):
+    """`speechlm plan`'s printed figures are unchanged by the vectorised padding summary (cp 1 and 2)."""
+    import speechlm.data.plan as plan_module
+    from speechlm.bench import load_benchmark
+
+    reference = load_benchmark("plan-memory").per_batch_cp_padding
+    path = tmp_path / "text.parquet"
+    table = pq.read_table(manifest[0])
+    text = ["a b c " * int(d) for d in table.column("duration").to_numpy()]
+    pq.write_table(table.append_column("text", pa.array(text)), path)
+    for flags in (["--tp-size", "2"], ["--cp-size", "2"], ["--cp-size", "2", "--cp-split-threshold", "0"]):
+        argv = ["plan", "--manifest", str(path), "--dp-size", "2", "--max-batch-duration", "60", *flags]
+        assert main(argv) == 0
+        new = capsys.readouterr().out
+        with monkeypatch.context() as m:
+            m.setattr(plan_module, "cp_padding", reference)
+            assert main(argv) == 0
+        assert new == capsys.readouterr().out
+
+
+def test_plan_at_cp_1_places_no_micro_batch(manifest, monkeypatch):
+    import speechlm.data.plan as plan_module
+
+    def refuse(*a, **k):
+        raise AssertionError("cp = 1 has nothing to place")
+
+    monkeypatch.setattr(plan_module, "place_sequences", refuse)
+    assert main(["plan", "--manifest", str(manifest[0]), "--dp-size", "2"]) == 0
