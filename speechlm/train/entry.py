@@ -93,9 +93,12 @@ def train(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any] | N
     multiprocessing pool forked afterwards, whose workers must die on SIGTERM) keeps its own."""
     import signal
 
+    from speechlm.train.notices import quiet_known_notices
+
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        return run_recipe(cfg, dry_run=dry_run)
+        with quiet_known_notices():  # Lightning's adverts and known harmless warnings (notices.py)
+            return run_recipe(cfg, dry_run=dry_run)
     finally:
         if previous is not None:  # None: a handler not installed from Python, which cannot be put back
             signal.signal(signal.SIGTERM, previous)
