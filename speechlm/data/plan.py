@@ -640,6 +640,10 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
     print(format_summary(summary, source, budget))
+    warning = trim_warning(summary, len(plan.batch_offsets) - 1)
+    summary["warnings"] = [warning] if warning else []
+    if warning:
+        print(f"\n{warning}", file=sys.stderr)
     if args.json:
         summary["manifest"] = source
         summary["settings"] = req.as_json()
@@ -654,6 +658,29 @@ def run_plan(args: argparse.Namespace) -> int:
             return 1
         print(f"\nwrote {args.json}")
     return 0
+
+
+TRIM_WARN_SHARE = 0.05  # `plan` warns when the lockstep trims drop more than this share of the epoch
+
+
+def trim_warning(summary: dict[str, Any], packed_micro_batches: int) -> str | None:
+    """A warning naming the count and the fixes when the lockstep trims drop more than `TRIM_WARN_SHARE`
+    of the utterances the epoch drew (every dp rank gets the same number of micro-batches, a multiple of
+    grad_accum: the rest of the packed micro-batches is left out); None below it."""
+    dropped = summary["dropped_utterances"]
+    drawn = summary["planned_utterances"] + dropped
+    if not drawn or dropped / drawn <= TRIM_WARN_SHARE:
+        return None
+    dp, accum, per_rank = summary["dp_size"], summary["grad_accum"], summary["micro_batches_per_rank"]
+    return (
+        f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances "
+        f"({100 * dropped / drawn:.0f}%, more than {100 * TRIM_WARN_SHARE:g}%): the epoch packs "
+        f"{packed_micro_batches:,} micro-batches, and each of the {dp} dp ranks gets the same number, a "
+        f"multiple of grad_accum={accum} ({per_rank:,} each), so {packed_micro_batches - dp * per_rank:,} are "
+        "left out every epoch. To train on them: use fewer dp ranks (--dp-size) or a smaller grad_accum, "
+        "or a smaller micro-batch budget (--max-batch-duration / --max-batch-tokens: more, smaller "
+        "micro-batches), or more data."
+    )
 
 
 def _threshold(text: str) -> int | str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -265,3 +266,20 @@ def test_plan_at_cp_1_places_no_micro_batch(manifest, monkeypatch):
 
     monkeypatch.setattr(plan_module, "place_sequences", refuse)
     assert main(["plan", "--manifest", str(manifest[0]), "--dp-size", "2"]) == 0
+
+
+def test_plan_warns_when_the_lockstep_trims_drop_much(demo_data, tmp_path, capsys):
+    """newcomer 40/136: `plan --dp-size 8` on the demo dropped 41% of the utterances without a word."""
+    out = tmp_path / "plan.json"
+    demo_config = Path(__file__).resolve().parents[2] / "configs/demo.yaml"
+    demo = ["plan", "--config", str(demo_config), "--manifest", demo_data["train"]]
+    assert main([*demo, "--dp-size", "8", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    plan = json.loads(out.read_text())
+    dropped, drawn = plan["dropped_utterances"], plan["dropped_utterances"] + plan["planned_utterances"]
+    assert dropped / drawn > 0.05
+    assert f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances" in captured.err
+    assert "--dp-size" in captured.err and "--max-batch-duration" in captured.err
+    assert plan["warnings"] == [captured.err.strip()]
+    assert main([*demo, "--dp-size", "1", "--json", str(out)]) == 0  # nothing dropped: no warning
+    assert "WARNING" not in capsys.readouterr().err and json.loads(out.read_text())["warnings"] == []
