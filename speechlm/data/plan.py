@@ -278,10 +278,13 @@ def summarize_plan(
         "languages": languages,
         "tasks": task_figures(used, inputs),
         "datasets": datasets,
-        "buckets": bucket_figures(used, inputs, settings.bucket_boundaries),
-        "padding": padding_figures(
-            tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
-        ),
+        "buckets": bucket_figures(used, inputs, settings.boundaries),
+        "padding": {
+            **padding_figures(
+                tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
+            ),
+            "bshd_audio_efficiency": padded_audio_efficiency(used),
+        },
     }
 
 
@@ -418,6 +421,16 @@ def batch_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return sums
 
 
+def padded_audio_efficiency(used: PlannedRows) -> float:
+    """Real audio over padded audio of the planned micro-batches: each padded (BSHD) micro-batch holds B
+    clips of its longest clip's length, as the encoder's padded input does (Lhotse's measure)."""
+    if not len(used.rows):
+        return 1.0
+    longest = np.maximum.reduceat(used.durations, used.offsets[:-1]).astype(np.float64)
+    padded = float((longest * used.lengths).sum())
+    return float(batch_sums(used.durations, used.offsets).sum()) / padded if padded > 0 else 1.0
+
+
 def planned_tokens(
     rows: np.ndarray, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
 ) -> np.ndarray:
@@ -503,10 +516,13 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
                 f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
                 f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
             )
-    lines += ["", f"{'bucket':<14}{'utterances':>12}{'micro-batches':>15}{'hours':>10}"]
+    lines += [""]
+    if s.get("bucket_source"):
+        lines.append(f"{len(s['buckets'])} duration buckets: {s['bucket_source']}")
+    lines.append(f"{'bucket':<16}{'utterances':>12}{'micro-batches':>15}{'hours':>10}")
     for b in s["buckets"]:
         span = f"{b['from_s']:g}-{b['to_s']:g} s" if b["to_s"] is not None else f">= {b['from_s']:g} s"
-        lines.append(f"{span:<14}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
+        lines.append(f"{span:<16}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
     p = s["padding"]
     text = (
         f"text ~ chars/{p['chars_per_token']:g}"
@@ -517,6 +533,7 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
         "",
         f"padding efficiency (real / computed tokens; {text}; cp {p['cp_size']}, tp {p['tp_size']}):",
         f"  BSHD (B x max_len): {100 * p['bshd_efficiency']:.1f}%   THD (packed): {100 * p['thd_efficiency']:.1f}%",
+        f"  padded audio (B x longest clip, real seconds / padded seconds): {100 * p['bshd_audio_efficiency']:.1f}%",
     ]
     if p["cp_size"] > 1:
         lines += [
@@ -544,7 +561,7 @@ class PlanRequest:
     def as_json(self) -> dict[str, Any]:
         """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
         values = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}
-        values["bucket_boundaries"] = list(self.settings.bucket_boundaries)
+        values["bucket_boundaries"] = list(self.settings.boundaries)
         del values["token_cost"]  # its projector_stack comes last, as a flag of its own
         return {
             "manifest": self.manifest,
@@ -623,6 +640,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
+    estimated = settings.bucket_boundaries is None  # sampler.bucket_boundaries=null: the sampler's estimate
+    settings = replace(settings, bucket_boundaries=sampler.settings.bucket_boundaries)
+    req = replace(req, settings=settings)
     summary = summarize_plan(
         plan,
         inputs,
@@ -632,6 +652,11 @@ def run_plan(args: argparse.Namespace) -> int:
         cp_split_threshold=req.cp_split_threshold,
         pair_cost=req.pair_cost,
         max_text_tokens=req.cfg.data.max_tokens,
+    )
+    summary["bucket_source"] = (
+        f"estimated from the data (sampler.num_buckets={settings.num_buckets}, equal total duration each)"
+        if estimated
+        else "sampler.bucket_boundaries"
     )
     budget = (
         f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"
