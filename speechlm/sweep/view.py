@@ -96,10 +96,12 @@ def collect_status(sweep_dir: Path, *, stale_after: float | None = None) -> list
     return rows
 
 
-def format_status(rows: list[dict[str, Any]]) -> str:
-    def pct(x: Any) -> str:
-        return f"{100 * x:.1f}%" if x is not None else "-"
+def pct(x: Any) -> str:
+    """A WER as a percentage with one decimal, "-" for none."""
+    return f"{100 * x:.1f}%" if x is not None else "-"
 
+
+def format_status(rows: list[dict[str, Any]]) -> str:
     def dur(s: Any) -> str:
         if s is None:
             return "-"
@@ -140,9 +142,6 @@ def format_status(rows: list[dict[str, Any]]) -> str:
 def format_report(rows: list[dict[str, Any]]) -> str:
     """One line per scored job, best first: its final WER and its best validation WER; then the jobs
     with no WER yet, by state."""
-
-    def pct(x: Any) -> str:
-        return f"{100 * x:.1f}%" if x is not None else "-"
 
     scored = sorted((r for r in rows if score(r) is not None), key=lambda r: (score(r), r["id"]))
     lines = []
