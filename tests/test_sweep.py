@@ -305,3 +305,17 @@ def test_kill9_dispatcher_makes_stale_and_requeued_real_job_resumes(demo_data, t
     steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln).get("kind") == "train"]  # fmt: skip
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_progress_reads_eval_json_and_counts_a_damaged_one_as_absent(tmp_path):
+    from speechlm.sweep.view import format_report, read_progress
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 4}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"split": "val", "steps": 4, "wer": 0.25}))
+    got = read_progress(tmp_path / "metrics.jsonl")
+    assert (got["step"], got["final_wer"], got["final_step"], got["best_wer"]) == (4, 0.25, 4, None)
+    (tmp_path / "eval.json").write_text('{"split": "val", "wer": 0.2')  # cut off mid-write or damaged
+    got = read_progress(tmp_path / "metrics.jsonl")
+    assert got["final_wer"] is None and got["step"] == 4
+    report = format_report([{"id": "a", "state": "done", **got}])
+    assert report.startswith("no job has a WER yet")

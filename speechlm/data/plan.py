@@ -676,13 +676,27 @@ def run_plan(args: argparse.Namespace) -> int:
             [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
         ]
         try:
-            with open(args.json, "w") as f:
-                json.dump(summary, f)
+            write_whole(Path(args.json), summary)
         except OSError as e:
             print(f"speechlm plan: cannot write {args.json}: {e}", file=sys.stderr)
             return 1
         print(f"\nwrote {args.json}")
     return 0
+
+
+def write_whole(path: Path, data: Any) -> None:
+    """Write `data` as JSON to a temporary file beside `path`, then move it over `path`: a plan stopped
+    mid-write (SIGTERM, SIGKILL, a full disk) leaves the previous file, or none, never half a plan."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 TRIM_WARN_SHARE = 0.05  # `plan` warns when the lockstep trims drop more than this share of the epoch

@@ -283,3 +283,22 @@ def test_plan_warns_when_the_lockstep_trims_drop_much(demo_data, tmp_path, capsy
     assert plan["warnings"] == [captured.err.strip()]
     assert main([*demo, "--dp-size", "1", "--json", str(out)]) == 0  # nothing dropped: no warning
     assert "WARNING" not in capsys.readouterr().err and json.loads(out.read_text())["warnings"] == []
+
+
+def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatch, capsys):
+    """A write that fails half-way (a full disk; SIGKILL is the same to the file) leaves the previous plan
+    and no partial file."""
+    import speechlm.data.plan as plan_module
+
+    out = tmp_path / "plan.json"
+    out.write_text('{"previous": true}')
+
+    def dump_half(data, f):
+        f.write('{"ranks": [[1, 2')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plan_module.json, "dump", dump_half)
+    assert main(["plan", "--manifest", str(manifest[0]), "--json", str(out)]) == 1
+    assert "cannot write" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == {"previous": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "train.parquet"]
