@@ -665,7 +665,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
     print(format_summary(summary, source, budget))
-    warning = trim_warning(summary, len(plan.batch_offsets) - 1)
+    warning = trim_warning(plan, settings.grad_accum)
     summary["warnings"] = [warning] if warning else []
     if warning:
         print(f"\n{warning}", file=sys.stderr)
@@ -702,23 +702,35 @@ def write_whole(path: Path, data: Any) -> None:
 TRIM_WARN_SHARE = 0.05  # `plan` warns when the lockstep trims drop more than this share of the epoch
 
 
-def trim_warning(summary: dict[str, Any], packed_micro_batches: int) -> str | None:
+def trim_warning(plan: EpochPlan, grad_accum: int, fixes: str = "plan") -> str | None:
     """A warning naming the count and the fixes when the lockstep trims drop more than `TRIM_WARN_SHARE`
     of the utterances the epoch drew (every dp rank gets the same number of micro-batches, a multiple of
-    grad_accum: the rest of the packed micro-batches is left out); None below it."""
-    dropped = summary["dropped_utterances"]
-    drawn = summary["planned_utterances"] + dropped
+    grad_accum: the rest of the packed micro-batches is left out); None below it. `fixes`: "plan" names
+    `speechlm plan`'s flags, "train" the config keys."""
+    drawn = len(plan.rows)
+    used = plan.rank_batches.reshape(-1)
+    kept = int((plan.batch_offsets[used + 1] - plan.batch_offsets[used]).sum())
+    dropped = drawn - kept
     if not drawn or dropped / drawn <= TRIM_WARN_SHARE:
         return None
-    dp, accum, per_rank = summary["dp_size"], summary["grad_accum"], summary["micro_batches_per_rank"]
+    packed, dp, per_rank = len(plan.batch_offsets) - 1, plan.dp_size, plan.batches_per_rank
+    names = (
+        ("--dp-size", "--grad-accum", "--max-batch-duration / --max-batch-tokens")
+        if fixes == "plan"
+        else (
+            "parallel.dp_shard x dp_replicate",
+            "trainer.grad_accum",
+            "sampler.max_batch_duration / max_batch_tokens",
+        )
+    )
     return (
         f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances "
         f"({100 * dropped / drawn:.0f}%, more than {100 * TRIM_WARN_SHARE:g}%): the epoch packs "
-        f"{packed_micro_batches:,} micro-batches, and each of the {dp} dp ranks gets the same number, a "
-        f"multiple of grad_accum={accum} ({per_rank:,} each), so {packed_micro_batches - dp * per_rank:,} are "
-        "left out every epoch. To train on them: use fewer dp ranks (--dp-size) or a smaller grad_accum, "
-        "or a smaller micro-batch budget (--max-batch-duration / --max-batch-tokens: more, smaller "
-        "micro-batches), or more data."
+        f"{packed:,} micro-batches, and each of the {dp} dp ranks gets the same number, a "
+        f"multiple of grad_accum={grad_accum} ({per_rank:,} each), so {packed - dp * per_rank:,} are "
+        f"left out every epoch. To train on them: use fewer dp ranks ({names[0]}) or a smaller grad_accum "
+        f"({names[1]}), or a smaller micro-batch budget ({names[2]}: more, smaller micro-batches), or "
+        "more data."
     )
 
 

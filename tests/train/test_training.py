@@ -202,6 +202,15 @@ def test_dry_run_prints_layout_and_config(demo_data, capsys):
     assert "packed_sequences: true" in r.stdout
 
 
+def test_launch_warns_when_the_lockstep_trims_drop_much(demo_data, capsys):
+    """newcomer 40/136: training at a layout that leaves out a large part of every epoch says so."""
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "trainer.grad_accum=16", "--dry-run"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "WARNING: the lockstep trims drop" in r.stderr and "trainer.grad_accum" in r.stderr
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "trainer.grad_accum=1", "--dry-run"], capsys)
+    assert r.returncode == 0 and "lockstep trims" not in r.stderr
+
+
 @pytest.mark.slow
 def test_short_demo_loss_falls(demo_data, tmp_path):
     """A shortened demo (the demo model, 300 steps, past the CTC blank plateau): the loss falls substantially."""
