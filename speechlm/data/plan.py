@@ -46,7 +46,9 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
     """Durations, languages and text lengths of any source `speechlm train` accepts.
 
     A parquet manifest is read row group by row group, three columns only, the texts reduced to their
-    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. Other kinds
+    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. The
+    lengths are kept in the cache folder (`text_chars_cache`), so the next plan of the same file reads
+    no text at all. Other kinds
     (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index cache, which stores the text
     lengths. A YAML file is read as a `data.input_cfg` list of weighted datasets.
     """
@@ -85,7 +87,8 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
         n = f.metadata.num_rows
         durations = np.empty(n, np.float32)  # filled in place: no lists of pieces, no concatenation
         codes = np.empty(n, np.int16)
-        chars = np.empty(n, np.int32) if has_text else None
+        cached = load_text_chars(path, n) if has_text else None
+        chars = np.empty(n, np.int32) if has_text and cached is None else None
         seen: dict[str, int] = {}  # language -> code in order of appearance (sorted at the end)
         pool = pa.default_memory_pool()
         lo = 0
@@ -128,15 +131,52 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
             pool.release_unused()
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
+    if chars is not None:
+        save_text_chars(path, chars)
     lang_names = sorted(seen)
     order = np.array([lang_names.index(name) for name in seen], np.int16)
     inputs = SamplerInputs(
         durations=durations,
         lang_codes=order[codes] if len(order) else codes,
         lang_names=lang_names,
-        text_chars=chars,
+        text_chars=chars if chars is not None else cached,
     )
     return inputs
+
+
+def text_chars_cache(path: Path) -> Path:
+    """Where `speechlm plan` keeps the text lengths of parquet manifest `path`: beside the index cache,
+    named by the digest of its path, size and mtime (`source_fingerprint`), so an edited file misses."""
+    from speechlm.data.sources.mmap_cache import default_cache_dir, source_fingerprint
+
+    return default_cache_dir().parent / "plan" / f"{path.name}.{source_fingerprint(path)}.text_chars.npy"
+
+
+def load_text_chars(path: Path, rows: int) -> np.ndarray | None:
+    """The cached text lengths of `path` (int32, one per row), or None when there are none yet, or the
+    file is unreadable or of another length (then `save_text_chars` writes it again)."""
+    try:
+        chars = np.load(text_chars_cache(path), allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return chars if chars.dtype == np.int32 and chars.shape == (rows,) else None
+
+
+def save_text_chars(path: Path, chars: np.ndarray) -> None:
+    """Keep the text lengths for the next plan of `path` (reading 10M texts is most of a plan's time).
+    Written to a temporary file and renamed, so a plan killed mid-write leaves no partial cache; a cache
+    that cannot be written (read-only, full disk) only costs the next plan the time to read the texts."""
+    import os
+
+    target = text_chars_cache(path)
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, chars, allow_pickle=False)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:

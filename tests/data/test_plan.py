@@ -302,3 +302,30 @@ def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatc
     assert "cannot write" in capsys.readouterr().err
     assert json.loads(out.read_text()) == {"previous": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "train.parquet"]
+
+
+def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, monkeypatch, capsys):
+    import speechlm.data.plan as plan_module
+
+    path = tmp_path / "t.parquet"
+    n = 2000
+    durations = np.random.default_rng(4).uniform(1, 15, n).astype(np.float32)
+    texts = ["a b c " * int(d) for d in durations]
+    pq.write_table(pa.table({"duration": durations, "lang": ["en"] * n, "text": texts}), path)
+    first = read_plan_inputs(path)
+    np.testing.assert_array_equal(first.text_chars, [len(t) for t in texts])
+    cache = plan_module.text_chars_cache(path)
+    assert cache.is_file()
+
+    def no_texts(*a, **k):
+        raise AssertionError("the text lengths are cached: no text is read")
+
+    with monkeypatch.context() as m:
+        m.setattr(pq.ParquetFile, "iter_batches", no_texts)
+        np.testing.assert_array_equal(read_plan_inputs(path).text_chars, first.text_chars)
+    cache.write_bytes(b"\x93NUMPY garbage")  # damaged (or cut off by SIGKILL before the rename)
+    np.testing.assert_array_equal(read_plan_inputs(path).text_chars, first.text_chars)
+    assert plan_module.load_text_chars(path, n) is not None  # written again, whole
+    texts = [t + "xyz" for t in texts]  # the manifest changes: its size and mtime, so the cache misses
+    pq.write_table(pa.table({"duration": durations, "lang": ["en"] * n, "text": texts}), path)
+    np.testing.assert_array_equal(read_plan_inputs(path).text_chars, [len(t) for t in texts])
