@@ -48,9 +48,9 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
     A parquet manifest is read row group by row group, three columns only, the texts reduced to their
     lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. The
     lengths are kept in the cache folder (`text_chars_cache`), so the next plan of the same file reads
-    no text at all. Other kinds
-    (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index cache, which stores the text
-    lengths. A YAML file is read as a `data.input_cfg` list of weighted datasets.
+    no text at all. Other kinds (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index
+    cache, which stores the text lengths. A YAML file is read as a `data.input_cfg` list of weighted
+    datasets.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
