@@ -10,9 +10,14 @@ layout before dynamic CP), and prints, side by side:
 - the busiest CP rank's modelled cost over the mean (``padding.cp_max_over_mean``);
 - the tokens whose K/V travel on the ring, as a share of all computed tokens, and the ratio of K/V
   bytes sent per layer against splitting everything (ring bytes are proportional to those tokens:
-  ``(cp - 1) * tokens * 2 * kv_heads * head_dim * bytes`` over the group, for either layout).
+  ``(cp - 1) * tokens * 2 * kv_heads * head_dim * bytes`` over the group, for either layout);
+- the training path's placement cost: the mean wall time of one `place_sequences` call (what
+  `DynamicCPLayout.place` runs on every rank for every micro-batch) over the plan's micro-batches,
+  with ``auto``, in microseconds, and the most sequences one micro-batch holds (``--time-placement``;
+  in ``--json`` always).
 
-Usage: ``speechlm bench cp-placement [--rows N] [--max-seconds S] [--cp 2,4,8] [--json FILE]``.
+Usage: ``speechlm bench cp-placement [--rows N] [--max-seconds S] [--cp 2,4,8] [--time-placement]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,39 @@ def write_manifest(path: Path, rows: int, max_seconds: float, seed: int = 0) -> 
     pq.write_table(table, path)
 
 
+class PlacementTimer:
+    """Wraps `speechlm.data.plan.place_sequences` (the function training's `DynamicCPLayout.place`
+    calls) while a plan runs: calls, their total wall time, and the longest micro-batch placed."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+        self.most_sequences = 0
+
+    def __enter__(self) -> PlacementTimer:
+        import speechlm.data.plan as plan_module
+
+        self._module, self._original = plan_module, plan_module.place_sequences
+
+        def timed(lengths: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            placement = self._original(lengths, *args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            self.most_sequences = max(self.most_sequences, len(lengths))
+            return placement
+
+        plan_module.place_sequences = timed  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.place_sequences = self._original  # type: ignore[assignment]
+
+    @property
+    def microseconds_per_call(self) -> float:
+        return 1e6 * self.seconds / max(self.calls, 1)
+
+
 def plan(manifest: Path, cp: int, threshold: str, budget_s: float, out: Path) -> dict[str, Any]:
     from speechlm.cli import main
 
@@ -68,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         help="scale the micro-batch with cp: cp x --max-batch-duration seconds",
     )
     ap.add_argument("--cp", default="2,4,8")
+    ap.add_argument(
+        "--time-placement",
+        action="store_true",
+        help="also print the mean wall time of one micro-batch's placement (training's per-step cost)",
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -80,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         write_manifest(manifest, args.rows, args.max_seconds)
         for cp in [int(x) for x in args.cp.split(",")]:
             budget = args.max_batch_duration * (cp if args.per_rank else 1)
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), PlacementTimer() as timer:
                 dyn = plan(manifest, cp, "auto", budget, Path(tmp) / "a.json")
+            with contextlib.redirect_stdout(io.StringIO()):
                 old = plan(manifest, cp, "0", budget, Path(tmp) / "b.json")
             ring_dyn = dyn["cp_ring_token_share"] * dyn["thd_computed_tokens"]
             ring_old = old["cp_ring_token_share"] * old["thd_computed_tokens"]
@@ -97,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cp_max_over_mean_split_all": old["cp_max_over_mean"],
                     "ring_token_share": dyn["cp_ring_token_share"],
                     "kv_bytes_vs_split_all": ring_dyn / max(ring_old, 1.0),
+                    "place_us_per_micro_batch": timer.microseconds_per_call,
+                    "placed_micro_batches": timer.calls,
+                    "most_sequences_per_micro_batch": timer.most_sequences,
                 }
             )
             print(f"cp={cp} done", flush=True)
@@ -113,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['cp_max_over_mean']:>9.3f} {r['cp_max_over_mean_split_all']:>6.3f} "
             f"{100 * r['ring_token_share']:>8.1f}% {r['kv_bytes_vs_split_all']:>10.3f}x"
         )
+    if args.time_placement:  # a measurement, so not in the table above (docs/benchmarks.md checks that)
+        print("\nplacement per micro-batch (`place_sequences`, auto), as training runs it on every rank:")
+        print(f"{'cp':>3} {'micro-batches':>14} {'most seqs':>10} {'us each':>8}")
+        for r in rows:
+            print(
+                f"{r['cp']:>3} {r['placed_micro_batches']:>14,} {r['most_sequences_per_micro_batch']:>10} "
+                f"{r['place_us_per_micro_batch']:>8.0f}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -1,6 +1,7 @@
 """Benchmark: vectorised epoch planning (`build_epoch_plan`) against the per-row Python design.
 
     speechlm bench sampler [--rows 10000000] [--reference-rows 1000000] [--repeats 3] [--json FILE]
+    speechlm bench sampler --lhotse [--lhotse-rows 100000] [--json FILE]
     python benchmarks/bench_sampler.py --rows 1000000
 
 A synthetic manifest (6 languages with skewed shares, durations 0.5-20 s) is planned for 8 dp
@@ -10,6 +11,9 @@ sampled every 10 ms), and the same for `reference_epoch_plan`: a faithful row-at
 algorithm (steps 1-7 of speechlm/data/sampler/epoch_plan.py, one dict per row), which the tests also use as
 the oracle for the vectorised exhaustive mode. Its memory is measured by sampling the process RSS,
 since tracemalloc would slow its millions of small allocations several times over.
+
+`--lhotse` runs instead the side-by-side with Lhotse's `DynamicBucketingSampler` (bench_sampler_lhotse.py:
+time, memory, micro-batches and padded efficiency of one epoch, each sampler in its own process).
 """
 
 from __future__ import annotations
@@ -215,7 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-size", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument(
+        "--lhotse",
+        action="store_true",
+        help="instead: side by side with Lhotse's DynamicBucketingSampler (bench_sampler_lhotse.py)",
+    )
+    parser.add_argument("--lhotse-rows", type=int, default=100_000, help="utterances for --lhotse")
     args = parser.parse_args(argv)
+    if args.lhotse:
+        from bench_sampler_lhotse import compare
+
+        return compare(args.lhotse_rows, args.json)
 
     print(
         f"machine: {psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in psutil.getloadavg())}"

@@ -158,9 +158,11 @@ class SamplerConfig(Section):
     max_batch_duration: float | None = 90.0  # seconds of audio per micro-batch
     max_batch_tokens: int | None = None  # token budget instead of seconds (overrides duration)
     length_penalty: float = 0.0  # quadratic length penalty for the token budget
-    bucket_boundaries: list[float] = field(default_factory=lambda: [3.0, 5.0, 8.0, 12.0, 16.0])
+    # duration bucket edges in seconds; null (default): num_buckets equal-duration quantiles of the data
+    bucket_boundaries: list[float] | None = None
     epoch_size: int | None = None  # utterances per epoch in temperature mode (default: manifest size)
     seed: int = 0
+    num_buckets: int = 30  # buckets estimated from the training data when bucket_boundaries is null
 
 
 @dataclass
@@ -554,8 +556,11 @@ class Seq(Rule):
     length: int | None = None
     increasing: bool = False
     nonempty: bool = False
+    null: str = ""  # non-empty: None is valid and means this
 
     def check(self, value: Any) -> str | None:
+        if value is None and self.null:
+            return None
         if not isinstance(value, (list, tuple)):
             return "must be a list"
         if self.length is not None and len(value) != self.length:
@@ -572,7 +577,8 @@ class Seq(Rule):
     def describe(self) -> str:
         n = f"{self.length} " if self.length is not None else ""
         inc = ", strictly increasing" if self.increasing else ""
-        return f"a list of {n}numbers, each a {self.item.describe()}{inc}"
+        null = f", or null ({self.null})" if self.null else ""
+        return f"a list of {n}numbers, each a {self.item.describe()}{inc}{null}"
 
 
 @dataclass(frozen=True)
@@ -761,7 +767,17 @@ FIELDS: dict[str, Rule] = {
     ),
     "sampler.length_penalty": Num("quadratic length penalty of the token budget", lo=0),
     "sampler.bucket_boundaries": Seq(
-        "duration bucket edges in seconds", item=Num("", lo=0, lo_open=True), increasing=True, nonempty=True
+        "duration bucket edges in seconds",
+        item=Num("", lo=0, lo_open=True),
+        increasing=True,
+        nonempty=True,
+        null="estimated from the training data: sampler.num_buckets buckets of equal total duration",
+    ),
+    "sampler.num_buckets": Num(
+        "duration buckets estimated from the training data (sampler.bucket_boundaries=null)",
+        lo=1,
+        hi=127,
+        integer=True,
     ),
     "sampler.epoch_size": Num(
         "utterances per epoch in temperature mode", lo=1, integer=True, null="the manifest's size"

@@ -233,7 +233,9 @@ def test_status_json_report_plot_and_slurm_script(tmp_path):
     res = sweep_cli("report", str(sweep), "--plot", str(tmp_path / "r.png"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
-    assert res.stdout.splitlines()[0].startswith("temperature-0.5_seed-0: best WER")  # lowest first
+    assert res.stdout.splitlines()[0].startswith(
+        "temperature-0.5_seed-0: best validation WER"
+    )  # lowest first
 
     res = sweep_cli("requeue", str(sweep), "--failed")
     assert res.returncode == 0 and "requeued 2 job(s)" in res.stdout
@@ -245,6 +247,31 @@ def test_status_json_report_plot_and_slurm_script(tmp_path):
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --partition=gpu" in script and "--ntasks-per-node=1" in script
     assert f"speechlm sweep run {sweep.resolve()}" in script and "0,1,2,3,4,5,6,7" in script
+
+
+def test_run_ends_with_counts_and_report_prints_final_wer_without_plot(tmp_path):
+    """newcomer: `sweep run` ended with no done/failed count; `sweep report` needed --plot and ignored the
+    final eval.json WER of runs that had no validation during training."""
+    sweep = make_sweep(
+        tmp_path, {**SMALL, "grid": {"sampler.temperature": [0.3, 0.5], "trainer.seed": [0, 13]}}
+    )
+    d = start_dispatcher(sweep, "0,1", "--command", FAKE, env={"FAKE_FINAL_EVAL": "1"})
+    out = d.communicate(timeout=120)[0]
+    assert d.returncode == 0, out
+    last = out.strip().splitlines()[-1]
+    assert "2 done, 2 failed (4 jobs); failed: temperature-0.3_seed-13 (log " in last, out
+    assert "speechlm sweep requeue --failed" in last
+
+    table = sweep_cli("status", str(sweep)).stdout
+    assert "final WER" in table.splitlines()[0]
+    res = sweep_cli("report", str(sweep))  # no --plot: text only
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    want = 100 / (2 + 0.5 + 3)
+    assert lines[0] == f"temperature-0.5_seed-0: final WER {want:.1f}% at step 3", res.stdout
+    assert lines[1].startswith("temperature-0.3_seed-0: final WER")
+    assert lines[2] == "no WER yet: temperature-0.3_seed-13 (failed), temperature-0.5_seed-13 (failed)"
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_kill9_dispatcher_makes_stale_and_requeued_real_job_resumes(demo_data, tmp_path):
@@ -278,3 +305,17 @@ def test_kill9_dispatcher_makes_stale_and_requeued_real_job_resumes(demo_data, t
     steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln).get("kind") == "train"]  # fmt: skip
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_progress_reads_eval_json_and_counts_a_damaged_one_as_absent(tmp_path):
+    from speechlm.sweep.view import format_report, read_progress
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 4}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"split": "val", "steps": 4, "wer": 0.25}))
+    got = read_progress(tmp_path / "metrics.jsonl")
+    assert (got["step"], got["final_wer"], got["final_step"], got["best_wer"]) == (4, 0.25, 4, None)
+    (tmp_path / "eval.json").write_text('{"split": "val", "wer": 0.2')  # cut off mid-write or damaged
+    got = read_progress(tmp_path / "metrics.jsonl")
+    assert got["final_wer"] is None and got["step"] == 4
+    report = format_report([{"id": "a", "state": "done", **got}])
+    assert report.startswith("no job has a WER yet")

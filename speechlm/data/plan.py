@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from parallel.cp_placement import (  # stdlib only
-    place_sequences,
-)
+from parallel.cp_placement import place_sequences  # stdlib only
+from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
 from speechlm.data.sampler.build import (
     CHARS_PER_TOKEN,
@@ -47,9 +46,11 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
     """Durations, languages and text lengths of any source `speechlm train` accepts.
 
     A parquet manifest is read row group by row group, three columns only, the texts reduced to their
-    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. Other kinds
-    (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index cache, which stores the text
-    lengths. A YAML file is read as a `data.input_cfg` list of weighted datasets.
+    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. The
+    lengths are kept in the cache folder (`text_chars_cache`), so the next plan of the same file reads
+    no text at all. Other kinds (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index
+    cache, which stores the text lengths. A YAML file is read as a `data.input_cfg` list of weighted
+    datasets.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -86,7 +87,8 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
         n = f.metadata.num_rows
         durations = np.empty(n, np.float32)  # filled in place: no lists of pieces, no concatenation
         codes = np.empty(n, np.int16)
-        chars = np.empty(n, np.int32) if has_text else None
+        cached = load_text_chars(path, n) if has_text else None
+        chars = np.empty(n, np.int32) if has_text and cached is None else None
         seen: dict[str, int] = {}  # language -> code in order of appearance (sorted at the end)
         pool = pa.default_memory_pool()
         lo = 0
@@ -129,15 +131,52 @@ def read_plan_inputs(path: str | Path) -> SamplerInputs:
             pool.release_unused()
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
+    if chars is not None:
+        save_text_chars(path, chars)
     lang_names = sorted(seen)
     order = np.array([lang_names.index(name) for name in seen], np.int16)
     inputs = SamplerInputs(
         durations=durations,
         lang_codes=order[codes] if len(order) else codes,
         lang_names=lang_names,
-        text_chars=chars,
+        text_chars=chars if chars is not None else cached,
     )
     return inputs
+
+
+def text_chars_cache(path: Path) -> Path:
+    """Where `speechlm plan` keeps the text lengths of parquet manifest `path`: beside the index cache,
+    named by the digest of its path, size and mtime (`source_fingerprint`), so an edited file misses."""
+    from speechlm.data.sources.mmap_cache import default_cache_dir, source_fingerprint
+
+    return default_cache_dir().parent / "plan" / f"{path.name}.{source_fingerprint(path)}.text_chars.npy"
+
+
+def load_text_chars(path: Path, rows: int) -> np.ndarray | None:
+    """The cached text lengths of `path` (int32, one per row), or None when there are none yet, or the
+    file is unreadable or of another length (then `save_text_chars` writes it again)."""
+    try:
+        chars = np.load(text_chars_cache(path), allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return chars if chars.dtype == np.int32 and chars.shape == (rows,) else None
+
+
+def save_text_chars(path: Path, chars: np.ndarray) -> None:
+    """Keep the text lengths for the next plan of `path` (reading 10M texts is most of a plan's time).
+    Written to a temporary file and renamed, so a plan killed mid-write leaves no partial cache; a cache
+    that cannot be written (read-only, full disk) only costs the next plan the time to read the texts."""
+    import os
+
+    target = text_chars_cache(path)
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, chars, allow_pickle=False)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
@@ -171,30 +210,66 @@ def cp_padding(
     """THD figures of every micro-batch under the CP placement of `parallel.cp_placement` (threshold 0:
     every sequence split, the `speechlm.packing.round_lengths` rule): computed tokens with this
     threshold and with 0, the busiest rank's modelled cost over the mean (summed over micro-batches,
-    so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring."""
-    computed = computed_all = ring = 0
+    so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring.
+
+    Only a threshold other than 0 at cp > 1 needs the placement itself, one micro-batch at a time
+    (`place_sequences`, as training calls it). Everything else is closed-form and vectorised: at cp = 1
+    every sequence stays whole on the one rank (only the micro-batch's total is padded to a multiple of
+    tp), and splitting every sequence pads each to a multiple of 2*cp and the total to
+    `rounding_unit(cp, tp)`, which balances the ranks exactly and puts every token on the ring."""
+    split_all = packed_tokens(lengths, batch_offsets, cp, tp)
+    if cp == 1 or threshold == 0:
+        return {
+            "computed": split_all,
+            "computed_split_all": split_all,
+            "max_over_mean": 1.0,
+            "ring_tokens": split_all if cp > 1 else 0,
+        }
+    computed = ring = 0
     worst = mean = 0.0
-    for lo, hi in zip(batch_offsets[:-1], batch_offsets[1:]):
-        seqs = [int(n) for n in lengths[lo:hi]]
-        if not seqs:
+    for lo, hi in zip(batch_offsets[:-1].tolist(), batch_offsets[1:].tolist()):
+        if hi == lo:
             continue
-        p = place_sequences(seqs, cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
+        p = place_sequences(lengths[lo:hi].tolist(), cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
         computed += p.computed_tokens()
         ring += p.ring_tokens()
         worst += max(p.loads)
         mean += sum(p.loads) / cp
-        computed_all += (
-            place_sequences(seqs, cp, threshold=0, tp=tp).computed_tokens() if cp > 1 else p.computed_tokens()
-        )
     return {
         "computed": computed,
-        "computed_split_all": computed_all,
+        "computed_split_all": split_all,
         "max_over_mean": worst / mean if mean else 1.0,
         "ring_tokens": ring,
     }
 
 
+def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
+    """Tokens THD computes over all micro-batches when every sequence is rounded by
+    `speechlm.packing.round_lengths` (each to a multiple of `sequence_multiple(cp)`, each micro-batch's
+    total to a multiple of `rounding_unit(cp, tp)`): at cp = 1, the real tokens plus the tp padding."""
+    offsets = np.asarray(batch_offsets, np.int64)
+    starts = offsets[:-1][offsets[1:] > offsets[:-1]]  # empty micro-batches compute nothing
+    if not len(starts):
+        return 0
+    chunk, unit = sequence_multiple(cp), rounding_unit(cp, tp)
+    padded = lengths[: offsets[-1]]
+    if chunk > 1:  # int32 or narrower stays so: 10M tokens are 40 MB, not 80
+        padded = -(-padded // chunk) * chunk
+    totals = np.add.reduceat(padded, starts, dtype=np.int64)
+    return int((-(-totals // unit) * unit).sum())
+
+
 CHUNK = 1 << 20  # rows per piece where the summary needs wide temporaries
+
+
+def count_by(codes: np.ndarray, n: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """`np.bincount(codes, weights, minlength=n)` a million rows at a time: bincount widens small codes
+    to intp and weights to float64, which for 10M rows would be 160 MB of temporaries at the peak."""
+    total = np.zeros(n, np.float64 if weights is not None else np.int64)
+    for lo in range(0, len(codes), CHUNK):
+        w = None if weights is None else weights[lo : lo + CHUNK]
+        total += np.bincount(codes[lo : lo + CHUNK], w, minlength=n)
+    return total
 
 
 def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -243,10 +318,13 @@ def summarize_plan(
         "languages": languages,
         "tasks": task_figures(used, inputs),
         "datasets": datasets,
-        "buckets": bucket_figures(used, inputs, settings.bucket_boundaries),
-        "padding": padding_figures(
-            tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
-        ),
+        "buckets": bucket_figures(used, inputs, settings.boundaries),
+        "padding": {
+            **padding_figures(
+                tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
+            ),
+            "bshd_audio_efficiency": padded_audio_efficiency(used),
+        },
     }
 
 
@@ -274,7 +352,7 @@ def mix_figures(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(per language, per dataset of a mix): natural and target shares next to what the plan uses."""
     n_langs = len(inputs.lang_names)
-    natural = np.bincount(inputs.lang_codes, minlength=n_langs)
+    natural = count_by(inputs.lang_codes, n_langs)
     targets = compute_language_targets(natural, temperature)
     datasets = []
     if inputs.mix is not None:  # the targets are per (dataset, language) cell: add them up both ways
@@ -283,8 +361,8 @@ def mix_figures(
         _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, temperature)
         targets = cells.reshape(len(inputs.mix.names), n_langs).sum(axis=0)
         datasets = dataset_figures(used, inputs.mix)
-    utt = np.bincount(used.lang_codes, minlength=n_langs)
-    hours = np.bincount(used.lang_codes, weights=used.durations, minlength=n_langs) / 3600
+    utt = count_by(used.lang_codes, n_langs)
+    hours = count_by(used.lang_codes, n_langs, used.durations) / 3600
     languages = [
         {
             "lang": name,
@@ -303,11 +381,15 @@ def mix_figures(
 def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any]]:
     """Per task (the ``task`` column; every row "asr" without one): natural share and what the plan uses."""
     names = inputs.task_names or ["asr"]
-    codes = inputs.task_codes if inputs.task_codes is not None else np.zeros(len(inputs.durations), np.int16)
-    natural = np.bincount(codes, minlength=len(names))
-    planned = codes[used.rows]
-    utt = np.bincount(planned, minlength=len(names))
-    hours = np.bincount(planned, weights=used.durations, minlength=len(names)) / 3600
+    if inputs.task_codes is None:  # every row "asr": nothing to count
+        natural = np.array([len(inputs.durations)])
+        utt = np.array([len(used.rows)])
+        hours = np.array([used.durations.sum(dtype=np.float64) / 3600])
+    else:
+        natural = count_by(inputs.task_codes, len(names))
+        planned = inputs.task_codes[used.rows]
+        utt = count_by(planned, len(names))
+        hours = count_by(planned, len(names), used.durations) / 3600
     return [
         {
             "task": name,
@@ -325,9 +407,10 @@ def dataset_figures(used: PlannedRows, mix: Any) -> list[dict[str, Any]]:
     """Per dataset of a `data.input_cfg`: rows, natural and target shares, and what the plan uses."""
     n_sets = len(mix.names)
     set_codes = np.asarray(mix.dataset_codes)
-    set_rows = np.bincount(set_codes, minlength=n_sets)
-    set_utt = np.bincount(set_codes[used.rows], minlength=n_sets)
-    set_hours = np.bincount(set_codes[used.rows], weights=used.durations, minlength=n_sets) / 3600
+    set_rows = count_by(set_codes, n_sets)
+    planned = set_codes[used.rows]
+    set_utt = count_by(planned, n_sets)
+    set_hours = count_by(planned, n_sets, used.durations) / 3600
     return [
         {
             "dataset": name,
@@ -348,12 +431,12 @@ def bucket_figures(
     """Per duration bucket (of each micro-batch's first row): utterances, micro-batches, hours."""
     first_rows = used.rows[used.offsets[:-1]]
     batch_bucket = assign_buckets(inputs.durations[first_rows], bucket_boundaries)
-    row_bucket = np.repeat(batch_bucket, used.lengths)
     edges = [0.0, *bucket_boundaries, math.inf]
     n_buckets = len(edges) - 1
-    b_utt = np.bincount(row_bucket, minlength=n_buckets)
+    b_utt = np.bincount(batch_bucket, used.lengths, minlength=n_buckets).astype(np.int64)
     b_batches = np.bincount(batch_bucket, minlength=n_buckets)
-    b_hours = np.bincount(row_bucket, weights=used.durations, minlength=n_buckets) / 3600
+    batch_seconds = batch_sums(used.durations, used.offsets)
+    b_hours = np.bincount(batch_bucket, batch_seconds, minlength=n_buckets) / 3600
     return [
         {
             "from_s": edges[b],
@@ -364,6 +447,28 @@ def bucket_figures(
         }
         for b in range(n_buckets)
     ]
+
+
+def batch_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """float64 sum of `values` per micro-batch (offsets as in `PlannedRows`), a million rows at a time."""
+    sums = np.zeros(len(offsets) - 1, np.float64)
+    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+    step = max(1, CHUNK // max(1, int(np.diff(offsets).mean()) if len(offsets) > 1 else 1))
+    for b0 in range(0, len(nonempty), step):
+        b = nonempty[b0 : b0 + step]
+        lo, hi = int(offsets[b[0]]), int(offsets[b[-1] + 1])
+        sums[b] = np.add.reduceat(values[lo:hi].astype(np.float64), offsets[b] - lo)
+    return sums
+
+
+def padded_audio_efficiency(used: PlannedRows) -> float:
+    """Real audio over padded audio of the planned micro-batches: each padded (BSHD) micro-batch holds B
+    clips of its longest clip's length, as the encoder's padded input does (Lhotse's measure)."""
+    if not len(used.rows):
+        return 1.0
+    longest = np.maximum.reduceat(used.durations, used.offsets[:-1]).astype(np.float64)
+    padded = float((longest * used.lengths).sum())
+    return float(batch_sums(used.durations, used.offsets).sum()) / padded if padded > 0 else 1.0
 
 
 def planned_tokens(
@@ -451,10 +556,13 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
                 f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
                 f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
             )
-    lines += ["", f"{'bucket':<14}{'utterances':>12}{'micro-batches':>15}{'hours':>10}"]
+    lines += [""]
+    if s.get("bucket_source"):
+        lines.append(f"{len(s['buckets'])} duration buckets: {s['bucket_source']}")
+    lines.append(f"{'bucket':<16}{'utterances':>12}{'micro-batches':>15}{'hours':>10}")
     for b in s["buckets"]:
         span = f"{b['from_s']:g}-{b['to_s']:g} s" if b["to_s"] is not None else f">= {b['from_s']:g} s"
-        lines.append(f"{span:<14}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
+        lines.append(f"{span:<16}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
     p = s["padding"]
     text = (
         f"text ~ chars/{p['chars_per_token']:g}"
@@ -465,6 +573,7 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
         "",
         f"padding efficiency (real / computed tokens; {text}; cp {p['cp_size']}, tp {p['tp_size']}):",
         f"  BSHD (B x max_len): {100 * p['bshd_efficiency']:.1f}%   THD (packed): {100 * p['thd_efficiency']:.1f}%",
+        f"  padded audio (B x longest clip, real seconds / padded seconds): {100 * p['bshd_audio_efficiency']:.1f}%",
     ]
     if p["cp_size"] > 1:
         lines += [
@@ -492,7 +601,7 @@ class PlanRequest:
     def as_json(self) -> dict[str, Any]:
         """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
         values = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}
-        values["bucket_boundaries"] = list(self.settings.bucket_boundaries)
+        values["bucket_boundaries"] = list(self.settings.boundaries)
         del values["token_cost"]  # its projector_stack comes last, as a flag of its own
         return {
             "manifest": self.manifest,
@@ -571,6 +680,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
+    estimated = settings.bucket_boundaries is None  # sampler.bucket_boundaries=null: the sampler's estimate
+    settings = replace(settings, bucket_boundaries=sampler.settings.bucket_boundaries)
+    req = replace(req, settings=settings)
     summary = summarize_plan(
         plan,
         inputs,
@@ -581,6 +693,11 @@ def run_plan(args: argparse.Namespace) -> int:
         pair_cost=req.pair_cost,
         max_text_tokens=req.cfg.data.max_tokens,
     )
+    summary["bucket_source"] = (
+        f"estimated from the data (sampler.num_buckets={settings.num_buckets}, equal total duration each)"
+        if estimated
+        else "sampler.bucket_boundaries"
+    )
     budget = (
         f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"
         if settings.max_batch_tokens is not None
@@ -588,6 +705,10 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
     print(format_summary(summary, source, budget))
+    warning = trim_warning(plan, settings.grad_accum)
+    summary["warnings"] = [warning] if warning else []
+    if warning:
+        print(f"\n{warning}", file=sys.stderr)
     if args.json:
         summary["manifest"] = source
         summary["settings"] = req.as_json()
@@ -595,13 +716,62 @@ def run_plan(args: argparse.Namespace) -> int:
             [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
         ]
         try:
-            with open(args.json, "w") as f:
-                json.dump(summary, f)
+            write_whole(Path(args.json), summary)
         except OSError as e:
             print(f"speechlm plan: cannot write {args.json}: {e}", file=sys.stderr)
             return 1
         print(f"\nwrote {args.json}")
     return 0
+
+
+def write_whole(path: Path, data: Any) -> None:
+    """Write `data` as JSON to a temporary file beside `path`, then move it over `path`: a plan stopped
+    mid-write (SIGTERM, SIGKILL, a full disk) leaves the previous file, or none, never half a plan."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+TRIM_WARN_SHARE = 0.05  # `plan` warns when the lockstep trims drop more than this share of the epoch
+
+
+def trim_warning(plan: EpochPlan, grad_accum: int, fixes: str = "plan") -> str | None:
+    """A warning naming the count and the fixes when the lockstep trims drop more than `TRIM_WARN_SHARE`
+    of the utterances the epoch drew (every dp rank gets the same number of micro-batches, a multiple of
+    grad_accum: the rest of the packed micro-batches is left out); None below it. `fixes`: "plan" names
+    `speechlm plan`'s flags, "train" the config keys."""
+    drawn = len(plan.rows)
+    used = plan.rank_batches.reshape(-1)
+    kept = int((plan.batch_offsets[used + 1] - plan.batch_offsets[used]).sum())
+    dropped = drawn - kept
+    if not drawn or dropped / drawn <= TRIM_WARN_SHARE:
+        return None
+    packed, dp, per_rank = len(plan.batch_offsets) - 1, plan.dp_size, plan.batches_per_rank
+    names = (
+        ("--dp-size", "--grad-accum", "--max-batch-duration / --max-batch-tokens")
+        if fixes == "plan"
+        else (
+            "parallel.dp_shard x dp_replicate",
+            "trainer.grad_accum",
+            "sampler.max_batch_duration / max_batch_tokens",
+        )
+    )
+    return (
+        f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances "
+        f"({100 * dropped / drawn:.0f}%, more than {100 * TRIM_WARN_SHARE:g}%): the epoch packs "
+        f"{packed:,} micro-batches, and each of the {dp} dp ranks gets the same number, a "
+        f"multiple of grad_accum={grad_accum} ({per_rank:,} each), so {packed - dp * per_rank:,} are "
+        f"left out every epoch. To train on them: use fewer dp ranks ({names[0]}) or a smaller grad_accum "
+        f"({names[1]}), or a smaller micro-batch budget ({names[2]}: more, smaller micro-batches), or "
+        "more data."
+    )
 
 
 def _threshold(text: str) -> int | str:

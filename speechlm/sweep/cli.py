@@ -53,9 +53,14 @@ def add_parser(sub: Any) -> None:
     )
     q.set_defaults(func=cmd_requeue)
 
-    q = ss.add_parser("report", help="best WER per job and per axis value")
+    q = ss.add_parser(
+        "report",
+        help="each job's final WER (eval.json) and best validation WER, best first; --plot draws them",
+    )
     q.add_argument("sweep_dir")
-    q.add_argument("--plot", required=True, metavar="FILE.png")
+    q.add_argument(
+        "--plot", metavar="FILE.png", help="also draw the WER per job and per value of each grid axis"
+    )
     q.set_defaults(func=cmd_report)
 
     q = ss.add_parser("slurm", help="write an sbatch script: one dispatcher per node on this sweep")
@@ -135,17 +140,21 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from speechlm.sweep.view import collect_status, plot_report
+    from speechlm.sweep.spec import SpecError
+    from speechlm.sweep.store import StatusError
+    from speechlm.sweep.view import collect_status, format_report, plot_report
 
-    rows = collect_status(Path(args.sweep_dir))
     try:
-        out = plot_report(rows, Path(args.plot))
-    except ValueError as e:
+        rows = collect_status(Path(args.sweep_dir))
+    except (SpecError, StatusError) as e:
         return _fail(str(e))
-    best = sorted((r for r in rows if r["best_wer"] is not None), key=lambda r: r["best_wer"])
-    for r in best:
-        print(f"{r['id']}: best WER {100 * r['best_wer']:.1f}% at step {r['best_step']}")
-    print(f"wrote {out}")
+    print(format_report(rows))
+    if args.plot:
+        try:
+            out = plot_report(rows, Path(args.plot))
+        except ValueError as e:
+            return _fail(str(e))
+        print(f"wrote {out}")
     return 0
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from speechlm.config import ConfigError, split_override
 from speechlm.errors import EXIT_SIGTERM  # 143: the trainer saved a checkpoint after SIGTERM
 from speechlm.sweep.spec import read_matrix
-from speechlm.sweep.store import StatusStore, claim_next, mark_stale
+from speechlm.sweep.store import STATES, StatusStore, claim_next, mark_stale
 
 DEFAULT_STALE_AFTER = 120.0  # seconds without a heartbeat before another dispatcher gives up on one
 
@@ -137,6 +137,7 @@ class Dispatcher:
                 waiting = self._claim_and_start()
                 if not self.children and not waiting and not self.forever:
                     self.log(f"[sweep] {self.id}: nothing left to run here; exiting")
+                    self.log(f"[sweep] {self.tally()}")
                     return 0
                 self._sleep(self.poll)
         finally:
@@ -144,6 +145,23 @@ class Dispatcher:
                 state["dispatchers"].pop(self.id, None)
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def tally(self) -> str:
+        """How the sweep's jobs stand (every job of the matrix, not only this dispatcher's), and where to
+        look at the failed ones: the line `sweep run` ends with."""
+        state = self.store.read()
+        counts = {s: 0 for s in STATES}
+        failed = []
+        for jid in self.order:
+            st = state["jobs"].get(jid, {}).get("state", "queued")
+            counts[st] += 1
+            if st == "failed":
+                failed.append(f"{jid} (log {self.dir / self.jobs[jid]['log']})")
+        parts = ", ".join(f"{counts[s]} {s}" for s in STATES if counts[s] or s in ("done", "failed"))
+        line = f"{parts} ({len(self.order)} jobs)"
+        if failed:
+            line += f"; failed: {', '.join(failed)}; `speechlm sweep requeue --failed` runs them again"
+        return line
 
     def _sleep(self, seconds: float) -> None:
         end = time.time() + seconds

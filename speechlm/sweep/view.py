@@ -1,7 +1,9 @@
 """`speechlm sweep status` and `speechlm sweep report`: what every job is doing and how well it does.
 
 Progress comes from each run's own `metrics.jsonl` (lines of `kind` "train" carry the optimizer `step`,
-lines of `kind` "val" the validation `wer`), so the status needs nothing from the running jobs.
+lines of `kind` "val" the validation `wer`) and, once a run has finished, its `eval.json` (the final
+evaluation's `wer` on the val split, after `steps` steps), so the status needs nothing from the running jobs.
+A job's score is its final WER where it has one, else its best validation WER.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from speechlm.sweep.store import StatusStore, mark_stale
 
 
 def read_progress(metrics_path: Path) -> dict[str, Any]:
-    """Last optimizer step, latest and best validation WER of one run (None where there is none yet)."""
+    """Last optimizer step, latest and best validation WER, and the final WER of `eval.json` next to
+    `metrics_path` (None where there is none yet)."""
     out: dict[str, Any] = {"step": None, "wer": None, "best_wer": None, "best_step": None}
+    out.update(read_final(metrics_path.parent / "eval.json"))
     try:
         lines = metrics_path.read_text().splitlines()
     except OSError:
@@ -34,6 +38,25 @@ def read_progress(metrics_path: Path) -> dict[str, Any]:
             if out["best_wer"] is None or out["wer"] < out["best_wer"]:
                 out["best_wer"], out["best_step"] = out["wer"], m.get("step")
     return out
+
+
+def read_final(eval_path: Path) -> dict[str, Any]:
+    """`final_wer` and `final_step` of a finished run's `eval.json` (its top-level record is the val
+    split's; docs/training.md), None without one. A file that is not JSON (being written, or damaged)
+    counts as absent here: `sweep status` must not stop on one job's file."""
+    out: dict[str, Any] = {"final_wer": None, "final_step": None}
+    try:
+        record = json.loads(eval_path.read_text())
+    except (OSError, ValueError):
+        return out
+    if isinstance(record, dict) and isinstance(record.get("wer"), (int, float)):
+        out["final_wer"], out["final_step"] = float(record["wer"]), record.get("steps")
+    return out
+
+
+def score(row: dict[str, Any]) -> float | None:
+    """What a job is ranked by: its final WER (eval.json) where it has one, else its best validation WER."""
+    return row["final_wer"] if row.get("final_wer") is not None else row.get("best_wer")
 
 
 def collect_status(sweep_dir: Path, *, stale_after: float | None = None) -> list[dict[str, Any]]:
@@ -73,10 +96,12 @@ def collect_status(sweep_dir: Path, *, stale_after: float | None = None) -> list
     return rows
 
 
-def format_status(rows: list[dict[str, Any]]) -> str:
-    def pct(x: Any) -> str:
-        return f"{100 * x:.1f}%" if x is not None else "-"
+def pct(x: Any) -> str:
+    """A WER as a percentage with one decimal, "-" for none."""
+    return f"{100 * x:.1f}%" if x is not None else "-"
 
+
+def format_status(rows: list[dict[str, Any]]) -> str:
     def dur(s: Any) -> str:
         if s is None:
             return "-"
@@ -84,13 +109,22 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         h, m = divmod(m, 60)
         return f"{h}:{m:02d}:{sec:02d}"
 
-    header = ("job", "state", "host/slots", "step", "WER", "best WER", "elapsed")
+    header = ("job", "state", "host/slots", "step", "WER", "best WER", "final WER", "elapsed")
     table = [header]
     for r in rows:
         where = f"{r['host']}/{','.join(r['slots'])}" if r["host"] and r["slots"] else "-"
         step = str(r["step"]) if r["step"] is not None else "-"
         table.append(
-            (r["id"], r["state"], where, step, pct(r["wer"]), pct(r["best_wer"]), dur(r["elapsed_s"]))
+            (
+                r["id"],
+                r["state"],
+                where,
+                step,
+                pct(r["wer"]),
+                pct(r["best_wer"]),
+                pct(r["final_wer"]),
+                dur(r["elapsed_s"]),
+            )  # fmt: skip
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
@@ -105,30 +139,60 @@ def format_status(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_report(rows: list[dict[str, Any]]) -> str:
+    """One line per scored job, best first: its final WER and its best validation WER; then the jobs
+    with no WER yet, by state."""
+
+    scored = sorted((r for r in rows if score(r) is not None), key=lambda r: (score(r), r["id"]))
+    lines = []
+    for r in scored:
+        final = (
+            f"final WER {pct(r['final_wer'])} at step {r['final_step']}" if r["final_wer"] is not None else ""
+        )
+        best = (
+            f"best validation WER {pct(r['best_wer'])} at step {r['best_step']}"
+            if r["best_wer"] is not None
+            else ""
+        )
+        lines.append(f"{r['id']}: {'; '.join(p for p in (final, best) if p)}")
+    if not scored:
+        lines.append(
+            "no job has a WER yet: neither a validation line in metrics.jsonl (trainer.val_every) nor a "
+            "finished run's eval.json"
+        )
+    unscored = [r for r in rows if score(r) is None]
+    if unscored and scored:
+        waiting = ", ".join(f"{r['id']} ({r['state']})" for r in unscored)
+        lines.append(f"no WER yet: {waiting}")
+    return "\n".join(lines)
+
+
 def plot_report(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Best validation WER per job, and per value of every grid axis (the best job with that value)."""
+    """Each job's score (`score`: final WER, else best validation WER), and per value of every grid axis
+    the best job with that value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scored = [r for r in rows if r["best_wer"] is not None]
+    scores = {r["id"]: s for r in rows if (s := score(r)) is not None}
+    scored = [r for r in rows if r["id"] in scores]
     if not scored:
         raise ValueError(
-            "no job has a validation WER yet (metrics.jsonl lines of kind 'val'); nothing to plot"
+            "no job has a WER yet (no metrics.jsonl line of kind 'val' and no eval.json); nothing to plot"
         )
     axes_keys = sorted({k for r in rows for k in r["axes"]})
     fig, axs = plt.subplots(1, 1 + len(axes_keys), figsize=(5 + 4 * len(axes_keys), 4), squeeze=False)
     ax = axs[0][0]
-    ax.barh([r["id"] for r in scored], [100 * r["best_wer"] for r in scored])
-    ax.set_xlabel("best validation WER (%)")
+    ax.barh([r["id"] for r in scored], [100 * scores[r["id"]] for r in scored])
+    ax.set_xlabel("WER (%): final, else best validation")
     ax.set_title("per job")
     for i, key in enumerate(axes_keys, start=1):
         best: dict[str, float] = {}
         for r in scored:
             if key in r["axes"]:
                 v = json.dumps(r["axes"][key])
-                best[v] = min(best.get(v, float("inf")), r["best_wer"])
+                best[v] = min(best.get(v, float("inf")), scores[r["id"]])
         a = axs[0][i]
         a.bar(list(best), [100 * w for w in best.values()])
         a.set_xlabel(key)

@@ -184,3 +184,10 @@ def test_demo_run_twice_moves_the_first_run_aside(tmp_path: Path, monkeypatch) -
     moved = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("demo.old-"))
     assert len(moved) == 1, sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert (tmp_path / "runs" / moved[0] / "metrics.jsonl").read_text().strip()
+
+
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """newcomer 2: `speechlm --version` was "unrecognized arguments"."""
+    import speechlm
+
+    assert help_text(capsys, "--version").strip() == f"speechlm {speechlm.__version__}"

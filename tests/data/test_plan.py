@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -67,7 +68,7 @@ def test_plan_prints_the_summary_and_writes_every_rank(manifest, tmp_path, capsy
     assert sum(b["utterances"] for b in plan["buckets"]) == len(flat)
     # the same micro-batches the training sampler hands rank 1 (languages coded by sorted name)
     codes = np.searchsorted(sorted(NAMES), langs)
-    settings = SamplerSettings(dp_size=2, grad_accum=2)
+    settings = SamplerSettings(dp_size=2, grad_accum=2, bucket_boundaries=None)  # the config's default
     sampler = DurationBucketBatchSampler(durations, codes, sorted(NAMES), settings, dp_rank=1)
     assert list(sampler) == plan["ranks"][1]
 
@@ -213,3 +214,118 @@ def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_p
     shares = {d["dataset"]: d for d in json.loads(out.read_text())["datasets"]}
     assert shares["files"]["target_share"] == pytest.approx(0.25)
     assert shares["tars"]["planned_share"] == pytest.approx(0.75, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("cp", "tp", "threshold"),
+    [(1, 1, "auto"), (1, 2, "auto"), (1, 4, 0), (2, 1, 0), (2, 2, 0), (4, 2, 0), (2, 1, "auto"), (4, 1, 40)],
+)
+def test_cp_padding_matches_the_per_micro_batch_placement(cp, tp, threshold):
+    """The vectorised summary equals `place_sequences` run on every micro-batch (the summary before it),
+    empty micro-batches included; at cp = 1 and at threshold 0 it never calls `place_sequences`."""
+    from speechlm.bench import load_benchmark
+
+    reference = load_benchmark("plan-memory").per_batch_cp_padding
+    rng = np.random.default_rng(cp * 10 + tp)
+    lengths = rng.integers(1, 300, 400).astype(np.int32)
+    offsets = np.unique(np.concatenate(([0, 400], rng.integers(0, 400, 60), [17, 17])))
+    offsets = np.sort(np.concatenate((offsets, [17])))  # one empty micro-batch
+    want = reference(lengths, offsets, cp, tp, threshold, 1 / 384)
+    got = cp_padding(lengths, offsets, cp, tp, threshold, 1 / 384)
+    assert {k: got[k] for k in ("computed", "computed_split_all", "ring_tokens")} == {
+        k: want[k] for k in ("computed", "computed_split_all", "ring_tokens")
+    }
+    assert got["max_over_mean"] == pytest.approx(want["max_over_mean"], rel=1e-12)
+
+
+def test_plan_prints_what_the_per_micro_batch_summary_printed(manifest, tmp_path, capsys, monkeypatch):
+    """`speechlm plan`'s printed figures are unchanged by the vectorised padding summary (cp 1 and 2)."""
+    import speechlm.data.plan as plan_module
+    from speechlm.bench import load_benchmark
+
+    reference = load_benchmark("plan-memory").per_batch_cp_padding
+    path = tmp_path / "text.parquet"
+    table = pq.read_table(manifest[0])
+    text = ["a b c " * int(d) for d in table.column("duration").to_numpy()]
+    pq.write_table(table.append_column("text", pa.array(text)), path)
+    for flags in (["--tp-size", "2"], ["--cp-size", "2"], ["--cp-size", "2", "--cp-split-threshold", "0"]):
+        argv = ["plan", "--manifest", str(path), "--dp-size", "2", "--max-batch-duration", "60", *flags]
+        assert main(argv) == 0
+        new = capsys.readouterr().out
+        with monkeypatch.context() as m:
+            m.setattr(plan_module, "cp_padding", reference)
+            assert main(argv) == 0
+        assert new == capsys.readouterr().out
+
+
+def test_plan_at_cp_1_places_no_micro_batch(manifest, monkeypatch):
+    import speechlm.data.plan as plan_module
+
+    def refuse(*a, **k):
+        raise AssertionError("cp = 1 has nothing to place")
+
+    monkeypatch.setattr(plan_module, "place_sequences", refuse)
+    assert main(["plan", "--manifest", str(manifest[0]), "--dp-size", "2"]) == 0
+
+
+def test_plan_warns_when_the_lockstep_trims_drop_much(demo_data, tmp_path, capsys):
+    """newcomer 40/136: `plan --dp-size 8` on the demo dropped 41% of the utterances without a word."""
+    out = tmp_path / "plan.json"
+    demo_config = Path(__file__).resolve().parents[2] / "configs/demo.yaml"
+    demo = ["plan", "--config", str(demo_config), "--manifest", demo_data["train"]]
+    assert main([*demo, "--dp-size", "8", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    plan = json.loads(out.read_text())
+    dropped, drawn = plan["dropped_utterances"], plan["dropped_utterances"] + plan["planned_utterances"]
+    assert dropped / drawn > 0.05
+    assert f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances" in captured.err
+    assert "--dp-size" in captured.err and "--max-batch-duration" in captured.err
+    assert plan["warnings"] == [captured.err.strip()]
+    assert main([*demo, "--dp-size", "1", "--json", str(out)]) == 0  # nothing dropped: no warning
+    assert "WARNING" not in capsys.readouterr().err and json.loads(out.read_text())["warnings"] == []
+
+
+def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatch, capsys):
+    """A write that fails half-way (a full disk; SIGKILL is the same to the file) leaves the previous plan
+    and no partial file."""
+    import speechlm.data.plan as plan_module
+
+    out = tmp_path / "plan.json"
+    out.write_text('{"previous": true}')
+
+    def dump_half(data, f):
+        f.write('{"ranks": [[1, 2')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plan_module.json, "dump", dump_half)
+    assert main(["plan", "--manifest", str(manifest[0]), "--json", str(out)]) == 1
+    assert "cannot write" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == {"previous": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "train.parquet"]
+
+
+def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, monkeypatch, capsys):
+    import speechlm.data.plan as plan_module
+
+    path = tmp_path / "t.parquet"
+    n = 2000
+    durations = np.random.default_rng(4).uniform(1, 15, n).astype(np.float32)
+    texts = ["a b c " * int(d) for d in durations]
+    pq.write_table(pa.table({"duration": durations, "lang": ["en"] * n, "text": texts}), path)
+    first = read_plan_inputs(path)
+    np.testing.assert_array_equal(first.text_chars, [len(t) for t in texts])
+    cache = plan_module.text_chars_cache(path)
+    assert cache.is_file()
+
+    def no_texts(*a, **k):
+        raise AssertionError("the text lengths are cached: no text is read")
+
+    with monkeypatch.context() as m:
+        m.setattr(pq.ParquetFile, "iter_batches", no_texts)
+        np.testing.assert_array_equal(read_plan_inputs(path).text_chars, first.text_chars)
+    cache.write_bytes(b"\x93NUMPY garbage")  # damaged (or cut off by SIGKILL before the rename)
+    np.testing.assert_array_equal(read_plan_inputs(path).text_chars, first.text_chars)
+    assert plan_module.load_text_chars(path, n) is not None  # written again, whole
+    texts = [t + "xyz" for t in texts]  # the manifest changes: its size and mtime, so the cache misses
+    pq.write_table(pa.table({"duration": durations, "lang": ["en"] * n, "text": texts}), path)
+    np.testing.assert_array_equal(read_plan_inputs(path).text_chars, [len(t) for t in texts])

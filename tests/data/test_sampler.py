@@ -427,6 +427,7 @@ def test_settings_from_config_use_the_config_fields():
         grad_accum=2,
         mode="exhaustive",
         max_batch_duration=45.0,
+        bucket_boundaries=None,  # the config's default: estimated from the durations (issue 26)
         token_cost=TokenCostModel(projector_stack=3),
         seed=11,
     )

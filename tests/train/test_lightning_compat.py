@@ -97,3 +97,19 @@ def test_one_process_checkpoint_is_written_without_dcp_collectives(tmp_path, mon
     dcp.load(back, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     assert torch.equal(back["state_dict"]["w"], weights["w"])
     assert torch.load(tmp_path / "ckpt/meta.pt", weights_only=True) == {"global_step": 7}
+
+
+def test_progress_bar_shows_the_warmup_lr_with_significant_digits():
+    """newcomer: the bar read "lr: 0.000" throughout warmup (Rich prints floats with 3 decimals)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks.progress.rich_progress import MetricsTextColumn
+
+    bar = compat.step_progress_bar()
+    trainer = SimpleNamespace(progress_bar_metrics={"loss": 22.676, "lr": 4e-05, "utt/s": 3.5}, loggers=[])
+    shown = bar.get_metrics(trainer, None)
+    assert shown == {"loss": 22.676, "lr": "4e-05", "utt/s": 3.5}
+    assert compat.format_bar_metrics({"lr": 0.00123456, "lr_encoder": 2e-3})["lr"] == "0.00123"
+    column = MetricsTextColumn(trainer, style="", text_delimiter=" ", metrics_format=".3f")
+    column._metrics = shown
+    assert "lr: 4e-05" in " ".join(column._generate_metrics_texts())

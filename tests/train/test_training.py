@@ -21,6 +21,8 @@ import pytest
 from helpers import read_train_metrics as read_metrics
 from helpers import run_train, train_in_process
 
+from speechlm.config import load_config
+
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs/smoke.yaml")
 
@@ -200,6 +202,15 @@ def test_dry_run_prints_layout_and_config(demo_data, capsys):
     assert "packed_sequences: true" in r.stdout
 
 
+def test_launch_warns_when_the_lockstep_trims_drop_much(demo_data, capsys):
+    """newcomer 40/136: training at a layout that leaves out a large part of every epoch says so."""
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "trainer.grad_accum=16", "--dry-run"], capsys)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "WARNING: the lockstep trims drop" in r.stderr and "trainer.grad_accum" in r.stderr
+    r = train_in_process([SMOKE, *data_overrides(demo_data), "trainer.grad_accum=1", "--dry-run"], capsys)
+    assert r.returncode == 0 and "lockstep trims" not in r.stderr
+
+
 @pytest.mark.slow
 def test_short_demo_loss_falls(demo_data, tmp_path):
     """A shortened demo (the demo model, 300 steps, past the CTC blank plateau): the loss falls substantially."""
@@ -243,3 +254,21 @@ def test_max_minutes_stops_training(demo_data, tmp_path):
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert 1 <= len(steps) < 100000 and steps == list(range(1, len(steps) + 1))
     assert json.loads((run_dir / "eval.json").read_text())["steps"] == len(steps)
+
+
+def test_run_logs_the_lr_each_step_used_and_no_known_notices(demo_data, tmp_path):
+    """newcomer: every run printed Lightning's litlogger tip, "TPU available", torch's LeafSpec deprecation
+    and DCP's one-process note; and the logged lr of step n is the rate step n used (docs/training.md)."""
+    run_dir = tmp_path / "run"
+    r = run_train(
+        [SMOKE, *data_overrides(demo_data), "trainer.max_steps=3", "trainer.ckpt_every=2",
+         "optim.warmup_steps=4", f"trainer.run_dir={run_dir}", *NO_FINAL_EVAL]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "checkpoints/step_000002").is_dir()  # a one-process DCP save happened
+    output = r.stdout + r.stderr
+    for notice in ("litlogger", "TPU available", "LeafSpec", "assuming the intent is to save"):
+        assert notice not in output, notice
+    assert "GPU available" in output  # other Lightning lines stay
+    base = load_config(SMOKE).optim.lr
+    assert [m["lr"] for m in read_metrics(run_dir)] == pytest.approx([base * n / 4 for n in (1, 2, 3)])

@@ -179,7 +179,7 @@ def build_epoch_plan(
     durations, lang_codes, token_lengths, n_langs = check_arrays(
         durations, lang_codes, token_lengths, n_langs
     )
-    s = settings
+    s = settings.with_buckets(durations)  # sampler.bucket_boundaries=null: estimated from these rows
     s.check(epoch)
     n = len(durations)
     lang_counts = np.bincount(lang_codes, minlength=n_langs)
@@ -191,13 +191,13 @@ def build_epoch_plan(
             )
         targets = compute_language_targets(lang_counts, s.temperature)
         weights = compute_language_weights(lang_counts, targets)
-        buckets = assign_buckets(durations, s.bucket_boundaries)
+        buckets = assign_buckets(durations, s.boundaries)
         rng = make_generator(s.seed, "order", epoch)
         rows, seg_starts, _ = order_by_weighted_keys(buckets, lang_codes, weights, rng)
         del buckets
     else:
         drawn = draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix)
-        buckets = assign_buckets(durations[drawn], s.bucket_boundaries)
+        buckets = assign_buckets(durations[drawn], s.boundaries)
         rng = make_generator(s.seed, "shuffle", epoch)
         rows, seg_starts = shuffle_within_buckets(drawn, buckets, rng)
         del drawn, buckets

@@ -17,7 +17,8 @@ import numpy as np
 
 from speechlm.data.sampler.cost import TokenCostModel
 
-DEFAULT_BUCKET_BOUNDARIES = (3.0, 5.0, 8.0, 12.0, 16.0)
+DEFAULT_BUCKET_BOUNDARIES = (3.0, 5.0, 8.0, 12.0, 16.0)  # SamplerSettings' own default (tests, benchmarks)
+DEFAULT_NUM_BUCKETS = 30  # sampler.bucket_boundaries=null: this many buckets estimated from the data
 MODES = ("temperature", "exhaustive")
 
 
@@ -28,7 +29,9 @@ class SamplerSettings:
     `dp_rank` is not a setting: a plan covers all dp ranks, and the sampler takes its rank as an
     explicit argument. `max_batch_tokens`, when set, replaces `max_batch_duration`; `epoch_size`
     (temperature mode only; None: the manifest's row count) is how many utterances an epoch draws.
-    Construction only turns `bucket_boundaries` into a tuple; `check(epoch)` validates.
+    `bucket_boundaries=None` means `num_buckets` boundaries estimated from the durations
+    (`with_buckets`, which every planner calls first). Construction only turns `bucket_boundaries`
+    into a tuple; `check(epoch)` validates.
     """
 
     dp_size: int = 1
@@ -38,13 +41,35 @@ class SamplerSettings:
     max_batch_duration: float | None = 90.0
     max_batch_tokens: int | None = None
     length_penalty: float = 0.0
-    bucket_boundaries: tuple[float, ...] = DEFAULT_BUCKET_BOUNDARIES
+    bucket_boundaries: tuple[float, ...] | None = DEFAULT_BUCKET_BOUNDARIES
     epoch_size: int | None = None
     token_cost: TokenCostModel = TokenCostModel()
     seed: int = 0
+    num_buckets: int = DEFAULT_NUM_BUCKETS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bucket_boundaries", tuple(self.bucket_boundaries))
+        if self.bucket_boundaries is not None:
+            object.__setattr__(self, "bucket_boundaries", tuple(self.bucket_boundaries))
+
+    @property
+    def boundaries(self) -> tuple[float, ...]:
+        """The bucket boundaries of settings that have them (after `with_buckets`)."""
+        if self.bucket_boundaries is None:
+            raise ValueError(
+                "bucket_boundaries=None: estimate them from the durations first (SamplerSettings.with_buckets)"
+            )
+        return self.bucket_boundaries
+
+    def with_buckets(self, durations: np.ndarray) -> SamplerSettings:
+        """These settings with their bucket boundaries: the given ones, or, when None, `num_buckets`
+        equal-duration quantiles of `durations` (`estimate_bucket_boundaries`)."""
+        if self.bucket_boundaries is not None:
+            return self
+        if not 1 <= self.num_buckets <= 127:
+            raise ValueError(f"num_buckets={self.num_buckets} must be in 1..127")
+        return dataclasses.replace(
+            self, bucket_boundaries=estimate_bucket_boundaries(durations, self.num_buckets)
+        )
 
     @classmethod
     def from_config(
@@ -65,6 +90,7 @@ class SamplerSettings:
         return cls(
             dp_size=dp_size, grad_accum=grad_accum,
             token_cost=token_cost or TokenCostModel(projector_stack=projector_stack),
+            num_buckets=getattr(sampler_cfg, "num_buckets", DEFAULT_NUM_BUCKETS),
             **{name: getattr(sampler_cfg, name) for name in fields},
         )  # fmt: skip
 
@@ -80,7 +106,7 @@ class SamplerSettings:
             temperature=float(self.temperature),
             max_batch_duration=None if self.max_batch_tokens is not None else self.max_batch_duration,
             length_penalty=float(self.length_penalty),
-            bucket_boundaries=tuple(float(b) for b in self.bucket_boundaries),
+            bucket_boundaries=tuple(float(b) for b in self.boundaries),
             epoch_size=(self.epoch_size or n_rows) if temperature_mode else None,
         )
 
@@ -101,7 +127,7 @@ class SamplerSettings:
             raise ValueError(f"max_batch_tokens={tokens} must be >= 1 (or None for a duration budget)")
         if self.length_penalty < 0:
             raise ValueError(f"length_penalty={self.length_penalty} must be >= 0")
-        check_bucket_boundaries(self.bucket_boundaries)
+        check_bucket_boundaries(self.boundaries)
         if self.epoch_size is not None and self.epoch_size < 1:
             raise ValueError(
                 f"epoch_size={self.epoch_size} must be >= 1 (or None for the manifest's row count)"
@@ -166,3 +192,33 @@ def check_arrays(
             i = int(np.argmin(tokens))
             raise ValueError(f"token_lengths[{i}] = {tokens[i]} is negative; text token counts must be >= 0")
     return dur, codes, tokens, int(n_langs)
+
+
+def estimate_bucket_boundaries(durations: np.ndarray, num_buckets: int) -> tuple[float, ...]:
+    """`num_buckets - 1` boundaries (seconds, to the millisecond) that split `durations` into buckets of
+    equal total duration: boundary k is the shortest duration at which the durations up to it (sorted)
+    add up to k/num_buckets of the total, as Lhotse's `estimate_duration_buckets` (what NeMo trains
+    with) places them. Equal boundaries (many utterances of one length) merge, so there may be fewer.
+
+    Vectorised and O(rows): durations are counted per millisecond (a million rows at a time, so 10M
+    rows need no wide temporaries), and the running total of those counts gives the quantiles; the
+    result is the same on every rank for the same durations."""
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets={num_buckets} must be >= 1")
+    d = np.asarray(durations, dtype=np.float32)
+    if num_buckets == 1 or not len(d):
+        return ()
+    top = int(np.ceil(float(d.max()) * 1000)) + 1
+    counts = np.zeros(top + 1, np.int64)
+    for lo in range(0, len(d), 1 << 20):
+        ms = np.rint(d[lo : lo + (1 << 20)] * np.float32(1000)).astype(np.int32)
+        counts += np.bincount(np.clip(ms, 0, top), minlength=top + 1)
+    seconds_up_to = np.cumsum(counts * np.arange(top + 1, dtype=np.float64))  # ms x rows, per ms
+    total = seconds_up_to[-1]
+    if total <= 0:
+        return ()
+    targets = total * np.arange(1, num_buckets) / num_buckets
+    ms_edges = np.searchsorted(seconds_up_to, targets, side="left") + 1  # first ms past each target
+    present = np.flatnonzero(counts)  # an edge past the longest row would only open an empty bucket
+    ms_edges = np.unique(ms_edges[(ms_edges > present[0]) & (ms_edges <= present[-1])])
+    return tuple(float(m) / 1000 for m in ms_edges)

@@ -141,7 +141,7 @@ class DurationBucketBatchSampler:
         self._durations, self._lang_codes, self._token_lengths, self._n_langs = check_arrays(
             durations, lang_codes, token_lengths, n_langs
         )
-        self.settings = settings.for_rows(len(self._durations))
+        self.settings = settings.with_buckets(self._durations).for_rows(len(self._durations))
         self.settings.check(epoch)
         dp_size = self.settings.dp_size
         if not 0 <= dp_rank < dp_size:
@@ -157,7 +157,7 @@ class DurationBucketBatchSampler:
             "max_batch_duration": s.max_batch_duration,
             "max_batch_tokens": s.max_batch_tokens,
             "length_penalty": s.length_penalty,
-            "bucket_boundaries": list(s.bucket_boundaries),
+            "bucket_boundaries": list(s.boundaries),
             "epoch_size": s.epoch_size,
             "token_cost": dataclasses.asdict(s.token_cost),
         }  # dp_size, seed and mode are checked at the top level of the state

@@ -94,7 +94,7 @@ def build_streaming_plan(
     durations, lang_codes, token_lengths, n_langs = check_arrays(
         durations, lang_codes, token_lengths, n_langs
     )
-    s = settings
+    s = settings.with_buckets(durations)
     s.check(epoch)
     if streams_per_rank < 1 or shuffle_buffer < 1 or sort_buffer < 1:
         raise ValueError(
