@@ -292,6 +292,7 @@ def test_the_demo_reports_heldout_and_training_wer_side_by_side(tmp_path: Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # about 7 minutes alone on 2 cores; far more beside other jobs
 def test_the_demo_learns_to_transcribe_sentences_it_never_heard(tmp_path: Path, monkeypatch) -> None:
     """`speechlm demo` on a smaller synthesized corpus for 500 steps (about 6 minutes on 2 cores): the
     held-out sentences, which share no sentence and no word pair with training, are transcribed with a
