@@ -118,6 +118,9 @@ class DataConfig(Section):
     allow_sentencepiece_with_pretrained: bool = False
     sample_rate: SampleRate = 16000  # the encoders' front end reads 16 kHz (model/features.py)
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
+    # seconds: training rows longer than this are left out of every epoch plan (counted, shown by `speechlm
+    # plan`); None: no limit, a row over the micro-batch budget forms a micro-batch of its own (long-form audio)
+    max_duration: float | None = None
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
     # the assistant turns a conversation is trained on: "all" of them, or only the "last" (the others
@@ -715,6 +718,14 @@ FIELDS: dict[str, Rule] = {
         choices=choices_of(SampleRate),
     ),
     "data.max_tokens": Num("text tokens per utterance after tokenization", lo=1, integer=True),
+    "data.max_duration": Num(
+        "seconds: training rows longer than this are left out of every epoch plan, counted and shown by "
+        "`speechlm plan` (validation and evaluation keep every row)",
+        lo=0,
+        lo_open=True,
+        null="no limit: every row is planned; one longer than the micro-batch budget forms a micro-batch "
+        "of its own, given to the whole CP group",
+    ),
     "data.num_workers": Num(
         "DataLoader worker processes (0: load in the training process)", lo=0, integer=True
     ),

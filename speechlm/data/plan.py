@@ -314,6 +314,9 @@ def summarize_plan(
         "planned_utterances": int(len(used.rows)),
         "planned_hours": total_hours,
         "dropped_utterances": int(len(plan.rows) - len(used.rows)),
+        "max_duration": settings.max_duration,
+        "too_long_utterances": plan.too_long,
+        "over_budget": over_budget_figures(used, tokens, settings),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
         "tasks": task_figures(used, inputs),
@@ -345,6 +348,25 @@ class PlannedRows:
         offsets = np.concatenate(([0], np.cumsum(lengths)))
         rows = _used_rows(plan, used, lengths, offsets)
         return cls(rows, lengths, offsets, inputs.durations[rows], inputs.lang_codes[rows])
+
+
+def over_budget_figures(used: PlannedRows, tokens: np.ndarray, settings: SamplerSettings) -> dict[str, Any]:
+    """The micro-batches of one utterance over the budget (long-form audio: such a row is packed alone, and
+    the whole CP group trains on it): their count, hours and the longest one's seconds. `tokens` per planned
+    row as `planned_tokens` counts them; a token budget compares them with the length penalty, as the
+    sampler does."""
+    first = used.offsets[:-1]
+    if settings.max_batch_tokens is not None:
+        t = tokens[first].astype(np.float64)
+        over = (t + settings.length_penalty * t * t > settings.max_batch_tokens) & (used.lengths == 1)
+    else:
+        over = (used.durations[first] > np.float32(settings.max_batch_duration or 0.0)) & (used.lengths == 1)
+    seconds = used.durations[first[over]].astype(np.float64)
+    return {
+        "micro_batches": int(over.sum()),
+        "hours": float(seconds.sum()) / 3600,
+        "longest_s": float(seconds.max()) if len(seconds) else 0.0,
+    }
 
 
 def mix_figures(
@@ -556,6 +578,21 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
                 f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
                 f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
             )
+    over = s.get("over_budget") or {}
+    long_form = [  # long-form audio (issue 25): each line only when its count is not 0
+        over.get("micro_batches")
+        and (
+            f"long utterances: {over['micro_batches']:,} micro-batches hold one utterance over the budget "
+            f"({over['hours']:.2f} h, the longest {over['longest_s']:g} s); each is a micro-batch of its own, "
+            "given to the whole CP group"
+        ),
+        s.get("too_long_utterances")
+        and (
+            f"left out: {s['too_long_utterances']:,} utterances longer than data.max_duration="
+            f"{s['max_duration']:g} s"
+        ),
+    ]
+    lines += [line for line in long_form if line]
     lines += [""]
     if s.get("bucket_source"):
         lines.append(f"{len(s['buckets'])} duration buckets: {s['bucket_source']}")
@@ -627,6 +664,8 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
         for key in ("dp_size", "grad_accum", "mode", "temperature", "seed", "epoch_size")
         if getattr(args, key) is not None
     }
+    if args.max_duration is not None:
+        flags["max_duration"] = args.max_duration
     if args.max_batch_tokens is not None:
         flags["max_batch_tokens"] = args.max_batch_tokens
     elif args.max_batch_duration is not None:
@@ -812,6 +851,12 @@ def add_parser(subparsers: Any) -> None:
         "--max-batch-duration", type=float, metavar="S", help="seconds of audio per micro-batch"
     )
     budget.add_argument("--max-batch-tokens", type=int, metavar="N", help="tokens per micro-batch instead")
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        metavar="S",
+        help="leave rows longer than S seconds out of the plan (default data.max_duration: no limit)",
+    )
     p.add_argument("--mode", choices=("temperature", "exhaustive"))
     p.add_argument("--temperature", type=float, help="language temperature T (<= 0: uniform)")
     p.add_argument("--epoch-size", type=int, help="utterances per epoch in temperature mode")
