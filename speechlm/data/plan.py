@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
@@ -317,6 +318,7 @@ def summarize_plan(
         "max_duration": settings.max_duration,
         "too_long_utterances": plan.too_long,
         "over_budget": over_budget_figures(used, tokens, settings),
+        "encoder_sharding": encoder_sharding_figures(used, settings.token_cost.encoder_subsampling, cp_size),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
         "tasks": task_figures(used, inputs),
@@ -366,6 +368,26 @@ def over_budget_figures(used: PlannedRows, tokens: np.ndarray, settings: Sampler
         "micro_batches": int(over.sum()),
         "hours": float(seconds.sum()) / 3600,
         "longest_s": float(seconds.max()) if len(seconds) else 0.0,
+    }
+
+
+def encoder_sharding_figures(used: PlannedRows, subsampling: int, cp: int) -> dict[str, Any]:
+    """The clips `parallel.clip_placement.place_clips` shards over the CP group, over all planned
+    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1."""
+    seconds = used.durations.astype(np.float64)
+    frames = np.ceil(np.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling).astype(np.int64)
+    min_frames = short_clip_frames(subsampling)
+    if cp == 1 or not len(frames):
+        sharded = np.zeros(len(frames), bool)
+    else:
+        totals = np.add.reduceat(frames, used.offsets[:-1])
+        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths))
+    return {
+        "cp_size": cp,
+        "min_frames": min_frames,
+        "clips": int(sharded.sum()),
+        "hours": float(used.durations[sharded].sum(dtype=np.float64)) / 3600,
+        "implemented": False,
     }
 
 
@@ -578,13 +600,20 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
                 f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
                 f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
             )
-    over = s.get("over_budget") or {}
+    over, shard = s.get("over_budget") or {}, s.get("encoder_sharding") or {}
     long_form = [  # long-form audio (issue 25): each line only when its count is not 0
         over.get("micro_batches")
         and (
             f"long utterances: {over['micro_batches']:,} micro-batches hold one utterance over the budget "
             f"({over['hours']:.2f} h, the longest {over['longest_s']:g} s); each is a micro-batch of its own, "
             "given to the whole CP group"
+        ),
+        shard.get("clips")
+        and (
+            f"encoder sharding (cp {shard['cp_size']}): {shard['clips']:,} clips ({shard['hours']:.2f} h) are longer than "
+            f"{shard['min_frames']} encoder frames and than their micro-batch's encoder frames / cp, so the rule "
+            "shards them over the CP group; training does not call the sharded encoder yet: each is encoded "
+            "whole on one rank"
         ),
         s.get("too_long_utterances")
         and (
