@@ -15,7 +15,8 @@ whose activations do not fit one rank and which leaves the other ranks' encoders
 - every other clip stays **whole** on one rank, placed as today.
 
 A sharded clip is cut into cp contiguous slices of its frames: rank r holds ``[r*L//cp, (r+1)*L//cp)``
-(`shard_bounds`; lengths that do not divide by cp give slices that differ by one frame). Contiguous
+(`shard_bounds`; lengths that do not divide by cp give slices that differ by one frame; with `align`,
+the cuts fall on multiples of the projector's stack). Contiguous
 slices (not the LLM's load-balanced chunk pairs) because the encoder is bidirectional and local:
 convolutions and limited-context attention need only the edge frames of the neighbours (a halo).
 
@@ -58,11 +59,14 @@ def short_clip_frames(subsampling: int) -> int:
     return encoder_frames(SHORT_CLIP_SECONDS, subsampling)
 
 
-def shard_bounds(length: int, cp: int) -> list[tuple[int, int]]:
-    """The contiguous slice ``[lo, hi)`` of a sharded clip of `length` frames on each of `cp` ranks."""
-    if cp < 1 or length < 0:
-        raise ValueError(f"length={length} and cp={cp} must be >= 0 and >= 1")
-    return [(r * length // cp, (r + 1) * length // cp) for r in range(cp)]
+def shard_bounds(length: int, cp: int, align: int = 1) -> list[tuple[int, int]]:
+    """The contiguous slice ``[lo, hi)`` of a sharded clip of `length` frames on each of `cp` ranks: the cut
+    before rank r at ``r * length // cp``, rounded down to a multiple of `align` (the projector's frame
+    stacking, so that every rank stacks whole groups of its own frames)."""
+    if cp < 1 or length < 0 or align < 1:
+        raise ValueError(f"length={length}, cp={cp} and align={align} must be >= 0, >= 1 and >= 1")
+    cuts = [0, *((r * length // cp) // align * align for r in range(1, cp)), length]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 @dataclass(frozen=True)

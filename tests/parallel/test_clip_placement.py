@@ -92,3 +92,12 @@ def test_plan_reports_the_clips_the_rule_shards(tmp_path, capsys):
     assert plan["encoder_sharding"]["clips"] == expected == 3
     assert main([*args, "--cp-size", "1"]) == 0
     assert "encoder sharding" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("length, cp, align", [(45_003, 2, 2), (101, 3, 2), (97, 4, 3), (10, 4, 4)])
+def test_aligned_shard_bounds_cut_on_multiples_of_the_stack(length, cp, align):
+    bounds = shard_bounds(length, cp, align)
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(bounds, bounds[1:]))
+    assert all(lo % align == 0 for lo, _ in bounds)
+    assert all(abs((hi - lo) - length / cp) < align + 1 for lo, hi in bounds) or length < cp * align

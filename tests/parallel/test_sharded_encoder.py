@@ -115,3 +115,23 @@ def test_without_the_halo_the_slice_differs_at_its_edge():
     )
     assert float((alone[-1] - ref[hi - 1]).detach().abs().max()) > 1e-3
     torch.testing.assert_close(alone[:2], ref[lo : lo + 2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length, cp, stack", [(45_003, 2, 2), (101, 3, 2), (97, 4, 3)])
+def test_the_projector_on_stack_aligned_slices_equals_the_whole_clip(length, cp, stack):
+    """With the cuts on multiples of the projector's stack (`shard_bounds(..., align=stack)`), each rank's
+    projector stacks whole groups of its own frames: its rows are exactly the whole clip's rows
+    ``[lo / stack, ceil(hi / stack))``, and the slices' rows tile the clip's."""
+    from speechlm.model.projector import FrameStackProjector
+
+    torch.manual_seed(0)
+    proj = FrameStackProjector(8, 6, stack, 16)
+    x = torch.randn(length, 8)
+    whole, _ = proj(x, torch.tensor([length]))
+    rows = []
+    for lo, hi in shard_bounds(length, cp, align=stack):
+        assert lo % stack == 0
+        part, _ = proj(x[lo:hi], torch.tensor([hi - lo]))
+        torch.testing.assert_close(part, whole[lo // stack : -(-hi // stack)])
+        rows.append(part)
+    torch.testing.assert_close(torch.cat(rows), whole)
