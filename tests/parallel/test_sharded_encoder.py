@@ -1,6 +1,6 @@
 """One clip's FastConformer sharded over the CP group (issue 25 item 3, `speechlm.model.sharded_encoder` with
 `parallel.halo.HaloExchange`): each rank's slice of the output, and the sum over ranks of every parameter
-gradient, equal the unsharded padding-free encoder's (fp32, 1e-5), at cp 2 and 3 for lengths that do not
+gradient, equal the unsharded padding-free encoder's (fp32, 1e-5), at cp 2, 3 and 4 for lengths that do not
 divide evenly; the subsampling's recomputed window is exact on its own; BatchNorm on batch statistics
 and full context are refused with the reason."""
 
@@ -74,6 +74,7 @@ def _compare_sharded(rank: int, world: int, cases: list[tuple]) -> list[tuple[fl
             ],
         ),
         (3, [(52_345, (2, 3), 8, "layer_norm")]),
+        (4, [(61_234, (3, 3), 8, "layer_norm")]),
     ],
 )
 def test_sharded_encoder_equals_the_unsharded_one_in_outputs_and_gradients(world, cases):
