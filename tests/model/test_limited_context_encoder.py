@@ -130,3 +130,27 @@ def test_the_padded_path_refuses_limited_context():
     feats_BTF, feat_lens = features([3200, 1600])
     with pytest.raises(ValueError, match="runs on the padding-free encoder only"):
         enc(feats_BTF, feat_lens)
+
+
+def test_the_speech_llm_builds_its_encoder_with_the_configured_window():
+    """model.encoder.att_context_size reaches the encoder SpeechLLM builds, and its packed path uses it: the
+    embeddings differ from a full-context twin with the same weights, and gradients reach the encoder."""
+    from speechlm.config import LLMConfig, ModelConfig
+    from speechlm.model.speech_llm import SpeechLLM
+
+    llm = LLMConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    args = dict(vocab_size=40, pad_id=0, bos_id=2, eos_id=3, audio_id=4)
+    torch.manual_seed(0)
+    limited = SpeechLLM(
+        ModelConfig(encoder=enc_cfg(att_context_size=[1, 1]), llm=llm, projector_hidden=32), **args
+    )
+    full = SpeechLLM(ModelConfig(encoder=enc_cfg(), llm=llm, projector_hidden=32), **args)
+    full.load_state_dict(limited.state_dict())
+    assert limited.encoder.att_context == (1, 1) and full.encoder.att_context is None
+    audio = torch.randn(2, 16000, generator=torch.Generator().manual_seed(0)) * 0.1
+    lens = torch.tensor([16000, 12000])
+    e_limited = limited.encode_audio(audio, lens).embeds
+    e_full = full.encode_audio(audio, lens).embeds
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(e_limited, e_full)) > 1e-4
+    sum(e.square().sum() for e in e_limited).backward()
+    assert all(p.grad is not None for p in limited.encoder.parameters() if p.requires_grad)
