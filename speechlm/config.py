@@ -118,6 +118,9 @@ class DataConfig(Section):
     allow_sentencepiece_with_pretrained: bool = False
     sample_rate: SampleRate = 16000  # the encoders' front end reads 16 kHz (model/features.py)
     max_tokens: int = 512  # text tokens per utterance after tokenization (longer ones dropped, counted)
+    # seconds: training rows longer than this are left out of every epoch plan (counted, shown by `speechlm
+    # plan`); None: no limit, a row over the micro-batch budget forms a micro-batch of its own (long-form audio)
+    max_duration: float | None = None
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
     # the assistant turns a conversation is trained on: "all" of them, or only the "last" (the others
@@ -189,6 +192,16 @@ class EncoderConfig(Section):
     packed: bool | None = None
     # "full": trained (from optim.unfreeze_step); "frozen": never trained, run without gradients
     train: EncoderTrain = "full"
+    # limited-context self-attention, [left, right] encoder frames each frame sees on either side (NeMo's
+    # att_context_size, e.g. [128, 128] for long-form audio); None or [-1, -1]: full context. Parakeet, packed
+    att_context_size: list[int] | None = None
+
+    def limited_context(self) -> tuple[int, int] | None:
+        """(left, right) frames of limited-context attention; None for full context (null or [-1, -1])."""
+        if self.att_context_size is None or list(self.att_context_size) == [-1, -1]:
+            return None
+        left, right = self.att_context_size
+        return int(left), int(right)
 
     def problems(self) -> list[str]:
         out = []
@@ -217,6 +230,18 @@ class EncoderConfig(Section):
             out.append(
                 f"model.encoder.subsampling_factor={factor} must be a power of two >= 2 (stride-2 convolutions), "
                 "e.g. 4 or 8"
+            )
+        ctx = self.att_context_size
+        if ctx is not None and list(ctx) != [-1, -1] and min(ctx) < 0:
+            out.append(
+                f"model.encoder.att_context_size={list(ctx)}: give two frame counts >= 0 ([left, right]), or "
+                "[-1, -1] / null for full context (one unlimited side is not supported)"
+            )
+        elif ctx is not None and list(ctx) != [-1, -1] and (self.kind != "parakeet" or self.packed is False):
+            out.append(
+                f"model.encoder.att_context_size={list(ctx)} (limited context) needs the padding-free Parakeet "
+                f"encoder, not kind={self.kind!r} with packed={self.packed}: use kind=parakeet with packed unset "
+                "or true, or att_context_size=null"
             )
         if self.pretrained is None and self.hidden_size % self.num_heads:
             out.append(
@@ -715,6 +740,14 @@ FIELDS: dict[str, Rule] = {
         choices=choices_of(SampleRate),
     ),
     "data.max_tokens": Num("text tokens per utterance after tokenization", lo=1, integer=True),
+    "data.max_duration": Num(
+        "seconds: training rows longer than this are left out of every epoch plan, counted and shown by "
+        "`speechlm plan` (validation and evaluation keep every row)",
+        lo=0,
+        lo_open=True,
+        null="no limit: every row is planned; one longer than the micro-batch budget forms a micro-batch "
+        "of its own, given to the whole CP group",
+    ),
     "data.num_workers": Num(
         "DataLoader worker processes (0: load in the training process)", lo=0, integer=True
     ),
@@ -808,6 +841,13 @@ FIELDS: dict[str, Rule] = {
         choices=choices_of(ConvNorm),
     ),
     "model.encoder.packed": Flag("padding-free encoder", null="on where the encoder kind supports it"),
+    "model.encoder.att_context_size": Seq(
+        "limited-context self-attention: [left, right] encoder frames each frame attends to on either side "
+        "(a sliding window on the packed frames, as NeMo's Parakeet for long-form audio; parakeet, packed)",
+        item=Num("", lo=-1, integer=True),
+        length=2,
+        null="full context (as [-1, -1])",
+    ),
     "model.encoder.train": OneOf(
         "full: the encoder trains (from optim.unfreeze_step); frozen: it never trains and runs without "
         "gradients (checkpoints hold a fingerprint of it, not its weights)",

@@ -480,10 +480,22 @@ def check_resume(resume: str | None, run_dir: Path) -> None:
 
 # --- the figures of the validator's data-side rules ---------------------------------------------------
 def summarize(table: Any, cfg: Any) -> dict[str, Any]:
-    """manifest_summary for the validator's data rules: n_rows, max_duration (seconds) and, under a token
+    """manifest_summary for the validator's data rules: n_rows, max_duration (seconds: the longest row the
+    plan keeps, data.max_duration applied) with its encoder frames (max_encoder_frames) and, under a token
     budget, max_tokens (the longest row's audio + text + prompt tokens, as the sampler counts them)."""
+    from parallel.clip_placement import encoder_frames
+    from speechlm.data.sampler.build import token_cost_of
+
     durations = table.column("duration").to_numpy()
-    summary = {"n_rows": len(table), "max_duration": float(durations.max()) if len(durations) else 0.0}
+    if cfg.data.max_duration is not None:
+        durations = durations[durations <= cfg.data.max_duration]
+    longest = float(durations.max()) if len(durations) else 0.0
+    subsampling = token_cost_of(cfg.model).encoder_subsampling
+    summary = {
+        "n_rows": len(table),
+        "max_duration": longest,
+        "max_encoder_frames": encoder_frames(longest, subsampling),
+    }
     if cfg.sampler.max_batch_tokens is not None:
         from speechlm.data.sampler.build import longest_row_tokens
 

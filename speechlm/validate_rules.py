@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 
+from parallel.clip_placement import SHORT_CLIP_SECONDS
 from parallel.validator import ERROR, PARALLEL_RULES, WARNING, Rule, ValidationContext
 from parallel.validator import validate as _validate_with_rules
 
@@ -57,6 +58,33 @@ def _longest_over_budget(ctx: ValidationContext) -> list[str]:
                 f"sampler.max_batch_duration={ctx.max_batch_duration:g} s"
             )
     return out
+
+
+FULL_CONTEXT_WARN_SECONDS = 300.0  # full self-attention over a clip longer than this draws a memory warning
+
+
+def _whisper_over_window(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    if ctx.encoder_kind != "whisper" or man.get("max_duration") is None:
+        return ""
+    longest = float(man["max_duration"])
+    return f"the longest training clip lasts {longest:g} s" if longest > SHORT_CLIP_SECONDS else ""
+
+
+def _full_context_long_clip(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    frames, longest = man.get("max_encoder_frames"), man.get("max_duration")
+    if ctx.encoder_kind != "parakeet" or ctx.encoder_att_context is not None or frames is None:
+        return ""
+    if longest is None or float(longest) <= FULL_CONTEXT_WARN_SECONDS:
+        return ""
+    per_layer = int(frames) ** 2 * ctx.encoder_heads * 4 * 2  # fp32 scores and probabilities
+    return (
+        f"the longest clip lasts {float(longest):g} s ({int(frames):,} encoder frames): full self-attention "
+        f"over it holds about {per_layer / 2**30:.1f} GiB per encoder layer, "
+        f"{per_layer * ctx.encoder_layers / 2**30:.1f} GiB over {ctx.encoder_layers} layers (frames^2 x "
+        f"{ctx.encoder_heads} heads x 4 bytes x 2, scores and probabilities kept for backward)"
+    )
 
 
 def _grad_accum_problem(ctx: ValidationContext) -> str:
@@ -232,6 +260,35 @@ TRAINING_RULES: tuple[Rule, ...] = (
         doc="A reminder that the padding-free encoder is Parakeet-only: with Whisper or NeMo encoders the "
         "encoder, projector input and CTC head compute padding frames, so a wide duration mix wastes "
         "encoder FLOPs (see docs/benchmarks.md).",
+    ),
+    Rule(
+        id="whisper-clip-over-window",
+        level=ERROR,
+        when="model.encoder.kind=whisper and a training clip longer than 30 s; needs manifest_summary",
+        applies=_whisper_over_window,
+        reason="{details}, but a Whisper encoder takes one fixed 30 s window: it can neither encode a longer "
+        "clip whole nor shard it over the CP group (its positions end with the window)",
+        fix="use model.encoder.kind=parakeet (clips of any length; limited context with "
+        "model.encoder.att_context_size), or leave the longer clips out with data.max_duration=30",
+        doc="Whisper's encoder has 1500 learned positions (30 s) and is always fed exactly that window; "
+        "the encoder raises on a longer clip after the model has loaded. Long-form audio (issue 25) is "
+        "encoded by the FastConformer, whose relative positions have no end, and only its clips are ever "
+        "sharded over the CP group (`parallel.clip_placement`). max_duration is the longest row the plan "
+        "keeps (data.max_duration applied).",
+    ),
+    Rule(
+        id="encoder-full-context-long-clip",
+        level=WARNING,
+        when="a Parakeet encoder with full context (model.encoder.att_context_size unset) and a training clip "
+        "longer than 5 minutes; needs manifest_summary",
+        applies=_full_context_long_clip,
+        reason="{details}",
+        fix="set model.encoder.att_context_size=[128,128] (limited context: memory grows with frames x "
+        "window, not frames^2), or leave the longest clips out with data.max_duration",
+        doc="Full self-attention scores grow with the square of a clip's frames: a 60-minute clip is about "
+        "45,000 FastConformer frames, 2 billion scores per head and layer. The estimate uses "
+        "model.encoder.num_heads and num_layers (a pretrained encoder's own may differ) and fp32. A "
+        "warning: a large GPU may hold it, and limited context changes what the encoder sees.",
     ),
     Rule(
         id="grad-accum-exceeds-batches",

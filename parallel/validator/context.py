@@ -111,6 +111,9 @@ class ValidationContext:
     encoder_train: str = "full"  # model.encoder.train: "full" or "frozen"
     unfreeze_step: int = 0  # optim.unfreeze_step
     lang_tags: str | None = None  # data.lang_tags ("special": one added token per language), where it exists
+    encoder_heads: int = 4  # model.encoder.num_heads (the sizes of an encoder built from the config)
+    encoder_layers: int = 3  # model.encoder.num_layers
+    encoder_att_context: tuple[int, int] | None = None  # model.encoder.att_context_size; None: full context
 
     @property
     def on_gpu(self) -> bool:
@@ -257,4 +260,9 @@ def build_context(
         encoder_train=str(getattr(model.encoder, "train", "full")),
         unfreeze_step=int(getattr(getattr(config, "optim", None), "unfreeze_step", 0) or 0),
         lang_tags=getattr(getattr(config, "data", None), "lang_tags", None),
+        encoder_heads=int(getattr(model.encoder, "num_heads", 4)),
+        encoder_layers=int(getattr(model.encoder, "num_layers", 3)),
+        encoder_att_context=getattr(
+            model.encoder, "limited_context", lambda: None
+        )(),  # (left, right) or None
     )

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
@@ -314,6 +315,10 @@ def summarize_plan(
         "planned_utterances": int(len(used.rows)),
         "planned_hours": total_hours,
         "dropped_utterances": int(len(plan.rows) - len(used.rows)),
+        "max_duration": settings.max_duration,
+        "too_long_utterances": plan.too_long,
+        "over_budget": over_budget_figures(used, tokens, settings),
+        "encoder_sharding": encoder_sharding_figures(used, settings.token_cost.encoder_subsampling, cp_size),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
         "tasks": task_figures(used, inputs),
@@ -345,6 +350,45 @@ class PlannedRows:
         offsets = np.concatenate(([0], np.cumsum(lengths)))
         rows = _used_rows(plan, used, lengths, offsets)
         return cls(rows, lengths, offsets, inputs.durations[rows], inputs.lang_codes[rows])
+
+
+def over_budget_figures(used: PlannedRows, tokens: np.ndarray, settings: SamplerSettings) -> dict[str, Any]:
+    """The micro-batches of one utterance over the budget (long-form audio: such a row is packed alone, and
+    the whole CP group trains on it): their count, hours and the longest one's seconds. `tokens` per planned
+    row as `planned_tokens` counts them; a token budget compares them with the length penalty, as the
+    sampler does."""
+    first = used.offsets[:-1]
+    if settings.max_batch_tokens is not None:
+        t = tokens[first].astype(np.float64)
+        over = (t + settings.length_penalty * t * t > settings.max_batch_tokens) & (used.lengths == 1)
+    else:
+        over = (used.durations[first] > np.float32(settings.max_batch_duration or 0.0)) & (used.lengths == 1)
+    seconds = used.durations[first[over]].astype(np.float64)
+    return {
+        "micro_batches": int(over.sum()),
+        "hours": float(seconds.sum()) / 3600,
+        "longest_s": float(seconds.max()) if len(seconds) else 0.0,
+    }
+
+
+def encoder_sharding_figures(used: PlannedRows, subsampling: int, cp: int) -> dict[str, Any]:
+    """The clips `parallel.clip_placement.place_clips` shards over the CP group, over all planned
+    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1."""
+    seconds = used.durations.astype(np.float64)
+    frames = np.ceil(np.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling).astype(np.int64)
+    min_frames = short_clip_frames(subsampling)
+    if cp == 1 or not len(frames):
+        sharded = np.zeros(len(frames), bool)
+    else:
+        totals = np.add.reduceat(frames, used.offsets[:-1])
+        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths))
+    return {
+        "cp_size": cp,
+        "min_frames": min_frames,
+        "clips": int(sharded.sum()),
+        "hours": float(used.durations[sharded].sum(dtype=np.float64)) / 3600,
+        "implemented": False,
+    }
 
 
 def mix_figures(
@@ -556,6 +600,28 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
                 f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
                 f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
             )
+    over, shard = s.get("over_budget") or {}, s.get("encoder_sharding") or {}
+    long_form = [  # long-form audio (issue 25): each line only when its count is not 0
+        over.get("micro_batches")
+        and (
+            f"long utterances: {over['micro_batches']:,} micro-batches hold one utterance over the budget "
+            f"({over['hours']:.2f} h, the longest {over['longest_s']:g} s); each is a micro-batch of its own, "
+            "given to the whole CP group"
+        ),
+        shard.get("clips")
+        and (
+            f"encoder sharding (cp {shard['cp_size']}): {shard['clips']:,} clips ({shard['hours']:.2f} h) are longer than "
+            f"{shard['min_frames']} encoder frames and than their micro-batch's encoder frames / cp, so the rule "
+            "shards them over the CP group; training does not call the sharded encoder yet: each is encoded "
+            "whole on one rank"
+        ),
+        s.get("too_long_utterances")
+        and (
+            f"left out: {s['too_long_utterances']:,} utterances longer than data.max_duration="
+            f"{s['max_duration']:g} s"
+        ),
+    ]
+    lines += [line for line in long_form if line]
     lines += [""]
     if s.get("bucket_source"):
         lines.append(f"{len(s['buckets'])} duration buckets: {s['bucket_source']}")
@@ -627,6 +693,8 @@ def resolve_request(args: argparse.Namespace) -> PlanRequest:
         for key in ("dp_size", "grad_accum", "mode", "temperature", "seed", "epoch_size")
         if getattr(args, key) is not None
     }
+    if args.max_duration is not None:
+        flags["max_duration"] = args.max_duration
     if args.max_batch_tokens is not None:
         flags["max_batch_tokens"] = args.max_batch_tokens
     elif args.max_batch_duration is not None:
@@ -812,6 +880,12 @@ def add_parser(subparsers: Any) -> None:
         "--max-batch-duration", type=float, metavar="S", help="seconds of audio per micro-batch"
     )
     budget.add_argument("--max-batch-tokens", type=int, metavar="N", help="tokens per micro-batch instead")
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        metavar="S",
+        help="leave rows longer than S seconds out of the plan (default data.max_duration: no limit)",
+    )
     p.add_argument("--mode", choices=("temperature", "exhaustive"))
     p.add_argument("--temperature", type=float, help="language temperature T (<= 0: uniform)")
     p.add_argument("--epoch-size", type=int, help="utterances per epoch in temperature mode")

@@ -28,6 +28,12 @@ frames and gives the same hidden states per clip (fp32 to ~1e-6), by constructio
    length, so attention runs per length group (`attend_packed_relpos`): clips of equal length are
    batched, each group gets its bias from a slice of one table built for the longest clip. That
    function is the single place to switch to a varlen kernel that takes an additive bias.
+5. Limited context (``model.encoder.att_context_size: [left, right]``, NeMo's long-form setting): query
+   frame t of a clip sees the frames t - left .. t + right of its clip only, through
+   `parallel.varlen_window.varlen_window_attention` on the packed frames (a sliding-window mask, no
+   per-length groups). The position term needs the W = left + 1 + right distances of the window only:
+   ``bias[t, o] = (q_t + v) . R_{left - o}`` (`window_position_table`), one ``[U, H, W]`` tensor per layer
+   instead of a ``[L, L]`` table per clip, so memory grows with U * W, not with L^2.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from parallel.varlen_meta import VarlenMeta, build_varlen_meta
+from parallel.varlen_window import varlen_window_attention
 
 # -------------------------------------------------------------------------------------- index math
 
@@ -156,7 +165,8 @@ def relative_position_table(encode_positions: nn.Module, max_len: int, like: Ten
     return encode_positions(like.new_zeros(1, max_len, 1).expand(1, max_len, like.shape[-1]))[0]
 
 
-def _self_attention(attn: Any, h_UE: Tensor, layout: PackedLayout, pos_PE: Tensor) -> Tensor:
+def _project_qkv(attn: Any, h_UE: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ``[U, H, D]`` of a Parakeet attention module (grouped K/V heads expanded to H)."""
     U = h_UE.shape[0]
     n_heads, D = int(attn.config.num_attention_heads), int(attn.head_dim)
     q = attn.q_proj(h_UE).view(U, n_heads, D)
@@ -165,6 +175,12 @@ def _self_attention(attn: Any, h_UE: Tensor, layout: PackedLayout, pos_PE: Tenso
     if k.shape[1] != n_heads:  # grouped-query attention
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
         v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+    return q, k, v
+
+
+def _self_attention(attn: Any, h_UE: Tensor, layout: PackedLayout, pos_PE: Tensor) -> Tensor:
+    q, k, v = _project_qkv(attn, h_UE)
+    U, n_heads, D = q.shape
     rel_PHD = attn.relative_k_proj(pos_PE).view(-1, n_heads, D)
     q_v_groups = layout.split_groups(q + attn.bias_v.view(1, n_heads, D))  # position term
     centre = layout.max_len - 1
@@ -186,6 +202,53 @@ def _self_attention(attn: Any, h_UE: Tensor, layout: PackedLayout, pos_PE: Tenso
     return attn.o_proj(out_UHD.reshape(U, n_heads * D))
 
 
+# ------------------------------------------------------------------------------ limited context
+
+
+@dataclass
+class WindowContext:
+    """Limited-context attention of one forward: the window, the clips' boundaries, the window's distances."""
+
+    left: int
+    right: int
+    meta: VarlenMeta  # the clips as sequences of the packed frames
+    pos_WE: Tensor  # sinusoidal embeddings of the distances left, left - 1, .., -right
+
+
+def window_position_table(encode_positions: nn.Module, left: int, right: int, like: Tensor) -> Tensor:
+    """Sinusoidal embeddings ``[left + 1 + right, E]`` of distances ``left .. -right`` (a slice of
+    `relative_position_table`, whose row p is distance ``M - 1 - p``)."""
+    M = max(left, right) + 1
+    return relative_position_table(encode_positions, M, like)[M - 1 - left : M + right]
+
+
+def window_context(model: Any, att_context: tuple[int, int], cu_B1: Any, like: Tensor) -> WindowContext:
+    """The `WindowContext` of a forward: clips with boundaries `cu_B1`, the window's position table."""
+    left, right = att_context
+    pos_WE = window_position_table(model.encode_positions, left, right, like)
+    pos_WE = nn.functional.dropout(pos_WE, p=model.dropout_positions, training=model.training)
+    return WindowContext(left, right, build_varlen_meta(cu_B1, device=like.device), pos_WE)
+
+
+def windowed_self_attention(attn: Any, h_UE: Tensor, ctx: WindowContext) -> Tensor:
+    """The relative-position self-attention of `_self_attention`, each frame over its window only."""
+    q, k, v = _project_qkv(attn, h_UE)
+    U, n_heads, D = q.shape
+    rel_WHD = attn.relative_k_proj(ctx.pos_WE).view(-1, n_heads, D)
+    bias_UHW = torch.einsum("uhd,whd->uhw", q + attn.bias_v.view(1, n_heads, D), rel_WHD) * attn.scaling
+    out_UHD = varlen_window_attention(
+        q + attn.bias_u.view(1, n_heads, D),
+        k,
+        v,
+        ctx.meta,
+        window=(ctx.left, ctx.right),
+        scale=attn.scaling,
+        bias_THW=bias_UHW,
+        dropout_p=float(attn.attention_dropout) if attn.training else 0.0,
+    )
+    return attn.o_proj(out_UHD.reshape(U, n_heads * D))
+
+
 # -------------------------------------------------------------------------------------- conv module
 
 
@@ -199,10 +262,15 @@ def _conv_module(conv: Any, x_UE: Tensor, layout: PackedLayout) -> Tensor:
     return y_1CU[0].t()
 
 
-def _block(block: Any, x_UE: Tensor, layout: PackedLayout, pos_PE: Tensor) -> Tensor:
+SubLayer = Callable[[Any, Tensor], Tensor]  # (attention or conv module, its normalised input) -> its output
+
+
+def run_block(block: Any, x_UE: Tensor, attend: SubLayer, convolve: SubLayer) -> Tensor:
+    """One conformer block on frames ``x_UE``; how its self-attention and convolution see the other frames
+    (packed clips, a window, a slice with halos) is `attend` and `convolve`'s."""
     x_UE = x_UE + 0.5 * block.feed_forward1(block.norm_feed_forward1(x_UE))
-    x_UE = x_UE + _self_attention(block.self_attn, block.norm_self_att(x_UE), layout, pos_PE)
-    x_UE = x_UE + _conv_module(block.conv, block.norm_conv(x_UE), layout)
+    x_UE = x_UE + attend(block.self_attn, block.norm_self_att(x_UE))
+    x_UE = x_UE + convolve(block.conv, block.norm_conv(x_UE))
     x_UE = x_UE + 0.5 * block.feed_forward2(block.norm_feed_forward2(x_UE))
     return block.norm_out(x_UE)
 
@@ -232,9 +300,14 @@ def _subsample(sub: Any, feats_TF: Tensor, feat_lens_B: Tensor, n_convs: int) ->
 
 
 def forward_packed_parakeet(
-    model: Any, feats_TF: Tensor, feat_lens_B: Tensor, n_convs: int
+    model: Any,
+    feats_TF: Tensor,
+    feat_lens_B: Tensor,
+    n_convs: int,
+    att_context: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``ParakeetEncoder`` on packed features ``[sum T_b, F]``: ``(hidden_UE, enc_lens_B)`` packed."""
+    """``ParakeetEncoder`` on packed features ``[sum T_b, F]``: ``(hidden_UE, enc_lens_B)`` packed.
+    ``att_context``: (left, right) frames of limited-context attention (step 5); None: full context."""
     x_UE, lens_B = _subsample(model.subsampling, feats_TF, feat_lens_B, n_convs)
     x_UE = x_UE * model.input_scale
     x_UE = nn.functional.dropout(x_UE, p=model.dropout, training=model.training)
@@ -242,10 +315,24 @@ def forward_packed_parakeet(
     layout = PackedLayout.build(lens_B, (conv_k - 1) // 2)
     if layout.max_len == 0:
         return x_UE, lens_B
-    pos_PE = relative_position_table(model.encode_positions, layout.max_len, x_UE)
-    pos_PE = nn.functional.dropout(pos_PE, p=model.dropout_positions, training=model.training)
+    if att_context is None:
+        pos_PE = relative_position_table(model.encode_positions, layout.max_len, x_UE)
+        pos_PE = nn.functional.dropout(pos_PE, p=model.dropout_positions, training=model.training)
+
+        def attend(attn: Any, h_UE: Tensor) -> Tensor:
+            return _self_attention(attn, h_UE, layout, pos_PE)
+
+    else:
+        ctx = window_context(model, att_context, layout.cu_B1, x_UE)
+
+        def attend(attn: Any, h_UE: Tensor) -> Tensor:
+            return windowed_self_attention(attn, h_UE, ctx)
+
+    def convolve(conv: Any, y_UE: Tensor) -> Tensor:
+        return _conv_module(conv, y_UE, layout)
+
     for block in model.layers:
-        x_UE = _block(block, x_UE, layout, pos_PE)
+        x_UE = run_block(block, x_UE, attend, convolve)
     return x_UE, lens_B
 
 

@@ -256,6 +256,11 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
         warning = trim_warning(sampler.plan, cfg.trainer.grad_accum, fixes="train")
         if warning:  # the newcomer's dp=8 demo lost 41% of its utterances without a word
             print(warning, file=sys.stderr)
+        if sampler.plan.too_long:  # data.max_duration: never a silent loss
+            print(
+                f"data.max_duration={cfg.data.max_duration:g} s leaves {sampler.plan.too_long} of epoch "
+                f"{sampler.plan.epoch}'s utterances out of training (longer clips)"
+            )
     return RunInputs(train_table, val_table, dims, rank, tokenizer, tok, sampler)
 
 

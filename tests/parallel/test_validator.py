@@ -179,6 +179,17 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.encoder.kind=whisper",)),
         Case(("model.encoder.kind=whisper", "model.encoder.packed=false")),
     ),
+    "whisper-clip-over-window": (
+        Case(("model.encoder.kind=whisper",), manifest={"max_duration": 45.0}),
+        Case(("model.encoder.kind=whisper",), manifest={"max_duration": 30.0}),
+    ),
+    "encoder-full-context-long-clip": (
+        Case(manifest={"max_duration": 600.0, "max_encoder_frames": 7500}),
+        Case(
+            ("model.encoder.att_context_size=[64,64]",),
+            manifest={"max_duration": 600.0, "max_encoder_frames": 7500},
+        ),
+    ),
     "grad-accum-exceeds-batches": (
         Case(("trainer.grad_accum=4",), world=4, manifest={"n_rows": 10}),
         Case(("trainer.grad_accum=2",), world=4, manifest={"n_rows": 10}),
@@ -664,6 +675,8 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "budget-below-longest-utterance",
         "encoder-packed-unsupported",
         "encoder-runs-padded",
+        "whisper-clip-over-window",
+        "encoder-full-context-long-clip",
         "grad-accum-exceeds-batches",
         "epoch-plan-too-short",
         "pretrained-llm-sentencepiece-tokenizer",

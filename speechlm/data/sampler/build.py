@@ -76,10 +76,12 @@ def token_cost_of(model: ModelConfig) -> TokenCostModel:
 
 
 def sampler_settings(cfg: ExperimentConfig, *, dp_size: int) -> SamplerSettings:
-    """The settings of ``sampler.*`` for `dp_size` ranks, with the encoder's token cost model."""
-    return SamplerSettings.from_config(
+    """The settings of ``sampler.*`` for `dp_size` ranks, with the encoder's token cost model and the
+    ``data.max_duration`` limit."""
+    settings = SamplerSettings.from_config(
         cfg.sampler, dp_size=dp_size, grad_accum=cfg.trainer.grad_accum, token_cost=token_cost_of(cfg.model)
     )
+    return dataclasses.replace(settings, max_duration=cfg.data.max_duration)
 
 
 def text_tokens_of(text_chars: np.ndarray, max_tokens: int | None = None) -> np.ndarray:

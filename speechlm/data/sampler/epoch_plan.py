@@ -86,6 +86,7 @@ class EpochPlan:
     seed: int
     epoch: int
     manifest_rows: int
+    too_long: int = 0  # rows the epoch drew that last longer than max_duration, left out
 
     @property
     def dp_size(self) -> int:
@@ -133,6 +134,32 @@ def draw_epoch_rows(
     groups, group_counts, targets = mix_groups(lang_codes, n_langs, mix, s.temperature)
     counts = allocate_counts(targets, total)
     return draw_temperature_rows(groups, group_counts, counts, seed=s.seed, epoch=epoch)
+
+
+def drop_too_long(
+    rows: np.ndarray, durations: np.ndarray, max_duration: float | None, seg_starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """`rows` without those lasting longer than `max_duration` seconds (None: all kept), the segment
+    starts moved to where their segments begin among the kept rows (empty segments vanish), and the
+    count left out. `data.max_duration`: long-form clips are planned unless the user sets a limit."""
+    if max_duration is None:
+        return rows, seg_starts, 0
+    keep = durations[rows] <= np.float32(max_duration)
+    kept = rows[keep]
+    if seg_starts is not None:
+        kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int64)))
+        seg_starts = np.unique(kept_before[seg_starts])
+        seg_starts = seg_starts[seg_starts < len(kept)]
+    return kept, seg_starts, int(len(rows) - len(kept))
+
+
+def too_long_message(durations: np.ndarray, max_duration: float | None) -> str:
+    """The error of an epoch whose every row lasts longer than `max_duration`."""
+    return (
+        f"every row of the epoch lasts longer than data.max_duration={max_duration:g} s (the shortest row "
+        f"lasts {float(durations.min()):g} s), so nothing is left to train on: raise data.max_duration, or set "
+        "it to null to plan every row"
+    )
 
 
 def row_costs(
@@ -183,6 +210,7 @@ def build_epoch_plan(
     s.check(epoch)
     n = len(durations)
     lang_counts = np.bincount(lang_codes, minlength=n_langs)
+    seg_starts: np.ndarray | None  # where each bucket starts in `rows` (the packer never spans two)
 
     if s.mode == "exhaustive":
         if mix is not None:
@@ -195,13 +223,17 @@ def build_epoch_plan(
         rng = make_generator(s.seed, "order", epoch)
         rows, seg_starts, _ = order_by_weighted_keys(buckets, lang_codes, weights, rng)
         del buckets
+        rows, seg_starts, too_long = drop_too_long(rows, durations, s.max_duration, seg_starts)
     else:
         drawn = draw_epoch_rows(lang_codes, lang_counts, n_langs, s, epoch, mix)
+        drawn, _, too_long = drop_too_long(drawn, durations, s.max_duration)
         buckets = assign_buckets(durations[drawn], s.boundaries)
         rng = make_generator(s.seed, "shuffle", epoch)
         rows, seg_starts = shuffle_within_buckets(drawn, buckets, rng)
         del drawn, buckets
 
+    if not len(rows):
+        raise ValueError(too_long_message(durations, s.max_duration))
     sizes, costs, budget = row_costs(durations, token_lengths, rows, s)
     starts = pack_greedy(costs, budget, seg_starts)
     del costs
@@ -226,4 +258,5 @@ def build_epoch_plan(
         seed=s.seed,
         epoch=epoch,
         manifest_rows=n,
+        too_long=too_long,
     )

@@ -30,7 +30,8 @@ class SamplerSettings:
     explicit argument. `max_batch_tokens`, when set, replaces `max_batch_duration`; `epoch_size`
     (temperature mode only; None: the manifest's row count) is how many utterances an epoch draws.
     `bucket_boundaries=None` means `num_buckets` boundaries estimated from the durations
-    (`with_buckets`, which every planner calls first). Construction only turns `bucket_boundaries`
+    (`with_buckets`, which every planner calls first). `max_duration` (seconds, None: no limit) leaves
+    longer rows out of every epoch (`drop_too_long`). Construction only turns `bucket_boundaries`
     into a tuple; `check(epoch)` validates.
     """
 
@@ -46,6 +47,7 @@ class SamplerSettings:
     token_cost: TokenCostModel = TokenCostModel()
     seed: int = 0
     num_buckets: int = DEFAULT_NUM_BUCKETS
+    max_duration: float | None = None  # data.max_duration: longer rows are left out of the plan
 
     def __post_init__(self) -> None:
         if self.bucket_boundaries is not None:
@@ -67,6 +69,8 @@ class SamplerSettings:
             return self
         if not 1 <= self.num_buckets <= 127:
             raise ValueError(f"num_buckets={self.num_buckets} must be in 1..127")
+        if self.max_duration is not None:  # the buckets of the rows that are planned
+            durations = np.asarray(durations)[np.asarray(durations) <= self.max_duration]
         return dataclasses.replace(
             self, bucket_boundaries=estimate_bucket_boundaries(durations, self.num_buckets)
         )
@@ -125,6 +129,10 @@ class SamplerSettings:
             raise ValueError(f"max_batch_duration={duration}: give seconds > 0 or set max_batch_tokens")
         if tokens is not None and tokens < 1:
             raise ValueError(f"max_batch_tokens={tokens} must be >= 1 (or None for a duration budget)")
+        if self.max_duration is not None and not (math.isfinite(self.max_duration) and self.max_duration > 0):
+            raise ValueError(
+                f"max_duration={self.max_duration} must be a number of seconds > 0 (or None: no limit)"
+            )
         if self.length_penalty < 0:
             raise ValueError(f"length_penalty={self.length_penalty} must be >= 0")
         check_bucket_boundaries(self.boundaries)

@@ -68,6 +68,7 @@ SETTING_OF_KEY = {
     "mix.names": "data.input_cfg (the datasets' names)",
     "mix.shares": "data.input_cfg (the datasets' weights)",
     "mix.rows_digest": "data.input_cfg (the datasets' rows changed)",
+    "max_duration": "data.max_duration",
 }
 
 
@@ -171,6 +172,8 @@ class DurationBucketBatchSampler:
         self.mix = mix
         if mix is not None:
             self.params["mix"] = mix.params()
+        if s.max_duration is not None:  # only then: checkpoints made without a limit keep their keys
+            self.params["max_duration"] = float(s.max_duration)
         self.fingerprint = fingerprint_manifest(
             self._durations, self._lang_codes, self._token_lengths, self.lang_names
         )

@@ -37,7 +37,14 @@ import heapq
 import numpy as np
 
 from speechlm.data.sampler.batching import pack_greedy
-from speechlm.data.sampler.epoch_plan import EpochPlan, EpochTooShortError, draw_epoch_rows, row_costs
+from speechlm.data.sampler.epoch_plan import (
+    EpochPlan,
+    EpochTooShortError,
+    draw_epoch_rows,
+    drop_too_long,
+    row_costs,
+    too_long_message,
+)
 from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.ordering import make_generator
 from speechlm.data.sampler.settings import SamplerSettings, check_arrays
@@ -109,7 +116,11 @@ def build_streaming_plan(
     if codes.shape != (n,) or positions.shape != (n,):
         raise ValueError(f"shard_codes and shard_positions need one entry per row ({n})")
 
-    rows = epoch_rows(lang_codes, n_langs, s, epoch, mix)
+    rows, _, too_long = drop_too_long(
+        epoch_rows(lang_codes, n_langs, s, epoch, mix), durations, s.max_duration
+    )
+    if not len(rows):
+        raise ValueError(too_long_message(durations, s.max_duration))
     n_streams = s.dp_size * streams_per_rank
     rows, stream, starts = order_by_stream(rows, codes, positions, durations, n_streams, s.seed, epoch)
     rows = shuffle_in_streams(rows, stream, starts, shuffle_buffer, s.seed, epoch)
@@ -131,6 +142,7 @@ def build_streaming_plan(
         seed=s.seed,
         epoch=epoch,
         manifest_rows=n,
+        too_long=too_long,
     )
 
 

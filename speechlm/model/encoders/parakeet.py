@@ -52,6 +52,8 @@ class ParakeetAudioEncoder(AudioEncoder):
         )
         self.n_convs = n_convs
         self.model = model
+        # (left, right) frames of limited-context attention (model.encoder.att_context_size); None: full
+        self.att_context: tuple[int, int] | None = None
 
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         return stride2_conv_lengths(feat_lens_B, self.n_convs)
@@ -69,7 +71,12 @@ class ParakeetAudioEncoder(AudioEncoder):
                     f"got shape {tuple(feats_TF.shape)}"
                 )
             return forward_packed_parakeet(
-                self.model, feats_TF, feat_lens_B.to(feats_TF.device), self.n_convs
+                self.model, feats_TF, feat_lens_B.to(feats_TF.device), self.n_convs, self.att_context
+            )
+        if self.att_context is not None:
+            raise ValueError(
+                f"model.encoder.att_context_size={list(self.att_context)} runs on the padding-free encoder only: "
+                "leave model.encoder.packed unset (or true), or use full context (att_context_size=null)"
             )
         T = feats_BTF.shape[1]
         mask_BT = lengths_to_mask(feat_lens_B.to(feats_BTF.device), T)
@@ -159,7 +166,11 @@ def build_parakeet_encoder(
 ) -> ParakeetAudioEncoder:
     """A from-scratch FastConformer from ``enc_cfg``, or the one saved at ``enc_cfg.pretrained``."""
     if enc_cfg.pretrained:
-        return load_parakeet_encoder(enc_cfg.pretrained, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
+        encoder = load_parakeet_encoder(
+            enc_cfg.pretrained, dropout=dropout, freeze_batchnorm=freeze_batchnorm
+        )
+        encoder.att_context = enc_cfg.limited_context()
+        return encoder
     from transformers import ParakeetEncoder
 
     cfg = build_parakeet_config(enc_cfg, dropout=dropout)
@@ -167,4 +178,6 @@ def build_parakeet_encoder(
     if enc_cfg.conv_norm in ("auto", "layer_norm"):
         replace_conv_batchnorm(model)
     settings = FeatureSettings(n_mels=enc_cfg.num_mel_bins)
-    return ParakeetAudioEncoder(model, settings, freeze_batchnorm=freeze_batchnorm)
+    encoder = ParakeetAudioEncoder(model, settings, freeze_batchnorm=freeze_batchnorm)
+    encoder.att_context = enc_cfg.limited_context()
+    return encoder

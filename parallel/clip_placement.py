@@ -1,0 +1,110 @@
+"""Which audio clips the encoder shards over the CP group, and which stay whole on one rank (issue 25).
+Standard library only; a pure function of the clips' encoder frames, computed alike on every rank.
+
+Letters: N clips of one micro-batch, L_i the encoder frames of clip i (after subsampling), cp the CP
+size, r a CP rank.
+
+Today every clip is encoded whole on one CP rank (`parallel.cp_placement.CPPlacement.clip_owners`):
+right for speech clips of seconds, wrong for one clip of 60 minutes (~45,000 FastConformer frames),
+whose activations do not fit one rank and which leaves the other ranks' encoders idle. The rule:
+
+- with cp > 1, clip i is **sharded** when ``L_i > min_frames`` and ``L_i > sum(L) / cp``: longer than
+  a short clip (``min_frames``, by default the frames of `SHORT_CLIP_SECONDS` = 30 s: such clips keep
+  today's placement, and Whisper's fixed window holds them) and longer than one rank's fair share of
+  the micro-batch's encoder work (dealing whole clips cannot balance a clip bigger than that);
+- every other clip stays **whole** on one rank, placed as today.
+
+A sharded clip is cut into cp contiguous slices of its frames: rank r holds ``[r*L//cp, (r+1)*L//cp)``
+(`shard_bounds`; lengths that do not divide by cp give slices that differ by one frame; with `align`,
+the cuts fall on multiples of the projector's stack). Contiguous
+slices (not the LLM's load-balanced chunk pairs) because the encoder is bidirectional and local:
+convolutions and limited-context attention need only the edge frames of the neighbours (a halo).
+
+What runs today: the rule, `speechlm plan`'s report of it, the validator's rules about it, and the
+sharded encoder (`speechlm.model.sharded_encoder` with `parallel.halo`), tested against the unsharded
+one; training does not call it yet, so a clip the rule shards is still encoded whole on one rank, and
+`speechlm plan` says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "FEATURE_FRAMES_PER_SECOND",
+    "SHORT_CLIP_SECONDS",
+    "ClipSharding",
+    "encoder_frames",
+    "place_clips",
+    "shard_bounds",
+    "short_clip_frames",
+]
+
+FEATURE_FRAMES_PER_SECOND = 100  # the 10 ms hop of every encoder kind's front end
+SHORT_CLIP_SECONDS = (
+    30.0  # clips up to this long are never sharded (Whisper's window; seconds of activations)
+)
+
+
+def encoder_frames(seconds: float, subsampling: int) -> int:
+    """Encoder frames of a clip of `seconds`: ceil(ceil(seconds * 100) / subsampling), as the sampler's
+    token cost model counts them."""
+    return math.ceil(math.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling)
+
+
+def short_clip_frames(subsampling: int) -> int:
+    """`min_frames` of the rule for an encoder of `subsampling`: the frames of a 30 s clip."""
+    return encoder_frames(SHORT_CLIP_SECONDS, subsampling)
+
+
+def shard_bounds(length: int, cp: int, align: int = 1) -> list[tuple[int, int]]:
+    """The contiguous slice ``[lo, hi)`` of a sharded clip of `length` frames on each of `cp` ranks: the cut
+    before rank r at ``r * length // cp``, rounded down to a multiple of `align` (the projector's frame
+    stacking, so that every rank stacks whole groups of its own frames)."""
+    if cp < 1 or length < 0 or align < 1:
+        raise ValueError(f"length={length}, cp={cp} and align={align} must be >= 0, >= 1 and >= 1")
+    cuts = [0, *((r * length // cp) // align * align for r in range(1, cp)), length]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class ClipSharding:
+    """The rule's decision for the clips of one micro-batch on a CP group of `cp` ranks."""
+
+    cp: int
+    frames: tuple[int, ...]  # encoder frames per clip
+    sharded: tuple[bool, ...]  # True: cut into cp contiguous slices, one per rank
+    min_frames: int
+
+    @property
+    def sharded_indices(self) -> list[int]:
+        return [i for i, s in enumerate(self.sharded) if s]
+
+    @property
+    def whole_indices(self) -> list[int]:
+        return [i for i, s in enumerate(self.sharded) if not s]
+
+    def slices(self, rank: int) -> list[tuple[int, int, int]]:
+        """(clip, lo, hi) of every sharded clip's slice on `rank`, in clip order."""
+        if not 0 <= rank < self.cp:
+            raise ValueError(f"rank={rank} is outside 0..{self.cp - 1}")
+        return [(i, *shard_bounds(self.frames[i], self.cp)[rank]) for i in self.sharded_indices]
+
+    def sharded_frames(self) -> int:
+        return sum(self.frames[i] for i in self.sharded_indices)
+
+
+def place_clips(frames: Sequence[int], cp: int, *, min_frames: int) -> ClipSharding:
+    """Decide which clips of a micro-batch are sharded over the CP group (module docstring): clip i when
+    cp > 1, ``frames[i] > min_frames`` and ``frames[i] > sum(frames) / cp``. Deterministic: the same
+    arguments give the same decision on every rank; the rank is not an argument."""
+    if cp < 1 or min_frames < 0:
+        raise ValueError(f"cp={cp} must be >= 1 and min_frames={min_frames} >= 0")
+    lens = tuple(int(n) for n in frames)
+    if any(n < 0 for n in lens):
+        raise ValueError(f"encoder frames must be >= 0, got {list(lens)[:8]}")
+    total = sum(lens)
+    sharded = tuple(cp > 1 and n > min_frames and n * cp > total for n in lens)
+    return ClipSharding(cp, lens, sharded, int(min_frames))
