@@ -209,6 +209,7 @@ class Estimate:
     mfu: float
     peak_tflops: float
     fits: bool
+    llm_tokens: int  # tokens of the heaviest micro-batch in the LLM (audio embeddings + prompts), all ranks
 
 
 def weights_bytes(cfg: ExperimentConfig, p: ParamCounts, layout: Layout) -> dict[str, float]:
@@ -276,6 +277,7 @@ def estimate(
         mfu=use_mfu,
         peak_tflops=peak,
         fits=total <= FIT_MARGIN * capacity,
+        llm_tokens=sum(llm_seq_lens(dims, heavy)),
     )
 
 
@@ -409,7 +411,14 @@ def run_estimate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides or [])
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: give the number of processes (>= 1)")
-    cp, tp = args.cp_size or cfg.parallel.cp_size, args.tp_size or cfg.parallel.tp_size
+    cp = args.cp_size if args.cp_size is not None else cfg.parallel.cp_size
+    tp = args.tp_size if args.tp_size is not None else cfg.parallel.tp_size
+    if cp < 1 or tp < 1:
+        raise UsageError(f"--cp-size {cp} --tp-size {tp}: each size must be >= 1")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UsageError(
+            f"--mfu {args.mfu}: give the model FLOPs utilisation as a fraction in (0, 1], e.g. 0.4"
+        )
     dp_rep = cfg.parallel.dp_replicate
     if args.world_size % (cp * tp * dp_rep):
         raise UsageError(
@@ -462,7 +471,8 @@ def format_estimate(
         f"  optimizer       {gib['optimizer']:8.3f}   (AdamW, 2 x fp32 per trainable parameter)",
         f"  fsdp gathered   {gib['fsdp_gathered']:8.3f}",
         f"  activations     {gib['activations']:8.3f}   (checkpointing {ac}; off {gib['activations_no_ckpt']:.3f}, "
-        f"on {gib['activations_ckpt']:.3f}; encoder {gib['activations_encoder']:.3f})",
+        f"on {gib['activations_ckpt']:.3f}; encoder {gib['activations_encoder']:.3f}; "
+        f"{est.memory['activations'] / max(est.llm_tokens, 1) / 1024:.1f} KiB per LLM token)",
         f"  runtime         {gib['runtime']:8.3f}",
         f"  total           {est.total / GIB:8.3f}   of {est.capacity / GIB:.1f} GiB: "
         + ("fits" if est.fits else "DOES NOT FIT"),

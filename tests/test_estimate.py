@@ -75,12 +75,16 @@ def test_a_layout_that_does_not_fit_is_refused_and_sharding_makes_it_fit(capsys)
     rc = main(["estimate", SMOKE, "--world-size", "64", "--device", "h100", *big])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "fits" in out and "FSDP shards over 64" in out
+    assert "fits" in out and "FSDP shards over 64" in out and "KiB per LLM token" in out
 
 
 def test_estimate_refuses_a_world_size_the_layout_does_not_divide(capsys):
     assert main(["estimate", SMOKE, "--world-size", "6", "--cp-size", "4"]) == 2
     assert "not a multiple of cp x tp" in capsys.readouterr().err
+    assert main(["estimate", SMOKE, "--world-size", "1", "--mfu", "1.5"]) == 2
+    assert "--mfu 1.5" in capsys.readouterr().err
+    assert main(["estimate", SMOKE, "--world-size", "1", "--cp-size", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
