@@ -240,3 +240,19 @@ def test_step_totals_sum_the_ranks_and_cp_shares_add_up(cp):
         assert got["flops_total"] == pytest.approx(want_flops, rel=1e-9)
     assert sum(g["real_tokens"] for g in per_rank) == pytest.approx(want_tokens)
     assert 0 < per_rank[0]["real_tokens"] < want_tokens
+
+
+def test_memory_figures_read_the_cuda_peaks_without_resetting_them(monkeypatch):
+    from speechlm.train.throughput import memory_figures
+
+    def no_reset(*a, **k):
+        raise AssertionError("the run's peak counters were reset (other readers would lose the run's peak)")
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", no_reset)
+    gpu = memory_figures(torch.device("cuda", 0))
+    assert (gpu["mem_cuda_alloc_gib"], gpu["mem_cuda_reserved_gib"]) == (3.0, 4.0)
+    cpu = memory_figures(torch.device("cpu"))
+    assert cpu["mem_cuda_alloc_gib"] is None and cpu["mem_cuda_reserved_gib"] is None
+    assert 0.05 < cpu["rss_gib"] == pytest.approx(gpu["rss_gib"], rel=0.1)

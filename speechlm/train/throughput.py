@@ -56,13 +56,13 @@ def peak_rss_gib() -> float:
 
 
 def memory_figures(device: torch.device) -> dict[str, float | None]:
-    """Peak memory: CUDA allocated/reserved during this step (the peak counters are reset after reading),
-    and the process's peak RSS since it started."""
+    """Peak memory since the process started: CUDA allocated/reserved (torch's peak counters, read and
+    never reset: whoever else reads them, e.g. `speechlm bench pretrained-lora`, still gets the run's
+    peak) and the process's RSS."""
     out: dict[str, float | None] = {"mem_cuda_alloc_gib": None, "mem_cuda_reserved_gib": None}
     if device.type == "cuda":
         out["mem_cuda_alloc_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["mem_cuda_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-        torch.cuda.reset_peak_memory_stats(device)
     out["rss_gib"] = peak_rss_gib()
     return out
 
