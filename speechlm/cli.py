@@ -36,6 +36,7 @@ SUBCOMMAND_MODULES = (
     "speechlm.train.entry",  # train
     "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)
     "speechlm.validate",  # validate
+    "speechlm.estimate",  # estimate (per-rank memory and step time of a layout)
     "speechlm.use.evaluate_cli",  # evaluate (a checkpoint on a manifest)
     "speechlm.use.transcribe",  # transcribe (audio files or a manifest)
     "speechlm.use.export_cli",  # export (a self-contained model directory)

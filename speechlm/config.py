@@ -408,6 +408,9 @@ class TrainerConfig(Section):
     eval_metrics: dict[str, list[str]] = field(default_factory=dict)
     eval_normalize: dict[str, list[str]] = field(default_factory=dict)
     eval_cer_langs: list[str] = field(default_factory=list)
+    # peak dense TFLOP/s of one device, the figure MFU is measured against (None: from the table of
+    # speechlm/flops.py by the device: h100, h200, a100, cpu; another GPU then logs no MFU)
+    peak_tflops: float | None = None
     # a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time> (never deleted)
     overwrite: bool = False
 
@@ -938,6 +941,12 @@ FIELDS: dict[str, Rule] = {
         "wall-clock limit, checked between optimizer steps (0: no limit)", lo=0, null="no limit"
     ),
     "trainer.grad_accum": Num("micro-batches per optimizer step", lo=1, integer=True),
+    "trainer.peak_tflops": Num(
+        "peak dense TFLOP/s of one device, what MFU is measured against",
+        lo=0,
+        lo_open=True,
+        null="from the device table (speechlm/flops.py)",
+    ),
     "trainer.precision": OneOf(
         "'auto': bf16 where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 compute (FSDP2 mixed precision when the model is sharded, autocast otherwise; never both)",
         choices=choices_of(Precision),

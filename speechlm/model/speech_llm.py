@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, dummy_clip, plan_for_clips
 from speechlm.config import ModelConfig
+from speechlm.flops import MicroWork, record_work
 from speechlm.model.attention import ensure_registered, get_backend
 from speechlm.model.conversation_inputs import (
     batch_field,
@@ -86,6 +87,7 @@ class MicroLosses:
     ctc_sum: Tensor | None  # summed CTC of the clips this rank encoded (None: CTC off)
     n_clips: int
     weight: float = 1.0  # 0 for the training layer's dummy micro-batch
+    work: MicroWork | None = None  # what this rank computed, for the FLOP count (`speechlm.flops`)
 
 
 @dataclass
@@ -246,6 +248,13 @@ class SpeechLLM(nn.Module):
         return [
             int(n) for n in compute_stacked_lengths(self.encoder.output_lengths(feat), self.projector.stack)
         ]
+
+    def feature_frames(self, audio_lens_B: Tensor, rows: Sequence[int]) -> list[int]:
+        """Feature frames of the clips `rows` (host integers, from the sample counts)."""
+        from speechlm.model.features import compute_feature_lengths
+
+        feat = compute_feature_lengths(audio_lens_B.cpu(), self.encoder.feature_settings.hop_length)
+        return [int(feat[i]) for i in rows]
 
     def ctc_loss_sum(
         self,
@@ -431,9 +440,8 @@ class SpeechLLM(nn.Module):
         else:
             tokens_BL, token_lens_B = batch_field(batch, "tokens"), batch_field(batch, "token_lens")
             prompts = self.build_prompts(tokens_BL, token_lens_B)
-            plan = enc_plan = lay.place(
-                [int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)]
-            )
+            seq_lens = [int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)]
+            plan = enc_plan = lay.place(seq_lens)
             ctc_tokens, ctc_lens, n_clips = tokens_BL, token_lens_B, len(prompts)
         enc = self.encode_for_layout(audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen)
         ctc_sum = None
@@ -443,6 +451,7 @@ class SpeechLLM(nn.Module):
             packed = self.pack_for_layout(prompts, enc, plan, audio_BN.device, clip_counts)
             ce_sum, _ = self.forward_packed(packed)
             n_labelled = sum(int(mask.sum()) for _, mask in prompts)  # the whole micro-batch's
+            local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
         else:
             from speechlm.packing import pack_bshd
 
@@ -455,10 +464,21 @@ class SpeechLLM(nn.Module):
                 clip_counts=clip_counts,
             )
             ce_sum, n_labelled = self.forward_padded(padded)
+            local, n_split = list(range(len(prompts))), 0
+            computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
+        work = record_work(
+            seq_lens,
+            [int(mask.sum()) for _, mask in prompts],
+            local,
+            n_split,
+            lay.cp_size,
+            clip_frames=self.feature_frames(audio_lens_B, enc.ctc_rows),
+            computed_tokens=computed,
+        )
         for e in enc.unused:  # weight 0: in the graph, counts nothing
             ce_sum = ce_sum + 0.0 * e.sum()
         return MicroLosses(
-            ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=n_clips
+            ce_sum=ce_sum.float(), n_labelled=int(n_labelled), ctc_sum=ctc_sum, n_clips=n_clips, work=work
         )
 
     def conversation_prompts(self, batch: Any) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:

@@ -15,7 +15,8 @@ saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ class StepBatch:
     # a data error found on this rank (too much of a micro-batch unreadable): the step is not trained,
     # every rank learns of it in the step's agreement and raises it (module.SpeechLLMModule._agree_step)
     error: str | None = None
+    # seconds this rank waited for the loader to produce these micro-batches (step metric data_wait_s)
+    data_wait_s: float = 0.0
 
     def rows_digest(self) -> str:
         """Short digest of the manifest rows this rank consumed in this step (to compare runs)."""
@@ -146,13 +149,15 @@ class StepLoader:
             seed=self.seed + 1000 * epoch + 1_000_003 * self.dp_rank,
         )
         buf: list[Any] = []
-        for b in loader:
+        wait = 0.0
+        for b, waited in _timed(loader):
+            wait += waited
             try:
                 check_dropped_fraction(b, self.max_dropped_fraction, epoch=epoch, position=pos)
             except DroppedDataError as e:
                 # not raised here: the other ranks would wait for this one in the next collective. The
                 # step carries the error and every rank raises it at the same step (module._agree_step).
-                yield StepBatch([*buf, b], {"epoch": epoch, "position": pos}, error=str(e))
+                yield StepBatch([*buf, b], {"epoch": epoch, "position": pos}, error=str(e), data_wait_s=wait)
                 return
             buf.append(b)
             pos += 1
@@ -161,9 +166,21 @@ class StepLoader:
                 for mb in buf:
                     for k, v in mb.dropped.items():
                         dropped[k] = dropped.get(k, 0) + v
-                yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped)
-                buf = []
+                yield StepBatch(buf, {"epoch": epoch, "position": pos}, dropped, data_wait_s=wait)
+                buf, wait = [], 0.0
         self._sampler.set_epoch(epoch + 1)
+
+
+def _timed(items: Iterable[Any]) -> Iterator[tuple[Any, float]]:
+    """(item, seconds the iterator took to produce it) for each item of `items`."""
+    it = iter(items)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield item, time.perf_counter() - t0
 
 
 class _EpochOwnedSampler:

@@ -28,6 +28,7 @@ from speechlm.prompt import PromptFormat
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
+from speechlm.train.throughput import STEP_METRIC_KEYS
 
 
 @dataclass
@@ -94,6 +95,10 @@ class SpeechLLMModule(L.LightningModule):
         from speechlm.model.trainable import apply_train_modes
 
         apply_train_modes(self.model, cfg.model)  # what trains: full, frozen or LoRA (before parallelism)
+        from speechlm.flops import dims_of_model
+
+        self.flop_dims = dims_of_model(self.model)  # sizes for the FLOP count, read before parallelism
+        self.peak_tflops: float | None = None  # the device's peak (0: unknown), read at the first step
         self.step_ctx = StepContext()  # replaced once, by configure_model
         self.precision = PrecisionPolicy()  # fp32 until configure_model decides (once, on the device)
         # counters carried in checkpoints
@@ -139,6 +144,7 @@ class SpeechLLMModule(L.LightningModule):
 
     # --- training -------------------------------------------------------------------------------
     def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor | None:
+        t_start = time.perf_counter()
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()
         step = self.global_step
@@ -160,7 +166,9 @@ class SpeechLLMModule(L.LightningModule):
             backward=self.manual_backward,
             clip=self._clip_gradients,
             counts=totals.counts,
+            flop_count=self._count_flops,
         )
+        work = res.pop("work")
         self._update_counters(step_batch, totals)
         if time_up:  # trainer.max_minutes passed on some rank: this step is the last (agreed by all)
             self.trainer.should_stop = True
@@ -178,13 +186,43 @@ class SpeechLLMModule(L.LightningModule):
             "rows_digest": step_batch.rows_digest(),
             "dropped_step": sum(totals.dropped.values()),  # rows of this step not readable
             **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},  # totals since the start
+            **self._step_figures(step_batch, totals, work, t_start),
         }
         self.log("loss", res["loss"], prog_bar=True, on_step=True, batch_size=1, sync_dist=False)
         self.log("lr", self.last_metrics["lr"], prog_bar=True, on_step=True, batch_size=1)
         if self.last_metrics["utt_per_s"] is not None:
             self.log("utt/s", self.last_metrics["utt_per_s"], prog_bar=True, on_step=True, batch_size=1)
         self.log("audio_h", self.last_metrics["audio_hours"], prog_bar=True, on_step=True, batch_size=1)
+        for key in STEP_METRIC_KEYS:  # throughput, MFU, memory, times: CSV/TensorBoard; two on the console
+            if self.last_metrics.get(key) is not None:
+                bar = key in ("tokens_per_s", "mfu")
+                self.log(key, float(self.last_metrics[key]), prog_bar=bar, on_step=True, batch_size=1)
         return torch.tensor(res["loss"])
+
+    def _count_flops(self, works: list[Any], encoder_frozen: bool) -> float:
+        """Training FLOPs of this rank's micro-batches (`speechlm.flops`; what trains decides the factors)."""
+        from speechlm.flops import Trainable, step_flops
+
+        trainable = Trainable(encoder=not encoder_frozen, llm=self.cfg.model.llm.train == "full")
+        return step_flops(self.flop_dims, works, trainable)
+
+    def _step_figures(self, step_batch: Any, totals: StepTotals, work: Any, t_start: float) -> dict[str, Any]:
+        """Throughput, MFU, memory and times of this step (`speechlm.train.throughput`)."""
+        from speechlm.train.throughput import device_peak_tflops, memory_figures, step_metrics
+
+        wait = float(getattr(step_batch, "data_wait_s", 0.0))
+        if self.peak_tflops is None:  # once: the device does not change
+            self.peak_tflops = device_peak_tflops(self.device, self.cfg.trainer.peak_tflops) or 0.0
+        figures = step_metrics(
+            work,
+            step_s=wait + time.perf_counter() - t_start,
+            data_wait_s=wait,
+            audio_s_rank=0.0 if getattr(step_batch, "error", None) else step_batch.audio_seconds,
+            audio_s_total=totals.audio_seconds,
+            world_size=self.dims.world_size if self.dims is not None else 1,
+            peak=self.peak_tflops or None,
+        )
+        return {**figures, **memory_figures(self.device)}
 
     def _clip_gradients(self) -> float:
         return clip_model_gradients(self.model, self.cfg.optim.grad_clip, self.step_ctx.clip_grad_norm)

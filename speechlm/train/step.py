@@ -20,14 +20,16 @@ CP would otherwise hang) and the objective is unchanged.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
+from speechlm.flops import MicroWork
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
@@ -52,6 +54,45 @@ class StepCounts:
 
     tokens: int  # labelled tokens (CE)
     clips: int  # clips (CTC); also the step's utterances
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What this rank computed in one optimizer step (its share under CP), and the sums over dp x cp
+    (`Collectives.sum_shards`, in the step's one all-reduce after the optimizer step): real tokens (audio
+    embeddings and prompt tokens), tokens the LLM computed (after padding and CP rounding), training
+    FLOPs (`speechlm.flops`); and the seconds this rank spent in clipping and the optimizer step."""
+
+    real_tokens: float = 0.0
+    computed_tokens: float = 0.0
+    flops: float = 0.0
+    optim_s: float = 0.0
+    real_tokens_total: float = 0.0
+    computed_tokens_total: float = 0.0
+    flops_total: float = 0.0
+
+    @classmethod
+    def of(cls, works: list[MicroWork], flops: float, optim_s: float) -> StepWork:
+        return cls(
+            real_tokens=sum(w.real_tokens for w in works),
+            computed_tokens=float(sum(w.computed_tokens for w in works)),
+            flops=flops,
+            optim_s=optim_s,
+        )
+
+    def shard_values(self) -> list[float]:
+        return [self.real_tokens, self.computed_tokens, self.flops]
+
+    def with_totals(self, sums: list[float]) -> StepWork:
+        return replace(self, real_tokens_total=sums[0], computed_tokens_total=sums[1], flops_total=sums[2])
+
+
+def _synced_time(model: Any) -> float:
+    """perf_counter after the device's queued work is done (CUDA runs asynchronously)."""
+    p = next(iter(model.parameters()), None)
+    if p is not None and p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
+    return time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -144,12 +185,15 @@ def run_optimizer_step(
     backward: Any = None,
     clip: Any = None,
     counts: StepCounts | None = None,
+    flop_count: Callable[[list[MicroWork], bool], float] | None = None,
 ) -> dict[str, Any]:
-    """One optimizer step over `micro_batches` (this rank's share); returns the step's global metrics.
+    """One optimizer step over `micro_batches` (this rank's share); returns the step's global metrics,
+    and under ``"work"`` its `StepWork` (what was computed, for the throughput figures).
 
     Shared by the Lightning `training_step`, the multi-process equivalence tests and the benchmarks.
     `counts`: the step's agreed normalisers (`agree_step`, which the Lightning module runs with its own
-    counts and flags); None: agreed here.
+    counts and flags); None: agreed here. `flop_count`: (this rank's micro-batch work, encoder frozen)
+    -> training FLOPs (`speechlm.flops.step_flops`); None: FLOPs are not counted (0).
     """
     backward = backward or (lambda loss: loss.backward())
     frozen = encoder_runs_frozen(step, cfg)
@@ -159,6 +203,7 @@ def run_optimizer_step(
     w_ctc = cfg.model.ctc_weight
     ce_total = torch.zeros((), dtype=torch.float64)
     ctc_total = torch.zeros((), dtype=torch.float64)
+    works: list[MicroWork] = []
     for b in micro_batches:
         with ctx.precision.autocast():  # forward only; a no-op under FSDP mixed precision or fp32
             out = compute_micro_losses(model, b, encoder_frozen=frozen)
@@ -170,13 +215,22 @@ def run_optimizer_step(
         ce_total += out.ce_sum.detach().double().cpu() * out.weight
         if out.ctc_sum is not None:
             ctc_total += out.ctc_sum.detach().double().cpu() * out.weight
+        mwork = getattr(out, "work", None)
+        if mwork is not None and out.weight > 0:  # a dummy micro-batch is no model work
+            works.append(mwork)
+    t_optim = _synced_time(model)
     grad_norm = (
         clip() if clip is not None else clip_model_gradients(model, cfg.optim.grad_clip, ctx.clip_grad_norm)
     )
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    ce_sum, ctc_sum = ctx.collectives.sum_shards([float(ce_total), float(ctc_total)])  # for the log
+    optim_s = _synced_time(model) - t_optim
+    local = StepWork.of(works, flop_count(works, frozen) if flop_count is not None else 0.0, optim_s)
+    ce_sum, ctc_sum, *shard_sums = ctx.collectives.sum_shards(
+        [float(ce_total), float(ctc_total), *local.shard_values()]
+    )  # for the log
+    work = local.with_totals(shard_sums)
     ce = ce_sum / max(n_tok, 1)
     ctc = ctc_sum / max(n_clip, 1)
     return {
@@ -187,6 +241,7 @@ def run_optimizer_step(
         "tokens": n_tok,
         "utterances": n_clip,
         "encoder_frozen": frozen,
+        "work": work,
     }
 
 

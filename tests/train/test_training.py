@@ -166,6 +166,10 @@ def test_run_writes_metrics_eval_and_curve(demo_data, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     train = read_metrics(run_dir)
     assert {"step", "loss", "ce", "ctc", "lr", "utt_per_s", "audio_hours", "grad_norm"} <= set(train[-1])
+    assert {"tokens_per_s", "mfu", "real_token_share", "rss_gib", "data_wait_s", "optim_s", "step_s"} <= set(
+        train[-1]
+    )
+    assert train[-1]["tokens_per_s"] * train[-1]["step_s"] == pytest.approx(train[-1]["real_tokens"])
     vals = [
         json.loads(ln)
         for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
