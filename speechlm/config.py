@@ -327,7 +327,8 @@ class ModelConfig(Section):
         if self.decode_ctc_weight > 0 and self.ctc_weight == 0:
             return [
                 f"model.decode_ctc_weight={self.decode_ctc_weight} needs the CTC head, but model.ctc_weight=0 "
-                "leaves it out: set model.ctc_weight > 0 (the head is trained with it) or decode_ctc_weight=0"
+                "leaves it out: set model.ctc_weight > 0 (the head is trained with it), or model.decode_ctc_weight=0 "
+                "beside model.ctc_weight=0 (the LLM alone decodes)"
             ]
         return []
 
