@@ -77,6 +77,7 @@ def test_summary_of_a_smoke_run(logged_run):
     assert "mean MFU" not in summary  # not logged by these steps: not shown, not made up
 
 
+@pytest.mark.slow  # a second smoke run, on a pseudo-terminal (~25 s)
 def test_on_a_terminal_steps_and_final_decode_are_displayed(demo_data, tmp_path):
     rc, drawn = run_in_pty(["train", *smoke_args(demo_data, tmp_path / "run", steps=3)])
     assert rc == 0, drawn[-3000:]
