@@ -50,8 +50,7 @@ __all__ = [
     "IndexBlock",
     "block_attn_fwd_",
     "block_attn_bwd_",
-    "gather_heads_first",
-    "rows_first",
+    "block_attn_rows",
 ]
 
 # The op namespace is a module attribute so tests can swap in fakes that check the CUDA plumbing.
@@ -356,13 +355,27 @@ class IndexBlock:
     causal: bool
 
 
-def gather_heads_first(x_THD: Tensor, rows_BL: Tensor) -> Tensor:
+def _gather_BHLD(x_THD: Tensor, rows_BL: Tensor) -> Tensor:
     return x_THD[rows_BL].transpose(1, 2)  # (n, L, H, D) -> (n, H, L, D)
 
 
-def rows_first(x_BH_L_: Tensor) -> Tensor:
+def _rows_first(x_BH_L_: Tensor) -> Tensor:
     """(n, H, L, ...) -> (n*L, H, ...), the row order of ``rows_BL.flatten()``."""
     return x_BH_L_.transpose(1, 2).flatten(0, 1)
+
+
+def block_attn_rows(
+    q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, block: IndexBlock, *, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``block``'s attention as rows: (query rows [n*Lq], out [n*Lq, Hq, D], lse [n*Lq, Hq] in fp32)."""
+    o, lse = attn_fwd_lse(
+        _gather_BHLD(q_THD, block.q_rows_BL),
+        _gather_BHLD(k_THD, block.k_rows_BL),
+        _gather_BHLD(v_THD, block.k_rows_BL),
+        causal=block.causal,
+        scale=scale,
+    )
+    return block.q_rows_BL.flatten(), _rows_first(o), _rows_first(lse)
 
 
 def block_attn_fwd_(
@@ -377,16 +390,9 @@ def block_attn_fwd_(
 ) -> None:
     """Attend ``block``'s queries to its keys and merge the result in place into the fp32
     accumulators (out [T, Hq, D], lse [T, Hq]; start them at 0 and -inf)."""
-    o, lse = attn_fwd_lse(
-        gather_heads_first(q_THD, block.q_rows_BL),
-        gather_heads_first(k_THD, block.k_rows_BL),
-        gather_heads_first(v_THD, block.k_rows_BL),
-        causal=block.causal,
-        scale=scale,
-    )
-    rows = block.q_rows_BL.flatten()
+    rows, o, lse = block_attn_rows(q_THD, k_THD, v_THD, block, scale=scale)
     merged_out, merged_lse = merge_partials(
-        out_acc_THD.index_select(0, rows), lse_acc_TH.index_select(0, rows), rows_first(o), rows_first(lse)
+        out_acc_THD.index_select(0, rows), lse_acc_TH.index_select(0, rows), o, lse
     )
     out_acc_THD.index_copy_(0, rows, merged_out)
     lse_acc_TH.index_copy_(0, rows, merged_lse)
@@ -409,16 +415,16 @@ def block_attn_bwd_(
     """Add ``block``'s share of dq, dk, dv into the fp32 accumulators, given the merged
     (out, lse) of every query row over all its key blocks."""
     dq, dk, dv = attn_bwd(
-        gather_heads_first(grad_out_THD, block.q_rows_BL),
-        gather_heads_first(q_THD, block.q_rows_BL),
-        gather_heads_first(k_THD, block.k_rows_BL),
-        gather_heads_first(v_THD, block.k_rows_BL),
-        gather_heads_first(out_THD, block.q_rows_BL),
+        _gather_BHLD(grad_out_THD, block.q_rows_BL),
+        _gather_BHLD(q_THD, block.q_rows_BL),
+        _gather_BHLD(k_THD, block.k_rows_BL),
+        _gather_BHLD(v_THD, block.k_rows_BL),
+        _gather_BHLD(out_THD, block.q_rows_BL),
         lse_TH[block.q_rows_BL].transpose(1, 2),
         causal=block.causal,
         scale=scale,
     )
     q_rows, k_rows = block.q_rows_BL.flatten(), block.k_rows_BL.flatten()
-    dq_acc_THD.index_add_(0, q_rows, rows_first(dq).float())
-    dk_acc_THD.index_add_(0, k_rows, rows_first(dk).float())
-    dv_acc_THD.index_add_(0, k_rows, rows_first(dv).float())
+    dq_acc_THD.index_add_(0, q_rows, _rows_first(dq).float())
+    dk_acc_THD.index_add_(0, k_rows, _rows_first(dk).float())
+    dv_acc_THD.index_add_(0, k_rows, _rows_first(dv).float())

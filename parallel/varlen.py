@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallel.attention_ops import IndexBlock, attn_fwd_lse, block_attn_bwd_, gather_heads_first, rows_first
+from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_rows
 from parallel.varlen_flash import installed_flash_kernels
 from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
@@ -117,16 +117,9 @@ def reference_fwd(
     out_THD = torch.zeros(T, H, v_TGD.shape[2], dtype=acc, device=q_THD.device)
     lse_TH = torch.full((T, H), -torch.inf, dtype=acc, device=q_THD.device)
     for block in _index_blocks(meta, causal, q_THD.device):
-        o, lse = attn_fwd_lse(
-            gather_heads_first(q_THD, block.q_rows_BL),
-            gather_heads_first(k_TGD, block.k_rows_BL),
-            gather_heads_first(v_TGD, block.k_rows_BL),
-            causal=block.causal,
-            scale=scale,
-        )
-        rows = block.q_rows_BL.flatten()
-        out_THD.index_copy_(0, rows, rows_first(o).float())
-        lse_TH.index_copy_(0, rows, rows_first(lse))
+        rows, o, lse = block_attn_rows(q_THD, k_TGD, v_TGD, block, scale=scale)
+        out_THD.index_copy_(0, rows, o.float())
+        lse_TH.index_copy_(0, rows, lse)
     return out_THD.to(q_THD.dtype), lse_TH.T
 
 

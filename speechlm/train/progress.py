@@ -34,22 +34,24 @@ def _num(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+# (metrics key, label, format, factor): the step's trailing fields; utt_per_s only without tokens_per_s
+STEP_FIELDS = (
+    ("loss", "loss", "{:.4f}", 1),
+    ("lr", "lr", "{:.3g}", 1),  # 3 significant digits: a warmup rate of 4e-05 is not "0.000"
+    ("tokens_per_s", "tok/s", "{:,.0f}", 1),
+    ("utt_per_s", "utt/s", "{:.1f}", 1),
+    ("audio_s_per_s", "audio s/s", "{:.1f}", 1),
+    ("mfu", "MFU", "{:.1f}%", 100),
+)
+
+
 def step_fields(m: dict[str, Any]) -> dict[str, str]:
-    """The trailing `key value` fields of a step: loss, lr (3 significant digits: a warmup rate of 4e-05
-    is not "0.000"), then throughput (tokens/s, else utterances/s), audio seconds per second and MFU."""
+    """The trailing `label value` fields of a step (`STEP_FIELDS`), each only when the step logged it."""
     out: dict[str, str] = {}
-    if _num(m.get("loss")) is not None:
-        out["loss"] = f"{m['loss']:.4f}"
-    if _num(m.get("lr")) is not None:
-        out["lr"] = f"{m['lr']:.3g}"
-    if _num(m.get("tokens_per_s")) is not None:
-        out["tok/s"] = f"{m['tokens_per_s']:,.0f}"
-    elif _num(m.get("utt_per_s")) is not None:
-        out["utt/s"] = f"{m['utt_per_s']:.1f}"
-    if _num(m.get("audio_s_per_s")) is not None:
-        out["audio s/s"] = f"{m['audio_s_per_s']:.1f}"
-    if _num(m.get("mfu")) is not None:
-        out["MFU"] = f"{100 * m['mfu']:.1f}%"
+    for key, label, fmt, factor in STEP_FIELDS:
+        value = _num(m.get(key))
+        if value is not None and not (key == "utt_per_s" and "tok/s" in out):
+            out[label] = fmt.format(factor * value)
     return out
 
 
