@@ -19,7 +19,16 @@ a run without duration buckets sees). Per layout:
 - ``step_ms``: median over ``--repeats`` of one forward+backward, summed over the batches, per batch;
   ``cpu_ms`` the same in CPU time of the process (less sensitive to other jobs on the machine).
   The layouts take turns on every batch and repeat, so a shared machine's changing load hits all
-  three alike.
+  three alike;
+- ``flops``: the FLOPs of one forward+backward counted by torch's ``FlopCounterMode`` (matmuls,
+  convolutions, attention), summed over the batches.
+
+The compute bound of a layout's speedup over ``bshd`` is what it saves in work: BSHD's computed
+encoder frames and decoder tokens over the layout's (each printed), combined as BSHD's counted FLOPs
+over the layout's (``compute_bound``). A step whose time is proportional to the work it computes
+reaches its bound; ``share_of_bound`` = measured speedup / bound says how much of it the layout
+gets (the rest goes to work that does not shrink with padding: per-clip loops, host syncs,
+allocation).
 Usage: ``speechlm bench packing [--durations demo|lognormal] [--config CONFIG] [--json FILE]``.
 """
 
@@ -159,6 +168,43 @@ def count_frames(
     return {"enc_real": real_enc, "enc": enc, "sub": sub, "dec_real": sum(lens), "dec": dec}
 
 
+def count_flops(step: Any, batch: Any) -> int:
+    """FLOPs of `step(batch)` (one forward + backward) as torch's FlopCounterMode counts them, with the
+    CPU flash-attention ops (which it does not know) counted as its other attention kernels are."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    def fwd(q: Any, k: Any, v: Any, *_: Any, out_shape: Any = None, **__: Any) -> int:
+        return sdpa_flop_count(q, k, v)
+
+    def bwd(dout: Any, q: Any, k: Any, v: Any, *_: Any, out_shape: Any = None, **__: Any) -> int:
+        return sdpa_backward_flop_count(dout, q, k, v)
+
+    aten = torch.ops.aten
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd,
+    }
+    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
+        step(batch)
+    return int(counter.get_total_flops())
+
+
+def bound_figures(results: dict[str, dict[str, float]], name: str) -> dict[str, float]:
+    """The compute bound of `name`'s speedup over ``bshd`` and the share of it that was measured."""
+    base, r = results["bshd"], results[name]
+    bound = base["flops"] / r["flops"]
+    return {
+        "encoder_frames_ratio": base["encoder_frames_computed"] / r["encoder_frames_computed"],
+        "decoder_tokens_ratio": base["decoder_tokens_computed"] / r["decoder_tokens_computed"],
+        "compute_bound": bound,
+        "speedup": base["step_ms"] / r["step_ms"],
+        "cpu_speedup": base["cpu_ms"] / r["cpu_ms"],
+        "share_of_bound": base["step_ms"] / r["step_ms"] / bound,
+        "cpu_share_of_bound": base["cpu_ms"] / r["cpu_ms"] / bound,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speechlm bench packing", description=__doc__.split("\n")[0])
     ap.add_argument("--durations", choices=("demo", "lognormal"), default="demo")
@@ -212,17 +258,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg.model.packed_sequences = packed_decoder
         return StepContext()
 
-    def time_step(b: Any, ctx: Any) -> tuple[float, float]:
-        """(wall seconds, CPU seconds of this process) of one forward + backward."""
-        t0, c0 = time.perf_counter(), time.process_time()
+    def run_step(b: Any) -> None:
         out = compute_micro_losses(model, b)
         (out.ce_sum + (out.ctc_sum if out.ctc_sum is not None else 0)).backward()
         model.zero_grad(set_to_none=True)
+
+    def time_step(b: Any, ctx: Any) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one forward + backward."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        run_step(b)
         return time.perf_counter() - t0, time.process_time() - c0
 
     # The machine is shared: the layouts take turns on every batch and every repeat, so a change of
     # load hits all three alike (medians per batch and layout, summed over the batches).
-    totals = {name: dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec"), 0) for name in LAYOUTS}
+    totals = {
+        name: dict.fromkeys(("enc_real", "enc", "sub", "dec_real", "dec", "flops"), 0) for name in LAYOUTS
+    }
     seconds = dict.fromkeys(LAYOUTS, 0.0)
     cpu_seconds = dict.fromkeys(LAYOUTS, 0.0)
     for i, b in enumerate(batches):
@@ -234,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, b, ctx, packed_decoder=packed_decoder, packed_encoder=packed_encoder
             ).items():
                 totals[name][k] += v
-            time_step(b, ctx)  # warm-up
+            totals[name]["flops"] += count_flops(run_step, b)  # also the warm-up
         for _ in range(args.repeats):
             for name in LAYOUTS:
                 per[name].append(time_step(b, use_layout(name)))
@@ -261,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             "decoder_token_efficiency": t["dec_real"] / t["dec"],
             "encoder_frames_computed": t["enc"],
             "decoder_tokens_computed": t["dec"],
+            "flops": t["flops"],
         }
+    bounds = {name: bound_figures(results, name) for name in LAYOUTS if name != "bshd"}
 
     base, base_cpu = results["bshd"]["step_ms"], results["bshd"]["cpu_ms"]
     sampler = args.sampler if args.durations == "lognormal" else "demo plan"
@@ -281,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['encoder_frame_efficiency']:>8.1%} {r['subsampling_frame_efficiency']:>8.1%} "
             f"{r['decoder_tokens_computed']:>11,} {r['decoder_token_efficiency']:>8.1%}"
         )
+    print(
+        f"\n{'layout':<20} {'enc frames':>11} {'dec tokens':>11} {'bound':>7} {'speedup':>8} {'of bound':>9} "
+        f"{'cpu speedup':>12} {'of bound':>9}   (bound: BSHD's counted FLOPs over the layout's)"
+    )
+    for name, f in bounds.items():
+        print(
+            f"{name:<20} {f['encoder_frames_ratio']:>10.3f}x {f['decoder_tokens_ratio']:>10.3f}x "
+            f"{f['compute_bound']:>6.3f}x {f['speedup']:>7.3f}x {f['share_of_bound']:>9.1%} "
+            f"{f['cpu_speedup']:>11.3f}x {f['cpu_share_of_bound']:>9.1%}"
+        )
     if args.json:
         payload = {
             "durations": args.durations,
@@ -291,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch_duration": args.max_batch_duration,
             "threads": torch.get_num_threads(),
             "layouts": results,
+            "bounds": bounds,
             "speedup_thd_vs_bshd": base / results["thd"]["step_ms"],
             "speedup_thd_vs_thd_padded_encoder": results["thd_padded_encoder"]["step_ms"]
             / results["thd"]["step_ms"],

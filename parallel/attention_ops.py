@@ -50,6 +50,7 @@ __all__ = [
     "IndexBlock",
     "block_attn_fwd_",
     "block_attn_bwd_",
+    "block_attn_rows",
 ]
 
 # The op namespace is a module attribute so tests can swap in fakes that check the CUDA plumbing.
@@ -363,6 +364,20 @@ def _rows_first(x_BH_L_: Tensor) -> Tensor:
     return x_BH_L_.transpose(1, 2).flatten(0, 1)
 
 
+def block_attn_rows(
+    q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, block: IndexBlock, *, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``block``'s attention as rows: (query rows [n*Lq], out [n*Lq, Hq, D], lse [n*Lq, Hq] in fp32)."""
+    o, lse = attn_fwd_lse(
+        _gather_BHLD(q_THD, block.q_rows_BL),
+        _gather_BHLD(k_THD, block.k_rows_BL),
+        _gather_BHLD(v_THD, block.k_rows_BL),
+        causal=block.causal,
+        scale=scale,
+    )
+    return block.q_rows_BL.flatten(), _rows_first(o), _rows_first(lse)
+
+
 def block_attn_fwd_(
     q_THD: Tensor,
     k_THD: Tensor,
@@ -375,16 +390,9 @@ def block_attn_fwd_(
 ) -> None:
     """Attend ``block``'s queries to its keys and merge the result in place into the fp32
     accumulators (out [T, Hq, D], lse [T, Hq]; start them at 0 and -inf)."""
-    o, lse = attn_fwd_lse(
-        _gather_BHLD(q_THD, block.q_rows_BL),
-        _gather_BHLD(k_THD, block.k_rows_BL),
-        _gather_BHLD(v_THD, block.k_rows_BL),
-        causal=block.causal,
-        scale=scale,
-    )
-    rows = block.q_rows_BL.flatten()
+    rows, o, lse = block_attn_rows(q_THD, k_THD, v_THD, block, scale=scale)
     merged_out, merged_lse = merge_partials(
-        out_acc_THD.index_select(0, rows), lse_acc_TH.index_select(0, rows), _rows_first(o), _rows_first(lse)
+        out_acc_THD.index_select(0, rows), lse_acc_TH.index_select(0, rows), o, lse
     )
     out_acc_THD.index_copy_(0, rows, merged_out)
     lse_acc_TH.index_copy_(0, rows, merged_lse)

@@ -31,6 +31,7 @@ and other devices get the reference. `KERNEL_CALLS` counts calls into the interf
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_fwd_
+from parallel.attention_ops import IndexBlock, block_attn_bwd_, block_attn_rows
 from parallel.varlen_flash import installed_flash_kernels
 from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
@@ -78,9 +79,18 @@ def _check_call(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, c
 
 
 def _index_blocks(meta: VarlenMeta, causal: bool, device: torch.device) -> list[IndexBlock]:
-    """The pack's sequences grouped by (queries, keys) lengths: one gathered batch per distinct pair."""
+    """The pack's sequences grouped by (queries, keys) lengths: one gathered batch per distinct pair.
+
+    Built once per pack (every layer, forward and backward, asks for the same blocks): cached on the
+    host boundaries, which are the whole of what the blocks depend on."""
+    return _index_blocks_of(meta.cu_q, meta.cu_k, causal, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _index_blocks_of(
+    cq: tuple[int, ...], ck: tuple[int, ...], causal: bool, device: torch.device
+) -> list[IndexBlock]:
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    cq, ck = meta.cu_q, meta.cu_k
     for n in range(len(cq) - 1):
         lq, lk = cq[n + 1] - cq[n], ck[n + 1] - ck[n]
         if lq and lk:
@@ -97,14 +107,20 @@ def _index_blocks(meta: VarlenMeta, causal: bool, device: torch.device) -> list[
 def reference_fwd(
     q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, meta: VarlenMeta, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Exact reference on any device: one SDPA-with-LSE launch per distinct (Lq, Lk) pair, no syncs."""
+    """Exact reference on any device: one SDPA-with-LSE launch per distinct (Lq, Lk) pair, no syncs.
+
+    Every query row belongs to one sequence, so to one block: each block's result is written in place
+    (what `block_attn_fwd_`'s merge into the (0, -inf) start gives bit for bit, without its dozen
+    elementwise ops per block and layer: issue 26, item 5)."""
     T, H, _ = q_THD.shape
-    acc = torch.float32  # merge_partials accumulates in fp32
+    acc = torch.float32  # the LSE layout; out in fp32 as merge_partials would give it
     out_THD = torch.zeros(T, H, v_TGD.shape[2], dtype=acc, device=q_THD.device)
     lse_TH = torch.full((T, H), -torch.inf, dtype=acc, device=q_THD.device)
     for block in _index_blocks(meta, causal, q_THD.device):
-        block_attn_fwd_(q_THD, k_TGD, v_TGD, block, out_THD, lse_TH, scale=scale)
-    return out_THD.to(q_THD.dtype), lse_TH.float().T
+        rows, o, lse = block_attn_rows(q_THD, k_TGD, v_TGD, block, scale=scale)
+        out_THD.index_copy_(0, rows, o.float())
+        lse_TH.index_copy_(0, rows, lse)
+    return out_THD.to(q_THD.dtype), lse_TH.T
 
 
 def reference_bwd(

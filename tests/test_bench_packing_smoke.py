@@ -13,3 +13,26 @@ def test_bench_packing_runs_one_batch(tmp_path):
     layouts = json.loads(out.read_text())["layouts"]
     assert set(layouts) == {"bshd", "thd_padded_encoder", "thd"}
     assert layouts["thd"]["decoder_token_efficiency"] == 1.0
+
+
+def test_bench_packing_reports_the_compute_bound_beside_the_speedup(tmp_path):
+    """Issue 26, item 5: BSHD's computed frames, tokens and counted FLOPs over THD's, and the share of
+    that bound the measured speedup reaches."""
+    out = tmp_path / "packing.json"
+    argv = ["--durations", "lognormal", "--batches", "1", "--repeats", "1", "--json", str(out)]
+    assert load_benchmark("packing").main(argv) == 0
+    payload = json.loads(out.read_text())
+    layouts, thd = payload["layouts"], payload["bounds"]["thd"]
+    bshd = layouts["bshd"]
+    assert (
+        thd["encoder_frames_ratio"]
+        == bshd["encoder_frames_computed"] / layouts["thd"]["encoder_frames_computed"]
+    )
+    assert (
+        thd["decoder_tokens_ratio"]
+        == bshd["decoder_tokens_computed"] / layouts["thd"]["decoder_tokens_computed"]
+    )
+    assert thd["compute_bound"] == bshd["flops"] / layouts["thd"]["flops"]
+    assert thd["encoder_frames_ratio"] > 1 and thd["compute_bound"] > 1  # a log-normal batch has padding
+    assert thd["share_of_bound"] == thd["speedup"] / thd["compute_bound"]
+    assert thd["speedup"] == bshd["step_ms"] / layouts["thd"]["step_ms"]

@@ -41,6 +41,7 @@ from speechlm.data.sampler.build import (
     sampler_settings,
     text_tokens_of,
 )
+from speechlm.progress import Progress
 
 
 def read_plan_inputs(path: str | Path) -> SamplerInputs:
@@ -734,23 +735,36 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
+    # the phases, on a terminal only (speechlm.progress): reading 10M rows and planning take seconds
+    bar = Progress(4 if args.json else 3, "plan", "phases", leave=False)
+    with bar, bar.heartbeat():
+        return plan_and_report(args, req, bar)
+
+
+def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -> int:
+    """`speechlm plan` after its arguments are resolved: read, plan, summarize, print (and --json)."""
+    bar.phase("reading the manifest")
     try:
         inputs = plan_inputs(req)
     except (OSError, ValueError) as e:
+        bar.close()
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     settings = req.settings
+    bar.phase(f"planning {len(inputs.durations):,} utterances")
     try:  # the sampler training builds (rank 0's; the plan covers every dp rank)
         sampler = make_sampler(
             settings, inputs, dp_rank=0, epoch=req.epoch, max_text_tokens=req.cfg.data.max_tokens
         )
         plan = sampler.plan
     except ValueError as e:
+        bar.close()
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
     estimated = settings.bucket_boundaries is None  # sampler.bucket_boundaries=null: the sampler's estimate
     settings = replace(settings, bucket_boundaries=sampler.settings.bucket_boundaries)
     req = replace(req, settings=settings)
+    bar.phase("summarizing")
     summary = summarize_plan(
         plan,
         inputs,
@@ -772,17 +786,20 @@ def run_plan(args: argparse.Namespace) -> int:
         else f"{settings.max_batch_duration:g} s"
     )
     source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
+    if args.json:
+        bar.phase(f"writing {args.json}")
+        summary["manifest"] = source
+        summary["settings"] = req.as_json()
+        summary["ranks"] = [
+            [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
+        ]
+    bar.close()  # the display's line is erased before the report
     print(format_summary(summary, source, budget))
     warning = trim_warning(plan, settings.grad_accum)
     summary["warnings"] = [warning] if warning else []
     if warning:
         print(f"\n{warning}", file=sys.stderr)
     if args.json:
-        summary["manifest"] = source
-        summary["settings"] = req.as_json()
-        summary["ranks"] = [
-            [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
-        ]
         try:
             write_whole(Path(args.json), summary)
         except OSError as e:

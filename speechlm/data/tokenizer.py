@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names
     format_lang_tag,
 )
 from speechlm.errors import DataError, UsageError
+from speechlm.progress import Progress
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 SIDECAR_FORMAT = 1
@@ -69,6 +70,14 @@ def _iterate_training_text(texts: Iterable[str]) -> Iterator[str]:
         plain = _strip_special(str(text))
         if plain:
             yield plain
+
+
+def _counted(texts: Iterable[str], bar: Progress) -> Iterator[str]:
+    """`texts`, counting each on `bar`; once all are read, the bar says the pieces are being learned."""
+    for text in texts:
+        bar.update(1)
+        yield text
+    bar.set_fields(now="learning the pieces")
 
 
 def _split_prefix(out_prefix: str | Path) -> Path:
@@ -113,30 +122,34 @@ def train_tokenizer(
     prefix = _split_prefix(out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     user_symbols = [AUDIO] + [format_lang_tag(lang) for lang in langs]
-    sentences = _iterate_training_text(texts)
+    # on a terminal, a display counts the texts SentencePiece reads, then the elapsed time while it
+    # learns the pieces (a call that reports nothing: the heartbeat redraws); nothing in logs
+    bar = Progress(len(texts) if isinstance(texts, Sized) else None, "tokenizer", "texts read")
+    sentences = _iterate_training_text(_counted(texts, bar))
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences,
-            model_prefix=str(prefix),
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            hard_vocab_limit=False,
-            pad_id=0,
-            unk_id=1,
-            bos_id=2,
-            eos_id=3,
-            pad_piece=PAD,
-            unk_piece=UNK,
-            bos_piece=BOS,
-            eos_piece=EOS,
-            user_defined_symbols=user_symbols,
-            num_threads=1,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=1 << 16,
-            minloglevel=2,
-        )
+        with bar, bar.heartbeat():
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences,
+                model_prefix=str(prefix),
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                hard_vocab_limit=False,
+                pad_id=0,
+                unk_id=1,
+                bos_id=2,
+                eos_id=3,
+                pad_piece=PAD,
+                unk_piece=UNK,
+                bos_piece=BOS,
+                eos_piece=EOS,
+                user_defined_symbols=user_symbols,
+                num_threads=1,
+                input_sentence_size=0,
+                shuffle_input_sentence=False,
+                max_sentence_length=1 << 16,
+                minloglevel=2,
+            )
     except RuntimeError as e:
         raise TokenizerTrainingError(
             f"SentencePiece training for {prefix}.model failed: {e}. If the corpus is empty or tiny, "

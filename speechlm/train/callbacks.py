@@ -280,13 +280,6 @@ class TimeLimit(L.Callback):
         pl_module.deadline = self.deadline
 
 
-def build_progress_bar() -> L.Callback:
-    """Lightning's Rich bar, labelled with the optimizer step (one training_step is one optimizer step)."""
-    from speechlm.train.lightning_compat import step_progress_bar
-
-    return step_progress_bar()
-
-
 class FaultInjector(L.Callback):
     """Acts on `sigterm@N` and `sigkill@N`; must come before the checkpoint callback."""
 

@@ -116,6 +116,7 @@ def run_recipe(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any
 
     rank, world_size = world_from_env()
     run_dir = Path(cfg.trainer.run_dir)
+    started = time.time()
     # 1. manifests, the validator (before any weights are built), the layout, tokenizer and sampler
     inputs = prepare_inputs(cfg, rank, world_size)
     if dry_run:
@@ -141,28 +142,54 @@ def run_recipe(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any
         "train_minutes": total_train_minutes(trainer, elapsed),
     }
     if module.preempted:
-        return {**result, "preempted": True}
-    if already_evaluated(cfg, run_dir, ckpt, trainer.global_step):
+        result["preempted"] = True
+    elif already_evaluated(cfg, run_dir, ckpt, trainer.global_step):
         if rank == 0:
             print(
                 f"the run had already finished at step {trainer.global_step} and {run_dir / 'eval.json'} "
                 "holds its evaluation: kept as it is (trainer.validate_only=true evaluates again)"
             )
-        return result
-    try:
-        result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
-    except EvaluationInterrupted as e:
-        if rank == 0:
-            saved = run_dir / "checkpoints" / step_dir_name(trainer.global_step)
-            where = f"the trained weights are in {saved}" if saved.is_dir() else "no checkpoint was written"
-            print(
-                f"\nSIGTERM during the final evaluation ({e}): {where}; eval.json was not written. Evaluate "
-                f"later with trainer.resume={saved} trainer.validate_only=true",
-                file=sys.stderr,
-                flush=True,
-            )
-        return {**result, "preempted": True}
+    else:
+        try:
+            result.update(final_evaluation(cfg, inputs, module, run_dir, result, rank))
+        except EvaluationInterrupted as e:
+            if rank == 0:
+                saved = run_dir / "checkpoints" / step_dir_name(trainer.global_step)
+                where = (
+                    f"the trained weights are in {saved}" if saved.is_dir() else "no checkpoint was written"
+                )
+                print(
+                    f"\nSIGTERM during the final evaluation ({e}): {where}; eval.json was not written. Evaluate "
+                    f"later with trainer.resume={saved} trainer.validate_only=true",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            result["preempted"] = True
+    # 6. the end-of-run summary (rank 0): steps, audio, time, throughput/MFU, best validation, outputs
+    print_run_summary(cfg, run_dir, result, time.time() - started, rank)
     return result
+
+
+def print_run_summary(
+    cfg: ExperimentConfig, run_dir: Path, result: dict[str, Any], wall_seconds: float, rank: int
+) -> None:
+    if rank != 0:
+        return
+    from speechlm.config import TRAIN_PREFIX
+    from speechlm.metrics import lower_is_better
+    from speechlm.train.progress import run_summary
+
+    metric = cfg.trainer.best_metric
+    summary = run_summary(
+        run_dir,
+        steps=int(result["steps"]),
+        wall_seconds=wall_seconds,
+        train_minutes=float(result["train_minutes"]),
+        best_metric=metric,
+        lower_is_better=lower_is_better(metric.removeprefix(TRAIN_PREFIX)),
+        preempted=bool(result.get("preempted")),
+    )
+    print(f"\n{summary}", flush=True)
 
 
 def already_evaluated(cfg: ExperimentConfig, run_dir: Path, ckpt: Path | None, step: int) -> bool:
@@ -372,16 +399,18 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
         MetricsWriter,
         TimeLimit,
         ValidationCallback,
-        build_progress_bar,
     )
     from speechlm.train.evaluate import Evaluator, periodic_train_rows, with_train_split
     from speechlm.train.faults import active_faults
+    from speechlm.train.progress import StepProgress
     from speechlm.train.strategy import SpeechParallelStrategy
 
     t = cfg.trainer
     metrics = MetricsWriter(run_dir, t.log_every)
     faults = active_faults()  # the fault-injection harness (speechlm faults); empty in normal runs
-    callbacks: list[Any] = [metrics, *([FaultInjector(faults)] if faults else []), build_progress_bar()]
+    # the step display: a redrawing line on a terminal, plain lines in logs (train/progress.py); it
+    # replaces Lightning's bar, which counts an epoch's batches and draws to logs as well
+    callbacks: list[Any] = [metrics, *([FaultInjector(faults)] if faults else []), StepProgress()]
     if inputs.val_table is not None and t.val_every > 0:
         evaluator: Any = Evaluator(cfg, inputs.tokenizer, inputs.val_table, inputs.rank)
         if t.val_train_batches > 0:  # the same training rows at every validation (evaluate.py module doc)
@@ -423,6 +452,7 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
         limit_val_batches=0,
         log_every_n_steps=max(1, t.log_every),
         enable_model_summary=False,
+        enable_progress_bar=False,
         precision="32-true",
         deterministic=False,
     )

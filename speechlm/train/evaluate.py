@@ -384,10 +384,19 @@ class Evaluator:
         return name if self.rows is None else f"{len(self.rows)} rows of {name}"
 
     def __call__(
-        self, module: Any, *, stop: Callable[[], bool] | None = None, progress: bool = False
+        self,
+        module: Any,
+        *,
+        stop: Callable[[], bool] | None = None,
+        progress: bool = False,
+        display: bool = False,
     ) -> dict[str, Any]:
         """Metrics of the split: loss, `<task>/<metric>` and `<task>/<metric>_<lang>` (`speechlm.metrics`),
         wer and wer_<lang> (ASR), utterances (scored), dropped (not readable).
+
+        `progress` (final evaluation): a line on the split, then a progress display of the batches on a
+        terminal (`speechlm.progress`), else a line per tenth of them (10 batches or more); `display`:
+        the terminal display only (`speechlm evaluate`).
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
@@ -404,7 +413,7 @@ class Evaluator:
                 f"batches ({len(share)} per data-parallel rank)",
                 flush=True,
             )
-        local = self.run_share(module, ds, share, comm, stop=stop, progress=progress)
+        local = self.run_share(module, ds, share, comm, stop=stop, progress=progress, display=display)
         # one gather: the rows, counts and drops of each dp rank from its primary member; the CE sums
         # from every CP shard (TP peers hold the same CE: counted once)
         gathered = comm.gather_objects((comm.primary, comm.shard_primary, local))
@@ -434,38 +443,59 @@ class Evaluator:
         *,
         stop: Callable[[], bool] | None,
         progress: bool,
+        display: bool = False,
     ) -> SlotResult:
         """Load, decode and score this rank's slots one at a time (every rank runs the same forwards)."""
         import time
 
+        from speechlm.progress import Progress
+
         out = SlotResult()
         every = max(1, len(share) // 10)
         t0 = time.time()
-        for i, (want, batch) in enumerate(zip(share, self.load_slots(ds, share))):
-            if stop is not None:
-                if comm.any(stop()):
-                    from speechlm.train.preempt import EvaluationInterrupted
+        bar = Progress(
+            len(share),
+            f"evaluating {self.split}",
+            "batches",
+            rank=self.rank,
+            enabled=None if progress or display else False,
+            leave=False,
+        )
+        try:
+            for i, (want, batch) in enumerate(zip(share, self.load_slots(ds, share))):
+                if stop is not None:
+                    if comm.any(stop()):
+                        from speechlm.train.preempt import EvaluationInterrupted
 
-                    raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
-            out.rows += decode_shard(
-                module.model,
-                [batch],
-                self.tokenizer,
-                device=module.device,
-                comm=comm,
-                max_new_tokens=self.max_new_tokens,
-                spec=self.spec,
-            )
-            ce, n = self.batch_loss(module, batch)
-            out.ce += ce
-            out.n_tokens += n
-            decoded = set(batch.indices)
-            out.dropped_rows += [r for r in want if r not in decoded]
-            for k, v in batch.dropped.items():
-                out.dropped_reasons[k] = out.dropped_reasons.get(k, 0) + int(v)
-            out.dropped_files += list(batch.dropped_files)
-            if progress and self.rank == 0 and len(share) >= 10 and (i + 1) % every == 0:
-                print(f"  evaluated {i + 1}/{len(share)} batches ({time.time() - t0:.0f} s)", flush=True)
+                        raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
+                out.rows += decode_shard(
+                    module.model,
+                    [batch],
+                    self.tokenizer,
+                    device=module.device,
+                    comm=comm,
+                    max_new_tokens=self.max_new_tokens,
+                    spec=self.spec,
+                )
+                ce, n = self.batch_loss(module, batch)
+                out.ce += ce
+                out.n_tokens += n
+                decoded = set(batch.indices)
+                out.dropped_rows += [r for r in want if r not in decoded]
+                for k, v in batch.dropped.items():
+                    out.dropped_reasons[k] = out.dropped_reasons.get(k, 0) + int(v)
+                out.dropped_files += list(batch.dropped_files)
+                bar.update(1)
+                if (
+                    progress
+                    and not bar.active
+                    and self.rank == 0
+                    and len(share) >= 10
+                    and (i + 1) % every == 0
+                ):
+                    print(f"  evaluated {i + 1}/{len(share)} batches ({time.time() - t0:.0f} s)", flush=True)
+        finally:
+            bar.close()
         return out
 
     @staticmethod

@@ -38,51 +38,6 @@ def set_scheduler_lrs(sched: torch.optim.lr_scheduler.LRScheduler, step: int, lr
     sched._last_lr = list(lrs)  # type: ignore[assignment]
 
 
-def format_bar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The bar's metrics with the learning rates (`lr`, `lr_*`) as text of 3 significant digits: Rich's bar
-    prints every float with 3 decimals, so a warmup rate of 4e-05 read "lr: 0.000"."""
-    out = dict(metrics)
-    for key, value in metrics.items():
-        if (key == "lr" or key.startswith("lr_")) and isinstance(value, (int, float, torch.Tensor)):
-            out[key] = f"{float(value):.3g}"
-    return out
-
-
-def step_progress_bar() -> Any:
-    """Lightning's Rich bar labelled with the optimizer step and epoch; its tqdm bar without `rich`.
-    Both show the learning rate with 3 significant digits (`format_bar_metrics`).
-
-    Rich's train description is set by a private method and refreshed through private attributes."""
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-    try:
-        import rich  # noqa: F401
-    except ImportError:
-
-        class StepTQDMBar(TQDMProgressBar):
-            def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
-                return format_bar_metrics(super().get_metrics(trainer, pl_module))
-
-        return StepTQDMBar()
-
-    class StepProgressBar(RichProgressBar):
-        def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
-            return format_bar_metrics(super().get_metrics(trainer, pl_module))
-
-        def _get_train_description(self, current_epoch: int) -> str:
-            t = self.trainer
-            return f"step {t.global_step}/{t.max_steps} · epoch {current_epoch}"
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if self.progress is not None and self.train_progress_bar_id is not None:
-                self.progress.update(
-                    self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch)
-                )
-
-    return StepProgressBar()
-
-
 def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
     """Write what `ModelParallelStrategy.save_checkpoint` writes (DCP shards of the model and optimizer
     states, the rest in `meta.pt`) for a one-process run, with DCP's ``no_dist=True``.

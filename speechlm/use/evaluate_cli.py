@@ -163,7 +163,7 @@ def evaluate_checkpoint(
     if not quiet:
         _stderr(f"evaluating {loaded.ckpt} (step {loaded.step}) on {manifest}: {len(table)} utterances, "
                 f"{world_size} process(es)")  # fmt: skip
-    metrics = evaluator(module)
+    metrics = evaluator(module, display=True)  # a progress display on a terminal (rank 0)
     counts = evaluator.last_counts
     scores = {k: v for k, v in metrics.items() if k not in ("utterances", "dropped")}
     record = {"checkpoint": str(loaded.ckpt), "step": loaded.step, "manifest": str(manifest), **scores}

@@ -14,7 +14,8 @@ Output: one JSON line per input, in input order: ``{"path", "lang", "text"}`` (`
 tag the model emitted, null when it emitted none; a manifest adds ``row``). An input that cannot be
 used (missing file, undecodable audio, a manifest row the trainer would drop) gets
 ``{"path", "error"}`` instead, the others are still transcribed, and the command exits 1 after
-writing everything. A progress bar goes to stderr when there is more than one batch.
+writing everything. A progress display goes to stderr when there is more than one batch and the
+output is a terminal (`speechlm.progress`; none in logs or pipes).
 
 Interruption: ``--out`` is written once, at the end, into a temporary file renamed over it; a
 process stopped by SIGTERM or SIGKILL leaves ``--out`` as it was before (absent, or the previous
@@ -295,9 +296,9 @@ def transcribe(
 ) -> list[dict[str, Any]]:
     """Decode every batch; one record per input, in input order."""
     import torch
-    from tqdm import tqdm
 
     from speechlm.data.text import decode_hypothesis
+    from speechlm.progress import Progress
 
     device = next(um.model.parameters()).device
     records: list[dict[str, Any] | None] = [None] * len(source)
@@ -306,7 +307,7 @@ def transcribe(
         file=sys.stderr,
         flush=True,
     )
-    bar = tqdm(total=len(source), unit="utt", file=sys.stderr, disable=len(batches) < 2, dynamic_ncols=True)
+    bar = Progress(len(source), "transcribing", "utt", enabled=None if len(batches) > 1 else False)
     for batch in batches:
         ok: list[tuple[int, Any]] = []
         for i, audio, error in source.load(batch):

@@ -721,7 +721,7 @@ def test_shards_write_full_disk_is_an_output_error_and_rerun_completes(files, ca
     argv = ["shards", "write", str(files["good_parquet"]), "--out", str(out), "--shard-size", "1"]
     code, _, err = _run(capsys, argv)
     assert code == EXIT_OUTPUT
-    assert err.startswith("\rshards: 1/2 written") and err.count("\n") == 2  # progress, then the error
+    assert err.startswith("shards: 1/2 written") and err.count("\n") == 2  # progress, then the error
     _assert_one_error(err.splitlines()[-1])
     assert str(out / "shard-000001.tar") in err and "No space left" in err and "run" in err
     assert not (out / "index.parquet").exists()

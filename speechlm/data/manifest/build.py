@@ -46,6 +46,7 @@ from speechlm.data.manifest.report import DROP_REASONS, UNKNOWN_LANG, BuildRepor
 from speechlm.data.manifest.schema import ManifestError, _dictionary, _encode_sorted, build_manifest_table
 from speechlm.data.manifest.split import HASHED, check_train_rows, hash_uniform, split_codes, split_val
 from speechlm.data.text import clean_text, lang_tag, normalize_lang
+from speechlm.progress import Progress
 
 _TAG_PATTERN = r"^\s*<\|(?P<tag>[A-Za-z][A-Za-z0-9_-]*)\|>"
 DEFAULT_MIN_DURATION = 0.5
@@ -194,22 +195,28 @@ def build_manifest(
         },
     )
     rows, shard, shard_names = read_shard_rows(shards_dir, report, skip_bad_shards=skip_bad_shards)
-    duration = _as_float64(rows.column("duration"))
-    reason = filter_rows(
-        rows, duration, min_duration=min_duration, max_duration=max_duration, min_quality=min_quality
-    )
-    survivors, cleaned = clean_texts(rows, reason)
-    keep, seg_ids, cleaned = first_of_each_id(rows, survivors, cleaned, reason)
-    table, lang_codes, lang_names = assemble_manifest(
-        rows, keep, seg_ids, cleaned, duration, shard, shard_names
-    )
-    fixed = rows.column("split").to_numpy()[keep]
-    is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction, fixed)
-    check_train_rows(is_val, lang_codes, lang_names)
-    _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
-    _fill_split_source(report, lang_names, lang_codes, is_val, fixed)
-    report.elapsed_s = round(time.perf_counter() - start, 3)
-    write_build(table, is_val, report, shards_dir, out_dir)
+    # the rest in phases, shown on a terminal (speechlm.progress; nothing in logs)
+    with Progress(4, "manifest build", "phases", leave=False) as bar, bar.heartbeat():
+        bar.phase("filtering rows")
+        duration = _as_float64(rows.column("duration"))
+        reason = filter_rows(
+            rows, duration, min_duration=min_duration, max_duration=max_duration, min_quality=min_quality
+        )
+        bar.phase("cleaning texts")
+        survivors, cleaned = clean_texts(rows, reason)
+        bar.phase("assembling and splitting")
+        keep, seg_ids, cleaned = first_of_each_id(rows, survivors, cleaned, reason)
+        table, lang_codes, lang_names = assemble_manifest(
+            rows, keep, seg_ids, cleaned, duration, shard, shard_names
+        )
+        fixed = rows.column("split").to_numpy()[keep]
+        is_val = split_val(hash_uniform(table.column("segment_id"), seed), lang_codes, val_fraction, fixed)
+        check_train_rows(is_val, lang_codes, lang_names)
+        _fill_counts(report, rows.column("lang"), reason, lang_names, lang_codes, is_val, duration[keep])
+        _fill_split_source(report, lang_names, lang_codes, is_val, fixed)
+        report.elapsed_s = round(time.perf_counter() - start, 3)
+        bar.phase("writing")
+        write_build(table, is_val, report, shards_dir, out_dir)
     return report
 
 
@@ -236,15 +243,17 @@ def read_shard_rows(
     shard_codes: list[np.ndarray] = []
     shard_names: list[str] = []
     failures: dict[str, str] = {}
-    for shard_dir in shards:
-        try:
-            table = _read_shard(shard_dir)
-        except ManifestError as e:
-            failures[str(shard_dir)] = str(e)
-            continue
-        tables.append(table)
-        shard_codes.append(np.full(len(table), len(shard_names), np.int32))
-        shard_names.append(shard_dir.name)
+    with Progress(len(shards), "reading shards", "shards", leave=False) as bar:
+        for shard_dir in shards:
+            bar.update(1)
+            try:
+                table = _read_shard(shard_dir)
+            except ManifestError as e:
+                failures[str(shard_dir)] = str(e)
+                continue
+            tables.append(table)
+            shard_codes.append(np.full(len(table), len(shard_names), np.int32))
+            shard_names.append(shard_dir.name)
     if failures and not skip_bad_shards:
         listing = "\n".join(f"  - {path}: {msg}" for path, msg in failures.items())
         raise ManifestError(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,10 @@ from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import locate_members, with_tar_locators
 from speechlm.data.sources.shards import (
+    ShardProgress,
     SourceReport,
     check_out_dir,
     plan_audio,
-    print_progress,
     write_one_tar,
 )
 from speechlm.data.text import split_lang_tag
@@ -121,7 +120,7 @@ def write_nemo_tarred(
     n = len(names)
     n_shards = (n + shard_size - 1) // shard_size
     every: list[dict[str, Any]] = []
-    t0 = time.monotonic()
+    progress = ShardProgress(n_shards, n)
     for k, lo in enumerate(range(0, n, shard_size)):
         hi = min(n, lo + shard_size)
         write_one_tar(out / f"audio_{k}.tar", list(zip(names[lo:hi], resolved[lo:hi])))
@@ -137,7 +136,8 @@ def write_nemo_tarred(
         ]
         _write_json_lines(out / SHARDED_DIR / f"manifest_{k}.json", lines)
         every.extend(lines)
-        print_progress(k, n_shards, hi, n, t0)
+        progress.written(k, hi)
+    progress.close()
     _write_json_lines(out / MANIFEST_NAME, every)
     return out / MANIFEST_NAME
 

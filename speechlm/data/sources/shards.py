@@ -44,6 +44,7 @@ from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, durati
 from speechlm.data.sources.join import locate_members, with_tar_locators
 from speechlm.data.sources.report import SourceReport
 from speechlm.errors import OutputError
+from speechlm.progress import Progress
 
 INDEX_NAME = "index.parquet"
 PARTIAL_PATTERNS = ("shard-*.tar", ".shard-*.tar.tmp", f".{INDEX_NAME}.tmp")
@@ -190,13 +191,29 @@ def check_out_dir(out: Path, complete: str, partial: tuple[str, ...]) -> list[Pa
     return sorted(ours)
 
 
-def print_progress(k: int, n_shards: int, done: int, n: int, t0: float) -> None:
-    print(
-        f"\rshards: {k + 1}/{n_shards} written ({done}/{n} utterances, {time.monotonic() - t0:.0f} s)",
-        end="" if k + 1 < n_shards else "\n",
-        file=sys.stderr,
-        flush=True,
-    )
+class ShardProgress:
+    """Progress of a shard write: a display on a terminal (`speechlm.progress`), else a plain line on
+    stderr per tenth of the shards (and the last one)."""
+
+    def __init__(self, n_shards: int, n: int):
+        self.bar = Progress(n_shards, "shards", "written")
+        self.n_shards, self.n = n_shards, n
+        self.every = max(1, n_shards // 10)
+        self.t0 = time.monotonic()
+
+    def written(self, k: int, done: int) -> None:
+        """Shard `k` (0-based) is written; `done` utterances so far."""
+        self.bar.update(1, utterances=f"{done}/{self.n}")
+        if not self.bar.active and ((k + 1) % self.every == 0 or k + 1 == self.n_shards):
+            print(
+                f"shards: {k + 1}/{self.n_shards} written ({done}/{self.n} utterances, "
+                f"{time.monotonic() - self.t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _tar_name(i: int) -> str:
@@ -263,8 +280,8 @@ def write_shards(
     tars: list[str] = []
     tar_of_row = np.zeros(n, np.int32)
     shard_sizes: dict[str, int] = {}
-    t0 = time.monotonic()
     n_shards = (n + shard_size - 1) // shard_size
+    progress = ShardProgress(n_shards, n)
     for k, lo in enumerate(range(0, n, shard_size)):
         hi = min(n, lo + shard_size)
         tar = _tar_name(k)
@@ -272,8 +289,7 @@ def write_shards(
             placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
         except OSError as e:
             (out / f".{tar}.tmp").unlink(missing_ok=True)
-            if k:
-                print(file=sys.stderr)  # end the progress line
+            progress.close()  # end the display line before the error
             raise ShardWriteError(
                 f"cannot write {out / tar}: {e.strerror or e}; {out} now holds an interrupted write "
                 "(no index.parquet, refused by readers): free space or fix the folder, then run the "
@@ -284,7 +300,8 @@ def write_shards(
         tars.append(tar)
         tar_of_row[lo:hi] = k
         shard_sizes[tar] = (out / tar).stat().st_size
-        print_progress(k, n_shards, hi, n, t0)
+        progress.written(k, hi)
+    progress.close()
     columns = {f.name: table.column(f.name) for f in MANIFEST_SCHEMA}
     columns["audio_filepath"] = pa.chunked_array([pa.array(names, pa.string())])
     columns["duration"] = pa.chunked_array([pa.array(plan.durations.astype(np.float32), pa.float32())])
