@@ -60,8 +60,10 @@ def run_piped(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def terminal(monkeypatch):
-    """Pretend stderr is a terminal (the display draws into what capsys captures)."""
+    """Pretend stderr is a terminal (the display draws into what capsys captures), 200 columns wide: the
+    line is cut to the terminal's width, which under pytest-xdist is the 80 of no terminal."""
     monkeypatch.setattr(progress, "progress_enabled", lambda rank=0: rank == 0)
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 # ------------------------------------------------------------------------------------------ the display
