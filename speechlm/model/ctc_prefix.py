@@ -144,9 +144,8 @@ class JointCTCScorer:
             return
         sel = torch.nonzero(move).flatten()
         b, c = b_all[sel], c_all[sel]
-        x = self.x_BTV[b]  # [M, T, V]
-        xc = x[torch.arange(len(b), device=x.device), :, c]  # [M, T]
-        xb = x[:, :, self.blank]
+        xc = self.x_BTV[b, :, c]  # [M, T]: the chosen token's frames, without copying [M, T, V]
+        xb = self.x_BTV[b, :, self.blank]
         r_n, r_b = self.r_n_BT[b], self.r_b_BT[b]
         both = torch.logaddexp(r_n, r_b)
         phi = torch.where((c == self.last_B[b])[:, None], r_b, both)

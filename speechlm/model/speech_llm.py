@@ -273,21 +273,12 @@ class SpeechLLM(nn.Module):
         here (`ctc_targets`). ``weights_B``: a weight per clip (conversations: 0 for a clip without a
         transcript); None sums every clip.
         """
-        if self.ctc_head is None:
-            raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
-        packed = isinstance(enc_hidden, PackedFrames)
-        hidden: Tensor = enc_hidden.data_UE if isinstance(enc_hidden, PackedFrames) else enc_hidden
-        device = hidden.device
+        log_probs_UBV = self.ctc_log_probs(enc_hidden, enc_lens_B)
+        device = log_probs_UBV.device
         n_clips = int(enc_lens_B.numel())
         lens_B = enc_lens_B.to(device=device, dtype=torch.long)
         targets_BL, target_lens_B = self.ctc_targets(tokens_BL.to(device), token_lens_B.to(device))
-        logits = self.ctc_head(hidden)  # in the compute dtype (autocast / FSDP params)
         with torch.autocast(device_type=device.type, enabled=False):
-            log_probs = logits.float().log_softmax(dim=-1)
-            if packed:
-                log_probs_UBV = _packed_to_time_major(log_probs, lens_B)
-            else:
-                log_probs_UBV = log_probs.transpose(0, 1)
             loss = nn.functional.ctc_loss(
                 log_probs_UBV,
                 targets_BL.to(torch.long),
@@ -300,6 +291,20 @@ class SpeechLLM(nn.Module):
             if weights_B is not None:
                 loss = (loss * weights_B.to(device=device, dtype=loss.dtype)).sum()
         return loss, n_clips
+
+    def ctc_log_probs(self, enc_hidden: PackedFrames | Tensor, enc_lens_B: Tensor) -> Tensor:
+        """The CTC head's fp32 log-probabilities ``[max U, B, V]`` (zeros past each clip): what the loss
+        (`ctc_loss_sum`) and joint decoding (`_joint_ctc_pick`) read. `PackedFrames`: the head and the
+        log-softmax run on the real frames only; a padded ``[B, U, E]`` tensor: on every frame."""
+        if self.ctc_head is None:
+            raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
+        hidden: Tensor = enc_hidden.data_UE if isinstance(enc_hidden, PackedFrames) else enc_hidden
+        logits = self.ctc_head(hidden)  # in the compute dtype (autocast / FSDP params)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            log_probs = logits.float().log_softmax(dim=-1)
+            if isinstance(enc_hidden, PackedFrames):
+                return _packed_to_time_major(log_probs, enc_lens_B.to(device=hidden.device, dtype=torch.long))
+            return log_probs.transpose(0, 1)
 
     def ctc_targets(self, tokens_BL: Tensor, token_lens_B: Tensor) -> tuple[Tensor, Tensor]:
         """CTC targets from the collated tokens: drop the first ``ctc_skip_leading`` (the language tag)."""
@@ -605,14 +610,8 @@ class SpeechLLM(nn.Module):
             return None
         from speechlm.model.ctc_prefix import JointCTCScorer
 
-        hidden = enc.enc_hidden
         lens_C = enc.enc_lens_B.to(torch.long)
-        with torch.autocast(device_type=lens_C.device.type, enabled=False):
-            if isinstance(hidden, PackedFrames):
-                logp = self.ctc_head(hidden.data_UE).float().log_softmax(dim=-1)
-                logp_CTV = _packed_to_time_major(logp, lens_C.to(logp.device)).transpose(0, 1)
-            else:
-                logp_CTV = self.ctc_head(hidden).float().log_softmax(dim=-1)
+        logp_CTV = self.ctc_log_probs(enc.enc_hidden, lens_C).transpose(0, 1)
         if clip_of_row is None:
             clip_of_row = list(range(int(lens_C.numel())))
         if not any(c is not None for c in clip_of_row):
