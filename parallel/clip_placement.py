@@ -96,15 +96,19 @@ class ClipSharding:
         return sum(self.frames[i] for i in self.sharded_indices)
 
 
-def place_clips(frames: Sequence[int], cp: int, *, min_frames: int) -> ClipSharding:
+def place_clips(frames: Sequence[int], cp: int, *, min_frames: int, min_slice: int = 0) -> ClipSharding:
     """Decide which clips of a micro-batch are sharded over the CP group (module docstring): clip i when
-    cp > 1, ``frames[i] > min_frames`` and ``frames[i] > sum(frames) / cp``. Deterministic: the same
-    arguments give the same decision on every rank; the rank is not an argument."""
-    if cp < 1 or min_frames < 0:
-        raise ValueError(f"cp={cp} must be >= 1 and min_frames={min_frames} >= 0")
+    cp > 1, ``frames[i] > min_frames``, ``frames[i] > sum(frames) / cp`` and every rank's slice holds at
+    least ``min_slice`` frames (the halo a slice sends its neighbours: the attention window's and the
+    convolution's widths). Deterministic: the same arguments give the same decision on every rank; the
+    rank is not an argument."""
+    if cp < 1 or min_frames < 0 or min_slice < 0:
+        raise ValueError(f"cp={cp} must be >= 1, min_frames={min_frames} and min_slice={min_slice} >= 0")
     lens = tuple(int(n) for n in frames)
     if any(n < 0 for n in lens):
         raise ValueError(f"encoder frames must be >= 0, got {list(lens)[:8]}")
     total = sum(lens)
-    sharded = tuple(cp > 1 and n > min_frames and n * cp > total for n in lens)
+    sharded = tuple(
+        cp > 1 and n > min_frames and n * cp > total and n // cp >= min_slice for n in lens
+    )
     return ClipSharding(cp, lens, sharded, int(min_frames))

@@ -43,10 +43,13 @@ from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
+from parallel.clip_handover import Handover
+from parallel.clip_placement import ClipSharding, place_clips
 from parallel.cp_attention import CPAttention, CPAttentionContext
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
 from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
+from parallel.halo import Exchange, HaloExchange
 from parallel.dist_encode import dummy_clip as dummy_clip  # re-exported: the model's no-clip dummy
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
@@ -102,8 +105,35 @@ class CPLayout(Protocol):
     def place(self, seq_lens: Sequence[int]) -> CPPlan: ...
 
     def encode(
-        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
-    ) -> PlacedEncoding[E]: ...
+        self,
+        encode_fn: EncodeFn[E],
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        plan: CPPlan,
+        skip: Sequence[bool] = (),
+    ) -> PlacedEncoding[E]:
+        """Encode the clips (``skip[i]``: clip i is sharded, encoded by `halo`'s callers, left None)."""
+        ...
+
+    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
+        """Which clips the encoder shards over the CP group (`parallel.clip_placement.place_clips`)."""
+        ...
+
+    def halo(self) -> Exchange:
+        """The halo exchange of a sharded clip's slices (`parallel.halo`)."""
+        ...
+
+    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
+        """A sharded clip's projected rows to the ranks whose streams hold them (`parallel.sharded_clip`)."""
+        ...
+
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
+        """A sharded clip's encoder frames, every rank's slice, on every rank (`parallel.sharded_clip`)."""
+        ...
+
+    def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The audio side's outputs through one autograd node (`parallel.sharded_clip.tie`)."""
+        ...
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
@@ -216,13 +246,35 @@ class NullCPLayout:
         return WholePlan(round_lengths(seq_lens, self.round_cp, self.tp, self.pad_to_multiple))
 
     def encode(
-        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
+        self,
+        encode_fn: EncodeFn[E],
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        plan: CPPlan,
+        skip: Sequence[bool] = (),
     ) -> PlacedEncoding[E]:
+        if any(skip):
+            raise ValueError("one CP rank shards no clip: skip must be all False")
         if audio_BN.shape[0] == 0:  # samples without audio only: a dummy keeps the encoder in the graph
             embeds, extra = encode_fn(*dummy_clip(audio_BN, audio_lens_B))
             return PlacedEncoding([], [], extra, 0.0, unused=list(embeds))
         embeds, extra = encode_fn(audio_BN, audio_lens_B)
         return PlacedEncoding(list(embeds), list(range(len(embeds))), extra)
+
+    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
+        return place_clips(frames, 1, min_frames=min_frames)  # nothing is sharded on one rank
+
+    def halo(self) -> Exchange:
+        raise RuntimeError("one CP rank shards no clip: there is no halo to exchange")
+
+    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
+        raise RuntimeError("one CP rank shards no clip: there is nothing to hand over")
+
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
+        raise RuntimeError("one CP rank shards no clip: there are no slices to gather")
+
+    def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return list(tensors)  # one rank: no collective to keep in order
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
@@ -267,7 +319,12 @@ class DynamicCPLayout:
         return placement.local(self.cp_rank)
 
     def encode(
-        self, encode_fn: EncodeFn[E], audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan
+        self,
+        encode_fn: EncodeFn[E],
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        plan: CPPlan,
+        skip: Sequence[bool] = (),
     ) -> PlacedEncoding[E]:
         return encode_placed(
             encode_fn,
@@ -278,7 +335,29 @@ class DynamicCPLayout:
             group=self.group,
             cp_rank=self.cp_rank,
             cp_size=self.cp_size,
+            skip=skip,
         )
+
+    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
+        return place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice)
+
+    def halo(self) -> Exchange:
+        return HaloExchange(self.group)
+
+    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
+        from parallel.sharded_clip import hand_over
+
+        return hand_over(x_PH, handover, self.cp_rank, self.group)
+
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
+        from parallel.sharded_clip import gather_slices
+
+        return gather_slices(x_UE, counts, self.cp_rank, self.group)
+
+    def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        from parallel.sharded_clip import tie
+
+        return tie(tensors)
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

@@ -39,7 +39,7 @@ clip. Dummies pass through batch statistics if the encoder has BatchNorm in trai
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -94,12 +94,15 @@ def encode_placed(
     cp_rank: int,
     cp_size: int,
     dummy_len: int = 1600,
+    skip: Sequence[bool] = (),
 ) -> PlacedEncoding[E]:
     """Encode the clips this rank owns, in one ``encode_fn`` call, and all-gather only the ``gathered``
     ones (the clips of split sequences); a whole sequence's clip stays on its owner (module docstring).
 
     ``owners[i]`` is the rank that encodes clip i; ``owners`` and ``gathered`` must be identical on
-    every CP rank (they come from `parallel.cp_placement`, a pure function of the micro-batch). Every
+    every CP rank (they come from `parallel.cp_placement`, a pure function of the micro-batch);
+    ``skip[i]``: clip i is sharded over the group and encoded by the caller (`parallel.clip_placement`),
+    so it is neither encoded nor gathered here and its entry stays None. Every
     rank calls ``encode_fn`` exactly once (a rank that owns no clip encodes a dummy; the placement
     only leaves a rank without a clip when some clip is gathered), so FSDP2's collectives of the
     encoder stay in lockstep. When some clip is gathered, all of this rank's outputs (its gathered
@@ -114,9 +117,13 @@ def encode_placed(
         raise ValueError(f"owners/gathered have {len(owners)}/{len(gathered)} entries for {num_clips} clips")
     if any(not 0 <= o < cp_size for o in owners):
         raise ValueError(f"owners must be CP ranks in [0, {cp_size}), got {owners}")
+    if skip and len(skip) != num_clips:
+        raise ValueError(f"skip has {len(skip)} entries for {num_clips} clips")
+    elsewhere = [bool(x) for x in skip] or [False] * num_clips  # sharded clips: encoded by the caller
+    gathered = [g and not e for g, e in zip(gathered, elsewhere)]
     any_gathered = cp_size > 1 and any(gathered)
     sent = [[i for i, o in enumerate(owners) if o == r and gathered[i]] for r in range(cp_size)]
-    kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i]]
+    kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i] and not elsewhere[i]]
     mine = sent[cp_rank] + kept  # gathered ones first: the head of the exchange below
     if mine:
         idx = torch.tensor(mine, dtype=torch.long, device=audio_BN.device)

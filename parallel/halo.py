@@ -23,6 +23,7 @@ The model never calls torch.distributed: the training layer (or a test) binds th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,9 @@ from torch import Tensor
 
 from parallel.collectives import all_gather_into
 
-__all__ = ["HaloExchange", "halo_exchange"]
+__all__ = ["Exchange", "HaloExchange", "halo_exchange"]
+
+Exchange = Callable[[Tensor, int, int], tuple[Tensor, int, int]]  # (x_UE, l, r) -> (x_ext, n_l, n_r)
 
 
 def _gather_blocks(payload: Tensor, group: Any) -> Tensor:

@@ -266,6 +266,27 @@ def plan_thd(
     )
 
 
+def clip_offsets(
+    prompts: Sequence[Prompt], seq_of_clip: Sequence[int], audio_lens: Sequence[int], audio_id: int
+) -> list[int]:
+    """Per clip, the row of its (expanded) sequence where its first audio frame sits, as `plan_thd` lays it
+    out: clip c is the next placeholder of prompt ``seq_of_clip[c]`` (clips in prompt order), and each
+    earlier clip of that prompt adds its ``audio_lens`` frames less the one placeholder row."""
+    where = {}
+    out = []
+    for c, s in enumerate(seq_of_clip):
+        if s not in where:
+            ids = _as_prompt(s, prompts[s])[0]
+            where[s] = (torch.nonzero(ids == audio_id).flatten().tolist(), [0])
+        places, shift = where[s]
+        j = len(shift) - 1
+        if j >= len(places):
+            _raise_placeholder_error(s, len(places), audio_id, j + 1)
+        out.append(places[j] + shift[-1])
+        shift.append(shift[-1] + int(audio_lens[c]) - 1)
+    return out
+
+
 def _check_audio_embeds(
     audio_embeds: Sequence[Tensor], audio_lens: Sequence[int], hidden: int, one_clip: bool = True
 ) -> None:

@@ -103,14 +103,37 @@ def make_text_and_audio_batch(seed: int, n_rows: int) -> Batch:
     return make_conv_batch(seed, n_rows, VOCAB, text_rows=1)
 
 
+def make_long_clip_batch(seed: int, n_rows: int) -> Batch:
+    """`make_batch` whose first clip lasts 33-37 s: longer than the 30 s below which a clip is never
+    sharded, so under CP (with limited-context attention) the encoder shards it over the group
+    (`parallel.clip_placement`), beside n_rows - 1 short clips encoded whole; its transcript is long."""
+    g = torch.Generator().manual_seed(seed + 7)
+    batch = make_batch(seed, n_rows)
+    n_long = int(torch.randint(33 * 16000, 37 * 16000, (1,), generator=g))
+    audio = torch.zeros(n_rows, max(n_long, batch.audio.shape[1]))
+    audio[:, : batch.audio.shape[1]] = batch.audio
+    audio[0, :n_long] = 0.3 * torch.randn(n_long, generator=g)
+    lens = batch.audio_lens.clone()
+    lens[0] = n_long
+    tlens = batch.token_lens.clone()
+    tlens[0] = 40
+    tokens = torch.zeros(n_rows, 40, dtype=torch.long)
+    tokens[:, : batch.tokens.shape[1]] = batch.tokens
+    tokens[0, 1:40] = torch.randint(5, VOCAB, (39,), generator=g)
+    return dataclasses.replace(
+        batch, audio=audio, audio_lens=lens, tokens=tokens, token_lens=tlens, durations=lens.float() / 16000
+    )
+
+
 def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -> list[list[Batch]]:
     """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
-    ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`)
-    or "text+audio" (`make_text_and_audio_batch`)."""
+    ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`),
+    "text+audio" (`make_text_and_audio_batch`) or "long" (`make_long_clip_batch`)."""
     make = {
         "clips": make_batch,
         "conversations": make_conversation_batch,
         "text+audio": make_text_and_audio_batch,
+        "long": make_long_clip_batch,
     }[batches]
     return [[make(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
 

@@ -29,13 +29,13 @@ and docs/parallelism.md say so. Model code: the exchange is a callable the train
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from parallel.halo import Exchange
 from parallel.varlen_meta import build_varlen_meta
 from speechlm.model.packed_encoder import (
     WindowContext,
@@ -44,7 +44,6 @@ from speechlm.model.packed_encoder import (
     windowed_self_attention,
 )
 
-Exchange = Callable[[Tensor, int, int], tuple[Tensor, int, int]]  # (x_UE, l, r) -> (x_ext, n_l, n_r)
 SUBSAMPLING_MARGIN = 4  # encoder frames recomputed on each side of a slice by the subsampling
 
 

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from parallel.clip_placement import ClipSharding
 from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, dummy_clip, plan_for_clips
 from speechlm.config import ModelConfig
 from speechlm.flops import MicroWork, record_work
@@ -73,8 +74,8 @@ from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
-from speechlm.model.projector import FrameStackProjector
-from speechlm.packing import IGNORE_INDEX, PackedBatch
+from speechlm.model.projector import FrameStackProjector, compute_stacked_lengths
+from speechlm.packing import IGNORE_INDEX, PackedBatch, clip_offsets
 from speechlm.prompt import PromptFormat
 
 
@@ -108,6 +109,11 @@ class EncoderOutput:
     # a dummy clip's embeddings no sample uses (this rank has no clip: samples without audio); the
     # loss keeps them with weight 0 so the projector and encoder stay in every rank's backward
     unused: list[Tensor] = field(default_factory=list)
+    # sharded clips (`SpeechLLM.encode_sharded`) whose CTC this rank computes: (batch row, the clip's
+    # encoder frames [U, E], every rank's slice gathered)
+    ctc_extra: list[tuple[int, Tensor]] = field(default_factory=list)
+    # feature frames of the sharded clips' slices this rank encoded (the FLOP count)
+    slice_feature_frames: list[int] = field(default_factory=list)
 
     @property
     def enc_lens(self) -> Tensor:
@@ -380,17 +386,115 @@ class SpeechLLM(nn.Module):
         self.cp_layout = layout
 
     def encode_for_layout(
-        self, audio_BN: Tensor, audio_lens_B: Tensor, plan: CPPlan, *, freeze_encoder: bool = False
+        self,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        plan: CPPlan,
+        *,
+        freeze_encoder: bool = False,
+        skip: Sequence[bool] = (),
     ) -> EncoderOutput:
-        """`encode_audio` through the CP layout: this rank's clips, the split sequences' clips gathered."""
+        """`encode_audio` through the CP layout: this rank's clips, the split sequences' clips gathered;
+        ``skip``: the clips sharded over the CP group (`encode_sharded` encodes them), left None here."""
 
         def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], tuple[PackedFrames | Tensor, Tensor]]:
             out = self.encode_audio(a, lens, freeze_encoder=freeze_encoder)
             return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B)
 
-        res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan)
+        res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan, skip)
         enc_hidden, enc_lens_B = res.extra
         return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
+
+    def clip_sharding(self, audio_lens_B: Tensor) -> ClipSharding | None:
+        """Which clips of a micro-batch the encoder shards over the CP group
+        (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP rank, an
+        encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""
+        halo = self.encoder.slice_halo
+        if self.cp_layout.cp_size == 1 or halo is None or not self.encoder_packed:
+            return None
+        from parallel.clip_placement import short_clip_frames
+        from speechlm.model.features import compute_feature_lengths
+
+        feat = compute_feature_lengths(audio_lens_B.cpu(), self.encoder.feature_settings.hop_length)
+        frames = [int(n) for n in self.encoder.output_lengths(feat)]
+        sharding = self.cp_layout.clip_sharding(
+            frames,
+            min_frames=short_clip_frames(self.encoder.subsampling),
+            min_slice=halo + self.projector.stack,  # a slice's halo, after the cut's stack alignment
+        )
+        return sharding if sharding.sharded_indices else None
+
+    def encode_sharded(
+        self,
+        enc: EncoderOutput,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        sharding: ClipSharding,
+        plan: CPPlan,
+        *,
+        seq_of_clip: Sequence[int],
+        offsets: Sequence[int],
+        freeze_encoder: bool = False,
+    ) -> None:
+        """Encode the clips ``sharding`` shards over the CP group into ``enc`` (issue 25; docs/parallelism.md):
+        each rank runs the encoder (`forward_slice`, halos from its neighbours) and the projector on its
+        contiguous slice of the clip's frames (`parallel.clip_placement.shard_bounds`, cut on the
+        projector's stack), then the layout hands the projected rows to the ranks whose LLM stream holds
+        them (`parallel.clip_handover`), and, with a CTC head, gathers the slices' encoder frames for the
+        rank that scores the clip's CTC (its owner in ``plan``). ``seq_of_clip[c]``: the sequence of clip
+        c; ``offsets[c]``: the row of that sequence where the clip's first frame sits. Finally every output of the audio side passes through one
+        autograd node (`CPLayout.tie`), which keeps the CP collectives of the backward in one order on
+        every rank."""
+        from parallel.clip_handover import Handover, clip_needs
+        from parallel.clip_placement import shard_bounds
+
+        lay, stack = self.cp_layout, self.projector.stack
+        cp, rank = lay.cp_size, lay.cp_rank
+        padded = dict(zip(plan.indices, plan.padded_lengths))
+        gathered, owners = plan.gathered, plan.clip_owners
+        sub = self.encoder.subsampling
+        for c in sharding.sharded_indices:
+            n = int(audio_lens_B[c])
+            bounds = shard_bounds(sharding.frames[c], cp, align=stack)
+            lo, hi = bounds[rank]
+            with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
+                feats, _ = self.features.packed(audio_BN[c : c + 1, :n], audio_lens_B[c : c + 1])
+                hidden_UE = self.encoder.forward_slice(feats, (lo, hi), lay.halo())
+            proj_PH, _ = self.projector(hidden_UE, torch.tensor([hi - lo], device=hidden_UE.device))
+            rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
+            have = [(a // stack, -(-b // stack)) for a, b in bounds]
+            need = clip_needs(
+                rows,
+                int(offsets[c]),
+                cp,
+                split=bool(gathered[c]),
+                padded_len=padded[seq_of_clip[c]] if gathered[c] else 0,
+                owner=int(owners[c]),
+            )
+            enc.embeds[c] = lay.hand_over(proj_PH, Handover.build(rows, have, need))
+            if self.ctc_head is not None:
+                full_UE = lay.gather_slices(hidden_UE, [b - a for a, b in bounds])
+                if owners[c] == rank:
+                    enc.ctc_extra.append((c, full_UE))
+                else:
+                    enc.unused.append(full_UE)
+            enc.slice_feature_frames.append((hi - lo) * sub)
+        self._tie_audio_side(enc)
+
+    def _tie_audio_side(self, enc: EncoderOutput) -> None:
+        """Pass every tensor of ``enc`` that reaches the loss through `CPLayout.tie` (one autograd node), and
+        keep one of them in the loss with weight 0 so that the node runs on every rank."""
+        hidden = enc.enc_hidden
+        data = hidden.data_UE if isinstance(hidden, PackedFrames) else hidden
+        slots = [i for i, e in enumerate(enc.embeds) if e is not None]
+        tensors = [data, *(enc.embeds[i] for i in slots), *(h for _, h in enc.ctc_extra), *enc.unused]
+        tied = iter(self.cp_layout.tie(tensors))
+        data = next(tied)
+        enc.enc_hidden = PackedFrames(data, hidden.lens_B) if isinstance(hidden, PackedFrames) else data
+        for i in slots:
+            enc.embeds[i] = next(tied)
+        enc.ctc_extra = [(c, next(tied)) for c, _ in enc.ctc_extra]
+        enc.unused = [next(tied) for _ in enc.unused] + [data]
 
     def ctc_of(
         self, enc: EncoderOutput, tokens_BL: Tensor, token_lens_B: Tensor, *, per_clip: bool = False
@@ -407,8 +511,29 @@ class SpeechLLM(nn.Module):
             n = len(enc.enc_lens_B)
             tokens = torch.full((n, 2), self.eos_id, dtype=torch.long, device=tokens_BL.device)
             lens = torch.full((n,), 2, dtype=torch.long, device=tokens_BL.device)
-        ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens, lens, weights)
-        return ctc_sum * enc.ctc_weight
+        if not enc.ctc_extra:
+            ctc_sum, _ = self.ctc_loss_sum(enc.enc_hidden, enc.enc_lens_B, tokens, lens, weights)
+            return ctc_sum * enc.ctc_weight
+        # the sharded clips this rank scores join the same head call (FSDP: one call per rank, like its
+        # peers), each with weight 1; the clips above keep theirs (times ctc_weight: 0 for a dummy)
+        if not isinstance(enc.enc_hidden, PackedFrames):
+            raise RuntimeError("a sharded clip needs the padding-free encoder (model.encoder.packed)")
+        rows = [c for c, _ in enc.ctc_extra]
+        extra_tokens, extra_lens = tokens_BL[rows], token_lens_B[rows]
+        data = enc.enc_hidden.data_UE
+        hidden = PackedFrames(
+            torch.cat([data, *(h.to(data.dtype) for _, h in enc.ctc_extra)]),
+            torch.cat([enc.enc_lens_B, enc.enc_lens_B.new_tensor([int(h.shape[0]) for _, h in enc.ctc_extra])]),
+        )
+        width = max(tokens.shape[1], extra_tokens.shape[1])
+        all_tokens = torch.cat(
+            [nn.functional.pad(t, (0, width - t.shape[1]), value=self.pad_id) for t in (tokens, extra_tokens)]
+        )
+        w_base = torch.ones(len(lens)) if weights is None else weights.float().cpu()
+        w_extra = (extra_lens > 0).float().cpu() if per_clip else torch.ones(len(rows))
+        all_w = torch.cat([w_base * enc.ctc_weight, w_extra])
+        ctc_sum, _ = self.ctc_loss_sum(hidden, hidden.lens_B, all_tokens, torch.cat([lens, extra_lens]), all_w)
+        return ctc_sum
 
     def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
         """One micro-batch (``audio`` [B, N], ``audio_lens`` [B], ``tokens`` [B, L] with the language tag
@@ -448,7 +573,21 @@ class SpeechLLM(nn.Module):
             seq_lens = [int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, audio_lens)]
             plan = enc_plan = lay.place(seq_lens)
             ctc_tokens, ctc_lens, n_clips = tokens_BL, token_lens_B, len(prompts)
-        enc = self.encode_for_layout(audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen)
+        sharding = self.clip_sharding(audio_lens_B)
+        skip = sharding.sharded if sharding is not None else ()
+        enc = self.encode_for_layout(audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen, skip=skip)
+        if sharding is not None:
+            seq_of_clip = list(range(len(prompts))) if clip_counts is None else list(clip_sample)
+            self.encode_sharded(
+                enc,
+                audio_BN,
+                audio_lens_B,
+                sharding,
+                enc_plan,
+                seq_of_clip=seq_of_clip,
+                offsets=clip_offsets(prompts, seq_of_clip, audio_lens, self.audio_id),
+                freeze_encoder=encoder_frozen,
+            )
         ctc_sum = None
         if self.ctc_head is not None:
             ctc_sum = self.ctc_of(enc, ctc_tokens, ctc_lens, per_clip=clip_counts is not None)
@@ -477,7 +616,7 @@ class SpeechLLM(nn.Module):
             local,
             n_split,
             lay.cp_size,
-            clip_frames=self.feature_frames(audio_lens_B, enc.ctc_rows),
+            clip_frames=self.feature_frames(audio_lens_B, enc.ctc_rows) + enc.slice_feature_frames,
             computed_tokens=computed,
         )
         for e in enc.unused:  # weight 0: in the graph, counts nothing

@@ -73,6 +73,9 @@ def parallelize_speech_llm(
         # the training step calls these pieces instead of forward(); give them the root's FSDP hooks
         for name in FSDP_ENTRY_METHODS:
             register_fsdp_forward_method(model, name)  # type: ignore[arg-type]
+    if isinstance(model.encoder, FSDPModule):
+        # a clip sharded over the CP group runs the encoder through forward_slice (issue 25)
+        register_fsdp_forward_method(model.encoder, "forward_slice")  # type: ignore[arg-type]
     return model
 
 

@@ -62,6 +62,16 @@ class AudioEncoder(nn.Module, abc.ABC):
                     m.eval()
         return self
 
+    @property
+    def slice_halo(self) -> int | None:
+        """The fewest frames a slice of a clip sharded over the CP group may hold; None: this encoder
+        encodes every clip whole (the default; `ParakeetAudioEncoder` with limited context shards)."""
+        return None
+
+    def forward_slice(self, feats_TF: Tensor, bounds: tuple[int, int], exchange: Any) -> Tensor:
+        """Encoder frames ``bounds`` of one clip sharded over the CP group (where `slice_halo` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
+
     @abc.abstractmethod
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         """Encoder frames per clip for `feat_lens_B` feature frames."""

@@ -58,6 +58,25 @@ class ParakeetAudioEncoder(AudioEncoder):
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         return stride2_conv_lengths(feat_lens_B, self.n_convs)
 
+    @property
+    def slice_halo(self) -> int | None:
+        """The frames a slice of a sharded clip must at least hold (the widest halo it sends: the attention
+        window's sides, the depthwise convolution's half-width), or None: this encoder cannot shard a clip
+        (full-context attention needs every frame of the clip; `speechlm.model.sharded_encoder`)."""
+        if self.att_context is None:
+            return None
+        half_kernel = (int(self.model.config.conv_kernel_size) - 1) // 2
+        return max(*self.att_context, half_kernel)
+
+    def forward_slice(self, feats_TF: Tensor, bounds: tuple[int, int], exchange: Any) -> Tensor:
+        """Encoder frames ``bounds = (lo, hi)`` ``[hi - lo, E]`` of the one clip whose (whole) features are
+        ``feats_TF``, with ``exchange`` bringing the neighbouring slices' halos
+        (`speechlm.model.sharded_encoder`). An entry point of its own so that FSDP gathers this module's
+        parameters for it (the training layer registers it)."""
+        from speechlm.model.sharded_encoder import forward_sharded_parakeet
+
+        return forward_sharded_parakeet(self.model, feats_TF, bounds, self.n_convs, self.att_context, exchange)
+
     def forward(
         self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
     ) -> tuple[Tensor, Tensor]:
