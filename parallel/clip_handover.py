@@ -19,11 +19,9 @@ once, from the rank that computed it: one all-to-all (`parallel.sharded_clip.han
 backward sends each row's gradient back along the same route. Nothing else moves: a row a rank both
 computed and needs stays where it is, and no rank receives a row it does not keep.
 
-Volume (rows of H values): ``sum_r |need[r] - have[r]|``. For a split sequence whose audio fills it,
-each rank needs about A / cp rows and already holds the part of them its own slice covers, so about
-A (cp - 1) / cp rows move in all at cp 2 and fewer than A rows at any cp (an all-gather of the slices
-would move A (cp - 1) rows). `Handover.volume` gives the exact count; `speechlm plan` and
-docs/parallelism.md quote it.
+Volume (rows of H values): ``sum_r |need[r] - have[r]|``. For a split sequence the clip fills, A / 2
+rows move in all at cp 2 and 3A / 4 at cp 4, where an all-gather of the slices would move A (cp - 1);
+`Handover.volume` gives the exact count of any case (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -71,7 +69,9 @@ def clip_needs(
             raise ValueError(f"owner={owner} is outside 0..{cp - 1}")
         return [[(0, frames)] if r == owner and frames else [] for r in range(cp)]
     if offset + frames > padded_len:
-        raise ValueError(f"the clip's rows [{offset}, {offset + frames}) overrun its sequence of {padded_len}")
+        raise ValueError(
+            f"the clip's rows [{offset}, {offset + frames}) overrun its sequence of {padded_len}"
+        )
     clip = [(offset, offset + frames)]
     return [
         [(lo - offset, hi - offset) for lo, hi in intersect(chunk_ranges(padded_len, cp, r), clip)]
@@ -93,8 +93,10 @@ class Handover:
         if len(have) != len(need):
             raise ValueError(f"have has {len(have)} ranks, need {len(need)}")
         covered = sorted(have)
-        if covered and (covered[0][0] != 0 or covered[-1][1] != frames) or any(
-            a[1] != b[0] for a, b in zip(covered, covered[1:])
+        if (
+            covered
+            and (covered[0][0] != 0 or covered[-1][1] != frames)
+            or any(a[1] != b[0] for a, b in zip(covered, covered[1:]))
         ):
             raise ValueError(f"the slices {list(have)} do not tile the clip's {frames} rows")
         return Handover(frames, tuple(have), tuple(tuple(n) for n in need))

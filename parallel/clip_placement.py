@@ -20,10 +20,9 @@ the cuts fall on multiples of the projector's stack). Contiguous
 slices (not the LLM's load-balanced chunk pairs) because the encoder is bidirectional and local:
 convolutions and limited-context attention need only the edge frames of the neighbours (a halo).
 
-What runs today: the rule, `speechlm plan`'s report of it, the validator's rules about it, and the
-sharded encoder (`speechlm.model.sharded_encoder` with `parallel.halo`), tested against the unsharded
-one; training does not call it yet, so a clip the rule shards is still encoded whole on one rank, and
-`speechlm plan` says so.
+Who uses it: `SpeechLLM.clip_sharding` in training (through the CP layout, where the encoder can shard a
+clip: limited context), which then encodes each sharded clip with `speechlm.model.sharded_encoder` and
+hands its rows to the LLM (`parallel.clip_handover`); `speechlm plan`'s report; the validator's rules.
 """
 
 from __future__ import annotations
@@ -108,7 +107,5 @@ def place_clips(frames: Sequence[int], cp: int, *, min_frames: int, min_slice: i
     if any(n < 0 for n in lens):
         raise ValueError(f"encoder frames must be >= 0, got {list(lens)[:8]}")
     total = sum(lens)
-    sharded = tuple(
-        cp > 1 and n > min_frames and n * cp > total and n // cp >= min_slice for n in lens
-    )
+    sharded = tuple(cp > 1 and n > min_frames and n * cp > total and n // cp >= min_slice for n in lens)
     return ClipSharding(cp, lens, sharded, int(min_frames))

@@ -49,8 +49,8 @@ from parallel.cp_attention import CPAttention, CPAttentionContext
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
 from parallel.dist_encode import EncodeFn, PlacedEncoding, encode_placed
-from parallel.halo import Exchange, HaloExchange
 from parallel.dist_encode import dummy_clip as dummy_clip  # re-exported: the model's no-clip dummy
+from parallel.halo import Exchange, HaloExchange
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
 

@@ -52,9 +52,7 @@ class _HandOver(torch.autograd.Function):
         got = [_rows(handover.moves(s, rank)) for s in range(cp)]  # clip rows, per source
         kept = _rows(handover.kept(rank))
         send_idx = _index([i - lo for rows in sent for i in rows], dev)
-        recv = _exchange(
-            x_PH.index_select(0, send_idx), [len(r) for r in sent], [len(r) for r in got], group
-        )
+        recv = _exchange(x_PH.index_select(0, send_idx), [len(r) for r in sent], [len(r) for r in got], group)
         out = x_PH.new_zeros((handover.frames, *x_PH.shape[1:]))
         out.index_copy_(0, _index(kept, dev), x_PH.index_select(0, _index([i - lo for i in kept], dev)))
         out.index_copy_(0, _index([i for rows in got for i in rows], dev), recv)

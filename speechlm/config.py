@@ -203,6 +203,17 @@ class EncoderConfig(Section):
         left, right = self.att_context_size
         return int(left), int(right)
 
+    def shard_min_slice(self, projector_stack: int) -> int | None:
+        """The fewest encoder frames per rank with which training shards a long clip over the CP group
+        (`parallel.clip_placement.place_clips`' ``min_slice``: the widest halo, here the window's sides or
+        the half-width of a built encoder's kernel-9 convolution, plus the projector's stack), or None: this
+        encoder encodes every clip whole (full context, not a padding-free Parakeet). The model computes the
+        same from the built encoder (`AudioEncoder.slice_halo`), whose kernel a pretrained encoder sets."""
+        window = self.limited_context()
+        if window is None or self.kind != "parakeet" or self.packed is False:
+            return None
+        return max(*window, 4) + projector_stack
+
     def problems(self) -> list[str]:
         out = []
         if self.pretrained is None and self.hidden_size % 2:

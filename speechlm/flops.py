@@ -16,7 +16,9 @@ Encoder (Parakeet/FastConformer, per clip; ``encoder_flops``):
   then the linear 2*U*(C*F/2^n)*E;
 - per conformer layer: FFNs 2 * 4*U*E*I; q, k, v, o 8*U*E^2; relative-position keys 2*(2U-1)*E^2;
   the quadratic attention terms (content QK^T and AV 4*U^2*E, position 2*U*(2U-1)*E); conv module
-  pointwise 4*U*E^2 + 2*U*E^2, depthwise 2*U*E*K;
+  pointwise 4*U*E^2 + 2*U*E^2, depthwise 2*U*E*K; with limited context (a window of W = l + 1 + r
+  frames) the attention terms are linear in U: keys 2*W*E^2, content 4*U*min(W, U)*E, position 2*U*W*E,
+  so a clip sharded over the CP group counts, summed over its slices, what it counts whole;
 - the CTC head 2*U*E*W_ctc (when there is one).
 Other encoder kinds (whisper, nemo) are counted as 2 * parameters per encoder frame (no quadratic term).
 
@@ -59,6 +61,7 @@ class EncoderDims:
     subsampling: int = 8
     conv_kernel: int = 9  # K
     params: int = 0  # kinds other than parakeet: 2 * params FLOPs per encoder frame
+    window: int = 0  # limited-context attention: left + 1 + right frames per query (0: full context)
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,11 @@ def conformer_layer_flops(d: EncoderDims, u: int) -> float:
     """Forward FLOPs of one conformer layer on a clip of `u` encoder frames."""
     e = d.hidden
     ffn = 2 * 4.0 * u * e * d.ffn
-    proj = 8.0 * u * e * e + 2.0 * (2 * u - 1) * e * e
-    quadratic = 4.0 * u * u * e + 2.0 * u * (2 * u - 1) * e
+    # relative positions: 2U - 1 distances with full context, the window's W with limited context
+    distances = d.window if d.window else 2 * u - 1
+    keys = min(d.window, u) if d.window else u  # keys per query
+    proj = 8.0 * u * e * e + 2.0 * distances * e * e
+    quadratic = 4.0 * u * keys * e + 2.0 * u * distances * e
     conv = 6.0 * u * e * e + 2.0 * u * e * d.conv_kernel
     return ffn + proj + quadratic + conv
 
@@ -248,6 +254,7 @@ def dims_of_model(model: object) -> ModelDims:
             n_mels=int(inner.num_mel_bins),
             subsampling=int(inner.subsampling_factor),
             conv_kernel=int(inner.conv_kernel_size),
+            window=sum(enc.att_context) + 1 if enc.att_context is not None else 0,
         )
     else:
         edims = EncoderDims(

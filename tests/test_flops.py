@@ -68,6 +68,37 @@ def test_flop_count_matches_a_hand_count():
     assert frozen == enc + 3 * proj + 2 * llm
 
 
+def test_limited_context_counts_attention_per_window_and_slices_add_up():
+    """With a window of W = l + 1 + r frames the conformer's attention is linear in U (keys 2*W*E^2,
+    content 4*U*W*E, position 2*U*W*E): a clip sharded over the CP group counts, over its slices, what it
+    counts whole; and the count is read from a built encoder's att_context."""
+    from dataclasses import replace
+
+    from speechlm.flops import conformer_layer_flops
+
+    full = TINY.encoder
+    win = replace(full, window=5)
+    u, e = 100, full.hidden
+    linear = 2 * 4.0 * u * e * full.ffn + 8.0 * u * e * e + 6.0 * u * e * e + 2.0 * u * e * full.conv_kernel
+    assert (
+        conformer_layer_flops(full, u)
+        == linear + 2.0 * (2 * u - 1) * e * e + 4.0 * u * u * e + 2.0 * u * (2 * u - 1) * e
+    )
+    assert conformer_layer_flops(win, u) == linear + 2.0 * 5 * e * e + 4.0 * u * 5 * e + 2.0 * u * 5 * e
+    per_frame = conformer_layer_flops(win, u) - 2.0 * 5 * e * e  # the key table is per call
+    slices = [33, 33, 34]
+    assert sum(conformer_layer_flops(win, n) - 2.0 * 5 * e * e for n in slices) == pytest.approx(per_frame)
+    cfg = ModelConfig(
+        encoder=EncoderConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                              subsampling_conv_channels=4, att_context_size=[3, 2]),
+        llm=LLMConfig(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16),
+    )  # fmt: skip
+    from speechlm.model.speech_llm import SpeechLLM
+
+    model = SpeechLLM(cfg, vocab_size=16, pad_id=0, bos_id=1, eos_id=2, audio_id=3)
+    assert dims_of_model(model).encoder.window == 6
+
+
 def test_cp_shares_split_a_sequence_and_its_labels():
     work = record_work([10, 6, 4], [2, 2, 1], [2, 0], 1, 2, clip_frames=[], computed_tokens=8)
     assert work.seq_lens == [4, 10] and work.seq_shares == [0.5, 1.0]  # the first local one is split

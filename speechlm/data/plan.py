@@ -297,8 +297,10 @@ def summarize_plan(
     cp_split_threshold: int | str = 0,
     pair_cost: float = 0.0,
     max_text_tokens: int | None = None,
+    shard_min_slice: int | None = None,
 ) -> dict[str, Any]:
-    """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`)."""
+    """The figures `speechlm plan` prints, as a JSON-ready dict (without `ranks`); ``shard_min_slice``:
+    `encoder_sharding_figures`'."""
     used = PlannedRows.of(plan, inputs)
     steps = plan.batches_per_rank // settings.grad_accum
     languages, datasets = mix_figures(used, inputs, settings.temperature)
@@ -319,7 +321,9 @@ def summarize_plan(
         "max_duration": settings.max_duration,
         "too_long_utterances": plan.too_long,
         "over_budget": over_budget_figures(used, tokens, settings),
-        "encoder_sharding": encoder_sharding_figures(used, settings.token_cost.encoder_subsampling, cp_size),
+        "encoder_sharding": encoder_sharding_figures(
+            used, settings.token_cost.encoder_subsampling, cp_size, shard_min_slice
+        ),
         "audio_hours_per_step": total_hours / steps if steps else 0.0,
         "languages": languages,
         "tasks": task_figures(used, inputs),
@@ -372,9 +376,14 @@ def over_budget_figures(used: PlannedRows, tokens: np.ndarray, settings: Sampler
     }
 
 
-def encoder_sharding_figures(used: PlannedRows, subsampling: int, cp: int) -> dict[str, Any]:
+def encoder_sharding_figures(
+    used: PlannedRows, subsampling: int, cp: int, min_slice: int | None = None
+) -> dict[str, Any]:
     """The clips `parallel.clip_placement.place_clips` shards over the CP group, over all planned
-    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1."""
+    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1. ``min_slice``:
+    the encoder's (`EncoderConfig.shard_min_slice`); None: it cannot shard a clip (full context), the
+    count is then of the clips the rule would shard with limited context, and ``sharded_in_training`` is
+    false."""
     seconds = used.durations.astype(np.float64)
     frames = np.ceil(np.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling).astype(np.int64)
     min_frames = short_clip_frames(subsampling)
@@ -383,12 +392,13 @@ def encoder_sharding_figures(used: PlannedRows, subsampling: int, cp: int) -> di
     else:
         totals = np.add.reduceat(frames, used.offsets[:-1])
         sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths))
+        sharded &= frames // cp >= (min_slice or 0)
     return {
         "cp_size": cp,
         "min_frames": min_frames,
         "clips": int(sharded.sum()),
         "hours": float(used.durations[sharded].sum(dtype=np.float64)) / 3600,
-        "implemented": False,
+        "sharded_in_training": min_slice is not None,
     }
 
 
@@ -611,10 +621,16 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
         ),
         shard.get("clips")
         and (
-            f"encoder sharding (cp {shard['cp_size']}): {shard['clips']:,} clips ({shard['hours']:.2f} h) are longer than "
-            f"{shard['min_frames']} encoder frames and than their micro-batch's encoder frames / cp, so the rule "
-            "shards them over the CP group; training does not call the sharded encoder yet: each is encoded "
-            "whole on one rank"
+            f"encoder sharding (cp {shard['cp_size']}): {shard['clips']:,} clip{'s' if shard['clips'] != 1 else ''} "
+            f"({shard['hours']:.2f} h) longer than "
+            f"{shard['min_frames']} encoder frames and than their micro-batch's encoder frames / cp: "
+            + (
+                "the encoder shards each over the CP group (a contiguous slice of its frames per rank)"
+                if shard.get("sharded_in_training")
+                else "the encoder has full context (model.encoder.att_context_size unset), so each is encoded "
+                "whole on one rank; set model.encoder.att_context_size (e.g. [128,128]) to shard them over "
+                "the CP group"
+            )
         ),
         s.get("too_long_utterances")
         and (
@@ -774,6 +790,7 @@ def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -
         cp_split_threshold=req.cp_split_threshold,
         pair_cost=req.pair_cost,
         max_text_tokens=req.cfg.data.max_tokens,
+        shard_min_slice=req.cfg.model.encoder.shard_min_slice(req.cfg.model.projector_stack),
     )
     summary["bucket_source"] = (
         f"estimated from the data (sampler.num_buckets={settings.num_buckets}, equal total duration each)"

@@ -486,8 +486,9 @@ class SpeechLLM(nn.Module):
         keep one of them in the loss with weight 0 so that the node runs on every rank."""
         hidden = enc.enc_hidden
         data = hidden.data_UE if isinstance(hidden, PackedFrames) else hidden
-        slots = [i for i, e in enumerate(enc.embeds) if e is not None]
-        tensors = [data, *(enc.embeds[i] for i in slots), *(h for _, h in enc.ctc_extra), *enc.unused]
+        present = [(i, e) for i, e in enumerate(enc.embeds) if e is not None]
+        slots = [i for i, _ in present]
+        tensors = [data, *(e for _, e in present), *(h for _, h in enc.ctc_extra), *enc.unused]
         tied = iter(self.cp_layout.tie(tensors))
         data = next(tied)
         enc.enc_hidden = PackedFrames(data, hidden.lens_B) if isinstance(hidden, PackedFrames) else data
@@ -523,7 +524,9 @@ class SpeechLLM(nn.Module):
         data = enc.enc_hidden.data_UE
         hidden = PackedFrames(
             torch.cat([data, *(h.to(data.dtype) for _, h in enc.ctc_extra)]),
-            torch.cat([enc.enc_lens_B, enc.enc_lens_B.new_tensor([int(h.shape[0]) for _, h in enc.ctc_extra])]),
+            torch.cat(
+                [enc.enc_lens_B, enc.enc_lens_B.new_tensor([int(h.shape[0]) for _, h in enc.ctc_extra])]
+            ),
         )
         width = max(tokens.shape[1], extra_tokens.shape[1])
         all_tokens = torch.cat(
@@ -532,7 +535,9 @@ class SpeechLLM(nn.Module):
         w_base = torch.ones(len(lens)) if weights is None else weights.float().cpu()
         w_extra = (extra_lens > 0).float().cpu() if per_clip else torch.ones(len(rows))
         all_w = torch.cat([w_base * enc.ctc_weight, w_extra])
-        ctc_sum, _ = self.ctc_loss_sum(hidden, hidden.lens_B, all_tokens, torch.cat([lens, extra_lens]), all_w)
+        ctc_sum, _ = self.ctc_loss_sum(
+            hidden, hidden.lens_B, all_tokens, torch.cat([lens, extra_lens]), all_w
+        )
         return ctc_sum
 
     def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
@@ -575,7 +580,9 @@ class SpeechLLM(nn.Module):
             ctc_tokens, ctc_lens, n_clips = tokens_BL, token_lens_B, len(prompts)
         sharding = self.clip_sharding(audio_lens_B)
         skip = sharding.sharded if sharding is not None else ()
-        enc = self.encode_for_layout(audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen, skip=skip)
+        enc = self.encode_for_layout(
+            audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen, skip=skip
+        )
         if sharding is not None:
             seq_of_clip = list(range(len(prompts))) if clip_counts is None else list(clip_sample)
             self.encode_sharded(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel.clip_handover import Handover, chunk_ranges, clip_needs
 from parallel.clip_placement import shard_bounds
@@ -45,7 +44,9 @@ def test_a_whole_sequences_clip_goes_to_its_owner_only():
         clip_needs(50, 80, 2, split=True, padded_len=120)
 
 
-@pytest.mark.parametrize("cp, frames, stack, offset, text", [(2, 301, 2, 3, 40), (4, 1001, 2, 5, 400), (3, 77, 3, 1, 2)])
+@pytest.mark.parametrize(
+    "cp, frames, stack, offset, text", [(2, 301, 2, 3, 40), (4, 1001, 2, 5, 400), (3, 77, 3, 1, 2)]
+)
 def test_the_handover_moves_each_needed_row_once_from_the_rank_that_has_it(cp, frames, stack, offset, text):
     bounds = shard_bounds(frames * stack, cp, align=stack)
     have = [(a // stack, -(-b // stack)) for a, b in bounds]
@@ -116,3 +117,11 @@ def _exchange_worker(rank: int, world: int, frames: int, stack: int) -> tuple[fl
 def test_the_exchanges_deliver_rows_forward_and_gradients_back(world, frames, stack):
     for errs in run_distributed(_exchange_worker, world, "gloo", frames, stack):
         assert max(errs) < 1e-12, errs
+
+
+@pytest.mark.parametrize("cp, moved", [(2, 500), (4, 750)])
+def test_the_volume_the_docs_quote_for_a_clip_that_fills_its_sequence(cp, moved):
+    frames, stack = 1000, 2
+    have = [(a // stack, -(-b // stack)) for a, b in shard_bounds(frames * stack, cp, align=stack)]
+    h = Handover.build(frames, have, clip_needs(frames, 0, cp, split=True, padded_len=frames))
+    assert h.volume() == moved  # A / 2 at cp 2, 3A / 4 at cp 4; an all-gather moves A (cp - 1)

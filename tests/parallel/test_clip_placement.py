@@ -79,10 +79,8 @@ def test_plan_reports_the_clips_the_rule_shards(tmp_path, capsys):
     args = ["plan", "--manifest", str(path), "--mode", "exhaustive", "--max-batch-duration", "90"]
     assert main([*args, "--cp-size", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert (
-        "encoder sharding (cp 2): 3 clips (1.67 h)" in text
-        and "does not call the sharded encoder yet" in text
-    )
+    assert "encoder sharding (cp 2): 3 clips (1.67 h)" in text
+    assert "full context (model.encoder.att_context_size unset), so each is encoded whole" in text
     plan = json.loads(out.read_text())
     # the plan's vectorised count equals the rule applied micro-batch by micro-batch
     expected = 0
@@ -90,8 +88,36 @@ def test_plan_reports_the_clips_the_rule_shards(tmp_path, capsys):
         frames = [encoder_frames(float(durations[i]), 8) for i in batch]
         expected += len(place_clips(frames, 2, min_frames=short_clip_frames(8)).sharded_indices)
     assert plan["encoder_sharding"]["clips"] == expected == 3
+    assert plan["encoder_sharding"]["sharded_in_training"] is False
     assert main([*args, "--cp-size", "1"]) == 0
     assert "encoder sharding" not in capsys.readouterr().out
+
+
+def test_plan_says_a_limited_context_encoder_shards_them(tmp_path, capsys):
+    """With model.encoder.att_context_size the plan reports what training does: the clips are sharded; a
+    window wider than a cp-th of a clip keeps that clip whole (its slices could not carry the halo)."""
+    durations = np.array([5.0, 7.0, 40.0, 600.0], dtype=np.float32)
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"duration": pa.array(durations), "lang": ["en"] * 4}), path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  encoder:\n    att_context_size: [128, 128]\n")
+    args = [
+        "plan",
+        "--config",
+        str(cfg),
+        "--manifest",
+        str(path),
+        "--max-batch-duration",
+        "30",
+        "--cp-size",
+        "2",
+    ]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    # 600 s: 7,500 encoder frames; 40 s: 500, i.e. 250 per rank, at least the window's 128 + the stack's 2
+    assert "encoder sharding (cp 2): 2 clips" in text and "the encoder shards each over the CP group" in text
+    assert main([*args[:-1], "4"]) == 0  # 40 s at cp 4: 125 frames per rank, fewer than the window's 128 + 2
+    assert "encoder sharding (cp 4): 1 clip (0.17 h) longer" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("length, cp, align", [(45_003, 2, 2), (101, 3, 2), (97, 4, 3), (10, 4, 4)])

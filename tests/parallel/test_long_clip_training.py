@@ -38,7 +38,9 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
 
     model.encoder.forward_slice = spy
     group = dist.new_group(list(range(world)))
-    model.set_cp_layout(DynamicCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", threshold=threshold))
+    model.set_cp_layout(
+        DynamicCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", threshold=threshold)
+    )
     out = model(batch)
     loss = out.ce_sum + out.ctc_sum
     loss.backward()
@@ -50,7 +52,13 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
     ce, ctc = out.ce_sum.detach().clone(), out.ctc_sum.detach().clone()
     dist.all_reduce(ce)
     dist.all_reduce(ctc)
-    return {"ce": float(ce), "ctc": float(ctc), "grads": grads, "calls": calls, "clip_frames": out.work.clip_frames}
+    return {
+        "ce": float(ce),
+        "ctc": float(ctc),
+        "grads": grads,
+        "calls": calls,
+        "clip_frames": out.work.clip_frames,
+    }
 
 
 def _reference(extra: tuple[str, ...] = ()) -> dict:
@@ -58,7 +66,9 @@ def _reference(extra: tuple[str, ...] = ()) -> dict:
     model = build_model(_config(extra=extra))
     out = model(batch)
     (out.ce_sum + out.ctc_sum).backward()
-    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    grads = {
+        n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+    }
     return {"ce": float(out.ce_sum.detach()), "ctc": float(out.ctc_sum.detach()), "grads": grads}
 
 

@@ -65,7 +65,8 @@ class ParakeetAudioEncoder(AudioEncoder):
         (full-context attention needs every frame of the clip; `speechlm.model.sharded_encoder`)."""
         if self.att_context is None:
             return None
-        half_kernel = (int(self.model.config.conv_kernel_size) - 1) // 2
+        cfg: Any = self.model.config
+        half_kernel = (int(cfg.conv_kernel_size) - 1) // 2
         return max(*self.att_context, half_kernel)
 
     def forward_slice(self, feats_TF: Tensor, bounds: tuple[int, int], exchange: Any) -> Tensor:
@@ -75,7 +76,9 @@ class ParakeetAudioEncoder(AudioEncoder):
         parameters for it (the training layer registers it)."""
         from speechlm.model.sharded_encoder import forward_sharded_parakeet
 
-        return forward_sharded_parakeet(self.model, feats_TF, bounds, self.n_convs, self.att_context, exchange)
+        return forward_sharded_parakeet(
+            self.model, feats_TF, bounds, self.n_convs, self.att_context, exchange
+        )
 
     def forward(
         self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
