@@ -50,6 +50,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     _mesh: Any = field(default=None, compare=False, repr=False)
+    _flat: Any = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp"):
@@ -142,11 +143,31 @@ class ParallelDims:
             (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # the flattened meshes are kept here: slicing a flattened dim back out of the root mesh is
+        # deprecated (torch warns once per rank), so `flat_mesh` hands these out instead
+        flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        if self.dp_replicate > 1 and hasattr(flat["dp_cp"], "_unflatten"):
+            # HSDP's 2-D mesh, unflattened from dp_cp (no slice of the root)
+            flat["dp_replicate,dp_shard_cp"] = flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+            )
+        elif self.dp_replicate > 1:  # a torch without _unflatten: the slice (and its warning)
+            flat["dp_replicate,dp_shard_cp"] = mesh["dp_replicate", "dp_shard_cp"]
         object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_flat", flat)
         return mesh
+
+    def flat_mesh(self, *names: str) -> Any:
+        """A flattened mesh of `build_mesh` (``"dp"``, ``"dp_shard_cp"``, ``"dp_cp"``), or HSDP's 2-D
+        ``("dp_replicate", "dp_shard_cp")`` when dp_replicate > 1."""
+        key = ",".join(names)
+        if key not in self._flat:
+            raise KeyError(f"no flattened mesh {names}; build_mesh keeps {sorted(self._flat)}")
+        return self._flat[key]
 
     @property
     def mesh(self) -> Any:

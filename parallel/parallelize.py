@@ -71,9 +71,9 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
 def select_fsdp_mesh(dims: ParallelDims) -> DeviceMesh | None:
     """The mesh FSDP2 shards over for this layout, or None when there is no data/context parallelism."""
     if dims.dp_replicate > 1:
-        return dims.mesh["dp_replicate", "dp_shard_cp"]
+        return dims.flat_mesh("dp_replicate", "dp_shard_cp")
     if dims.dp_shard * dims.cp > 1:
-        return dims.mesh["dp_shard_cp"]
+        return dims.flat_mesh("dp_shard_cp")
     return None
 
 

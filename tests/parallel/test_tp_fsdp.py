@@ -295,3 +295,31 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors() -> None:
         torch.testing.assert_close(got, want)
         for c, p in zip(copies, params):
             torch.testing.assert_close(p.grad, c.grad)
+
+
+def _mesh_warnings(rank: int, world_size: int) -> list[str]:
+    import warnings
+
+    from parallel.parallelize import select_fsdp_mesh
+
+    seen = []
+    for kwargs in ({"dp_shard": 2}, {"dp_shard": 1, "cp": 2}, {"dp_replicate": 2, "dp_shard": 1}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dims = ParallelDims(world_size=world_size, **kwargs)
+            dims.build_mesh("cpu")
+            mesh = select_fsdp_mesh(dims)
+            assert mesh is not None and mesh.size() == 2
+            assert mesh.mesh_dim_names == (
+                ("dp_replicate", "dp_shard_cp") if "dp_replicate" in kwargs else ("dp_shard_cp",)
+            )
+        seen += [str(w.message) for w in caught]
+    return seen
+
+
+@pytest.mark.multiproc
+def test_the_fsdp_mesh_comes_without_the_flattened_slice_deprecation_warning() -> None:
+    """torch warns once per rank ("Slicing a flattened dim from root mesh will be deprecated") when a
+    flattened dim is sliced back out of the root mesh; `ParallelDims.flat_mesh` keeps the flattened meshes."""
+    for seen in run_distributed(_mesh_warnings, 2):
+        assert not [m for m in seen if "flattened dim" in m], seen
