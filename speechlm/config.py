@@ -41,6 +41,7 @@ ConvNorm = Literal["auto", "layer_norm", "batch_norm"]
 LLMFamily = Literal["llama", "qwen2"]  # speechlm/model/llm.py builds these from a config
 LLMTrain = Literal["full", "frozen", "lora"]  # what trains in the LLM (speechlm/model/trainable.py)
 EncoderTrain = Literal["full", "frozen"]
+CTCReduction = Literal["clip", "token"]  # the auxiliary CTC's normaliser (speechlm/train/step.py)
 # LoRA's default targets: every attention and MLP projection of Llama, Qwen2 and Qwen3
 LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the capability table (parallel/backend_caps.py) owns the backends; this type must name the same ones
@@ -330,6 +331,9 @@ class ModelConfig(Section):
     attention_backend: AttentionBackend = "reference"
     dropout: float = 0.0  # 0 turns off every source of randomness in the forward pass
     ctc_weight: float = 0.3  # auxiliary CTC loss on the encoder output; 0 disables it
+    # the CTC sum's normaliser: "clip" (per clip; a clip's loss grows with its length) or "token" (per
+    # target token: a 10-minute clip weighs by its transcript, not 100 times a 5 s clip's)
+    ctc_reduction: CTCReduction = "clip"
     # transcripts decoded by joint CTC/attention greedy search: this weight on the CTC head's prefix
     # scores, 1 - it on the LLM's (0: the LLM alone; needs ctc_weight > 0)
     decode_ctc_weight: float = 0.0
@@ -911,6 +915,11 @@ FIELDS: dict[str, Rule] = {
         null="the smallest legal unit, lcm(2*cp, cp*tp)",
     ),
     "model.attention_backend": OneOf("attention kernel backend", choices=ATTENTION_BACKENDS),
+    "model.ctc_reduction": OneOf(
+        "the auxiliary CTC sum's normaliser: clip (divided by the step's clips; a clip's CTC grows with its "
+        "length) or token (by its target tokens: long-form audio beside short clips)",
+        choices=choices_of(CTCReduction),
+    ),
     "model.dropout": Num(
         "dropout probability (0 turns off every source of randomness in the forward)",
         lo=0,

@@ -481,8 +481,11 @@ def check_resume(resume: str | None, run_dir: Path) -> None:
 # --- the figures of the validator's data-side rules ---------------------------------------------------
 def summarize(table: Any, cfg: Any) -> dict[str, Any]:
     """manifest_summary for the validator's data rules: n_rows, max_duration (seconds: the longest row the
-    plan keeps, data.max_duration applied) with its encoder frames (max_encoder_frames) and, under a token
+    plan keeps, data.max_duration applied) with its encoder frames (max_encoder_frames), median_duration
+    (of those rows) and, under a token
     budget, max_tokens (the longest row's audio + text + prompt tokens, as the sampler counts them)."""
+    import numpy as np
+
     from parallel.clip_placement import encoder_frames
     from speechlm.data.sampler.build import token_cost_of
 
@@ -494,6 +497,7 @@ def summarize(table: Any, cfg: Any) -> dict[str, Any]:
     summary = {
         "n_rows": len(table),
         "max_duration": longest,
+        "median_duration": float(np.median(durations)) if len(durations) else 0.0,
         "max_encoder_frames": encoder_frames(longest, subsampling),
     }
     if cfg.sampler.max_batch_tokens is not None:

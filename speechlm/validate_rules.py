@@ -87,6 +87,24 @@ def _full_context_long_clip(ctx: ValidationContext) -> str:
     )
 
 
+CTC_CLIP_RATIO_WARN = 20.0  # the longest clip's CTC weighs this many times the median clip's, or more
+
+
+def _ctc_per_clip_long_form(ctx: ValidationContext) -> str:
+    man = ctx.manifest or {}
+    longest, median = man.get("max_duration"), man.get("median_duration")
+    if ctx.ctc_weight <= 0 or ctx.ctc_reduction != "clip" or not longest or not median:
+        return ""
+    ratio = float(longest) / float(median)
+    if ratio < CTC_CLIP_RATIO_WARN:
+        return ""
+    return (
+        f"the longest clip lasts {float(longest):g} s, {ratio:.0f} times the median clip ({float(median):g} s): "
+        f"with model.ctc_reduction=clip each clip's CTC sum is divided by the step's clip count, so that clip's "
+        f"CTC (and its gradient) weighs about {ratio:.0f} times a median clip's"
+    )
+
+
 def _grad_accum_problem(ctx: ValidationContext) -> str:
     man = ctx.manifest or {}
     if man.get("n_rows") is None or ctx.dp is None:
@@ -289,6 +307,20 @@ TRAINING_RULES: tuple[Rule, ...] = (
         "45,000 FastConformer frames, 2 billion scores per head and layer. The estimate uses "
         "model.encoder.num_heads and num_layers (a pretrained encoder's own may differ) and fp32. A "
         "warning: a large GPU may hold it, and limited context changes what the encoder sees.",
+    ),
+    Rule(
+        id="ctc-per-clip-long-form",
+        level=WARNING,
+        when="model.ctc_weight > 0 with model.ctc_reduction=clip and a training clip at least 20 times the "
+        "median clip's duration; needs manifest_summary",
+        applies=_ctc_per_clip_long_form,
+        reason="{details}",
+        fix="set model.ctc_reduction=token (the CTC sum divided by the step's CTC target tokens: each clip "
+        "weighs by its transcript), or leave the longest clips out with data.max_duration",
+        doc="The auxiliary CTC loss is a sum over a clip's frames, so it grows with the clip's length. Per clip "
+        "(the default, NeMo's mean over the batch) suits clips of seconds; with long-form audio beside them, "
+        "a 10-minute clip's CTC is about 100 times a 5 s clip's and its gradient dominates the step. Per "
+        "target token normalises like the LLM's cross-entropy does. A warning: the weighting is a choice.",
     ),
     Rule(
         id="grad-accum-exceeds-batches",

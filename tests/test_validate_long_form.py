@@ -45,3 +45,22 @@ def test_the_summary_reads_the_longest_row_the_plan_keeps():
     assert s["max_duration"] == 45.0 and s["max_encoder_frames"] == 563  # ceil(4500 / 8)
     cfg = load_config(None, ["model.encoder.kind=whisper", "data.max_duration=30"])
     assert "whisper-clip-over-window" not in findings(cfg, preflight.summarize(table, cfg))
+
+
+def test_per_clip_ctc_beside_long_form_audio_warns_with_the_ratio():
+    man = {"max_duration": 600.0, "median_duration": 5.0, "max_encoder_frames": 7500}
+    f = findings(load_config(None, []), man)["ctc-per-clip-long-form"]
+    assert f.level == "warning" and "120 times the median clip (5 s)" in f.reason
+    assert "model.ctc_reduction=token" in f.fix
+    for overrides, summary in [
+        (["model.ctc_reduction=token"], man),
+        (["model.ctc_weight=0"], man),
+        ([], dict(man, max_duration=60.0)),  # 12 times the median: no warning
+    ]:
+        assert "ctc-per-clip-long-form" not in findings(load_config(None, overrides), summary)
+
+
+def test_the_summary_has_the_median_duration():
+    cfg = load_config(None, [])
+    table = pa.table({"duration": pa.array([1.0, 2.0, 3.0, 100.0], pa.float32())})
+    assert preflight.summarize(table, cfg)["median_duration"] == 2.5

@@ -114,6 +114,8 @@ class ValidationContext:
     encoder_heads: int = 4  # model.encoder.num_heads (the sizes of an encoder built from the config)
     encoder_layers: int = 3  # model.encoder.num_layers
     encoder_att_context: tuple[int, int] | None = None  # model.encoder.att_context_size; None: full context
+    ctc_weight: float = 0.0  # model.ctc_weight
+    ctc_reduction: str = "clip"  # model.ctc_reduction: "clip" or "token"
 
     @property
     def on_gpu(self) -> bool:
@@ -265,4 +267,6 @@ def build_context(
         encoder_att_context=getattr(
             model.encoder, "limited_context", lambda: None
         )(),  # (left, right) or None
+        ctc_weight=float(getattr(model, "ctc_weight", 0.0) or 0.0),
+        ctc_reduction=str(getattr(model, "ctc_reduction", "clip")),
     )

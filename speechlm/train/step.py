@@ -53,7 +53,12 @@ class StepCounts:
     """The objective's normalisers for one optimizer step, summed over data-parallel ranks."""
 
     tokens: int  # labelled tokens (CE)
-    clips: int  # clips (CTC); also the step's utterances
+    clips: int  # clips with a CTC target; also the step's utterances
+    ctc_tokens: int = 0  # their CTC target tokens (the normaliser under model.ctc_reduction=token)
+
+    def ctc_norm(self, reduction: str) -> int:
+        """The CTC sum's divisor under ``model.ctc_reduction``."""
+        return max(self.ctc_tokens if reduction == "token" else self.clips, 1)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,19 @@ def count_ctc_clips(batch: Any) -> int:
     return len(batch)
 
 
+def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
+    """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
+    clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
+    if getattr(batch, "prompt_ids", None) is not None:
+        lens = batch.ctc_token_lens
+        if lens is None:
+            return 0
+        lens = lens[lens > 0]
+    else:
+        lens = batch.token_lens
+    return int((lens.to(torch.long) - skip_leading).clamp(min=0).sum())
+
+
 def agree_step(
     model: Any,
     micro_batches: list[Any],
@@ -142,9 +160,13 @@ def agree_step(
     zero tokens and clips, and still takes part."""
     n_tok = 0 if skip else sum(count_targets(b, model) for b in micro_batches)
     n_clip = 0 if skip else sum(count_ctc_clips(b) for b in micro_batches)
-    total, agreed = ctx.collectives.agree([float(n_tok), float(n_clip), *extra], list(flags))
-    counts = StepCounts(tokens=int(round(total[0])), clips=int(round(total[1])))
-    return StepAgreement(counts=counts, extra=total[2:], flags=agreed)
+    k = int(getattr(model, "ctc_skip_leading", 0))
+    n_ctc = 0 if skip else sum(count_ctc_tokens(b, k) for b in micro_batches)
+    total, agreed = ctx.collectives.agree([float(n_tok), float(n_clip), float(n_ctc), *extra], list(flags))
+    counts = StepCounts(
+        tokens=int(round(total[0])), clips=int(round(total[1])), ctc_tokens=int(round(total[2]))
+    )
+    return StepAgreement(counts=counts, extra=total[3:], flags=agreed)
 
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
@@ -199,7 +221,7 @@ def run_optimizer_step(
     frozen = encoder_runs_frozen(step, cfg)
     if counts is None:
         counts = agree_step(model, micro_batches, ctx).counts
-    n_tok, n_clip = counts.tokens, counts.clips
+    n_tok, n_ctc = counts.tokens, counts.ctc_norm(cfg.model.ctc_reduction)
     w_ctc = cfg.model.ctc_weight
     ce_total = torch.zeros((), dtype=torch.float64)
     ctc_total = torch.zeros((), dtype=torch.float64)
@@ -209,7 +231,7 @@ def run_optimizer_step(
             out = compute_micro_losses(model, b, encoder_frozen=frozen)
         loss = out.ce_sum / max(n_tok, 1)
         if w_ctc > 0 and out.ctc_sum is not None:
-            loss = loss + w_ctc * out.ctc_sum / max(n_clip, 1)
+            loss = loss + w_ctc * out.ctc_sum / n_ctc
         # gradients are averaged over the dp*cp group by FSDP2; grad_scale turns that into a sum
         backward(loss * ctx.grad_scale * out.weight)
         ce_total += out.ce_sum.detach().double().cpu() * out.weight
@@ -232,14 +254,14 @@ def run_optimizer_step(
     )  # for the log
     work = local.with_totals(shard_sums)
     ce = ce_sum / max(n_tok, 1)
-    ctc = ctc_sum / max(n_clip, 1)
+    ctc = ctc_sum / n_ctc
     return {
         "loss": ce + (w_ctc * ctc if w_ctc > 0 else 0.0),
         "ce": ce,
         "ctc": ctc if w_ctc > 0 else None,
         "grad_norm": grad_norm,
         "tokens": n_tok,
-        "utterances": n_clip,
+        "utterances": counts.clips,
         "encoder_frozen": frozen,
         "work": work,
     }

@@ -190,6 +190,13 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
             manifest={"max_duration": 600.0, "max_encoder_frames": 7500},
         ),
     ),
+    "ctc-per-clip-long-form": (
+        Case(manifest={"max_duration": 600.0, "median_duration": 5.0, "max_encoder_frames": 7500}),
+        Case(
+            ("model.ctc_reduction=token",),
+            manifest={"max_duration": 600.0, "median_duration": 5.0, "max_encoder_frames": 7500},
+        ),
+    ),
     "grad-accum-exceeds-batches": (
         Case(("trainer.grad_accum=4",), world=4, manifest={"n_rows": 10}),
         Case(("trainer.grad_accum=2",), world=4, manifest={"n_rows": 10}),
@@ -677,6 +684,7 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "encoder-runs-padded",
         "whisper-clip-over-window",
         "encoder-full-context-long-clip",
+        "ctc-per-clip-long-form",
         "grad-accum-exceeds-batches",
         "epoch-plan-too-short",
         "pretrained-llm-sentencepiece-tokenizer",
