@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import BACKENDS, device_for, skip_unless_backend, to_cpu
 from torch import Tensor, nn
@@ -314,6 +315,9 @@ def _mesh_warnings(rank: int, world_size: int) -> list[str]:
                 ("dp_replicate", "dp_shard_cp") if "dp_replicate" in kwargs else ("dp_shard_cp",)
             )
         seen += [str(w.message) for w in caught]
+    # the last step above creates groups of one rank each: without this, a rank that is done first tears
+    # down the store (rank 0 hosts it) while the other still registers its group there
+    dist.barrier()
     return seen
 
 
