@@ -135,6 +135,10 @@ class CPLayout(Protocol):
         """The audio side's outputs through one autograd node (`parallel.sharded_clip.tie`)."""
         ...
 
+    def reduce_sum(self, x: Tensor) -> Tensor:
+        """``x`` summed over the CP group (no gradient): a sharded clip's feature statistics."""
+        ...
+
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
     ) -> tuple[dict[str, Tensor], Tensor, int]: ...
@@ -276,6 +280,9 @@ class NullCPLayout:
     def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(tensors)  # one rank: no collective to keep in order
 
+    def reduce_sum(self, x: Tensor) -> Tensor:
+        return x
+
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
     ) -> tuple[dict[str, Tensor], Tensor, int]:
@@ -358,6 +365,11 @@ class DynamicCPLayout:
         from parallel.sharded_clip import tie
 
         return tie(tensors)
+
+    def reduce_sum(self, x: Tensor) -> Tensor:
+        from parallel.sharded_clip import reduce_sum
+
+        return reduce_sum(x, self.group)
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

@@ -26,7 +26,7 @@ from torch import Tensor
 from parallel.clip_handover import Handover, Interval
 from parallel.collectives import gather_head_dim0
 
-__all__ = ["gather_slices", "hand_over", "tie"]
+__all__ = ["gather_slices", "hand_over", "reduce_sum", "tie"]
 
 
 def _rows(intervals: Sequence[Interval], shift: int = 0) -> list[int]:
@@ -117,3 +117,11 @@ def tie(tensors: Sequence[Tensor]) -> list[Tensor]:
     Outputs nobody uses receive zeros, so their producers' collectives still run: keep one output in the
     loss (weight 0) to be sure the node itself runs."""
     return list(_Tie.apply(*tensors))
+
+
+def reduce_sum(x: Tensor, group: Any) -> Tensor:
+    """``x`` summed over the CP group, on every rank (a copy; no gradient): the per-bin sums of a sharded
+    clip's log-mel features (`speechlm.model.features.LogMelFeatures.frames_of_clip`)."""
+    out = x.detach().clone().contiguous()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

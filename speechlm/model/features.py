@@ -32,6 +32,7 @@ of how clips were batched (needed for the CP layout-equivalence guarantee).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -234,6 +235,60 @@ class LogMelFeatures(nn.Module):
             if s.normalize:
                 x_TF = self._normalize_segments(x_TF, clip_T, feat_lens_B)
         return x_TF, feat_lens_B
+
+    def frames_of_clip(
+        self,
+        audio_N: Tensor,
+        n_samples: int,
+        span: tuple[int, int],
+        own: tuple[int, int],
+        reduce_sum: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """Feature frames ``span = [a, b)`` ``[b - a, F]`` of ONE clip (``audio_N``, its first ``n_samples``
+        real), computed from the samples those frames cover only, as `packed` computes them for the whole
+        clip: a clip sharded over the CP group (`speechlm.model.sharded_encoder`) computes on each rank the
+        frames its slice reads. The per-bin normalisation needs the whole clip's statistics: each rank sums
+        its ``own`` frames (the ranks' ``own`` ranges partition the clip's frames), and ``reduce_sum`` adds
+        the ranks' sums (an all-reduce over the CP group; no gradient flows through features)."""
+        s = self.settings
+        if s.log_style != "ln":
+            raise ValueError(f"windowed features support log_style='ln' only, got {s.log_style!r}")
+        a, b = span
+        c, d = own
+        hop, half = s.hop_length, s.n_fft // 2
+        if not 0 <= a <= c <= d <= b <= n_samples // hop or a == b:
+            raise ValueError(
+                f"span={span} and own={own} must satisfy 0 <= a <= c <= d <= b <= {n_samples // hop} frames, a < b"
+            )
+        device = audio_N.device
+        with torch.autocast(device_type=device.type, enabled=False):
+            first = a * hop - half - 1  # the sample before the window: pre-emphasis reads it
+            length = (b - a - 1) * hop + s.n_fft + 1
+            src_lo, src_hi = max(first, 0), min(first + length, n_samples)
+            seg = audio_N.new_zeros(length, dtype=torch.float32)
+            seg[src_lo - first : src_hi - first] = audio_N[src_lo:src_hi].float()
+            if s.preemphasis:
+                real = torch.arange(first, first + length, device=device)
+                keep = (real >= 0) & (real < n_samples)
+                seg = torch.cat([seg[:1], seg[1:] - s.preemphasis * seg[:-1]]).masked_fill(~keep, 0.0)
+            spec_KT = torch.stft(
+                seg[1:],
+                n_fft=s.n_fft,
+                hop_length=hop,
+                win_length=s.win_length,
+                window=self.window,
+                center=False,
+                return_complex=True,
+            )
+            x_TF = torch.log(spec_KT.abs().pow(2).t() @ self.mel_fb_KF + LN_LOG_GUARD)
+            if not s.normalize:
+                return x_TF
+            mine = x_TF[c - a : d - a].double()
+            total = reduce_sum(torch.cat([mine.sum(0), mine.new_tensor([float(d - c)])]))
+            n = float(total[-1])
+            mean_F = total[:-1] / max(n, 1.0)
+            var_F = reduce_sum(((mine - mean_F) ** 2).sum(0)) / max(n - 1.0, 1.0)
+            return ((x_TF - mean_F.float()) / (var_F.sqrt().float() + NORM_EPS)).contiguous()
 
     @staticmethod
     def _normalize_segments(x_TF: Tensor, clip_T: Tensor, feat_lens_B: Tensor) -> Tensor:

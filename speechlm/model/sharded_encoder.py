@@ -9,7 +9,7 @@ What each stage needs from outside the slice (its halo) and how it gets it:
 
 | stage | halo | how |
 | --- | --- | --- |
-| features | the whole clip (per-clip normalisation) | computed whole on every rank from the audio every CP peer holds; no gradient, F floats per 10 ms |
+| features | the frames the subsampling window reads; the clip's per-bin statistics | computed by each rank for its window only, from the audio every CP peer holds (`LogMelFeatures.frames_of_clip`); the normalisation's sums over each rank's own frames all-reduced (2 x (F + 1) floats); no gradient |
 | subsampling (n stride-2 convs, kernel 3) | 1 encoder frame each side, plus the conv zero-padding edge | recomputed locally from the features of ``[f (lo - m), f (hi + m))``, m = `SUBSAMPLING_MARGIN` encoder frames; no exchange |
 | feed-forward, layer norms, projections | none | per frame |
 | self-attention, window ``[l, r]`` | the previous rank's last l and the next rank's first r normalised frames, every layer | `HaloExchange` (all-gather of the edges; backward returns their gradients) |
@@ -47,12 +47,37 @@ from speechlm.model.packed_encoder import (
 SUBSAMPLING_MARGIN = 4  # encoder frames recomputed on each side of a slice by the subsampling
 
 
-def subsample_window(sub: Any, feats_TF: Tensor, lo: int, hi: int, n_convs: int) -> Tensor:
-    """Encoder frames ``[lo, hi)`` ``[U, E]`` of one clip's subsampling, from the features around them only."""
-    f, T = 2**n_convs, feats_TF.shape[0]
+def feature_span(lo: int, hi: int, n_convs: int, total: int) -> tuple[int, int]:
+    """The feature frames ``[a, b)`` the subsampling of encoder frames ``[lo, hi)`` reads (`subsample_window`)
+    in a clip of ``total`` feature frames."""
+    f = 2**n_convs
+    return max(0, f * (lo - SUBSAMPLING_MARGIN)), min(f * (hi + SUBSAMPLING_MARGIN), total)
+
+
+def subsample_window(
+    sub: Any,
+    feats_TF: Tensor,
+    lo: int,
+    hi: int,
+    n_convs: int,
+    *,
+    feat_offset: int = 0,
+    feat_total: int | None = None,
+) -> Tensor:
+    """Encoder frames ``[lo, hi)`` ``[U, E]`` of one clip's subsampling, from the features around them only.
+    ``feats_TF`` holds feature frames ``[feat_offset, feat_offset + len)`` of a clip of ``feat_total`` (default:
+    the whole clip); it must cover `feature_span`."""
+    f = 2**n_convs
+    T = feats_TF.shape[0] + feat_offset if feat_total is None else feat_total
     start = max(0, f * (lo - SUBSAMPLING_MARGIN))
     end = f * (hi + SUBSAMPLING_MARGIN)
-    window = feats_TF[start : min(end, T)]
+    a, b = feature_span(lo, hi, n_convs, T)
+    if feat_offset > a or feat_offset + feats_TF.shape[0] < b:
+        raise ValueError(
+            f"features [{feat_offset}, {feat_offset + feats_TF.shape[0]}) do not cover the frames [{a}, {b}) "
+            f"that encoder frames [{lo}, {hi}) read"
+        )
+    window = feats_TF[a - feat_offset : b - feat_offset]
     x = F.pad(window, (0, 0, 0, end - start - window.shape[0]))[None, None]  # zeros past the clip
     length = T
     for layer in sub.layers:
@@ -87,9 +112,14 @@ def forward_sharded_parakeet(
     n_convs: int,
     att_context: tuple[int, int] | None,
     exchange: Exchange,
+    *,
+    feat_offset: int = 0,
+    feat_total: int | None = None,
 ) -> Tensor:
     """``ParakeetEncoder`` hidden states ``[hi - lo, E]`` of encoder frames ``bounds = (lo, hi)`` of the one
-    clip whose features are ``feats_TF``, this rank's share (`parallel.clip_placement.shard_bounds`)."""
+    clip whose features are ``feats_TF``, this rank's share (`parallel.clip_placement.shard_bounds`).
+    ``feats_TF`` may hold only the clip's feature frames from ``feat_offset`` on (of ``feat_total``): at
+    least `feature_span` of the slice (`LogMelFeatures.frames_of_clip` computes just those)."""
     if att_context is None:
         raise ValueError(
             "a clip can be sharded over the CP group with limited-context attention only (each frame then "
@@ -109,7 +139,10 @@ def forward_sharded_parakeet(
     if not 0 <= lo < hi:
         raise ValueError(f"bounds={bounds}: a slice of encoder frames needs 0 <= lo < hi")
     left, right = att_context
-    x_UE = subsample_window(model.subsampling, feats_TF, lo, hi, n_convs) * model.input_scale
+    x_UE = subsample_window(
+        model.subsampling, feats_TF, lo, hi, n_convs, feat_offset=feat_offset, feat_total=feat_total
+    )
+    x_UE = x_UE * model.input_scale
     x_UE = nn.functional.dropout(x_UE, p=model.dropout, training=model.training)
     pos_WE = window_position_table(model.encode_positions, left, right, x_UE)
     pos_WE = nn.functional.dropout(pos_WE, p=model.dropout_positions, training=model.training)

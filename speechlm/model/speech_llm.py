@@ -447,6 +447,7 @@ class SpeechLLM(nn.Module):
         every rank."""
         from parallel.clip_handover import Handover, clip_needs
         from parallel.clip_placement import shard_bounds
+        from speechlm.model.sharded_encoder import feature_span
 
         lay, stack = self.cp_layout, self.projector.stack
         cp, rank = lay.cp_size, lay.cp_rank
@@ -457,9 +458,15 @@ class SpeechLLM(nn.Module):
             n = int(audio_lens_B[c])
             bounds = shard_bounds(sharding.frames[c], cp, align=stack)
             lo, hi = bounds[rank]
+            total = n // self.encoder.feature_settings.hop_length  # the clip's feature frames
+            span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
+            own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
+            with torch.no_grad():  # features have no parameters: no gradient flows into them
+                feats = self.features.frames_of_clip(audio_BN[c], n, span, own, lay.reduce_sum)
             with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
-                feats, _ = self.features.packed(audio_BN[c : c + 1, :n], audio_lens_B[c : c + 1])
-                hidden_UE = self.encoder.forward_slice(feats, (lo, hi), lay.halo())
+                hidden_UE = self.encoder.forward_slice(
+                    feats, (lo, hi), lay.halo(), feat_offset=span[0], feat_total=total
+                )
             proj_PH, _ = self.projector(hidden_UE, torch.tensor([hi - lo], device=hidden_UE.device))
             rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
             have = [(a // stack, -(-b // stack)) for a, b in bounds]

@@ -32,9 +32,9 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
     calls = []
     inner = model.encoder.forward_slice
 
-    def spy(feats, bounds, exchange):
+    def spy(feats, bounds, exchange, **kw):
         calls.append(bounds)
-        return inner(feats, bounds, exchange)
+        return inner(feats, bounds, exchange, **kw)
 
     model.encoder.forward_slice = spy
     group = dist.new_group(list(range(world)))

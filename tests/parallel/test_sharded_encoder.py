@@ -136,3 +136,39 @@ def test_the_projector_on_stack_aligned_slices_equals_the_whole_clip(length, cp,
         torch.testing.assert_close(part, whole[lo // stack : -(-hi // stack)])
         rows.append(part)
     torch.testing.assert_close(torch.cat(rows), whole)
+
+
+def _window_features(rank: int, world: int, n_samples: int, window: tuple[int, int]) -> tuple[float, float]:
+    """Each rank computes the feature frames its slice reads (`frames_of_clip`, the statistics all-reduced
+    over the group) and encodes from them alone: equal to the whole clip's features and encoder rows."""
+    from parallel.sharded_clip import reduce_sum
+    from speechlm.model.sharded_encoder import feature_span
+
+    enc = make_encoder(window)
+    audio = torch.randn(1, n_samples + 321, generator=torch.Generator().manual_seed(1)) * 0.1
+    feats, feat_lens = LogMelFeatures().packed(audio, torch.tensor([n_samples]))
+    ref, lens = enc(feats, feat_lens, packed=True)
+    T, f = int(feat_lens[0]), 2**enc.n_convs
+    lo, hi = shard_bounds(int(lens[0]), world)[rank]
+    span = feature_span(lo, hi, enc.n_convs, T)
+    own = (min(f * lo, T), min(f * hi, T))
+    got = LogMelFeatures().frames_of_clip(audio[0], n_samples, span, own, lambda x: reduce_sum(x, None))
+    feat_err = float((got - feats[span[0] : span[1]]).abs().max())
+    out = enc.forward_slice(got, (lo, hi), HaloExchange(None), feat_offset=span[0], feat_total=T)
+    return feat_err, float((out - ref[lo:hi]).abs().max()) / max(1.0, float(ref.abs().max()))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world, n_samples", [(2, 48_123), (3, 52_345)])
+def test_each_rank_computes_only_the_features_its_slice_reads(world, n_samples):
+    for feat_err, out_err in run_distributed(_window_features, world, "gloo", n_samples, (3, 2)):
+        assert feat_err < 1e-4 and out_err < 1e-5, (feat_err, out_err)
+
+
+def test_windowed_features_refuse_a_span_that_does_not_hold_its_own_frames():
+    audio = torch.randn(16_000)
+    with pytest.raises(ValueError, match="must satisfy"):
+        LogMelFeatures().frames_of_clip(audio, 16_000, (10, 20), (5, 20), lambda x: x)
+    whole, _ = LogMelFeatures().packed(audio[None], torch.tensor([16_000]))
+    one = LogMelFeatures().frames_of_clip(audio, 16_000, (0, 100), (0, 100), lambda x: x)
+    torch.testing.assert_close(one, whole, rtol=1e-5, atol=2e-5)

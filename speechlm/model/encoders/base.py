@@ -68,7 +68,15 @@ class AudioEncoder(nn.Module, abc.ABC):
         encodes every clip whole (the default; `ParakeetAudioEncoder` with limited context shards)."""
         return None
 
-    def forward_slice(self, feats_TF: Tensor, bounds: tuple[int, int], exchange: Any) -> Tensor:
+    def forward_slice(
+        self,
+        feats_TF: Tensor,
+        bounds: tuple[int, int],
+        exchange: Any,
+        *,
+        feat_offset: int = 0,
+        feat_total: int | None = None,
+    ) -> Tensor:
         """Encoder frames ``bounds`` of one clip sharded over the CP group (where `slice_halo` is set)."""
         raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
 

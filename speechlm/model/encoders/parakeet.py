@@ -69,15 +69,30 @@ class ParakeetAudioEncoder(AudioEncoder):
         half_kernel = (int(cfg.conv_kernel_size) - 1) // 2
         return max(*self.att_context, half_kernel)
 
-    def forward_slice(self, feats_TF: Tensor, bounds: tuple[int, int], exchange: Any) -> Tensor:
-        """Encoder frames ``bounds = (lo, hi)`` ``[hi - lo, E]`` of the one clip whose (whole) features are
-        ``feats_TF``, with ``exchange`` bringing the neighbouring slices' halos
-        (`speechlm.model.sharded_encoder`). An entry point of its own so that FSDP gathers this module's
-        parameters for it (the training layer registers it)."""
+    def forward_slice(
+        self,
+        feats_TF: Tensor,
+        bounds: tuple[int, int],
+        exchange: Any,
+        *,
+        feat_offset: int = 0,
+        feat_total: int | None = None,
+    ) -> Tensor:
+        """Encoder frames ``bounds = (lo, hi)`` ``[hi - lo, E]`` of one clip whose features (frames from
+        ``feat_offset`` on, of ``feat_total``; default: all of them) are ``feats_TF``, with ``exchange``
+        bringing the neighbouring slices' halos (`speechlm.model.sharded_encoder`). An entry point of its
+        own so that FSDP gathers this module's parameters for it (the training layer registers it)."""
         from speechlm.model.sharded_encoder import forward_sharded_parakeet
 
         return forward_sharded_parakeet(
-            self.model, feats_TF, bounds, self.n_convs, self.att_context, exchange
+            self.model,
+            feats_TF,
+            bounds,
+            self.n_convs,
+            self.att_context,
+            exchange,
+            feat_offset=feat_offset,
+            feat_total=feat_total,
         )
 
     def forward(
