@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)
     "attention-calls": "benchmarks/bench_attention_calls.py",  # varlen kernel calls per layer (CPU/gloo)
     "pretrained-lora": "benchmarks/bench_pretrained_lora.py",  # SmolLM2 LoRA recipe: tokens/s, peak memory
+    "mfu": "benchmarks/bench_mfu.py",  # ~1B speech LLM step: MFU THD vs BSHD, estimate vs peak memory
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
