@@ -22,9 +22,11 @@ work; padding is not model work) and MFU against `speechlm.flops.peak_tflops` (H
 which never goes down, so the second layout's is the larger of both), and `speechlm.estimate`'s
 prediction for the heaviest micro-batch the layout computed (BSHD: every clip padded to the batch's
 longest, every transcript to its longest) with its error in percent (CUDA: against the estimate without
-the CUDA context, which the allocator does not count). Across layouts: THD's speedup over BSHD, the
-compute bound (BSHD's computed encoder frames, decoder tokens and analytic FLOPs of the padded work over
-THD's, as ``speechlm bench packing`` reports it) and the share of the bound reached.
+the CUDA context, which the allocator does not count); beside them `estimate`'s figure for the config
+alone (no manifest: its worst case). Across layouts: THD's speedup over BSHD, the compute bound (BSHD's
+computed encoder frames, decoder tokens and analytic FLOPs of the padded work, the LM head on every
+position, over THD's, as ``speechlm bench packing`` reports it) and the share of the bound reached. A
+layout that runs out of device memory is reported as such and the other one still runs.
 
 ``--dry-run`` prints the parameter counts, the batches and the predicted device time of the run at
 ``--assume-mfu`` (from the FLOP count) and exits without building the model.
@@ -78,7 +80,12 @@ PRESETS: dict[str, tuple[list[str], int, float, int, int]] = {
     "1b": ([*ENCODER_1B, *LLM_05B, "model.projector_hidden=2048"], 32000, 300.0, 8, 3),
     "tiny": (TINY, 1024, 20.0, 2, 1),
 }
-COMMON = ["model.ctc_weight=0.3", "model.dropout=0.0", "model.attention_backend=reference"]
+COMMON = [
+    "model.ctc_weight=0.3",
+    "model.dropout=0.0",
+    "model.attention_backend=reference",
+    "data.max_tokens=64",
+]
 ORDER = ("thd", "bshd")  # THD first: on a CPU the peak RSS only grows
 
 
@@ -110,15 +117,16 @@ def workload_of(batch: Any, *, padded: bool) -> Any:
     return Workload(frames, text)
 
 
-def analytic_flops(dims: Any, cfg: Any, w: Any) -> float:
-    """Training FLOPs (`speechlm.flops.micro_flops`) of one micro-batch's workload, all of it trained."""
+def analytic_flops(dims: Any, cfg: Any, w: Any, *, logits_everywhere: bool = False) -> float:
+    """Training FLOPs (`speechlm.flops.micro_flops`) of one micro-batch's workload, all of it trained;
+    `logits_everywhere`: the LM head runs on every position (BSHD's forward), not the labelled ones only."""
     from speechlm.estimate import llm_seq_lens
     from speechlm.flops import Trainable, micro_flops, record_work
 
     seqs = llm_seq_lens(dims, w)
     work = record_work(
         seqs,
-        [k + 1 for k in w.text_tokens],
+        seqs if logits_everywhere else [k + 1 for k in w.text_tokens],
         range(len(seqs)),
         0,
         1,
@@ -222,22 +230,23 @@ def run_layout(
         "steps": args.steps,
         "peak_tflops": peak,
         "measured_gib": mem["mem_cuda_alloc_gib"] if cuda else mem["rss_gib"],
-        "measured_what": "torch.cuda.max_memory_allocated" if cuda else "peak RSS of the process",
         "mem_cuda_reserved_gib": mem["mem_cuda_reserved_gib"],
         "encoder_frames_computed": sum(f["enc"] for f in frames),
         "decoder_tokens_computed": sum(f["dec"] for f in frames),
     }
 
 
-def estimate_figures(est: Any, measured_gib: float, *, cuda: bool) -> dict[str, float]:
-    """The estimate beside the measurement: on CUDA without the runtime (the CUDA context is not allocated)."""
+def estimate_figures(est: Any, measured_gib: float | None, *, cuda: bool) -> dict[str, float | None]:
+    """The estimate beside the measurement (None: not measured): on CUDA without the runtime (the CUDA
+    context is not allocated memory)."""
     from speechlm.estimate import GIB
 
     predicted = (est.total - (est.memory["runtime"] if cuda else 0.0)) / GIB
+    error = 100.0 * (predicted - measured_gib) / measured_gib if measured_gib else None
     return {
         "estimate_gib": predicted,
         "estimate_activations_gib": est.memory["activations"] / GIB,
-        "estimate_error_pct": 100.0 * (predicted - measured_gib) / measured_gib,
+        "estimate_error_pct": error,
     }
 
 
@@ -322,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}: speechlm estimate {est.total / GIB:.2f} GiB (activations "
                 f"{est.memory['activations'] / GIB:.2f}) of the heaviest micro-batch on {est_device}"
             )
+        cli = config_estimate(cfg, counts, dims, est_device)
+        payload["estimate_config_worst_case_gib"] = cli.total / GIB
+        print(f"speechlm estimate of the config (no manifest, a worst case): {cli.total / GIB:.2f} GiB")
         return write_json(args.json, payload)
 
     torch.manual_seed(args.seed)
@@ -338,28 +350,75 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     batches = [b.to(device) for b in batches]
     payload["build_s"] = time.perf_counter() - t_build
-    results = {name: run_layout(model, cfg, name, batches, args, device) for name in ORDER}
+    results = {name: run_layout_or_oom(model, cfg, name, batches, args, device) for name in ORDER}
     for name in ORDER:
         est = heaviest_estimate(cfg, counts, dims, batches, padded=name == "bshd", device=est_device)
-        results[name].update(estimate_figures(est, results[name]["measured_gib"], cuda=cuda))
+        results[name].update(estimate_figures(est, results[name].get("measured_gib"), cuda=cuda))
+    bound = bound_figures(results, payload["computed_tflop_per_step"])
+    cli = config_estimate(cfg, counts, dims, est_device)
+    cli_gib = (cli.total - (cli.memory["runtime"] if cuda else 0.0)) / GIB
+    print(format_table(results, bound, args, gpu, payload["build_s"], torch.__version__))
+    print(
+        f"speechlm estimate of the config (no manifest: {args.budget:g} s of 20 s clips with data.max_tokens "
+        f"tokens each, a worst case): {cli_gib:.3f} GiB"
+    )
+    payload["estimate_config_worst_case_gib"] = cli_gib
+    return write_json(args.json, {**payload, "layouts": results, "thd_vs_bshd": bound})
+
+
+def run_layout_or_oom(
+    model: Any, cfg: Any, name: str, batches: list[Any], args: argparse.Namespace, device: Any
+) -> dict[str, Any]:
+    """`run_layout`, or {"error": ...} when the device runs out of memory (the other layout still runs)."""
+    import torch
+
+    try:
+        return run_layout(model, cfg, name, batches, args, device)
+    except torch.OutOfMemoryError as e:
+        error = f"out of memory: {str(e).splitlines()[0][:200]}"
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"{name}: {error}", flush=True)
+    return {"error": error}
+
+
+def bound_figures(
+    results: dict[str, dict[str, Any]], tflop_per_step: dict[str, float]
+) -> dict[str, float] | None:
+    """THD's speedup over BSHD, the compute bound (BSHD's computed work over THD's) and the share of it
+    reached; None when a layout did not run."""
     thd, bshd = results["thd"], results["bshd"]
-    bound = {
+    if "error" in thd or "error" in bshd:
+        return None
+    speedup = bshd["step_s"] / thd["step_s"]
+    bound = tflop_per_step["bshd"] / tflop_per_step["thd"]
+    return {
         "encoder_frames_ratio": bshd["encoder_frames_computed"] / thd["encoder_frames_computed"],
         "decoder_tokens_ratio": bshd["decoder_tokens_computed"] / thd["decoder_tokens_computed"],
-        "compute_bound": payload["computed_tflop_per_step"]["bshd"]
-        / payload["computed_tflop_per_step"]["thd"],
-        "speedup": bshd["step_s"] / thd["step_s"],
+        "compute_bound": bound,
+        "speedup": speedup,
+        "share_of_bound": speedup / bound,
     }
-    bound["share_of_bound"] = bound["speedup"] / bound["compute_bound"]
-    print(format_table(results, bound, args, gpu, payload["build_s"], torch.__version__))
-    return write_json(args.json, {**payload, "layouts": results, "thd_vs_bshd": bound})
+
+
+def config_estimate(cfg: Any, counts: Any, dims: Any, device: str) -> Any:
+    """What `speechlm estimate` says of the config without a manifest (its worst-case micro-batch)."""
+    from speechlm.estimate import Layout, config_workloads, estimate
+
+    heavy, mean = config_workloads(cfg)
+    return estimate(cfg, counts, dims, heavy, mean, Layout(1), device=device)
 
 
 def plan_figures(cfg: Any, dims: Any, batches: list[Any], args: argparse.Namespace) -> dict[str, Any]:
     """The run before it runs: computed TFLOP per step of each layout (the analytic count of its work,
     padding included) and the seconds all steps take on one H100 at ``--assume-mfu``."""
     per_step = {
-        name: sum(analytic_flops(dims, cfg, workload_of(b, padded=name == "bshd")) for b in batches)
+        name: sum(
+            analytic_flops(dims, cfg, workload_of(b, padded=name == "bshd"), logits_everywhere=name == "bshd")
+            for b in batches
+        )
         / len(batches)
         for name in ORDER
     }
@@ -389,7 +448,7 @@ def write_json(path: str | None, payload: dict[str, Any]) -> int:
 
 def format_table(
     results: dict[str, dict[str, Any]],
-    bound: dict[str, float],
+    bound: dict[str, float] | None,
     args: argparse.Namespace,
     device: str,
     build_s: float,
@@ -402,20 +461,23 @@ def format_table(
         f"{'MFU':>7} {'real tok':>9} {'peak GiB':>9} {'estimate':>9} {'error':>7}",
     ]
     for name, r in results.items():
+        if "error" in r:
+            lines.append(f"{name:<6} {r['error']} (estimate {r['estimate_gib']:.3f} GiB)")
+            continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         lines.append(
             f"{name:<6} {1000 * r['step_s']:>8.1f} {1000 * r['cpu_s_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} "
             f"{r['audio_s_per_s']:>10,.1f} {r['tflops_per_s']:>9.4g} {mfu:>7} {r['real_token_share']:>9.1%} "
             f"{r['measured_gib']:>9.3f} {r['estimate_gib']:>9.3f} {r['estimate_error_pct']:>+6.1f}%"
         )
-    lines.append(
-        f"THD over BSHD: speedup {bound['speedup']:.3f}x; compute bound {bound['compute_bound']:.3f}x (encoder "
-        f"frames {bound['encoder_frames_ratio']:.3f}x, decoder tokens {bound['decoder_tokens_ratio']:.3f}x); "
-        f"{bound['share_of_bound']:.1%} of the bound"
-    )
-    lines.append(
-        f"peak: {results['thd']['measured_what']}; estimate: speechlm estimate of the heaviest micro-batch"
-    )
+    if bound is not None:
+        lines.append(
+            f"THD over BSHD: speedup {bound['speedup']:.3f}x; compute bound {bound['compute_bound']:.3f}x "
+            f"(encoder frames {bound['encoder_frames_ratio']:.3f}x, decoder tokens "
+            f"{bound['decoder_tokens_ratio']:.3f}x); {bound['share_of_bound']:.1%} of the bound"
+        )
+    what = "torch.cuda.max_memory_allocated" if device != "cpu" else "peak RSS of the process"
+    lines.append(f"peak: {what}; estimate: speechlm estimate of the heaviest micro-batch")
     return "\n".join(lines)
 
 

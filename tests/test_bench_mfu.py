@@ -71,3 +71,43 @@ def test_bench_mfu_without_a_gpu_names_the_device_and_what_to_do(capsys, monkeyp
     assert cli_main(["bench", "mfu", "--size", "tiny", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "--device cuda" in err and "--device cpu" in err
+
+
+def test_bench_mfu_reports_a_layout_that_ran_out_of_memory_and_still_runs_the_other(tmp_path, monkeypatch):
+    bench = load_benchmark("mfu")
+    real = bench.run_layout
+
+    def run_layout(model, cfg, name, *args):
+        if name == "bshd":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, cfg, name, *args)
+
+    monkeypatch.setattr(bench, "run_layout", run_layout)
+    out = tmp_path / "mfu.json"
+    argv = ["--size", "tiny", "--batches", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    assert bench.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["layouts"]["bshd"]["error"].startswith("out of memory: CUDA out of memory")
+    assert r["layouts"]["bshd"]["estimate_error_pct"] is None and r["layouts"]["bshd"]["estimate_gib"] > 0
+    assert r["layouts"]["thd"]["mfu"] > 0 and r["thd_vs_bshd"] is None
+
+
+def test_bench_mfu_compares_cuda_allocated_memory_with_the_estimate_without_the_cuda_context():
+    from speechlm.config import load_config
+    from speechlm.estimate import GIB, Layout, Workload, count_parameters, estimate, llm_seq_lens
+
+    bench = load_benchmark("mfu")
+    cfg = load_config(None, bench.PRESETS["tiny"][0])
+    counts, dims = count_parameters(cfg, 1024)
+    est = estimate(cfg, counts, dims, Workload([500], [10]), Workload([500], [10]), Layout(1), device="h100")
+    on_gpu = bench.estimate_figures(est, 1.0, cuda=True)
+    assert on_gpu["estimate_gib"] == pytest.approx((est.total - est.memory["runtime"]) / GIB)
+    assert on_gpu["estimate_error_pct"] == pytest.approx(100 * (on_gpu["estimate_gib"] - 1.0))
+    assert bench.estimate_figures(est, 1.0, cuda=False)["estimate_gib"] == pytest.approx(est.total / GIB)
+    # BSHD's LM head runs on every position of the padded rows, THD's on the labelled tokens only
+    w = Workload([500, 300], [10, 4])
+    extra = bench.analytic_flops(dims, cfg, w, logits_everywhere=True) - bench.analytic_flops(dims, cfg, w)
+    seqs = sum(llm_seq_lens(dims, w))
+    assert extra == pytest.approx(
+        3 * 2 * dims.llm.hidden * dims.llm.vocab * (seqs - sum(k + 1 for k in w.text_tokens))
+    )
