@@ -18,17 +18,18 @@ Step time is the slowest rank's wall time of that one step (it includes the page
 mmap setting hands back and takes again), CPU seconds are summed over the ranks.
 
 Scopes:
-- ``encoder`` (default): log-mel features of the whole clip (no gradient; per-clip normalisation needs
-  every frame, so every rank computes all of them), then `forward_sharded_parakeet` on this rank's
-  `shard_bounds` slice of the encoder frames (halo exchange over the gloo group) and the projector, then
-  the backward of the projector output's sum. The features are a phase of their own (the high-water mark
+- ``encoder`` (default): the log-mel features this rank's slice reads (no gradient;
+  `LogMelFeatures.frames_of_clip`, the per-clip normalisation's sums all-reduced over the gloo group, as
+  training computes them), then the encoder's `forward_slice` on this rank's `shard_bounds` slice of the
+  encoder frames (halo exchange over the gloo group) and the projector, then the backward of the
+  projector output's sum. The features are a phase of their own (the high-water mark
   is read after them and restarted): the table shows the whole step (act), the features' phase (feat) and
   the encoder + projector alone (enc), each with its ratio to cp 1.
 - ``step``: a whole `SpeechLLM` micro-batch, ``model(batch)`` forward + backward of the training loss,
   with the model parallelized as training does it (`build_distributed_context`: FSDP2 over the CP ranks and
   a `DynamicCPLayout` over the gloo group at cp > 1), a tiny LLM and a transcript of `TOKENS_PER_MINUTE`.
-  Whatever `SpeechLLM.forward` does with a long clip under CP is what this measures: until it calls the
-  sharded encoder, one rank encodes the whole clip.
+  Whatever `SpeechLLM.forward` does with a long clip under CP is what this measures (with limited context
+  it shards the clip's features and encoder over the group).
 
 Sizes (random weights): `ENCODER`, `LLM`, `PROJECTOR` below. On 2 cores, cp = 4 runs 4 processes on 2
 cores: step times show the work per rank plus oversubscription, not speed-ups.
@@ -225,8 +226,9 @@ def encoder_rank(rank: int, world: int, minutes: float) -> dict[str, Any]:
     from speechlm.config import EncoderConfig
     from speechlm.model.encoders import build_encoder
     from speechlm.model.features import LogMelFeatures
+    from parallel.sharded_clip import reduce_sum
     from speechlm.model.projector import FrameStackProjector
-    from speechlm.model.sharded_encoder import forward_sharded_parakeet
+    from speechlm.model.sharded_encoder import feature_span
 
     _rank_setup()
     enc = build_encoder(EncoderConfig(**ENCODER), dropout=0.0).train()  # type: ignore[arg-type]
@@ -238,13 +240,20 @@ def encoder_rank(rank: int, world: int, minutes: float) -> dict[str, Any]:
     exchange = HaloExchange(torch.distributed.group.WORLD)
 
     def featurize(audio: Any, lens: Any) -> Any:
-        with torch.no_grad():
-            return features.packed(audio, lens)
-
-    def encode(feats: Any, feat_lens: Any) -> tuple[int, int]:
-        length = int(enc.output_lengths(feat_lens)[0])
+        n = int(lens[0])
+        total = n // enc.feature_settings.hop_length
+        length = int(enc.output_lengths(torch.tensor([total]))[0])
         lo, hi = shard_bounds(length, world, align=stack)[rank]
-        x_UE = forward_sharded_parakeet(enc.model, feats, (lo, hi), enc.n_convs, enc.att_context, exchange)
+        span = feature_span(lo, hi, enc.n_convs, total)
+        f = 2**enc.n_convs
+        own = (min(f * lo, total), min(f * hi, total))
+        with torch.no_grad():
+            feats = features.frames_of_clip(audio[0], n, span, own, lambda x: reduce_sum(x, None))
+        return feats, (lo, hi, span[0], total)
+
+    def encode(feats: Any, where: tuple[int, int, int, int]) -> tuple[int, int]:
+        lo, hi, offset, total = where
+        x_UE = enc.forward_slice(feats, (lo, hi), exchange, feat_offset=offset, feat_total=total)
         emb, _ = proj(x_UE, torch.tensor([hi - lo]))
         emb.sum().backward()
         return lo, hi
