@@ -274,6 +274,14 @@ def count_by(codes: np.ndarray, n: int, weights: np.ndarray | None = None) -> np
     return total
 
 
+def batch_pieces(offsets: np.ndarray) -> list[tuple[int, int]]:
+    """Ranges [b0, b1) of micro-batches (bounds `offsets`, as in `PlannedRows`) of about `CHUNK` rows
+    each, so that per-row float64 temporaries stay small."""
+    n_batches = len(offsets) - 1
+    step = max(1, CHUNK // max(1, int(offsets[-1]) // max(1, n_batches)))
+    return [(b0, min(n_batches, b0 + step)) for b0 in range(0, n_batches, step)]
+
+
 def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The rows of the micro-batches `used` (back to back), gathered a million at a time."""
     rows = np.empty(int(offsets[-1]), plan.rows.dtype)
@@ -302,7 +310,7 @@ def summarize_plan(
     used = PlannedRows.of(plan, inputs)
     steps = plan.batches_per_rank // settings.grad_accum
     languages, datasets = mix_figures(used, inputs, settings.temperature)
-    tokens = planned_tokens(used.rows, inputs, settings, max_text_tokens)
+    tokens = planned_tokens(used, inputs, settings, max_text_tokens)
     total_hours = float(used.durations.sum(dtype=np.float64)) / 3600
     return {
         "mode": plan.mode,
@@ -374,20 +382,23 @@ def over_budget_figures(used: PlannedRows, tokens: np.ndarray, settings: Sampler
 
 def encoder_sharding_figures(used: PlannedRows, subsampling: int, cp: int) -> dict[str, Any]:
     """The clips `parallel.clip_placement.place_clips` shards over the CP group, over all planned
-    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1."""
-    seconds = used.durations.astype(np.float64)
-    frames = np.ceil(np.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling).astype(np.int64)
+    micro-batches (vectorised, a million rows at a time; one clip per row): their count and hours. Zero
+    at cp = 1, where nothing is computed."""
     min_frames = short_clip_frames(subsampling)
-    if cp == 1 or not len(frames):
-        sharded = np.zeros(len(frames), bool)
-    else:
-        totals = np.add.reduceat(frames, used.offsets[:-1])
-        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths))
+    clips, seconds = 0, 0.0
+    for b0, b1 in batch_pieces(used.offsets) if cp > 1 else ():
+        lo, hi = int(used.offsets[b0]), int(used.offsets[b1])
+        durations = used.durations[lo:hi]
+        frames = np.ceil(np.ceil(durations.astype(np.float64) * FEATURE_FRAMES_PER_SECOND) / subsampling)
+        totals = np.add.reduceat(frames, used.offsets[b0:b1] - lo)  # whole numbers: exact in float64
+        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths[b0:b1]))
+        clips += int(sharded.sum())
+        seconds += float(durations[sharded].sum(dtype=np.float64))
     return {
         "cp_size": cp,
         "min_frames": min_frames,
-        "clips": int(sharded.sum()),
-        "hours": float(used.durations[sharded].sum(dtype=np.float64)) / 3600,
+        "clips": clips,
+        "hours": seconds / 3600,
         "implemented": False,
     }
 
@@ -517,16 +528,15 @@ def padded_audio_efficiency(used: PlannedRows) -> float:
 
 
 def planned_tokens(
-    rows: np.ndarray, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
+    used: PlannedRows, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
 ) -> np.ndarray:
     """Tokens per planned row (int32) by the sampler's token cost model, text estimated as it does."""
-    tokens = np.empty(len(rows), np.int32)
-    for lo in range(0, len(rows), CHUNK):  # in pieces: the float64 temporaries stay small
-        piece = rows[lo : lo + CHUNK]
+    tokens = np.empty(len(used.rows), np.int32)
+    for lo in range(0, len(used.rows), CHUNK):  # in pieces: the float64 temporaries stay small
         text = None
         if inputs.text_chars is not None:
-            text = text_tokens_of(inputs.text_chars[piece], max_text_tokens)
-        tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(inputs.durations[piece], text)
+            text = text_tokens_of(inputs.text_chars[used.rows[lo : lo + CHUNK]], max_text_tokens)
+        tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(used.durations[lo : lo + CHUNK], text)
     return tokens
 
 
