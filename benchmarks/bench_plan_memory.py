@@ -16,7 +16,7 @@ What it does:
    `speechlm.cli.main(["plan", ...])` inside the child (imports excluded). Each child starts with an
    empty cache folder (`SPEECHLM_CACHE`), so its first plan reads the texts ("cold"); with
    ``--repeats`` > 1 the best of the later plans, which read the text lengths `speechlm plan` kept
-   (`speechlm.data.plan.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
+   (`speechlm.data.plan_inputs.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
 3. Prints time and peak RSS per mode, the ratios against `now`, and whether `now` met ``--budget-s``
    (a stated target, not a test: timings depend on the machine's load).
 
@@ -102,7 +102,7 @@ def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
     from speechlm.cli import main
 
     if mode == "columns":
-        plan.read_plan_inputs = _columns_reader  # type: ignore[assignment]
+        plan.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
     elif mode == "per-batch-cp":
         plan.cp_padding = per_batch_cp_padding  # type: ignore[assignment]
     # what `plan` imports lazily, imported before the clock starts (imports are not the plan's time)

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from speechlm.cli import main
-from speechlm.data.plan import cp_padding, read_plan_inputs
+from speechlm.data.plan import cp_padding
+from speechlm.data.plan_inputs import read_plan_inputs
 from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
 
 NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
@@ -305,7 +306,7 @@ def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatc
 
 
 def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, monkeypatch, capsys):
-    import speechlm.data.plan as plan_module
+    import speechlm.data.plan_inputs as plan_module
 
     path = tmp_path / "t.parquet"
     n = 2000
