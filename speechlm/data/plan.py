@@ -107,11 +107,17 @@ def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: i
     if not len(starts):
         return 0
     chunk, unit = sequence_multiple(cp), rounding_unit(cp, tp)
-    padded = lengths[: offsets[-1]]
-    if chunk > 1:  # int32 or narrower stays so: 10M tokens are 40 MB, not 80
-        padded = -(-padded // chunk) * chunk
-    totals = np.add.reduceat(padded, starts, dtype=np.int64)
-    return int((-(-totals // unit) * unit).sum())
+    ends = np.append(starts[1:], offsets[-1])  # a micro-batch runs to the next non-empty one's start
+    step = max(1, CHUNK * len(starts) // max(1, int(offsets[-1])))  # micro-batches in ~CHUNK rows
+    computed = 0
+    for k0 in range(0, len(starts), step):  # reduceat's int64 copy of 10M int32 lengths would be 80 MB
+        lo, hi = int(starts[k0]), int(ends[min(k0 + step, len(starts)) - 1])
+        padded = lengths[lo:hi]
+        if chunk > 1:
+            padded = -(-padded // chunk) * chunk
+        totals = np.add.reduceat(padded, starts[k0 : k0 + step] - lo, dtype=np.int64)
+        computed += int((-(-totals // unit) * unit).sum())
+    return computed
 
 
 CHUNK = 1 << 20  # rows per piece where the summary needs wide temporaries
