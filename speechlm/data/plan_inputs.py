@@ -141,7 +141,8 @@ def read_text_chars(path: Path, rows: int) -> np.ndarray:
                     )
                 chars[at : at + piece.num_rows] = text_lengths(piece.column(0))
                 at += piece.num_rows
-            pa.default_memory_pool().release_unused()
+                del piece  # and back to the system at once: the epoch plan peaks beside this thread
+                pa.default_memory_pool().release_unused()
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
     save_text_chars(path, chars)

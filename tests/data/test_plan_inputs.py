@@ -115,3 +115,21 @@ def test_a_null_text_read_beside_the_plan_names_its_row(tmp_path, monkeypatch, c
     assert "nulls.parquet, row 37: column 'text' is null" in err and "Traceback" not in err
     with pytest.raises(DataError, match=r"row 37: column 'text' is null"):
         plan_inputs.read_plan_inputs(tmp_path / "nulls.parquet")
+
+
+def test_the_text_reader_gives_each_piece_back_before_the_next(tmp_path, monkeypatch):
+    """The reader runs beside the epoch plan's peak: Arrow's pool returns each piece's memory to the system
+    at once (without it, a cold 10M-row plan peaked at ~612 MiB instead of ~515)."""
+    monkeypatch.setattr(plan_inputs, "TEXT_PIECE_ROWS", 5)
+    _write(tmp_path / "m.parquet", ["words"] * 33)  # row groups of 7 (the last of 5): 9 pieces
+    pool = pa.default_memory_pool()
+    released = []
+
+    class Counting:
+        def release_unused(self):
+            released.append(1)
+            pool.release_unused()
+
+    monkeypatch.setattr(pa, "default_memory_pool", Counting)
+    assert plan_inputs.read_text_chars(tmp_path / "m.parquet", 33).tolist() == [5] * 33
+    assert len(released) == 9
