@@ -10,13 +10,14 @@ What it does:
    - `per-batch-cp`: today's reader, but the padding summary places every micro-batch's sequences
      with `place_sequences` one micro-batch at a time, even at cp = 1 (`per_batch_cp_padding`, the
      summary before 2026-11-27, patched in for the run);
-   - `now`: today's `read_plan_inputs` (row groups in batches, only each text's length kept) and the
-     vectorised `cp_padding`.
+   - `now`: today's reader (`speechlm.data.plan_inputs`: row groups in batches, only each text's length
+     kept, read on a second thread while the epoch plan is built) and the vectorised `cp_padding`.
    Arrow uses its default memory pool, as in a user's run. Each mode's wall time is that of
-   `speechlm.cli.main(["plan", ...])` inside the child (imports excluded). Each child starts with an
+   `speechlm.cli.main(["plan", ...])` inside the child (imports excluded), with its CPU time (all
+   threads: `speechlm plan` reads the texts on a second one). Each child starts with an
    empty cache folder (`SPEECHLM_CACHE`), so its first plan reads the texts ("cold"); with
    ``--repeats`` > 1 the best of the later plans, which read the text lengths `speechlm plan` kept
-   (`speechlm.data.plan.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
+   (`speechlm.data.plan_inputs.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
 3. Prints time and peak RSS per mode, the ratios against `now`, and whether `now` met ``--budget-s``
    (a stated target, not a test: timings depend on the machine's load).
 
@@ -102,7 +103,7 @@ def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
     from speechlm.cli import main
 
     if mode == "columns":
-        plan.read_plan_inputs = _columns_reader  # type: ignore[assignment]
+        plan.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
     elif mode == "per-batch-cp":
         plan.cp_padding = per_batch_cp_padding  # type: ignore[assignment]
     # what `plan` imports lazily, imported before the clock starts (imports are not the plan's time)
@@ -114,9 +115,9 @@ def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
     import speechlm.data.sources.detect  # noqa: F401
     import speechlm.data.sources.mmap_cache  # noqa: F401
 
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # CPU time of every thread of the process
         with open(os.devnull, "w") as devnull:
             stdout, sys.stdout = sys.stdout, devnull
             try:
@@ -124,11 +125,14 @@ def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
             finally:
                 sys.stdout = stdout
         seconds.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     hwm = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM"))
     return {
         "rc": rc,
         "seconds": seconds[0],
+        "cpu_seconds": cpu[0],
         "seconds_warm": min(seconds[1:]) if len(seconds) > 1 else None,
+        "cpu_seconds_warm": cpu[1 + seconds[1:].index(min(seconds[1:]))] if len(seconds) > 1 else None,
         "peak_rss": int(hwm.split()[1]) * 1024,
     }
 
@@ -173,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[mode] = r
-            warm = f", warm {r['seconds_warm']:.2f} s" if r["seconds_warm"] is not None else ""
+            warm = (
+                f", warm {r['seconds_warm']:.2f} s ({r['cpu_seconds_warm']:.2f} s CPU)"
+                if r["seconds_warm"] is not None
+                else ""
+            )
             print(
-                f"{mode:>12}: peak RSS {r['peak_rss'] / 2**20:,.0f} MiB, {r['seconds']:.2f} s{warm}",
+                f"{mode:>12}: peak RSS {r['peak_rss'] / 2**20:,.0f} MiB, {r['seconds']:.2f} s "
+                f"({r['cpu_seconds']:.2f} s CPU){warm}",
                 flush=True,
             )
     if "now" in results:

@@ -23,6 +23,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -32,178 +34,29 @@ import numpy as np
 from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
+from speechlm.data.plan_inputs import plan_inputs_of_input_cfg, plan_inputs_of_table, read_plan_columns
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
 from speechlm.data.sampler.build import (
     CHARS_PER_TOKEN,
     SamplerInputs,
     make_sampler,
-    sampler_inputs,
     sampler_settings,
     text_tokens_of,
 )
 from speechlm.progress import Progress
 
 
-def read_plan_inputs(path: str | Path) -> SamplerInputs:
-    """Durations, languages and text lengths of any source `speechlm train` accepts.
-
-    A parquet manifest is read row group by row group, three columns only, the texts reduced to their
-    lengths one row group at a time: planning 10M utterances never holds the texts, ids or paths. The
-    lengths are kept in the cache folder (`text_chars_cache`), so the next plan of the same file reads
-    no text at all. Other kinds (NeMo, tar shards, Lhotse, WeNet) go through the memory-mapped index
-    cache, which stores the text lengths. A YAML file is read as a `data.input_cfg` list of weighted
-    datasets.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.data.manifest.schema import ManifestError
-
-    path = Path(path)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        return plan_inputs_of_input_cfg(str(path))
-    if not path.exists():
-        raise ManifestError(f"manifest {path} does not exist; pass --manifest or set data.train_manifest")
-    from speechlm.data.manifest.schema import CONVERSATION_SCHEMA
-    from speechlm.data.sources.detect import detect_source_type
-
-    if (
-        path.is_dir()
-        or detect_source_type(path) != "parquet"
-        or set(pq.read_schema(path).names) & set(CONVERSATION_SCHEMA.names)  # tasks, prompts: the index
-    ):
-        from speechlm.data.sources.mmap_cache import open_index
-
-        return _plan_inputs_of_table(open_index(path))
-    try:
-        f = pq.ParquetFile(path)
-        names = f.schema_arrow.names
-        missing = [c for c in ("duration", "lang") if c not in names]
-        if missing:
-            raise ManifestError(
-                f"manifest {path} has no column {', '.join(map(repr, missing))}; "
-                f"it has {names}. Build it with `speechlm manifest build`"
-            )
-        has_text = "text" in names
-        n = f.metadata.num_rows
-        durations = np.empty(n, np.float32)  # filled in place: no lists of pieces, no concatenation
-        codes = np.empty(n, np.int16)
-        cached = load_text_chars(path, n) if has_text else None
-        chars = np.empty(n, np.int32) if has_text and cached is None else None
-        seen: dict[str, int] = {}  # language -> code in order of appearance (sorted at the end)
-        pool = pa.default_memory_pool()
-        lo = 0
-        for group in range(f.num_row_groups):
-            batch = f.read_row_group(group, columns=["duration", "lang"], use_threads=False)
-            for column in ("duration", "lang"):
-                if batch.column(column).null_count:
-                    raise ManifestError(
-                        f"manifest {path}: column {column!r} has {batch.column(column).null_count} empty "
-                        "values; every row needs a duration and a language"
-                    )
-            hi = lo + batch.num_rows
-            durations[lo:hi] = batch.column("duration").cast(pa.float32()).to_numpy()
-            lang = batch.column("lang")
-            lang = lang if pa.types.is_dictionary(lang.type) else pc.dictionary_encode(lang)
-            at = lo
-            for chunk in lang.chunks:
-                remap = np.array(
-                    [seen.setdefault(str(v), len(seen)) for v in chunk.dictionary.to_pylist()], np.int16
-                )
-                codes[at : at + len(chunk)] = remap[chunk.indices.to_numpy(zero_copy_only=False)]
-                at += len(chunk)
-            if chars is not None:  # alone, in small pieces: a row group's texts are never held whole
-                at = lo
-                for piece in f.iter_batches(
-                    batch_size=1 << 16, row_groups=[group], columns=["text"], use_threads=False
-                ):
-                    if piece.column(0).null_count:
-                        row = at + int(pc.index(pc.is_null(piece.column(0)), True).as_py())
-                        raise ManifestError(
-                            f"manifest {path}, row {row}: column 'text' is null; every row needs a "
-                            "transcript: fill it in or remove the row, or rebuild the manifest"
-                        )
-                    chars[at : at + piece.num_rows] = pc.utf8_length(piece.column(0)).to_numpy(
-                        zero_copy_only=False
-                    )
-                    at += piece.num_rows
-            lo = hi
-            del batch, lang
-            pool.release_unused()
-    except (pa.ArrowException, OSError) as e:
-        raise ManifestError(f"manifest {path} is not a readable parquet file ({e})") from None
-    if chars is not None:
-        save_text_chars(path, chars)
-    lang_names = sorted(seen)
-    order = np.array([lang_names.index(name) for name in seen], np.int16)
-    inputs = SamplerInputs(
-        durations=durations,
-        lang_codes=order[codes] if len(order) else codes,
-        lang_names=lang_names,
-        text_chars=chars if chars is not None else cached,
-    )
-    return inputs
-
-
-def text_chars_cache(path: Path) -> Path:
-    """Where `speechlm plan` keeps the text lengths of parquet manifest `path`: beside the index cache,
-    named by the digest of its path, size and mtime (`source_fingerprint`), so an edited file misses."""
-    from speechlm.data.sources.mmap_cache import default_cache_dir, source_fingerprint
-
-    return default_cache_dir().parent / "plan" / f"{path.name}.{source_fingerprint(path)}.text_chars.npy"
-
-
-def load_text_chars(path: Path, rows: int) -> np.ndarray | None:
-    """The cached text lengths of `path` (int32, one per row), or None when there are none yet, or the
-    file is unreadable or of another length (then `save_text_chars` writes it again)."""
-    try:
-        chars = np.load(text_chars_cache(path), allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    return chars if chars.dtype == np.int32 and chars.shape == (rows,) else None
-
-
-def save_text_chars(path: Path, chars: np.ndarray) -> None:
-    """Keep the text lengths for the next plan of `path` (reading 10M texts is most of a plan's time).
-    Written to a temporary file and renamed, so a plan killed mid-write leaves no partial cache; a cache
-    that cannot be written (read-only, full disk) only costs the next plan the time to read the texts."""
-    import os
-
-    target = text_chars_cache(path)
-    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.save(f, chars, allow_pickle=False)
-        os.replace(tmp, target)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-
-
-def _plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
-    from speechlm.config import ExperimentConfig
-
-    return sampler_inputs(cfg if cfg is not None else ExperimentConfig(), table)
-
-
-def plan_inputs_of_input_cfg(entries: Any, cfg: Any = None) -> SamplerInputs:
-    """The plan inputs of a `data.input_cfg` (a list of entries or a YAML file of one)."""
-    from speechlm.data.sources.input_cfg import load_input_cfg
-
-    return _plan_inputs_of_table(load_input_cfg(entries), cfg)
-
-
-def plan_inputs(req: PlanRequest) -> SamplerInputs:
+def plan_inputs(req: PlanRequest) -> tuple[SamplerInputs, Callable[[], np.ndarray] | None]:
     """The inputs `req` plans: its data.input_cfg, or its manifest (read as training reads it when the
-    run streams: the streaming plan needs every row's tar and offset from the index)."""
+    run streams: the streaming plan needs every row's tar and offset from the index). With the function
+    that reads their text lengths when those are still to read (`read_plan_columns`)."""
     if req.input_cfg is not None:
-        return plan_inputs_of_input_cfg(req.input_cfg, req.cfg)
+        return plan_inputs_of_input_cfg(req.input_cfg, req.cfg), None
     if req.cfg is not None and req.cfg.data.read_mode == "streaming":
         from speechlm.data.sources.mmap_cache import open_index
 
-        return _plan_inputs_of_table(open_index(req.manifest), req.cfg)
-    return read_plan_inputs(req.manifest)
+        return plan_inputs_of_table(open_index(req.manifest), req.cfg), None
+    return read_plan_columns(req.manifest)
 
 
 def cp_padding(
@@ -254,11 +107,17 @@ def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: i
     if not len(starts):
         return 0
     chunk, unit = sequence_multiple(cp), rounding_unit(cp, tp)
-    padded = lengths[: offsets[-1]]
-    if chunk > 1:  # int32 or narrower stays so: 10M tokens are 40 MB, not 80
-        padded = -(-padded // chunk) * chunk
-    totals = np.add.reduceat(padded, starts, dtype=np.int64)
-    return int((-(-totals // unit) * unit).sum())
+    ends = np.append(starts[1:], offsets[-1])  # a micro-batch runs to the next non-empty one's start
+    step = max(1, CHUNK * len(starts) // max(1, int(offsets[-1])))  # micro-batches in ~CHUNK rows
+    computed = 0
+    for k0 in range(0, len(starts), step):  # reduceat's int64 copy of 10M int32 lengths would be 80 MB
+        lo, hi = int(starts[k0]), int(ends[min(k0 + step, len(starts)) - 1])
+        padded = lengths[lo:hi]
+        if chunk > 1:
+            padded = -(-padded // chunk) * chunk
+        totals = np.add.reduceat(padded, starts[k0 : k0 + step] - lo, dtype=np.int64)
+        computed += int((-(-totals // unit) * unit).sum())
+    return computed
 
 
 CHUNK = 1 << 20  # rows per piece where the summary needs wide temporaries
@@ -272,6 +131,14 @@ def count_by(codes: np.ndarray, n: int, weights: np.ndarray | None = None) -> np
         w = None if weights is None else weights[lo : lo + CHUNK]
         total += np.bincount(codes[lo : lo + CHUNK], w, minlength=n)
     return total
+
+
+def batch_pieces(offsets: np.ndarray) -> list[tuple[int, int]]:
+    """Ranges [b0, b1) of micro-batches (bounds `offsets`, as in `PlannedRows`) of about `CHUNK` rows
+    each, so that per-row float64 temporaries stay small."""
+    n_batches = len(offsets) - 1
+    step = max(1, CHUNK // max(1, int(offsets[-1]) // max(1, n_batches)))
+    return [(b0, min(n_batches, b0 + step)) for b0 in range(0, n_batches, step)]
 
 
 def _used_rows(plan: EpochPlan, used: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -304,7 +171,7 @@ def summarize_plan(
     used = PlannedRows.of(plan, inputs)
     steps = plan.batches_per_rank // settings.grad_accum
     languages, datasets = mix_figures(used, inputs, settings.temperature)
-    tokens = planned_tokens(used.rows, inputs, settings, max_text_tokens)
+    tokens = planned_tokens(used, inputs, settings, max_text_tokens)
     total_hours = float(used.durations.sum(dtype=np.float64)) / 3600
     return {
         "mode": plan.mode,
@@ -380,24 +247,26 @@ def encoder_sharding_figures(
     used: PlannedRows, subsampling: int, cp: int, min_slice: int | None = None
 ) -> dict[str, Any]:
     """The clips `parallel.clip_placement.place_clips` shards over the CP group, over all planned
-    micro-batches (vectorised; one clip per row): their count and hours. Zero at cp = 1. ``min_slice``:
-    the encoder's (`EncoderConfig.shard_min_slice`); None: it cannot shard a clip (full context), the
-    count is then of the clips the rule would shard with limited context, and ``sharded_in_training`` is
-    false."""
-    seconds = used.durations.astype(np.float64)
-    frames = np.ceil(np.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling).astype(np.int64)
+    micro-batches (vectorised, a million rows at a time; one clip per row): their count and hours. Zero
+    at cp = 1, where nothing is computed. ``min_slice``: the encoder's (`EncoderConfig.shard_min_slice`);
+    None: it cannot shard a clip (full context), the count is then of the clips the rule would shard with
+    limited context, and ``sharded_in_training`` is false."""
     min_frames = short_clip_frames(subsampling)
-    if cp == 1 or not len(frames):
-        sharded = np.zeros(len(frames), bool)
-    else:
-        totals = np.add.reduceat(frames, used.offsets[:-1])
-        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths))
-        sharded &= frames // cp >= (min_slice or 0)
+    clips, seconds = 0, 0.0
+    for b0, b1 in batch_pieces(used.offsets) if cp > 1 else ():
+        lo, hi = int(used.offsets[b0]), int(used.offsets[b1])
+        durations = used.durations[lo:hi]
+        frames = np.ceil(np.ceil(durations.astype(np.float64) * FEATURE_FRAMES_PER_SECOND) / subsampling)
+        totals = np.add.reduceat(frames, used.offsets[b0:b1] - lo)  # whole numbers: exact in float64
+        sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths[b0:b1]))
+        sharded &= np.floor(frames / cp) >= (min_slice or 0)
+        clips += int(sharded.sum())
+        seconds += float(durations[sharded].sum(dtype=np.float64))
     return {
         "cp_size": cp,
         "min_frames": min_frames,
-        "clips": int(sharded.sum()),
-        "hours": float(used.durations[sharded].sum(dtype=np.float64)) / 3600,
+        "clips": clips,
+        "hours": seconds / 3600,
         "sharded_in_training": min_slice is not None,
     }
 
@@ -527,16 +396,15 @@ def padded_audio_efficiency(used: PlannedRows) -> float:
 
 
 def planned_tokens(
-    rows: np.ndarray, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
+    used: PlannedRows, inputs: SamplerInputs, settings: SamplerSettings, max_text_tokens: int | None
 ) -> np.ndarray:
     """Tokens per planned row (int32) by the sampler's token cost model, text estimated as it does."""
-    tokens = np.empty(len(rows), np.int32)
-    for lo in range(0, len(rows), CHUNK):  # in pieces: the float64 temporaries stay small
-        piece = rows[lo : lo + CHUNK]
+    tokens = np.empty(len(used.rows), np.int32)
+    for lo in range(0, len(used.rows), CHUNK):  # in pieces: the float64 temporaries stay small
         text = None
         if inputs.text_chars is not None:
-            text = text_tokens_of(inputs.text_chars[piece], max_text_tokens)
-        tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(inputs.durations[piece], text)
+            text = text_tokens_of(inputs.text_chars[used.rows[lo : lo + CHUNK]], max_text_tokens)
+        tokens[lo : lo + CHUNK] = settings.token_cost.count_tokens(used.durations[lo : lo + CHUNK], text)
     return tokens
 
 
@@ -760,23 +628,31 @@ def run_plan(args: argparse.Namespace) -> int:
 def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -> int:
     """`speechlm plan` after its arguments are resolved: read, plan, summarize, print (and --json)."""
     bar.phase("reading the manifest")
+    settings = req.settings
     try:
-        inputs = plan_inputs(req)
+        inputs, read_text = plan_inputs(req)
+        if read_text is not None and settings.max_batch_tokens is not None:  # the plan needs them
+            inputs, read_text = replace(inputs, text_chars=read_text()), None
     except (OSError, ValueError) as e:
         bar.close()
         print(f"speechlm plan: {e}", file=sys.stderr)
         return 1
-    settings = req.settings
     bar.phase(f"planning {len(inputs.durations):,} utterances")
-    try:  # the sampler training builds (rank 0's; the plan covers every dp rank)
-        sampler = make_sampler(
-            settings, inputs, dp_rank=0, epoch=req.epoch, max_text_tokens=req.cfg.data.max_tokens
-        )
-        plan = sampler.plan
-    except ValueError as e:
-        bar.close()
-        print(f"speechlm plan: {e}", file=sys.stderr)
-        return 1
+    # a budget of seconds plans without the text lengths: a second thread reads them meanwhile (decoding
+    # the texts and building the plan both run mostly outside the GIL, in Arrow and numpy)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-texts") as pool:
+        text_chars = pool.submit(read_text) if read_text is not None else None
+        try:  # the sampler training builds (rank 0's; the plan covers every dp rank)
+            sampler = make_sampler(
+                settings, inputs, dp_rank=0, epoch=req.epoch, max_text_tokens=req.cfg.data.max_tokens
+            )
+            plan = sampler.plan
+            if text_chars is not None:
+                inputs = replace(inputs, text_chars=text_chars.result())
+        except (OSError, ValueError) as e:
+            bar.close()
+            print(f"speechlm plan: {e}", file=sys.stderr)
+            return 1
     estimated = settings.bucket_boundaries is None  # sampler.bucket_boundaries=null: the sampler's estimate
     settings = replace(settings, bucket_boundaries=sampler.settings.bucket_boundaries)
     req = replace(req, settings=settings)

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from speechlm.cli import main
-from speechlm.data.plan import cp_padding, read_plan_inputs
+from speechlm.data.plan import cp_padding
+from speechlm.data.plan_inputs import read_plan_inputs
 from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
 
 NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
@@ -305,7 +306,7 @@ def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatc
 
 
 def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, monkeypatch, capsys):
-    import speechlm.data.plan as plan_module
+    import speechlm.data.plan_inputs as plan_module
 
     path = tmp_path / "t.parquet"
     n = 2000
@@ -329,3 +330,21 @@ def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, m
     texts = [t + "xyz" for t in texts]  # the manifest changes: its size and mtime, so the cache misses
     pq.write_table(pa.table({"duration": durations, "lang": ["en"] * n, "text": texts}), path)
     np.testing.assert_array_equal(read_plan_inputs(path).text_chars, [len(t) for t in texts])
+
+
+def test_plan_does_not_hash_the_manifest(manifest, monkeypatch, capsys):
+    """The sampler's fingerprint (a hash of every row, checked on resume) is taken when a state is saved,
+    not when the sampler is built: `speechlm plan` saves none."""
+    import speechlm.data.sampler.stateful as stateful
+
+    path, durations, _ = manifest
+    calls = []
+    real = stateful.fingerprint_manifest
+    monkeypatch.setattr(stateful, "fingerprint_manifest", lambda *a: calls.append(len(a[0])) or real(*a))
+    assert main(["plan", "--manifest", str(path), "--dp-size", "2"]) == 0
+    assert calls == []
+    codes = np.zeros(len(durations), np.int16)
+    sampler = DurationBucketBatchSampler(durations, codes, ["en"], SamplerSettings(dp_size=1))
+    assert calls == []
+    assert sampler.state_dict()["manifest"] == real(durations, codes, None, ["en"])
+    assert calls == [len(durations)]

@@ -137,11 +137,17 @@ def test_first_of_a_bucket_is_drawn_in_proportion_to_its_weight():
     cuts=st.lists(st.integers(0, 119), max_size=4),
     block=st.integers(1, 9),
     jump_log2=st.integers(0, 3),
+    piece_rows=st.integers(1, 9),  # the pointer doubling, in place piece by piece
 )
-def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_log2):
+def test_packing_matches_the_row_by_row_greedy(costs, budget, cuts, block, jump_log2, piece_rows):
     segments = sorted({c for c in cuts if c < len(costs)})
     got = batching.pack_greedy(
-        np.array(costs), budget, np.array(segments, dtype=np.int64), block=block, jump_log2=jump_log2
+        np.array(costs),
+        budget,
+        np.array(segments, dtype=np.int64),
+        block=block,
+        jump_log2=jump_log2,
+        piece_rows=piece_rows,
     )
     assert got.tolist() == sequential_starts(costs, budget, segments)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from speechlm.data.sampler.cost import PIECE_ROWS
 from speechlm.data.sampler.ordering import index_dtype
 
 
@@ -22,6 +23,7 @@ def pack_greedy(
     *,
     block: int = 16384,
     jump_log2: int = 3,
+    piece_rows: int = PIECE_ROWS,
 ) -> np.ndarray:
     """Step 4: start positions of the greedy micro-batches over `costs` (int64, in order).
 
@@ -60,9 +62,15 @@ def pack_greedy(
             last = np.searchsorted(prefix[i0:window_end], query, side="right") - 1
             np.maximum(last, steps[: i1 - i0], out=last)  # a row over budget still advances by one
             nxt[s0 + i0 : s0 + i1] = last + (s0 + i0)
+    # jump = jump[jump], `piece_rows` rows at a time (no 10M-row temporaries): the first doubling into a
+    # new array, the others in place, since every jump[i] > i (or = n) and a piece so reads only entries
+    # that this doubling has not rewritten yet
     jump = nxt
     for _ in range(jump_log2):
-        jump = jump[jump]
+        out = np.empty_like(nxt) if jump is nxt else jump
+        for lo in range(0, n + 1, piece_rows):
+            out[lo : lo + piece_rows] = jump[jump[lo : lo + piece_rows]]
+        jump = out
     coarse = []
     jump_at = jump.data  # a memoryview: indexing it gives Python ints, fast in the walk below
     pos = 0

@@ -17,6 +17,7 @@ import numpy as np
 
 SECOND_UNITS = 1_000_000  # duration costs are integer microseconds
 TOKEN_UNITS = 1_000  # token costs are integer thousandths of a token
+PIECE_ROWS = 1 << 20  # rows per piece where a pass over all of them would need 10M-row temporaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +57,18 @@ def compute_row_sizes(
     return tokens
 
 
-def quantize_costs(sizes: np.ndarray, budget: float, units: int) -> tuple[np.ndarray, int]:
+def quantize_costs(
+    sizes: np.ndarray, budget: float, units: int, *, piece_rows: int = PIECE_ROWS
+) -> tuple[np.ndarray, int]:
     """Integer costs (rounded up; int32 where they fit) and budget (rounded down), so sums are exact and
     never exceed the budget."""
-    scaled = np.array(sizes, dtype=np.float64)
-    scaled *= units
-    np.ceil(scaled, out=scaled)
-    # int32 where every cost fits (half the memory of 10M rows; pack_greedy sums in int64)
-    small = scaled.size == 0 or float(scaled.max()) < 2**31
-    return scaled.astype(np.int32 if small else np.int64), int(math.floor(budget * units))
+    sizes = np.asarray(sizes)
+    # int32 where every cost fits (half the memory of 10M rows; pack_greedy sums in int64); rounding is
+    # monotonic, so the largest cost is that of the largest size
+    small = sizes.size == 0 or float(np.ceil(float(np.max(sizes)) * units)) < 2**31
+    costs = np.empty(sizes.shape, np.int32 if small else np.int64)
+    for lo in range(0, len(sizes), piece_rows):  # in pieces: no float64 copy of 10M sizes
+        scaled = sizes[lo : lo + piece_rows].astype(np.float64)
+        scaled *= units
+        costs[lo : lo + piece_rows] = np.ceil(scaled, out=scaled)
+    return costs, int(math.floor(budget * units))
