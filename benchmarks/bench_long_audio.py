@@ -223,10 +223,10 @@ def encoder_rank(rank: int, world: int, minutes: float) -> dict[str, Any]:
 
     from parallel.clip_placement import shard_bounds
     from parallel.halo import HaloExchange
+    from parallel.sharded_clip import reduce_sum
     from speechlm.config import EncoderConfig
     from speechlm.model.encoders import build_encoder
     from speechlm.model.features import LogMelFeatures
-    from parallel.sharded_clip import reduce_sum
     from speechlm.model.projector import FrameStackProjector
     from speechlm.model.sharded_encoder import feature_span
 
