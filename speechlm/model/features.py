@@ -212,15 +212,7 @@ class LogMelFeatures(nn.Module):
                 keep = torch.zeros_like(stream, dtype=torch.bool).index_fill(0, dest, True)
                 stream = torch.cat([stream[:1], stream[1:] - s.preemphasis * stream[:-1]])
                 stream = stream.masked_fill(~keep, 0.0)
-            spec_KS = torch.stft(
-                stream,
-                n_fft=s.n_fft,
-                hop_length=hop,
-                win_length=s.win_length,
-                window=self.window,
-                center=False,
-                return_complex=True,
-            )
+            spec_KS = self._stft_uncentred(stream)
             feat_lens_B = compute_feature_lengths(lens_B, hop)
             total = int(feat_lens_B.sum())
             clip_T = torch.repeat_interleave(
@@ -235,6 +227,19 @@ class LogMelFeatures(nn.Module):
             if s.normalize:
                 x_TF = self._normalize_segments(x_TF, clip_T, feat_lens_B)
         return x_TF, feat_lens_B
+
+    def _stft_uncentred(self, stream: Tensor) -> Tensor:
+        """``[K, frames]``: the complex STFT of a sample stream, frame j over samples ``[j hop, j hop + n_fft)``."""
+        s = self.settings
+        return torch.stft(
+            stream,
+            n_fft=s.n_fft,
+            hop_length=s.hop_length,
+            win_length=s.win_length,
+            window=self.window,
+            center=False,
+            return_complex=True,
+        )
 
     def frames_of_clip(
         self,
@@ -271,15 +276,7 @@ class LogMelFeatures(nn.Module):
                 real = torch.arange(first, first + length, device=device)
                 keep = (real >= 0) & (real < n_samples)
                 seg = torch.cat([seg[:1], seg[1:] - s.preemphasis * seg[:-1]]).masked_fill(~keep, 0.0)
-            spec_KT = torch.stft(
-                seg[1:],
-                n_fft=s.n_fft,
-                hop_length=hop,
-                win_length=s.win_length,
-                window=self.window,
-                center=False,
-                return_complex=True,
-            )
+            spec_KT = self._stft_uncentred(seg[1:])
             x_TF = torch.log(spec_KT.abs().pow(2).t() @ self.mel_fb_KF + LN_LOG_GUARD)
             if not s.normalize:
                 return x_TF
