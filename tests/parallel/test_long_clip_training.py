@@ -134,8 +134,8 @@ def _assert_steps_match(ref: dict, got: list[dict]) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_three_training_steps_with_a_sharded_clip_match_one_process():
-    """The real step (FSDP2 over the CP ranks, the encoder called twice per micro-batch: its whole clips, then
-    the long clip's slice): 3 steps' losses and the first step's gradients equal one process."""
+    """The real step (FSDP2 over the CP ranks; the encoder runs its whole clips and the long clip's slice in
+    one call): 3 steps' losses and the first step's gradients equal one process."""
     got = run_distributed(rank_layouts, 2, "gloo", LONG_LAYOUTS, N_STEPS, "gloo", timeout_s=850)
     failed = []
     for i, lay in enumerate(LONG_LAYOUTS):
