@@ -111,7 +111,7 @@ def tie(tensors: Sequence[Tensor]) -> list[Tensor]:
     """The same tensors, passed through ONE autograd node: in backward, none of their producers runs before
     every use of every one of them is done, and then all are ready at once, so the engine takes them in
     the same order (latest created first) on every rank. A sharded clip adds collectives on the CP group
-    (the hand-over, the CTC gather, the halos, FSDP's reductions of the encoder it calls twice); without
+    (the hand-over, the CTC gather, the halos) beside FSDP's reductions of the encoder; without
     this, a rank whose stream does not hold the clip would reach them before the ranks whose LLM backward
     still runs, in another order, and the blocking collectives would wait on each other for ever.
     Outputs nobody uses receive zeros, so their producers' collectives still run: keep one output in the

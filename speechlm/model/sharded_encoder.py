@@ -29,6 +29,7 @@ and docs/parallelism.md say so. Model code: the exchange is a callable the train
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,20 @@ from speechlm.model.packed_encoder import (
 )
 
 SUBSAMPLING_MARGIN = 4  # encoder frames recomputed on each side of a slice by the subsampling
+
+
+@dataclass(frozen=True)
+class ClipSlice:
+    """One rank's slice of a clip sharded over the CP group, as the encoder takes it
+    (`ParakeetAudioEncoder.forward_with_slices`): encoder frames ``bounds = (lo, hi)``, the clip's feature
+    frames ``[feat_offset, feat_offset + len(feats_TF))`` of ``feat_total`` (at least `feature_span`), and the
+    halo exchange of the group."""
+
+    feats_TF: Tensor
+    bounds: tuple[int, int]
+    exchange: Exchange
+    feat_offset: int
+    feat_total: int
 
 
 def feature_span(lo: int, hi: int, n_convs: int, total: int) -> tuple[int, int]:

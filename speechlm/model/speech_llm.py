@@ -75,6 +75,7 @@ from speechlm.model.features import LogMelFeatures
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector, compute_stacked_lengths
+from speechlm.model.sharded_encoder import ClipSlice
 from speechlm.packing import IGNORE_INDEX, PackedBatch, clip_offsets
 from speechlm.prompt import PromptFormat
 
@@ -114,6 +115,9 @@ class EncoderOutput:
     ctc_extra: list[tuple[int, Tensor]] = field(default_factory=list)
     # feature frames of the sharded clips' slices this rank encoded (the FLOP count)
     slice_feature_frames: list[int] = field(default_factory=list)
+    # this rank's slices of the sharded clips as the encoder and projector left them: (encoder frames
+    # [U, E], projected rows [P, H]) per clip, until `SpeechLLM.finish_sharded` hands them over
+    slices: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     @property
     def enc_lens(self) -> Tensor:
@@ -224,19 +228,49 @@ class SpeechLLM(nn.Module):
     # ------------------------------------------------------------------------------------------
 
     def encode_audio(
-        self, audio_BN: Tensor, audio_lens_B: Tensor, *, freeze_encoder: bool = False
+        self,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        *,
+        freeze_encoder: bool = False,
+        slices: Sequence[ClipSlice] = (),
     ) -> EncoderOutput:
         """Features → encoder → projector. ``freeze_encoder`` runs features and encoder without autograd
         (the first phase of the two-phase schedule); the projector always trains. With the padding-free
-        encoder (``self.encoder_packed``) features, encoder and projector see packed frames only."""
+        encoder (``self.encoder_packed``) features, encoder and projector see packed frames only.
+        ``slices``: slices of clips sharded over the CP group (`prepare_slices`), run in the same encoder
+        call (`forward_with_slices`) and projector call; their (encoder frames, projected rows) come back
+        in ``EncoderOutput.slices``."""
         packed = self.encoder_packed
         with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
             if packed:
                 feats, feat_lens_B = self.features.packed(audio_BN, audio_lens_B)
             else:
                 feats, feat_lens_B = self.features(audio_BN, audio_lens_B)
-            enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
-        proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
+            if slices:
+                enc_hidden, enc_lens_B, slice_hidden = self.encoder.forward_with_slices(
+                    feats, feat_lens_B, slices
+                )
+            else:
+                enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
+        if not slices:
+            proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
+            return self._encoder_output(proj, proj_lens_B, enc_hidden, enc_lens_B, packed)
+        # one projector call: the whole clips' frames, then each slice's (cut on the stack: exact)
+        lens_all = torch.cat([enc_lens_B, enc_lens_B.new_tensor([int(h.shape[0]) for h in slice_hidden])])
+        proj_all, proj_lens_all = self.projector(torch.cat([enc_hidden, *slice_hidden]), lens_all)
+        n_clips = int(enc_lens_B.numel())
+        rows = [int(n) for n in proj_lens_all.tolist()]
+        proj_parts = torch.split(proj_all, [sum(rows[:n_clips]), *rows[n_clips:]])
+        out = self._encoder_output(proj_parts[0], proj_lens_all[:n_clips], enc_hidden, enc_lens_B, packed)
+        out.slices = list(zip(slice_hidden, proj_parts[1:], strict=True))
+        return out
+
+    @staticmethod
+    def _encoder_output(
+        proj: Tensor, proj_lens_B: Tensor, enc_hidden: Tensor, enc_lens_B: Tensor, packed: bool
+    ) -> EncoderOutput:
+        """`encode_audio`'s result for its whole clips: projected rows per clip, the encoder's frames."""
         rows = list(range(int(proj_lens_B.numel())))
         if packed:
             embeds: list[Tensor | None] = list(torch.split(proj, [int(n) for n in proj_lens_B.tolist()]))
@@ -393,17 +427,24 @@ class SpeechLLM(nn.Module):
         *,
         freeze_encoder: bool = False,
         skip: Sequence[bool] = (),
+        slices: Sequence[ClipSlice] = (),
     ) -> EncoderOutput:
         """`encode_audio` through the CP layout: this rank's clips, the split sequences' clips gathered;
-        ``skip``: the clips sharded over the CP group (`encode_sharded` encodes them), left None here."""
+        ``skip``: the clips sharded over the CP group, left None here; ``slices``: this rank's slices of
+        them (`prepare_slices`), encoded and projected in the same encoder and projector calls as its whole
+        clips (one call each per micro-batch on every rank, whatever the micro-batch holds, so FSDP's
+        collectives of those units stay in step across data-parallel ranks); their outputs come back in
+        ``EncoderOutput.slices`` for `finish_sharded`."""
 
-        def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], tuple[PackedFrames | Tensor, Tensor]]:
-            out = self.encode_audio(a, lens, freeze_encoder=freeze_encoder)
-            return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B)
+        def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], Any]:
+            out = self.encode_audio(a, lens, freeze_encoder=freeze_encoder, slices=slices)
+            return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B, out.slices)
 
         res = self.cp_layout.encode(encode_fn, audio_BN, audio_lens_B, plan, skip)
-        enc_hidden, enc_lens_B = res.extra
-        return EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
+        enc_hidden, enc_lens_B, slice_outs = res.extra
+        enc = EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
+        enc.slices = list(slice_outs)
+        return enc
 
     def clip_sharding(self, audio_lens_B: Tensor) -> ClipSharding | None:
         """Which clips of a micro-batch the encoder shards over the CP group
@@ -424,50 +465,55 @@ class SpeechLLM(nn.Module):
         )
         return sharding if sharding.sharded_indices else None
 
-    def encode_sharded(
+    def prepare_slices(
+        self, audio_BN: Tensor, audio_lens_B: Tensor, sharding: ClipSharding
+    ) -> list[ClipSlice]:
+        """This rank's slice of every clip ``sharding`` shards over the CP group, ready for the encoder:
+        its contiguous encoder frames (`parallel.clip_placement.shard_bounds`, cut on the projector's
+        stack) and the feature frames its subsampling reads (`LogMelFeatures.frames_of_clip`, the clip's
+        normalisation statistics summed over the group; no gradient: features have no parameters)."""
+        from parallel.clip_placement import shard_bounds
+        from speechlm.model.sharded_encoder import feature_span
+
+        lay, stack, sub = self.cp_layout, self.projector.stack, self.encoder.subsampling
+        out = []
+        for c in sharding.sharded_indices:
+            n = int(audio_lens_B[c])
+            lo, hi = shard_bounds(sharding.frames[c], lay.cp_size, align=stack)[lay.cp_rank]
+            total = n // self.encoder.feature_settings.hop_length  # the clip's feature frames
+            span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
+            own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
+            with torch.no_grad():
+                feats = self.features.frames_of_clip(audio_BN[c], n, span, own, lay.reduce_sum)
+            out.append(ClipSlice(feats, (lo, hi), lay.halo(), span[0], total))
+        return out
+
+    def finish_sharded(
         self,
         enc: EncoderOutput,
-        audio_BN: Tensor,
-        audio_lens_B: Tensor,
         sharding: ClipSharding,
         plan: CPPlan,
         *,
         seq_of_clip: Sequence[int],
         offsets: Sequence[int],
-        freeze_encoder: bool = False,
     ) -> None:
-        """Encode the clips ``sharding`` shards over the CP group into ``enc`` (issue 25; docs/parallelism.md):
-        each rank runs the encoder (`forward_slice`, halos from its neighbours) and the projector on its
-        contiguous slice of the clip's frames (`parallel.clip_placement.shard_bounds`, cut on the
-        projector's stack), then the layout hands the projected rows to the ranks whose LLM stream holds
-        them (`parallel.clip_handover`), and, with a CTC head, gathers the slices' encoder frames for the
-        rank that scores the clip's CTC (its owner in ``plan``). ``seq_of_clip[c]``: the sequence of clip
-        c; ``offsets[c]``: the row of that sequence where the clip's first frame sits. Finally every output of the audio side passes through one
+        """The sharded clips' side of ``enc`` once the encoder and projector ran on this rank's slices (in
+        the same calls as its whole clips: `encode_for_layout`, ``enc.slices``): the layout hands each
+        clip's projected rows to the ranks whose LLM stream holds them (`parallel.clip_handover`) and, with
+        a CTC head, gathers the slices' encoder frames for the rank that scores the clip's CTC (its owner
+        in ``plan``). ``seq_of_clip[c]``: the sequence of clip c; ``offsets[c]``: the row of that sequence
+        where the clip's first frame sits. Finally every output of the audio side passes through one
         autograd node (`CPLayout.tie`), which keeps the CP collectives of the backward in one order on
-        every rank."""
+        every rank (docs/parallelism.md)."""
         from parallel.clip_handover import Handover, clip_needs
         from parallel.clip_placement import shard_bounds
-        from speechlm.model.sharded_encoder import feature_span
 
         lay, stack = self.cp_layout, self.projector.stack
         cp, rank = lay.cp_size, lay.cp_rank
         padded = dict(zip(plan.indices, plan.padded_lengths))
         gathered, owners = plan.gathered, plan.clip_owners
-        sub = self.encoder.subsampling
-        for c in sharding.sharded_indices:
-            n = int(audio_lens_B[c])
+        for c, (hidden_UE, proj_PH) in zip(sharding.sharded_indices, enc.slices, strict=True):
             bounds = shard_bounds(sharding.frames[c], cp, align=stack)
-            lo, hi = bounds[rank]
-            total = n // self.encoder.feature_settings.hop_length  # the clip's feature frames
-            span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
-            own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
-            with torch.no_grad():  # features have no parameters: no gradient flows into them
-                feats = self.features.frames_of_clip(audio_BN[c], n, span, own, lay.reduce_sum)
-            with torch.no_grad() if freeze_encoder else contextlib.nullcontext():
-                hidden_UE = self.encoder.forward_slice(
-                    feats, (lo, hi), lay.halo(), feat_offset=span[0], feat_total=total
-                )
-            proj_PH, _ = self.projector(hidden_UE, torch.tensor([hi - lo], device=hidden_UE.device))
             rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
             have = [(a // stack, -(-b // stack)) for a, b in bounds]
             need = clip_needs(
@@ -485,7 +531,9 @@ class SpeechLLM(nn.Module):
                     enc.ctc_extra.append((c, full_UE))
                 else:
                     enc.unused.append(full_UE)
-            enc.slice_feature_frames.append((hi - lo) * sub)
+            lo, hi = bounds[rank]
+            enc.slice_feature_frames.append((hi - lo) * self.encoder.subsampling)
+        enc.slices = []
         self._tie_audio_side(enc)
 
     def _tie_audio_side(self, enc: EncoderOutput) -> None:
@@ -587,20 +635,18 @@ class SpeechLLM(nn.Module):
             ctc_tokens, ctc_lens, n_clips = tokens_BL, token_lens_B, len(prompts)
         sharding = self.clip_sharding(audio_lens_B)
         skip = sharding.sharded if sharding is not None else ()
+        slices = self.prepare_slices(audio_BN, audio_lens_B, sharding) if sharding is not None else []
         enc = self.encode_for_layout(
-            audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen, skip=skip
+            audio_BN, audio_lens_B, enc_plan, freeze_encoder=encoder_frozen, skip=skip, slices=slices
         )
         if sharding is not None:
             seq_of_clip = list(range(len(prompts))) if clip_counts is None else list(clip_sample)
-            self.encode_sharded(
+            self.finish_sharded(
                 enc,
-                audio_BN,
-                audio_lens_B,
                 sharding,
                 enc_plan,
                 seq_of_clip=seq_of_clip,
                 offsets=clip_offsets(prompts, seq_of_clip, audio_lens, self.audio_id),
-                freeze_encoder=encoder_frozen,
             )
         ctc_sum = None
         if self.ctc_head is not None:

@@ -74,8 +74,8 @@ def parallelize_speech_llm(
         for name in FSDP_ENTRY_METHODS:
             register_fsdp_forward_method(model, name)  # type: ignore[arg-type]
     if isinstance(model.encoder, FSDPModule):
-        # a clip sharded over the CP group runs the encoder through forward_slice (issue 25)
-        register_fsdp_forward_method(model.encoder, "forward_slice")  # type: ignore[arg-type]
+        # a micro-batch with a clip sharded over the CP group runs the encoder through forward_with_slices
+        register_fsdp_forward_method(model.encoder, "forward_with_slices")  # type: ignore[arg-type]
     return model
 
 

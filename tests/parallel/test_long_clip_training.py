@@ -30,13 +30,13 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
     batch = global_steps(1, 1, batches="long")[0][0]
     model = build_model(_config(extra=extra))
     calls = []
-    inner = model.encoder.forward_slice
+    inner = model.encoder.forward_with_slices
 
-    def spy(feats, bounds, exchange, **kw):
-        calls.append(bounds)
-        return inner(feats, bounds, exchange, **kw)
+    def spy(feats, lens, slices):
+        calls.extend(s.bounds for s in slices)
+        return inner(feats, lens, slices)
 
-    model.encoder.forward_slice = spy
+    model.encoder.forward_with_slices = spy
     group = dist.new_group(list(range(world)))
     model.set_cp_layout(
         DynamicCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", threshold=threshold)
@@ -105,8 +105,19 @@ LONG_LAYOUTS = [
 
 
 @functools.cache
-def _step_reference() -> dict:
-    return reference_run(_config(), global_steps(N_STEPS, 1, batches="long"))
+def _step_reference(dp: int = 1) -> dict:
+    return reference_run(_config(), global_steps(N_STEPS, dp, batches="long"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_dp2_cp2_with_a_long_clip_on_one_dp_rank_only_matches_one_process():
+    """dp 2 x cp 2 (FSDP2 over all four ranks): one dp rank's micro-batches shard a long clip over its CP
+    pair while the other's hold short clips only, so the encoder's FSDP collectives must not depend on
+    whether a micro-batch has a sharded clip (one encoder call per micro-batch on every rank)."""
+    lay = [Layout("dp2-cp2-long", 2, 2, 1, split_threshold="auto", overrides=WINDOW, batches="long")]
+    got = run_distributed(rank_layouts, 4, "gloo", lay, N_STEPS, "gloo", timeout_s=600)
+    _assert_steps_match(_step_reference(2), [per_rank[0] for per_rank in got])
 
 
 def _assert_steps_match(ref: dict, got: list[dict]) -> None:
@@ -123,8 +134,8 @@ def _assert_steps_match(ref: dict, got: list[dict]) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_three_training_steps_with_a_sharded_clip_match_one_process():
-    """The real step (FSDP2 over the CP ranks, the encoder called twice per micro-batch: its whole clips, then
-    the long clip's slice): 3 steps' losses and the first step's gradients equal one process."""
+    """The real step (FSDP2 over the CP ranks; the encoder runs its whole clips and the long clip's slice in
+    one call): 3 steps' losses and the first step's gradients equal one process."""
     got = run_distributed(rank_layouts, 2, "gloo", LONG_LAYOUTS, N_STEPS, "gloo", timeout_s=850)
     failed = []
     for i, lay in enumerate(LONG_LAYOUTS):

@@ -80,6 +80,12 @@ class AudioEncoder(nn.Module, abc.ABC):
         """Encoder frames ``bounds`` of one clip sharded over the CP group (where `slice_halo` is set)."""
         raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
 
+    def forward_with_slices(
+        self, feats_TF: Tensor, feat_lens_B: Tensor, slices: Any
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Packed clips and slices of sharded clips in one call (where `slice_halo` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
+
     @abc.abstractmethod
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         """Encoder frames per clip for `feat_lens_B` feature frames."""

@@ -80,8 +80,9 @@ class ParakeetAudioEncoder(AudioEncoder):
     ) -> Tensor:
         """Encoder frames ``bounds = (lo, hi)`` ``[hi - lo, E]`` of one clip whose features (frames from
         ``feat_offset`` on, of ``feat_total``; default: all of them) are ``feats_TF``, with ``exchange``
-        bringing the neighbouring slices' halos (`speechlm.model.sharded_encoder`). An entry point of its
-        own so that FSDP gathers this module's parameters for it (the training layer registers it)."""
+        bringing the neighbouring slices' halos (`speechlm.model.sharded_encoder`). Training calls it through
+        `forward_with_slices` (one encoder call per micro-batch); called alone it needs the parameters
+        gathered (no FSDP, or inside another entry)."""
         from speechlm.model.sharded_encoder import forward_sharded_parakeet
 
         return forward_sharded_parakeet(
@@ -94,6 +95,24 @@ class ParakeetAudioEncoder(AudioEncoder):
             feat_offset=feat_offset,
             feat_total=feat_total,
         )
+
+    def forward_with_slices(
+        self, feats_TF: Tensor, feat_lens_B: Tensor, slices: Any
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """The padding-free forward of the packed clips ``feats_TF`` (``forward(..., packed=True)``) and, in
+        the same call, this rank's slice of each clip sharded over the CP group (``slices``: `ClipSlice`,
+        `forward_slice`): ``(hidden_UE, enc_lens_B, [slice frames [hi - lo, E]])``. One call per micro-batch
+        whatever it holds, an FSDP entry of its own (registered by the training layer), so that the
+        encoder's FSDP collectives run as often on a data-parallel rank that shards a clip as on one that
+        does not."""
+        hidden_UE, lens_B = self.forward(feats_TF, feat_lens_B, packed=True)
+        outs = [
+            self.forward_slice(
+                s.feats_TF, s.bounds, s.exchange, feat_offset=s.feat_offset, feat_total=s.feat_total
+            )
+            for s in slices
+        ]
+        return hidden_UE, lens_B, outs
 
     def forward(
         self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
