@@ -112,7 +112,8 @@ class CPLayout(Protocol):
         plan: CPPlan,
         skip: Sequence[bool] = (),
     ) -> PlacedEncoding[E]:
-        """Encode the clips (``skip[i]``: clip i is sharded, encoded by `halo`'s callers, left None)."""
+        """Encode the clips (``skip[i]``: clip i is sharded over the group, its slices encoded with the
+        whole clips by `encode_fn`; its entry is left None)."""
         ...
 
     def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:

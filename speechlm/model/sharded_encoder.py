@@ -84,16 +84,16 @@ def subsample_window(
     the whole clip); it must cover `feature_span`."""
     f = 2**n_convs
     T = feats_TF.shape[0] + feat_offset if feat_total is None else feat_total
-    start = max(0, f * (lo - SUBSAMPLING_MARGIN))
-    end = f * (hi + SUBSAMPLING_MARGIN)
+    end = f * (hi + SUBSAMPLING_MARGIN)  # the window's end before the clip's end cuts it
     a, b = feature_span(lo, hi, n_convs, T)
+    start = a
     if feat_offset > a or feat_offset + feats_TF.shape[0] < b:
         raise ValueError(
             f"features [{feat_offset}, {feat_offset + feats_TF.shape[0]}) do not cover the frames [{a}, {b}) "
             f"that encoder frames [{lo}, {hi}) read"
         )
     window = feats_TF[a - feat_offset : b - feat_offset]
-    x = F.pad(window, (0, 0, 0, end - start - window.shape[0]))[None, None]  # zeros past the clip
+    x = F.pad(window, (0, 0, 0, end - a - window.shape[0]))[None, None]  # zeros past the clip
     length = T
     for layer in sub.layers:
         x = layer(x)

@@ -110,7 +110,7 @@ class EncoderOutput:
     # a dummy clip's embeddings no sample uses (this rank has no clip: samples without audio); the
     # loss keeps them with weight 0 so the projector and encoder stay in every rank's backward
     unused: list[Tensor] = field(default_factory=list)
-    # sharded clips (`SpeechLLM.encode_sharded`) whose CTC this rank computes: (batch row, the clip's
+    # sharded clips (`SpeechLLM.finish_sharded`) whose CTC this rank computes: (batch row, the clip's
     # encoder frames [U, E], every rank's slice gathered)
     ctc_extra: list[tuple[int, Tensor]] = field(default_factory=list)
     # feature frames of the sharded clips' slices this rank encoded (the FLOP count)

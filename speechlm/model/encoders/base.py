@@ -68,23 +68,14 @@ class AudioEncoder(nn.Module, abc.ABC):
         encodes every clip whole (the default; `ParakeetAudioEncoder` with limited context shards)."""
         return None
 
-    def forward_slice(
-        self,
-        feats_TF: Tensor,
-        bounds: tuple[int, int],
-        exchange: Any,
-        *,
-        feat_offset: int = 0,
-        feat_total: int | None = None,
-    ) -> Tensor:
-        """Encoder frames ``bounds`` of one clip sharded over the CP group (where `slice_halo` is set)."""
-        raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
-
     def forward_with_slices(
         self, feats_TF: Tensor, feat_lens_B: Tensor, slices: Any
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Packed clips and slices of sharded clips in one call (where `slice_halo` is set)."""
-        raise NotImplementedError(f"{type(self).__name__} encodes every clip whole")
+        raise NotImplementedError(
+            f"{type(self).__name__} encodes every clip whole (slice_halo is None): only a padding-free "
+            "Parakeet encoder with model.encoder.att_context_size shards a clip over the CP group"
+        )
 
     @abc.abstractmethod
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
