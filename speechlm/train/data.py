@@ -16,7 +16,7 @@ saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,18 +208,52 @@ class DroppedDataError(DataError, RuntimeError):
     """Too much of a micro-batch could not be read: training on the rest would be training on almost nothing."""
 
 
+# what to do about a dropped sample, by the reason it was dropped (the first that applies is said first)
+_FILE_REASONS = frozenset(
+    {"missing_file", "undecodable", "empty_audio", "missing_shard", "truncated_shard", "stale_index",
+     "segment_beyond_audio"}
+)  # fmt: skip
+_TEXT_REASONS = frozenset({"invalid_text", "empty_text", "missing_tag", "tag_mismatch"})
+
+
+def drop_advice(reasons: Mapping[str, int] | Iterable[str]) -> str:
+    """What to do about samples dropped for `reasons` (each line of the listing says what is wrong with
+    its row): restore files only when files are the cause, fix texts or durations, or raise the token
+    limit, so the advice never sends a user after the wrong thing."""
+    got = set(reasons)
+    advice = []
+    if got & _FILE_REASONS:
+        advice.append(
+            "restore or remove the unreadable audio (then rebuild the manifest with `speechlm manifest build`)"
+        )
+    if "duration_mismatch" in got:
+        advice.append("fix the durations (or audio paths) of those rows")
+    if got & _TEXT_REASONS:
+        advice.append(
+            "fix the texts of those rows as each line says (`speechlm manifest build` tags and cleans)"
+        )
+    if "too_many_tokens" in got:
+        advice.append("raise data.max_tokens or shorten those samples")
+    known = _FILE_REASONS | _TEXT_REASONS | {"duration_mismatch", "too_many_tokens"}
+    if got - known or not advice:
+        advice.append("fix those rows as each line says")
+    return "; ".join(advice)
+
+
 def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: int) -> None:
-    """Raise DroppedDataError naming the files when more than `limit` of the micro-batch was dropped."""
+    """Raise DroppedDataError naming the rows when more than `limit` of the micro-batch's samples were
+    dropped (each with its reason, and advice that fits the reasons)."""
     n_dropped = sum(batch.dropped.values())
     total = n_dropped + len(batch)
     if n_dropped == 0 or n_dropped <= limit * total:
         return
     files = "\n  ".join(batch.dropped_files[:20])
     more = f"\n  ... and {len(batch.dropped_files) - 20} more" if len(batch.dropped_files) > 20 else ""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(batch.dropped.items()))
     raise DroppedDataError(
-        f"{n_dropped} of {total} utterances of micro-batch {position} (epoch {epoch}) could not be read, more "
-        f"than data.max_dropped_fraction={limit}:\n  {files}{more}\nRestore or remove these files (then "
-        f"rebuild the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
+        f"{n_dropped} of {total} samples of micro-batch {position} (epoch {epoch}) were dropped ({reasons}), "
+        f"more than data.max_dropped_fraction={limit}:\n  {files}{more}\nTo go on: "
+        f"{drop_advice(batch.dropped)}; or raise data.max_dropped_fraction"
     )
 
 

@@ -60,6 +60,7 @@ from speechlm.metrics import (
     table_pairs,
     word_error_counts,
 )
+from speechlm.train.data import drop_advice
 
 __all__ = ["strip_lang_tag", "word_error_counts"]  # re-exported: the WER helpers' old home
 
@@ -561,16 +562,21 @@ class Evaluator:
         n_dropped = sum(len(p.dropped_rows) for p in parts)
         listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
         where = f"the {self.split} split ({self.manifest_name()})"
+        reasons: dict[str, int] = {}
+        for p in parts:
+            for k, v in p.dropped_reasons.items():
+                reasons[k] = reasons.get(k, 0) + v
+        why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
         if n_dropped == total:
             raise DataError(
-                f"none of the {total} utterances of {where} could be decoded, so there is nothing to evaluate:"
-                f"\n  {listing}\nRestore these files or fix the manifest (`speechlm manifest build`)"
+                f"every one of the {total} samples of {where} was dropped ({why}), so there is nothing to "
+                f"evaluate:\n  {listing}\nTo go on: {drop_advice(reasons)}"
             )
         if n_dropped > limit * total:
             raise DataError(
-                f"{n_dropped} of {total} utterances of {where} could not be read, more than "
-                f"data.max_dropped_fraction={limit}:\n  {listing}\nRestore or remove these files (then rebuild "
-                f"the manifest with `speechlm manifest build`), or raise data.max_dropped_fraction"
+                f"{n_dropped} of {total} samples of {where} were dropped ({why}), more than "
+                f"data.max_dropped_fraction={limit}:\n  {listing}\nTo go on: {drop_advice(reasons)}; or raise "
+                "data.max_dropped_fraction"
             )
 
 

@@ -52,8 +52,8 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class StepTotals:
-    """What one optimizer step's agreement gave: its normalisers (labelled tokens, clips = utterances),
-    audio seconds and drop counts, summed over data-parallel ranks."""
+    """What one optimizer step's agreement gave: its normalisers (labelled tokens, CTC clips), what it
+    read (samples = utterances, clips), audio seconds and drop counts, summed over data-parallel ranks."""
 
     counts: StepCounts
     audio_seconds: float
@@ -61,7 +61,8 @@ class StepTotals:
 
     @property
     def utterances(self) -> int:
-        return self.counts.clips
+        """Samples the step read: a conversation is one, whatever its clips and transcripts."""
+        return self.counts.samples
 
 
 class SpeechLLMModule(L.LightningModule):
@@ -270,16 +271,20 @@ class SpeechLLMModule(L.LightningModule):
         return totals, sigterm, time_up
 
     def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
+        """No sample of the step was read on any rank: name the rows, why each was dropped and what to
+        do about those reasons (`train.data.drop_advice`)."""
         from speechlm.errors import DataError
+        from speechlm.train.data import drop_advice
 
         files = [f for part in self.step_ctx.collectives.gather_objects(
             [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
         listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
+        n = sum(totals.dropped.values())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(totals.dropped.items()))
         raise DataError(
-            f"optimizer step {self.global_step + 1}: none of its {sum(totals.dropped.values())} utterances "
-            f"could be read, on any rank ({', '.join(f'{k} {v}' for k, v in sorted(totals.dropped.items()))}); "
-            f"training on nothing is refused whatever data.max_dropped_fraction is:\n  {listing}\n"
-            f"Restore these files or fix the manifest (`speechlm manifest build`)"
+            f"optimizer step {self.global_step + 1}: every one of its {n} samples was dropped, on every rank "
+            f"({reasons}); training on nothing is refused whatever data.max_dropped_fraction is:\n  {listing}\n"
+            f"To go on: {drop_advice(totals.dropped)}"
         )
 
     def _update_counters(self, step_batch: Any, totals: StepTotals) -> None:

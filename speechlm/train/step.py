@@ -53,8 +53,10 @@ class StepCounts:
     """The objective's normalisers for one optimizer step, summed over data-parallel ranks."""
 
     tokens: int  # labelled tokens (CE)
-    clips: int  # clips with a CTC target; also the step's utterances
+    clips: int  # clips with a CTC target (a transcript of their own): the CTC normaliser
     ctc_tokens: int = 0  # their CTC target tokens (the normaliser under model.ctc_reduction=token)
+    samples: int = 0  # samples (rows) read: the step's utterances, whatever their clips and transcripts
+    audio_clips: int = 0  # every clip of those samples, with a transcript or not
 
     def ctc_norm(self, reduction: str) -> int:
         """The CTC sum's divisor under ``model.ctc_reduction``."""
@@ -132,6 +134,16 @@ def count_ctc_clips(batch: Any) -> int:
     return len(batch)
 
 
+def count_samples(batch: Any) -> tuple[int, int]:
+    """(samples, clips) of a micro-batch: its rows as read (an empty, all-dropped batch has none), and
+    all their audio clips (a conversation batch's ``audio_lens`` holds one entry per clip)."""
+    n = len(batch)
+    if n == 0:
+        return 0, 0
+    lens = getattr(batch, "audio_lens", None)
+    return n, n if lens is None else int(lens.numel())
+
+
 def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
     """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
     clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
@@ -154,19 +166,22 @@ def agree_step(
     flags: list[bool] | tuple[bool, ...] = (),
     skip: bool = False,
 ) -> StepAgreement:
-    """The step's one small all-reduce, before any forward: this rank's labelled tokens and clips (the
-    objective's normalisers), the caller's `extra` counts summed over dp ranks, and its `flags` true
-    when any rank's is. `skip`: this rank trains nothing this step (it found a data error): it adds
-    zero tokens and clips, and still takes part."""
-    n_tok = 0 if skip else sum(count_targets(b, model) for b in micro_batches)
-    n_clip = 0 if skip else sum(count_ctc_clips(b) for b in micro_batches)
+    """The step's one small all-reduce, before any forward: this rank's labelled tokens and CTC clips
+    (the objective's normalisers), its samples and clips (what the step read), the caller's `extra`
+    counts summed over dp ranks, and its `flags` true when any rank's is. `skip`: this rank trains
+    nothing this step (it found a data error): it adds zeros, and still takes part."""
+    batches = [] if skip else micro_batches
+    n_tok = sum(count_targets(b, model) for b in batches)
+    n_clip = sum(count_ctc_clips(b) for b in batches)
     k = int(getattr(model, "ctc_skip_leading", 0))
-    n_ctc = 0 if skip else sum(count_ctc_tokens(b, k) for b in micro_batches)
-    total, agreed = ctx.collectives.agree([float(n_tok), float(n_clip), float(n_ctc), *extra], list(flags))
-    counts = StepCounts(
-        tokens=int(round(total[0])), clips=int(round(total[1])), ctc_tokens=int(round(total[2]))
-    )
-    return StepAgreement(counts=counts, extra=total[3:], flags=agreed)
+    n_ctc = sum(count_ctc_tokens(b, k) for b in batches)
+    read = [count_samples(b) for b in batches]
+    n_samples, n_clips = sum(r[0] for r in read), sum(r[1] for r in read)
+    local = [float(n_tok), float(n_clip), float(n_ctc), float(n_samples), float(n_clips)]
+    total, agreed = ctx.collectives.agree([*local, *extra], list(flags))
+    tokens, clips, ctc_tokens, samples, audio_clips = (int(round(v)) for v in total[: len(local)])
+    counts = StepCounts(tokens, clips, ctc_tokens, samples, audio_clips)
+    return StepAgreement(counts=counts, extra=total[len(local) :], flags=agreed)
 
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
@@ -258,10 +273,12 @@ def run_optimizer_step(
     return {
         "loss": ce + (w_ctc * ctc if w_ctc > 0 else 0.0),
         "ce": ce,
-        "ctc": ctc if w_ctc > 0 else None,
+        "ctc": ctc if w_ctc > 0 and counts.clips > 0 else None,  # None: no clip of the step has a transcript
         "grad_norm": grad_norm,
         "tokens": n_tok,
-        "utterances": counts.clips,
+        "utterances": counts.samples,  # samples read (a conversation is one, whatever its clips)
+        "clips": counts.audio_clips,
+        "ctc_clips": counts.clips,  # the clips with a transcript of their own (the CTC term's)
         "encoder_frozen": frozen,
         "work": work,
     }

@@ -29,7 +29,9 @@ class FakeBatch:
 
 def test_dropped_fraction_limit_names_the_files():
     check_dropped_fraction(FakeBatch(2, ["a.flac (missing_file)"] * 2), 0.5, epoch=0, position=3)  # 50%: ok
-    with pytest.raises(DroppedDataError, match=r"3 of 5 utterances of micro-batch 3 \(epoch 0\)") as e:
+    with pytest.raises(
+        DroppedDataError, match=r"3 of 5 samples of micro-batch 3 \(epoch 0\) were dropped"
+    ) as e:
         check_dropped_fraction(
             FakeBatch(2, ["/x/a.flac (missing_file)", "b.flac (undecodable)", "c"]), 0.5, epoch=0, position=3
         )
