@@ -83,7 +83,7 @@ def collate(
         prompt_ids[b, : ids.shape[0]] = ids
         prompt_mask[b, : ids.shape[0]] = mask
     clip_sample = [b for b, c in enumerate(convs) for _ in c.audio_order]
-    ctc = [tok.encode(c.clips[k].transcript or "") for c in convs for k in c.audio_order]
+    ctc = [tok.encode(ctc_target(c, k)) for c in convs for k in c.audio_order]
     answers = [tok.encode(c.answer) for c in convs]
 
     def pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +138,19 @@ def make_conv_batch(seed: int, n_rows: int, vocab: int, *, text_rows: int = 0) -
     return collate(convs, audio, lens, renderer())
 
 
+def ctc_target(conv: Conversation, k: int) -> str:
+    """Clip k's CTC target by `Conversation.ctc_transcripts`' rule, in the word tokenizer's terms (its
+    texts carry no ``<|xx|>`` tag to add): the clip's own transcript, or the answer of a one-clip asr
+    sample, else none."""
+    own = conv.clips[k].transcript
+    if own:
+        return own
+    return conv.answer if len(conv.clips) == 1 and conv.task == "asr" else ""
+
+
 def transcription_pair(legacy: Batch) -> Batch:
     """The conversation batch of a one-clip batch: each row the transcription shape of its transcript
-    (no instruction), the clip's transcript the same tokens (CTC target)."""
+    (no instruction), its answer the clip's CTC target (the one-clip asr rule)."""
     n = legacy.audio.shape[0]
     convs = []
     for b in range(n):

@@ -78,7 +78,8 @@ def test_from_json_names_where_on_garbage():
 def test_transcription_shape_renders_as_the_prompt_format():
     tok = WordTokenizer()
     conv = Conversation.transcription(Clip("a.flac"), "<|en|> the cat", lang="en", instruction="write it")
-    assert conv.clips[0].transcript == "<|en|> the cat"
+    assert conv.clips[0].transcript is None  # the answer is not copied into the clip
+    assert conv.ctc_transcripts() == ("<|en|> the cat",)  # the one-clip asr rule makes it the CTC target
     ids, mask = ConversationRenderer(tok).render(conv)
     want_ids, want_mask = PromptFormat.plain(
         bos_id=BOS, eos_id=EOS, audio_id=AUDIO, instruction_ids=tok.encode("write it")

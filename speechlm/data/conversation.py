@@ -11,10 +11,18 @@ NeMo multimodal-conversation JSONL, ShareGPT JSON, Lhotse cut). Shapes of the pa
       lang    the language of the audio (the row's language; the sampler balances on it)
 
 The single-transcript row of today is the special case `Conversation.transcription`:
-``user: [clip 0] + instruction, assistant: "<|lang|> transcript"``, the clip's transcript set so CTC can use it.
+``user: [clip 0] + instruction, assistant: "<|lang|> transcript"``.
 
-Loss: the assistant turns are the targets (`speechlm.prompt.render_conversation`); ``data.loss_turns``
-chooses all of them or only the last one.
+Answer and transcript are different things. The assistant turns are the LLM's targets
+(`speechlm.prompt.render_conversation`; ``data.loss_turns`` chooses all of them or only the last one).
+A clip's CTC target is its own transcript (`Clip.transcript`), given per clip by the data; the one
+declared exception is `ctc_transcripts`' rule: a one-clip sample of task ``asr`` whose clip has no
+transcript of its own uses its answer, cleaned and tagged, since that answer *is* the clip's
+transcript. A QA, AST or any other answer is never a CTC target: such a clip without a transcript gets
+no CTC term (and is not counted in the CTC normaliser).
+
+Turn order (`check`): a conversation opens with system turns and then a user turn (an answer cannot
+come before what it answers), and every clip is heard before the last answer.
 
 JSON form (`to_json` / `from_json`, the manifest's ``conversation`` column)::
 
@@ -29,6 +37,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from speechlm.data.text import as_transcript, split_lang_tag
 
 __all__ = ["ROLES", "AudioRef", "Clip", "Conversation", "ConversationError", "Turn"]
 
@@ -89,10 +99,11 @@ class Conversation:
         self.check()
 
     def check(self) -> None:
-        """Raise `ConversationError` for: an unknown role, no assistant turn, an audio reference to a clip
-        that does not exist, or a clip no turn refers to."""
+        """Raise `ConversationError` for: an unknown role, no assistant turn, no user turn, an assistant
+        turn before the first user turn (an answer before what it answers), an audio reference to a clip
+        that does not exist, a clip no turn refers to, or a clip heard only after the last answer."""
         where = f"conversation {self.id!r}" if self.id else "conversation"
-        used: set[int] = set()
+        used: dict[int, int] = {}  # clip -> the turn it is first heard in
         for t, turn in enumerate(self.turns):
             if turn.role not in ROLES:
                 raise ConversationError(f"{where}, turn {t}: role {turn.role!r} is not one of {ROLES}")
@@ -106,12 +117,41 @@ class Conversation:
                         raise ConversationError(
                             f"{where}, turn {t}: an assistant turn holds audio; only user/system turns may"
                         )
-                    used.add(p.clip)
-        if not any(t.role == "assistant" for t in self.turns):
+                    used.setdefault(p.clip, t)
+        roles = [t.role for t in self.turns]
+        if "assistant" not in roles:
             raise ConversationError(f"{where} has no assistant turn: nothing to train on")
-        unused = sorted(set(range(len(self.clips))) - used)
+        if "user" not in roles:
+            raise ConversationError(
+                f"{where} has no user turn: an answer needs a question (put the audio and the instruction "
+                "in a user turn before the assistant's)"
+            )
+        first = next(t for t, r in enumerate(roles) if r != "system")
+        if roles[first] == "assistant":
+            raise ConversationError(
+                f"{where}, turn {first}: the assistant answers before any user turn; a conversation opens "
+                "with the user's turn (and the audio) and the answer follows it: reorder the turns"
+            )
+        unused = sorted(set(range(len(self.clips))) - set(used))
         if unused:
             raise ConversationError(f"{where}: clip(s) {unused} are never referred to by a turn")
+        last_answer = max(t for t, r in enumerate(roles) if r == "assistant")
+        late = sorted(c for c, t in used.items() if t > last_answer)
+        if late:
+            raise ConversationError(
+                f"{where}: clip(s) {late} are heard only after the last assistant turn, so no answer uses "
+                "them: end the conversation with the assistant's answer to them"
+            )
+
+    def ctc_transcripts(self) -> tuple[str | None, ...]:
+        """Each clip's CTC target (clip order), None for a clip that gets no CTC term: the clip's own
+        transcript (tagged with the sample's language when written untagged); else, for a one-clip sample of task ``asr`` only, its answer (cleaned and tagged
+        with the sample's language, `data.text.as_transcript`). Never a QA/AST/other answer."""
+        own = tuple(as_transcript(c.transcript, self.lang) if c.transcript else None for c in self.clips)
+        if len(self.clips) == 1 and own[0] is None and self.task == "asr":
+            words = split_lang_tag(self.answer)[1].strip()
+            return (as_transcript(words, self.lang),) if words else (None,)
+        return own
 
     # ------------------------------------------------------------------------------------------
 
@@ -119,9 +159,8 @@ class Conversation:
     def transcription(
         cls, clip: Clip, transcript: str, *, lang: str, instruction: str = "", task: str = "asr", id: str = ""
     ) -> Conversation:
-        """Today's row: ``user: [clip] + instruction, assistant: transcript`` (the clip's transcript set)."""
-        if clip.transcript is None:
-            clip = Clip(**{**clip.__dict__, "transcript": transcript})
+        """Today's row: ``user: [clip] + instruction, assistant: transcript`` (the clip keeps its own
+        transcript, or none: `ctc_transcripts` says what its CTC target is)."""
         user: tuple[str | AudioRef, ...] = (AudioRef(0), instruction) if instruction else (AudioRef(0),)
         return cls((Turn("user", user), Turn("assistant", (transcript,))), (clip,), task, lang, id)
 

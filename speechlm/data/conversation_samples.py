@@ -13,8 +13,9 @@ N audio samples, P prompt tokens, K transcript tokens of a clip.
 The texts: a row of the transcription shape whose answer is its transcript goes through the checks of
 today (`SpeechDataset._tokens`: not UTF-8, empty, untagged, mistagged, more than ``max_tokens``), so an
 old manifest drops exactly the rows it dropped before and its ``tokens`` are the same ids. Otherwise the
-answer must hold words (else ``empty_text``), a clip's transcript must pass `check_transcript` for the
-row's language, and ``max_tokens`` bounds the answer of a one-clip row, or the rendered prompt without
+answer must hold words (else ``empty_text``), a clip's CTC target (`Conversation.ctc_transcripts`: its
+own transcript, or the answer of a one-clip ``asr`` sample; none for other answers) must pass
+`check_transcript` for the row's language, and ``max_tokens`` bounds the answer of a one-clip row, or the rendered prompt without
 its audio placeholders for any other conversation (``too_many_tokens``). A tag the tokenizer does not
 know drops the row as ``tag_mismatch``, as today.
 """
@@ -54,19 +55,19 @@ def _texts(
     if not answer.strip():
         return ds._drop(i, "empty_text", "its last assistant turn holds no words: fix the answer of the row")
     ctc: list[list[int]] = []
-    for k, clip in enumerate(conv.clips):
-        if not clip.transcript:
+    for k, (clip, transcript) in enumerate(zip(conv.clips, conv.ctc_transcripts())):
+        if not transcript:  # no transcript of its own (and no asr answer stands in): no CTC term
             ctc.append([])
             continue
-        reason = check_transcript(clip.transcript, conv.lang)
+        reason = check_transcript(transcript, conv.lang)
         if reason is not None:
             return ds._drop(
                 i,
                 reason,
-                f"clip {k} ({clip.path}): transcript {clip.transcript[:60]!r} fails the check {reason} for "
+                f"clip {k} ({clip.path}): transcript {transcript[:60]!r} fails the check {reason} for "
                 f"language {conv.lang!r}; fix the clip's transcript (tag <|{conv.lang}|> first)",
             )
-        got = _encode(ds, i, clip.transcript, f"clip {k} ({clip.path})'s transcript")
+        got = _encode(ds, i, transcript, f"clip {k} ({clip.path})'s transcript")
         if not isinstance(got, list):
             return got
         ctc.append(got)

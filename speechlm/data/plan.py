@@ -303,10 +303,13 @@ def mix_figures(
 
 
 def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any]]:
-    """Per task (the ``task`` column; every row "asr" without one): natural share and what the plan uses."""
+    """Per task (the ``task`` column; every row "asr" without one): natural share and what the plan uses;
+    with conversation columns also the planned samples' clips, clips with a CTC target and answer tokens
+    (estimated as the sampler does: characters / CHARS_PER_TOKEN)."""
     names = inputs.task_names or ["asr"]
     if inputs.task_codes is None:  # every row "asr": nothing to count
         natural = np.array([len(inputs.durations)])
+        planned = np.zeros(len(used.rows), np.int64)
         utt = np.array([len(used.rows)])
         hours = np.array([used.durations.sum(dtype=np.float64) / 3600])
     else:
@@ -314,6 +317,13 @@ def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any
         planned = inputs.task_codes[used.rows]
         utt = count_by(planned, len(names))
         hours = count_by(planned, len(names), used.durations) / 3600
+    contents = inputs.contents
+    per_task: dict[str, np.ndarray] = {}
+    if contents is not None:
+        for key in ("clips", "ctc_clips", "answer_chars"):
+            per_task[key] = count_by(
+                planned, len(names), getattr(contents, key)[used.rows].astype(np.float64)
+            )
     return [
         {
             "task": name,
@@ -322,6 +332,15 @@ def task_figures(used: PlannedRows, inputs: SamplerInputs) -> list[dict[str, Any
             "planned_utterances": int(utt[i]),
             "planned_hours_share": hours[i] / max(hours.sum(), 1e-12),
             "planned_hours": float(hours[i]),
+            **(
+                {
+                    "planned_clips": int(per_task["clips"][i]),
+                    "planned_clips_with_transcript": int(per_task["ctc_clips"][i]),
+                    "planned_answer_tokens_est": math.ceil(per_task["answer_chars"][i] / CHARS_PER_TOKEN),
+                }
+                if per_task
+                else {}
+            ),
         }
         for i, name in enumerate(names)
     ]
@@ -459,15 +478,29 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
             f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}"
             f"{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
         )
-    if s.get("tasks") and [r["task"] for r in s["tasks"]] != ["asr"]:  # a plain ASR plan prints as before
+    tasks = s.get("tasks") or []
+    contents = bool(tasks) and "planned_clips" in tasks[0]
+    if tasks and ([r["task"] for r in tasks] != ["asr"] or contents):  # a plain ASR plan prints as before
+        more = f"{'clips':>10}{'w/ transcript':>15}{'answer tok~':>13}" if contents else ""
         lines += [
             "",
-            f"{'task':<10}{'natural':>9}{'planned':>9}{'utterances':>12}{'hours %':>9}{'hours':>10}",
+            f"{'task':<10}{'natural':>9}{'planned':>9}{'samples':>12}{'hours %':>9}{'hours':>10}{more}",
         ]
-        for r in s["tasks"]:
+        for r in tasks:
+            extra = (
+                f"{r['planned_clips']:>10,}{r['planned_clips_with_transcript']:>15,}"
+                f"{r['planned_answer_tokens_est']:>13,}"
+                if contents
+                else ""
+            )
             lines.append(
                 f"{r['task']:<10}{100 * r['natural_share']:>8.2f}%{100 * r['planned_share']:>8.2f}%"
                 f"{r['planned_utterances']:>12,}{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
+                f"{extra}"
+            )
+        if contents:
+            lines.append(
+                "  (w/ transcript: clips with a CTC target; answer tok~: answer characters / CHARS_PER_TOKEN)"
             )
     if s.get("datasets"):
         lines += [

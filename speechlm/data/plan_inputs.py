@@ -48,7 +48,7 @@ def read_plan_columns(path: str | Path) -> tuple[SamplerInputs, Callable[[], np.
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from speechlm.data.manifest.schema import CONVERSATION_SCHEMA, ManifestError
+    from speechlm.data.manifest.schema import COLUMN_ALIASES, CONVERSATION_SCHEMA, ManifestError
     from speechlm.data.sources.detect import detect_source_type
 
     path = Path(path)
@@ -59,7 +59,8 @@ def read_plan_columns(path: str | Path) -> tuple[SamplerInputs, Callable[[], np.
     if (
         path.is_dir()
         or detect_source_type(path) != "parquet"
-        or set(pq.read_schema(path).names) & set(CONVERSATION_SCHEMA.names)  # tasks, prompts: the index
+        or set(pq.read_schema(path).names)
+        & {*CONVERSATION_SCHEMA.names, *COLUMN_ALIASES.values()}  # tasks, prompts: the index
     ):
         from speechlm.data.sources.mmap_cache import open_index
 

@@ -135,6 +135,14 @@ def tag_text(text: str, lang: str) -> str:
     return f"{tag} {text}" if text else tag
 
 
+def as_transcript(text: str, lang: str) -> str:
+    """A clip's transcript as readers store it: an untagged text (as NeMo, Lhotse and most corpora write
+    it) cleaned (`clean_text`) and tagged with `lang`; a text that starts with a ``<|xx|>`` tag is kept
+    as written (`check_transcript` then checks its tag against the sample's language)."""
+    tagged, _ = split_lang_tag(text)
+    return text if tagged is not None else tag_text(clean_text(text), lang)
+
+
 def split_lang_tag(text: str) -> tuple[str | None, str]:
     """Split a leading ``<|xx|>`` tag off `text`: ``("hi", "rest")``, or ``(None, text)`` if none."""
     match = _LANG_TAG.match(text)

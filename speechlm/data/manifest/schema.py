@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeAlias
+from dataclasses import dataclass, replace
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +66,30 @@ CONVERSATION_SCHEMA = pa.schema(
         pa.field("conversation", pa.string(), nullable=True),
     ]
 )
+
+
+# Other names a manifest may give a conversation column (docs/data.md): ``prompt`` for ``instruction``
+# and ``target`` for ``answer``, as NeMo's and Lhotse's readers accept them.
+COLUMN_ALIASES = {"instruction": "prompt", "answer": "target"}
+
+
+def conversation_columns(names: list[str], where: str) -> dict[str, str]:
+    """{`CONVERSATION_SCHEMA` column: the name the manifest `where` (with columns `names`) holds it
+    under} for the columns it has; a column given under both names is refused (which one to train on
+    would be a guess)."""
+    out = {}
+    for f in CONVERSATION_SCHEMA:
+        alias = COLUMN_ALIASES.get(f.name)
+        if alias is not None and f.name in names and alias in names:
+            raise ManifestError(
+                f"{where} has both column {f.name!r} and its other name {alias!r}; keep one of them (they "
+                "mean the same thing)"
+            )
+        if f.name in names:
+            out[f.name] = f.name
+        elif alias is not None and alias in names:
+            out[f.name] = alias
+    return out
 
 
 class ManifestError(DataError, ValueError):
@@ -172,6 +197,59 @@ def llm_text_chars(columns: pa.Table | pa.RecordBatch) -> pa.Array:
                 turns = json.loads(doc).get("turns", [])
                 chars[i] = sum(len(p.get("text", "")) for t in turns for p in t.get("parts", []))
     return pa.array(chars.astype(np.int32), pa.int32())
+
+
+@dataclass(frozen=True)
+class RowContents:
+    """What each row of a manifest holds for training (int32 [N] each): its clips, the clips with a CTC
+    target (`Conversation.ctc_transcripts`' rule: a clip's own transcript, or the answer of a one-clip
+    ``asr`` row), and the characters of its answers (every assistant turn: the labelled text)."""
+
+    clips: np.ndarray
+    ctc_clips: np.ndarray
+    answer_chars: np.ndarray
+
+
+def row_contents(columns: pa.Table | pa.RecordBatch) -> RowContents:
+    """`RowContents` of `columns`: vectorised over rows of the transcription shape (their ``text``,
+    ``answer`` and ``task`` columns), a JSON parse per ``conversation`` row only."""
+    names = columns.column_names
+    n = columns.num_rows
+
+    def strings(name: str) -> pa.Array | None:
+        return columns.column(name) if name in names else None
+
+    def length(col: Any) -> np.ndarray:
+        return np.asarray(pc.fill_null(pc.utf8_length(col), 0).to_numpy(zero_copy_only=False), np.int64)
+
+    text, answer, task = strings("text"), strings("answer"), strings("task")
+    text_chars = length(pc.utf8_trim_whitespace(text)) if text is not None else np.zeros(n, np.int64)
+    has_answer = (
+        np.asarray(pc.is_valid(answer).to_numpy(zero_copy_only=False), bool) if answer is not None else None
+    )
+    answer_chars = text_chars if has_answer is None else np.where(has_answer, length(answer), text_chars)
+    is_asr = (
+        np.ones(n, bool)
+        if task is None
+        else np.asarray(pc.fill_null(pc.equal(task, "asr"), True).to_numpy(zero_copy_only=False), bool)
+        | np.asarray(pc.is_null(task).to_numpy(zero_copy_only=False), bool)
+    )
+    ctc = ((text_chars > 0) | (is_asr & (answer_chars > 0))).astype(np.int32)
+    clips = np.ones(n, np.int32)
+    if "conversation" in names and columns.column("conversation").null_count < n:
+        from speechlm.data.conversation import Conversation
+
+        docs = columns.column("conversation").to_pylist()
+        tasks = task.to_pylist() if task is not None else [None] * n
+        for i, doc in enumerate(docs):
+            if doc is not None:
+                conv = Conversation.from_json(doc)
+                if tasks[i]:
+                    conv = replace(conv, task=tasks[i])
+                clips[i] = len(conv.clips)
+                ctc[i] = sum(t is not None for t in conv.ctc_transcripts())
+                answer_chars[i] = sum(len(t.text) for t in conv.turns if t.role == "assistant")
+    return RowContents(clips, ctc, answer_chars.astype(np.int32))
 
 
 def check_conversations(columns: pa.Table | pa.RecordBatch, where: str, first_row: int = 0) -> None:

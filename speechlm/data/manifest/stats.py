@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -13,6 +14,8 @@ import pyarrow as pa
 from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.load import manifest_arrays, task_codes
 from speechlm.data.manifest.report import _format_table
+from speechlm.data.manifest.schema import row_contents
+from speechlm.data.sampler.build import CHARS_PER_TOKEN
 
 
 def _count_bins(longest: float, width: float) -> int:
@@ -50,10 +53,18 @@ def manifest_stats(
         }
     tasks = task_codes(table)
     by_task: dict[str, Any] = {}
+    contents = row_contents(table) if tasks is not None else None
     for code, name in enumerate(tasks[1] if tasks is not None else []):
-        dt = d[tasks[0] == code] if tasks is not None else d
+        rows = tasks[0] == code
+        dt = d[rows]
+        assert contents is not None
+        answer_chars = int(contents.answer_chars[rows].sum(dtype=np.int64))
         by_task[name] = {
             "utterances": int(dt.size),
+            "samples": int(dt.size),
+            "clips": int(contents.clips[rows].sum(dtype=np.int64)),
+            "clips_with_transcript": int(contents.ctc_clips[rows].sum(dtype=np.int64)),
+            "answer_tokens_est": math.ceil(answer_chars / CHARS_PER_TOKEN),
             "hours": round(float(dt.sum()) / 3600.0, 4),
             "utterance_share": round(dt.size / max(d.size, 1), 4),
             "hours_share": round(float(dt.sum()) / max(float(d.sum()), 1e-12), 4),
@@ -89,14 +100,31 @@ def format_stats(stats: dict[str, Any]) -> str:
         task_rows = [
             [
                 name,
-                t["utterances"],
+                t["samples"],
                 f"{100 * t['utterance_share']:.1f}%",
                 f"{t['hours']:.2f}",
                 f"{100 * t['hours_share']:.1f}%",
+                t["clips"],
+                t["clips_with_transcript"],
+                t["answer_tokens_est"],
             ]
             for name, t in stats["tasks"].items()
         ]
-        lines += ["", *_format_table(["task", "utterances", "share", "hours", "hours share"], task_rows)]
+        head = [
+            "task",
+            "samples",
+            "share",
+            "hours",
+            "hours share",
+            "clips",
+            "with transcript",
+            "answer tokens~",
+        ]
+        lines += ["", *_format_table(head, task_rows)]
+        lines.append(
+            "  (with transcript: clips with a CTC target; answer tokens~: answer characters / "
+            f"{CHARS_PER_TOKEN:g}, the sampler's estimate)"
+        )
     edges, counts = stats["histogram"]["bin_edges_s"], stats["histogram"]["counts"]
     peak = max(counts, default=0) or 1
     first = next((i for i, c in enumerate(counts) if c), 0)  # leading empty bins are not printed

@@ -41,7 +41,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from speechlm.data.manifest.schema import (
 from speechlm.data.sources.detect import register_source, tarred_shards
 from speechlm.data.sources.join import members_by_name, scan_or_fail
 from speechlm.data.sources.report import SourceReport
-from speechlm.data.text import clean_text, normalize_lang, split_lang_tag, tag_text
+from speechlm.data.text import as_transcript, clean_text, normalize_lang, split_lang_tag, tag_text
 
 ROLE_ALIASES = {
     "user": "user",
@@ -125,6 +125,11 @@ class ClipSource:
                 isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
             ):
                 raise ManifestError(f"{where}: audio {value!r} has {name} {v!r}, not a number of seconds")
+        if offset is not None and offset < 0:
+            raise ManifestError(
+                f"{where}: audio {value!r} has offset {offset!r}; give where the clip starts in its file "
+                "(>= 0 s)"
+            )
         if duration is not None and duration <= 0:
             raise ManifestError(
                 f"{where}: audio {value!r} has duration {duration!r}; give its length (> 0 s)"
@@ -296,7 +301,7 @@ def conversation_of_record(
                 for c in conv.clips
             )
             lang = conv.lang or record_lang(rec, where, default_lang)
-            return replace(conv, clips=resolved, lang=lang, id=conv.id or rec_id)
+            return replace(conv, clips=tagged_clips(resolved, lang), lang=lang, id=conv.id or rec_id)
         items = rec.get("conversations", rec.get("messages"))
         if isinstance(items, str):  # a parquet column of JSON text
             try:
@@ -311,7 +316,7 @@ def conversation_of_record(
             else:
                 turns, clips = _sharegpt_turns(items, _audio_list(rec, where), where, source)
             lang = record_lang(rec, where, default_lang, next((c.transcript or "" for c in clips), ""))
-            return Conversation(turns, tuple(clips), task, lang, rec_id)
+            return Conversation(turns, tagged_clips(clips, lang), task, lang, rec_id)
         text = rec.get("text")
         answer = first_of(rec, ANSWER_KEYS, where)
         if not isinstance(rec.get("audio_filepath"), str) or (text is None and answer is None):
@@ -337,6 +342,15 @@ def conversation_of_record(
         )
     except ConversationError as e:
         raise ManifestError(f"{where}: {e}; fix the record") from None
+
+
+def tagged_clips(clips: Sequence[Clip], lang: str) -> tuple[Clip, ...]:
+    """`clips` with each transcript as readers store it (`data.text.as_transcript`): an untagged
+    per-clip ``text``, as NeMo writes it, cleaned and tagged with the sample's language, as the NeMo-row
+    and Lhotse readers do for theirs."""
+    return tuple(
+        replace(c, transcript=as_transcript(c.transcript, lang)) if c.transcript else c for c in clips
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,10 +443,19 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
         return
     opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
         raise ManifestError(f"cannot read {path} ({e}); expected UTF-8 JSON lines or a JSON list") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ManifestError(
+            f"{path}:{line}: byte 0x{data[e.start]:02x} at column {column} is not UTF-8; save the file as "
+            "UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or fix that line"
+        ) from None
     if text.lstrip().startswith("["):
         try:
             doc = json.loads(text)

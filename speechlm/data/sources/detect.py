@@ -86,8 +86,9 @@ def _read_speechlm_shards(
 def _first_json_line(path: Path) -> dict[str, Any] | None:
     opener: Any = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line in f:
+        with opener(path, "rb") as f:  # bytes: a bad byte further down is the reader's to name
+            for raw in f:
+                line = raw.decode("utf-8")
                 if line.strip():
                     if line.lstrip().startswith("["):  # a JSON list of records (ShareGPT)
                         return {"conversations": []}

@@ -55,12 +55,14 @@ from speechlm.data.manifest.schema import (
     MANIFEST_SCHEMA,
     ManifestError,
     check_conversations,
+    conversation_columns,
     llm_text_chars,
 )
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = "3"  # 2: relative parquet paths resolved, indexed files recorded; 3: conversation columns
+CACHE_VERSION = "4"  # 2: relative parquet paths resolved, indexed files recorded; 3: conversation columns;
+# 4: prompt/target read as instruction/answer
 BATCH_ROWS = 1 << 20
 FILES_KEY = b"speechlm.indexed_files"  # [[path, size, mtime_ns], ...] of the files an entry indexed
 SOURCE_KEY = b"speechlm.source"  # the manifest path, for messages (dataset.SpeechDataset)
@@ -104,11 +106,12 @@ def _parquet_batches(path: Path, schema: pa.Schema) -> object:
     from speechlm.data.manifest.load import resolve_audio_paths
 
     f = pq.ParquetFile(path)
+    held = conversation_columns(f.schema_arrow.names, str(path))  # prompt/target: other names
     row = 0
-    for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=schema.names):
+    for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=[held.get(n, n) for n in schema.names]):
         columns = []
         for field in schema:
-            col = batch.column(field.name)
+            col = batch.column(held.get(field.name, field.name))
             if col.null_count and field.name in MANIFEST_SCHEMA.names:
                 first = row + int(pc.index(pc.is_null(col), True).as_py())
                 raise ManifestError(
@@ -180,7 +183,10 @@ def _parquet_schema(path: Path) -> pa.Schema:
             f"{path} is missing column {', '.join(map(repr, missing))}; a training manifest has "
             f"{MANIFEST_SCHEMA.names}: rebuild it with `speechlm manifest build`"
         )
-    optional = [f for f in (*LOCATOR_SCHEMA, *CONVERSATION_SCHEMA) if f.name in names]
+    conv = conversation_columns(names, str(path))
+    optional = [f for f in LOCATOR_SCHEMA if f.name in names] + [
+        f for f in CONVERSATION_SCHEMA if f.name in conv
+    ]
     return pa.schema(list(MANIFEST_SCHEMA) + optional)
 
 
