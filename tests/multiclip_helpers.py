@@ -9,6 +9,7 @@ The tokenizer's words are ``w<N>``, whose id is N, so a transcript's ids are wri
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -125,14 +126,20 @@ def text_conversation(g: torch.Generator, vocab: int) -> Conversation:
     return Conversation((Turn("user", (words(q),)), Turn("assistant", (words(a),))), (), task="chat")
 
 
-def make_conv_batch(seed: int, n_rows: int, vocab: int, *, text_rows: int = 0) -> Batch:
+def make_conv_batch(
+    seed: int, n_rows: int, vocab: int, *, text_rows: int = 0, transcripts: bool = True
+) -> Batch:
     """``n_rows`` conversations of 1-3 clips, one or two answers each (loss on all answers); the first
-    ``text_rows`` of them hold no audio."""
+    ``text_rows`` of them hold no audio. ``transcripts=False``: no clip has a transcript (QA data,
+    multi-clip ShareGPT): the batch has no CTC target at all."""
     g = torch.Generator().manual_seed(seed)
     convs = [text_conversation(g, vocab) for _ in range(text_rows)]
     for i in range(text_rows, n_rows):
         n_clips = 1 + (seed + i) % 3
-        convs.append(random_conversation(g, n_clips, vocab, two_turns=(seed + i) % 2 == 1))
+        conv = random_conversation(g, n_clips, vocab, two_turns=(seed + i) % 2 == 1)
+        if not transcripts:
+            conv = dataclasses.replace(conv, clips=tuple(dataclasses.replace(c, transcript=None) for c in conv.clips))
+        convs.append(conv)
     n = sum(len(c.audio_order) for c in convs)
     audio, lens = random_audio(g, n)
     return collate(convs, audio, lens, renderer())

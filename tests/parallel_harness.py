@@ -96,6 +96,13 @@ def make_conversation_batch(seed: int, n_rows: int) -> Batch:
     return make_conv_batch(seed, n_rows, VOCAB)
 
 
+def make_untranscribed_batch(seed: int, n_rows: int) -> Batch:
+    """`make_conversation_batch` whose clips have no transcript: no CTC target in the whole batch (issue 35)."""
+    from multiclip_helpers import make_conv_batch
+
+    return make_conv_batch(seed, n_rows, VOCAB, transcripts=False)
+
+
 def make_text_and_audio_batch(seed: int, n_rows: int) -> Batch:
     """`make_conversation_batch` whose first row holds no audio (under CP a rank may own no clip)."""
     from multiclip_helpers import make_conv_batch
@@ -131,10 +138,11 @@ def make_long_clip_batch(seed: int, n_rows: int) -> Batch:
 def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -> list[list[Batch]]:
     """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
     ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`),
-    "text+audio" (`make_text_and_audio_batch`) or "long" (`make_long_clip_batch`)."""
+    "untranscribed" (`make_untranscribed_batch`), "text+audio" (`make_text_and_audio_batch`) or "long" (`make_long_clip_batch`)."""
     make = {
         "clips": make_batch,
         "conversations": make_conversation_batch,
+        "untranscribed": make_untranscribed_batch,
         "text+audio": make_text_and_audio_batch,
         "long": make_long_clip_batch,
     }[batches]

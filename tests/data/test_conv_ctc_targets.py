@@ -188,3 +188,31 @@ def test_counts_of_a_step_are_samples_not_clips_with_transcripts(sp_tok, tmp_pat
     assert count_ctc_clips(batch) == 0  # no clip has a transcript ...
     assert count_samples(batch) == (len(rows), 2 * len(rows))  # ... but every sample was read
     assert torch.equal(batch.ctc_token_lens, torch.zeros(2 * len(rows), dtype=torch.int64))
+
+
+def test_manifest_stats_and_plan_report_samples_clips_transcribed_clips_and_answer_tokens_per_task(
+    tmp_path, capsys
+):
+    import json
+
+    from speechlm.cli import main
+
+    path = write_format("nemo", tmp_path / "d")  # 2 copies of k0..k4; k2 and k4 are qa
+    assert main(["manifest", "stats", str(path), "--json"]) == 0
+    tasks = json.loads(capsys.readouterr().out)["tasks"]
+    chars = {t: sum(len(ANSWERS[k]) + (5 if k == 4 else 0) for k in ks) * 2 for t, ks in
+             {"asr": (0, 1, 3), "qa": (2, 4)}.items()}  # k4 also answers "first" (5 characters)  # fmt: skip
+    assert {t: (v["samples"], v["clips"], v["clips_with_transcript"]) for t, v in tasks.items()} == {
+        "asr": (6, 8, 4),  # k0, k1 (the asr rule), k3 (2 clips, none)
+        "qa": (4, 6, 4),  # k2 (none), k4 (both clips their own)
+    }
+    assert {t: v["answer_tokens_est"] for t, v in tasks.items()} == {t: -(-c // 3) for t, c in chars.items()}
+    assert main(["manifest", "stats", str(path)]) == 0
+    assert "with transcript" in capsys.readouterr().out
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--manifest", str(path), "--json", str(out), "--mode", "exhaustive"]) == 0
+    printed = capsys.readouterr().out
+    assert "w/ transcript" in printed
+    plan = {r["task"]: r for r in json.loads(out.read_text())["tasks"]}
+    assert (plan["qa"]["planned_clips"], plan["qa"]["planned_clips_with_transcript"]) == (6, 4)
+    assert (plan["asr"]["planned_clips"], plan["asr"]["planned_clips_with_transcript"]) == (8, 4)

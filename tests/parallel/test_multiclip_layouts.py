@@ -44,6 +44,9 @@ CONV_LAYOUTS = [
     # a row without audio first: at cp2 all whole a rank owns only it (its dummy clip reaches no exchange)
     Layout("cp2-all-whole-text", 1, 2, 1, split_threshold=1000, batches="text+audio"),
     Layout("cp2-ring-text", 1, 2, 1, split_threshold=THRESHOLD, batches="text+audio"),
+    # no clip of any sample has a transcript (QA data, multi-clip ShareGPT): CE only, every step (issue 35)
+    Layout("dp2-untranscribed", 2, 1, 1, batches="untranscribed"),
+    Layout("cp2-ring-untranscribed", 1, 2, 1, split_threshold=THRESHOLD, batches="untranscribed"),
 ]
 
 
@@ -52,6 +55,7 @@ CONV_LAYOUTS_4 = [
     Layout("cp2-tp2-conv", 1, 2, 2, split_threshold=THRESHOLD, batches="conversations"),
     Layout("dp2-cp2-conv", 2, 2, 1, split_threshold=THRESHOLD, batches="conversations"),
     Layout("cp4-conv", 1, 4, 1, split_threshold=THRESHOLD, batches="text+audio"),
+    Layout("dp2-cp2-untranscribed", 2, 2, 1, split_threshold=THRESHOLD, batches="untranscribed"),
 ]
 
 

@@ -84,3 +84,18 @@ def test_file_gone_after_manifest_build_is_dropped_counted_or_stops_the_run(own_
     stop = run_train([*args, "data.max_dropped_fraction=0", f"trainer.run_dir={tmp_path / 'stop'}"])
     assert stop.returncode == 1
     assert f"{gone} (missing_file)" in stop.stderr and "data.max_dropped_fraction=0" in stop.stderr
+
+
+def test_the_advice_fits_the_reasons_a_token_drop_is_not_a_missing_file():
+    from speechlm.train.data import drop_advice
+
+    batch = FakeBatch(0, ["a.flac (too_many_tokens): its answer has 90 tokens"] * 3)
+    batch.dropped = {"too_many_tokens": 3}
+    with pytest.raises(DroppedDataError) as e:
+        check_dropped_fraction(batch, 0.5, epoch=0, position=1)
+    msg = str(e.value)
+    assert "3 of 3 samples" in msg and "too_many_tokens 3" in msg and "data.max_tokens" in msg
+    assert "restore" not in msg.lower()  # nothing is missing: restoring files would be the wrong advice
+    assert "restore" in drop_advice({"undecodable": 1})
+    assert "texts" in drop_advice({"missing_tag": 2}) and "restore" not in drop_advice({"missing_tag": 2})
+    assert "durations" in drop_advice(["duration_mismatch"])

@@ -139,3 +139,40 @@ def test_time_limit_is_agreed_in_the_step_agreement_not_by_a_collective_of_its_o
     TimeLimit(minutes=0).on_train_start(None, module)
     assert module._agree_step(step_batch)[2] is True
     assert totals.counts.clips == 3 and totals.counts.tokens > 0
+
+
+def test_a_step_of_conversations_without_transcripts_counts_its_samples_and_trains():
+    """Issue 35: a step whose clips have no transcript of their own read every sample (none dropped);
+    its utterances are the samples, its CTC clips 0, and it is not refused as 'nothing read'."""
+    from multiclip_helpers import make_conv_batch
+    from parallel_harness import TOK, VOCAB, tiny_config
+
+    from speechlm.train.data import StepBatch
+    from speechlm.train.module import SpeechLLMModule
+
+    module = SpeechLLMModule(tiny_config(), TOK)
+    module.configure_model()
+    batch = make_conv_batch(3, 4, VOCAB, transcripts=False)
+    totals, _, _ = module._agree_step(StepBatch(micro_batches=[batch], position={"epoch": 0, "position": 1}))
+    assert totals.utterances == 4 and totals.counts.samples == 4
+    assert totals.counts.audio_clips == batch.audio.shape[0] > 4 and totals.counts.clips == 0
+
+
+def test_a_step_whose_every_sample_was_dropped_names_the_rows_and_advice_that_fits():
+    from parallel_harness import TOK, tiny_config
+
+    from speechlm.data.dataset import Batch
+    from speechlm.errors import DataError
+    from speechlm.train.data import StepBatch
+    from speechlm.train.module import SpeechLLMModule
+
+    module = SpeechLLMModule(tiny_config(), TOK)
+    module.configure_model()
+    empty = Batch.empty(
+        {"too_many_tokens": 2}, ["a.flac (too_many_tokens): 90 tokens", "b.flac (too_many_tokens): 80"]
+    )
+    with pytest.raises(DataError) as e:
+        module._agree_step(StepBatch(micro_batches=[empty], position={"epoch": 0, "position": 1}))
+    msg = str(e.value)
+    assert "every one of its 2 samples was dropped" in msg and "too_many_tokens 2" in msg
+    assert "a.flac (too_many_tokens)" in msg and "data.max_tokens" in msg and "restore" not in msg.lower()
