@@ -148,22 +148,47 @@ def checked_default_lang(default_lang: str | None) -> str | None:
     return default
 
 
+_NOT_CUTS = "make cuts with CutSet.from_manifests(recordings=..., supervisions=...) and save them with CutSet.to_file()"
+
+
+def _manifest_kind(path: Path) -> str | None:
+    """The Lhotse manifest class of file `path` when it is one (RecordingSet, SupervisionSet, ...), else None."""
+    from lhotse import load_manifest
+
+    try:
+        return type(load_manifest(path)).__name__
+    except Exception:  # noqa: BLE001 - only asked to name the file in an error; any failure means "not one"
+        return None
+
+
 def load_cuts(path: Path) -> Any:
     """The cuts in cuts file `path`, read whole (ManifestError naming the file when it is missing or
-    is not a Lhotse cuts file: not gzip, not JSON, records that are not cuts)."""
+    is not a Lhotse cuts file: not gzip, not JSON, records that are not cuts, another Lhotse manifest)."""
     if not path.is_file():
         raise ManifestError(f"Lhotse cuts file {path} does not exist")
     cutset = _import_cutset()
     try:
-        return list(cutset.from_file(path))
+        cuts = list(cutset.from_file(path))
     except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:
         # gzip.BadGzipFile is an OSError, json.JSONDecodeError a ValueError; a JSON line that is not
         # a cut fails in Lhotse's deserialisation with a KeyError/TypeError/AttributeError
+        kind = _manifest_kind(path)
+        if kind is not None:
+            raise ManifestError(f"{path} is a Lhotse {kind}, not a CutSet; {_NOT_CUTS}") from None
         raise ManifestError(
             f"{path} is not a readable Lhotse cuts file ({type(e).__name__}: {e}); expected what "
             "CutSet.to_file() writes: a JSON array (.json) or JSON lines (.jsonl), optionally gzipped "
             "(.gz); for a NeMo manifest use --format nemo"
         ) from None
+    from lhotse.cut import Cut
+
+    for k, cut in enumerate(cuts):
+        if not isinstance(cut, Cut):  # Lhotse reads JSON lines of recordings or supervisions as a CutSet
+            raise ManifestError(
+                f"{path}: record {k} is a Lhotse {type(cut).__name__}, not a cut (the file is not a "
+                f"CutSet); {_NOT_CUTS}"
+            )
+    return cuts
 
 
 def cuts_to_manifest(

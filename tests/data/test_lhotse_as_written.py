@@ -93,6 +93,32 @@ def test_sharegpt_json_array_is_still_conversations(tmp_path):
     assert detect_source_type(path) == "conversations"
 
 
+@pytest.mark.parametrize(
+    ("what", "ext"), [("RecordingSet", "json"), ("RecordingSet", "jsonl.gz"), ("SupervisionSet", "json")]
+)
+def test_a_recording_or_supervision_manifest_is_named_as_not_cuts(what, ext, tmp_path, capsys):
+    """Lhotse's other manifests written by their own to_file: one error saying to make cuts of them
+    (old code: a RecordingSet .jsonl.gz ended in exit 70, a .json was read as a conversation file)."""
+    from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    from speechlm.cli import main
+
+    rec = Recording.from_file(_wav(tmp_path / "a.wav", 1.0), recording_id="r0")
+    manifest = (
+        RecordingSet.from_recordings([rec])
+        if what == "RecordingSet"
+        else SupervisionSet.from_segments(
+            [SupervisionSegment("s0", "r0", 0.0, 1.0, text="hi", language="en")]
+        )
+    )
+    path = tmp_path / f"m.{ext}"
+    manifest.to_file(path)
+    assert main(["manifest", "stats", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}") and "Traceback" not in err
+    assert "not a CutSet" in err and "CutSet.from_manifests" in err
+
+
 # ------------------------------------------------------------------------------------- languages
 @pytest.mark.parametrize(
     ("written", "code"),

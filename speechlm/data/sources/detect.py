@@ -124,12 +124,18 @@ def _first_json_record(path: Path) -> tuple[bool, dict[str, Any] | None]:
 _CUT_TYPES = ("MonoCut", "Cut", "MultiCut", "MixedCut", "PaddingCut", "DataCut")
 
 
-def _is_lhotse_cut(record: dict[str, Any] | None) -> bool:
-    """A record as `CutSet.to_file` writes a cut (also Lhotse's older fixtures, whose type is `Cut`)."""
+def _is_lhotse_record(record: dict[str, Any] | None) -> bool:
+    """A record as `CutSet.to_file` writes a cut (also Lhotse's older fixtures, whose type is `Cut`), or
+    as Lhotse writes a recording or a supervision: those files are read by the cuts reader too, whose
+    error says to make cuts of them."""
     if record is None:
         return False
     if record.get("type") in _CUT_TYPES and "duration" in record:
         return True
+    if "sources" in record and "sampling_rate" in record:  # a RecordingSet
+        return True
+    if {"recording_id", "start", "duration"} <= record.keys() and "audio_filepath" not in record:
+        return True  # a SupervisionSet
     return "supervisions" in record and ("recording" in record or "features" in record)
 
 
@@ -196,7 +202,7 @@ def detect_source_type(path: str | Path) -> str:
         return "lhotse_cuts"  # the gzipped forms `CutSet.to_file` writes; no other reader takes gzip
     if path.suffix.lower() in (".json", ".jsonl"):
         array, first = _first_json_record(path) if path.is_file() else (False, None)
-        if _is_lhotse_cut(first):
+        if _is_lhotse_record(first):
             return "lhotse_cuts"
         if array or (
             first is not None
