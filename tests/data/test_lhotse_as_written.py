@@ -86,11 +86,32 @@ def test_json_cutset_written_as_lhotse_fixtures_are(tmp_path):
     assert load_source(tmp_path / "cuts.json").column("text").to_pylist() == ["<|en|> hi"]
 
 
-def test_sharegpt_json_array_is_still_conversations(tmp_path):
-    """The other JSON array the project reads keeps its reader."""
+def test_a_one_line_json_cutset_with_a_large_first_cut(tmp_path):
+    """The first cut is parsed from the front of the file in chunks: a first cut longer than one chunk,
+    in an array written on one line, is still found."""
+    from lhotse import CutSet
+
+    audio = _wav(tmp_path / "a.wav", 1.0)
+    cut = _cut(audio, "c0", [(0.0, 1.0, "hello")])
+    cut.custom = {"note": "x" * 200_000}
+    path = tmp_path / "cuts.json"
+    path.write_text(
+        json.dumps([c.to_dict() for c in CutSet.from_cuts([cut, _cut(audio, "c1", [(0, 1, "hi")])])])
+    )
+    assert path.read_text().count("\n") == 0
+    assert detect_source_type(path) == "lhotse_cuts"
+    assert load_source(path).column("segment_id").to_pylist() == ["c0", "c1"]
+
+
+def test_sharegpt_json_arrays_are_still_conversations(tmp_path):
+    """The other JSON array the project reads keeps its reader, also when it is not UTF-8 past the
+    first chunk (its reader names the line)."""
     path = tmp_path / "sg.json"
     path.write_text(json.dumps([{"id": "s", "sound": "a.wav", "conversations": []}]))
     assert detect_source_type(path) == "conversations"
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'[\n{"id": "s", "note": "' + b"y" * 70_000 + b'\xff", "conversations": []}]')
+    assert detect_source_type(bad) == "conversations"
 
 
 @pytest.mark.parametrize(

@@ -99,12 +99,12 @@ def _first_json_record(path: Path) -> tuple[bool, dict[str, Any] | None]:
         with opener(path, "rt", encoding="utf-8") as f:
             head = ""
             while not head.strip():
-                line = f.readline()
+                line = f.readline(_PROBE_CHARS)  # bounded: a JSON array may be all on one line
                 if not line:
                     return False, None
                 head = line
             if not head.lstrip().startswith("["):
-                value = json.loads(head)
+                value = json.loads(head if head.endswith("\n") else head + f.readline())
                 return False, value if isinstance(value, dict) else None
             head = head.lstrip()[1:]
             for _ in range(16):
@@ -112,7 +112,10 @@ def _first_json_record(path: Path) -> tuple[bool, dict[str, Any] | None]:
                     value, _end = json.JSONDecoder().raw_decode(head.lstrip())
                     return True, value if isinstance(value, dict) else None
                 except ValueError:
-                    more = f.read(_PROBE_CHARS)
+                    try:
+                        more = f.read(_PROBE_CHARS)
+                    except (OSError, EOFError, UnicodeDecodeError):
+                        break  # an array all the same: its reader names what is wrong in it
                     if not more:
                         break
                     head += more
