@@ -122,15 +122,15 @@ def check_cut(
     lang = span.lang or default_lang
     if lang is None:
         raise ManifestError(
-            f"{where}: supervision language {cut.supervisions[0].language!r} is missing; set "
-            "supervision.language (e.g. 'hi' or 'English') or pass default_lang"
+            f"{where}: its supervisions name no language; set supervision.language (e.g. 'hi' or "
+            "'English') or pass default_lang (--lang)"
         )
     first = start + span.start
     whole = abs(first) <= _TOLERANCE_S and abs(span.duration - float(recording.duration)) <= _TOLERANCE_S
     return CutClip(source, span, lang, first, whole)
 
 
-def custom_lang(value: Any, where: str) -> str:
+def _custom_lang(value: Any, where: str) -> str:
     """The code of a cut's custom ``lang`` field (a code or a known name), or ManifestError naming it."""
     code = language_code(value) if isinstance(value, str) else None
     if code is None:
@@ -270,14 +270,12 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
         has_sup = bool(cut.supervisions)
         if not has_sup and not fields:
             check_cut(cut, where, default)  # its error: a plain cut needs a supervision
-        given_lang = custom_lang(fields["lang"], where) if fields.get("lang") else None
+        given_lang = _custom_lang(fields["lang"], where) if fields.get("lang") else None
         probe = cut if has_sup else _with_dummy_supervision(cut, given_lang or default)
         clip = check_cut(probe, where, default)
         lang = given_lang or clip.lang
         text = ""
-        if has_sup:
-            coverage.add(float(cut.duration), clip.span, where)
-        if has_sup and clip.span.text:
+        if any(sup.text for sup in cut.supervisions):
             tagged_text, reason = clip.transcript(lang)
             if reason is not None and not (
                 fields.get("answer") or fields.get("target") or fields.get("conversation")
@@ -285,6 +283,8 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
                 count_drop(dropped, reason)
                 continue
             text = tagged_text if reason is None else ""
+        if has_sup:
+            coverage.add(float(cut.duration), clip.span, where)
         own = {
             "value": os.path.abspath(clip.source.source),
             "duration": clip.duration,
