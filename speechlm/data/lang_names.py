@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from speechlm.data.manifest.schema import ManifestError
+
 LANGUAGE_NAMES: dict[str, str] = {
     "amharic": "am",
     "arabic": "ar",
@@ -95,9 +97,14 @@ def language_code(value: str) -> str | None:
     return key if _CODE.fullmatch(key) else None
 
 
-def unknown_language_advice() -> str:
-    """What to do about a language that `language_code` does not know (the end of the reader's error)."""
-    return (
-        "write its ISO 639 code instead (e.g. 'en', 'hi', 'zh'), or one of the language names that "
-        "docs/data.md lists under 'Lhotse cuts' (English, Hindi, Mandarin, ...; any case)"
-    )
+def checked_language_code(value: object, what: str) -> str:
+    """`language_code(value)`, or ManifestError saying that `what` (``cut 'c0' (cuts.json): supervision
+    's0' has language``) holds `value`, which is neither a code nor a known name, and what to write."""
+    code = language_code(value) if isinstance(value, str) else None
+    if code is None:
+        raise ManifestError(
+            f"{what} {value!r}, which is neither a language code nor a language name speechlm knows; write "
+            "its ISO 639 code instead (e.g. 'en', 'hi', 'zh'), or one of the language names that "
+            "docs/data.md lists under 'Lhotse cuts' (English, Hindi, Mandarin, ...; any case)"
+        )
+    return code

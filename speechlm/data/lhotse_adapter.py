@@ -39,11 +39,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from speechlm.data.lang_names import language_code, unknown_language_advice
+from speechlm.data.lang_names import checked_language_code
 from speechlm.data.lhotse_span import Coverage, SupervisedSpan, supervised_span
 from speechlm.data.manifest import LOCATOR_SCHEMA, ManifestError, build_manifest_table
 from speechlm.data.manifest.nemo import count_drop, warn_dropped
-from speechlm.data.text import check_transcript, clean_text, normalize_lang, tag_text
+from speechlm.data.text import check_transcript, clean_text, tag_text
 
 _TOLERANCE_S = 1e-3  # a cut "covers" its recording if start and end match within a millisecond
 
@@ -122,30 +122,17 @@ def check_cut(
     lang = span.lang or default_lang
     if lang is None:
         raise ManifestError(
-            f"{where}: its supervisions name no language; set supervision.language (e.g. 'hi' or "
-            "'English') or pass default_lang (--lang)"
+            f"{where} names no language; set supervision.language (e.g. 'hi' or 'English') or the "
+            "cut's custom 'lang', or pass default_lang (--lang)"
         )
     first = start + span.start
     whole = abs(first) <= _TOLERANCE_S and abs(span.duration - float(recording.duration)) <= _TOLERANCE_S
     return CutClip(source, span, lang, first, whole)
 
 
-def _custom_lang(value: Any, where: str) -> str:
-    """The code of a cut's custom ``lang`` field (a code or a known name), or ManifestError naming it."""
-    code = language_code(value) if isinstance(value, str) else None
-    if code is None:
-        raise ManifestError(
-            f"{where}: custom 'lang' {value!r} is neither a language code nor a language name speechlm "
-            f"knows; {unknown_language_advice()}"
-        )
-    return code
-
-
 def checked_default_lang(default_lang: str | None) -> str | None:
-    default = normalize_lang(default_lang) if default_lang is not None else None
-    if default_lang is not None and default is None:
-        raise ManifestError(f"default_lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
-    return default
+    """The code of `default_lang` (`--lang`, an input_cfg entry's language) by the rule of supervisions."""
+    return None if default_lang is None else checked_language_code(default_lang, "default_lang")
 
 
 _NOT_CUTS = "make cuts with CutSet.from_manifests(recordings=..., supervisions=...) and save them with CutSet.to_file()"
@@ -270,7 +257,9 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
         has_sup = bool(cut.supervisions)
         if not has_sup and not fields:
             check_cut(cut, where, default)  # its error: a plain cut needs a supervision
-        given_lang = _custom_lang(fields["lang"], where) if fields.get("lang") else None
+        given_lang = (
+            checked_language_code(fields["lang"], f"{where}: custom 'lang'") if fields.get("lang") else None
+        )
         probe = cut if has_sup else _with_dummy_supervision(cut, given_lang or default)
         clip = check_cut(probe, where, default)
         lang = given_lang or clip.lang

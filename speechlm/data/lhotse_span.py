@@ -33,7 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from speechlm.data.lang_names import language_code, unknown_language_advice
+from speechlm.data.lang_names import checked_language_code
 from speechlm.data.manifest import ManifestError
 from speechlm.data.manifest.stats import COVERAGE_KEY
 from speechlm.data.text import split_lang_tag
@@ -99,12 +99,7 @@ def supervised_span(cut: Any, where: str) -> SupervisedSpan:
         texts += [text.strip()] if text.strip() else []
         tags += [tag] if tag else []
         if sup.language:
-            code = language_code(str(sup.language))
-            if code is None:
-                raise ManifestError(
-                    f"{where}: supervision {sup.id!r} has language {sup.language!r}, which is neither a "
-                    f"language code nor a language name speechlm knows; {unknown_language_advice()}"
-                )
+            code = checked_language_code(sup.language, f"{where}: supervision {sup.id!r} has language")
             langs += [code] if code not in langs else []
     if len(langs) > 1:
         raise ManifestError(

@@ -175,6 +175,32 @@ def test_a_language_name_in_the_custom_lang_field_becomes_its_code(tmp_path):
     assert row["lang"] == "hi"
 
 
+def test_the_default_language_takes_a_name_too(tmp_path):
+    """`--lang English` (default_lang) for cuts whose supervisions name no language: `en`, not `<|english|>`;
+    without it the error names the cut and the three places a language can come from."""
+    audio = _wav(tmp_path / "a.wav", 1.0)
+    path = _write([_cut(audio, "c0", [(0.0, 1.0, "hello")], language=None)], tmp_path / "cuts.jsonl.gz")
+    row = load_source(path, default_lang="English").to_pylist()[0]
+    assert (row["lang"], row["text"]) == ("en", "<|en|> hello")
+    with pytest.raises(
+        ManifestError, match=r"cut 'c0' \(cuts.jsonl.gz\) names no language.*custom 'lang'.*--lang"
+    ):
+        load_source(path)
+    with pytest.raises(ManifestError, match="default_lang 'Klingon', which is neither"):
+        load_source(path, default_lang="Klingon")
+
+
+def test_an_unknown_custom_lang_is_refused(tmp_path):
+    """Old code fell back to the supervision's language without a word."""
+    audio = _wav(tmp_path / "a.wav", 1.0)
+    cut = _cut(audio, "c0", [(0.0, 1.0, "pani")], language="hi")
+    cut.custom = {"lang": "Hindustani", "task": "ast", "prompt": "Translate.", "target": "water"}
+    with pytest.raises(
+        ManifestError, match=r"cut 'c0' \(cuts.jsonl\): custom 'lang' 'Hindustani', which is neither"
+    ):
+        load_source(_write([cut], tmp_path / "cuts.jsonl"))
+
+
 def test_supervisions_in_two_languages_are_refused(tmp_path):
     audio = _wav(tmp_path / "a.wav", 2.0)
     cut = _cut(audio, "c0", [(0.0, 1.0, "hello")], language="English")
