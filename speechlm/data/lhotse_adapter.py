@@ -1,14 +1,17 @@
 """Convert a Lhotse CutSet into a training manifest (`MANIFEST_SCHEMA`, source ``lhotse``).
 
-A cut over a single-file mono recording with exactly one supervision is accepted, whether it covers
-the whole file or a part of it (several cuts may share one recording). Per cut:
+A cut over a single-file mono recording with one or more supervisions is accepted, whether it covers
+the whole file or a part of it (several cuts may share one recording). It trains on its **supervised
+span** (`speechlm.data.lhotse_span`: the extent of its supervisions, their texts joined in time
+order); the seconds no supervision covers are logged and attached to the table (`Coverage`). Per cut:
 
 - ``segment_id`` = the cut id; ``audio_filepath`` = the recording's file source, made absolute
-  against the working directory, as Lhotse itself resolves it; ``duration`` = the cut duration;
-- ``start`` (only for a cut over part of its file) = the cut's start in the file, in seconds: the
+  against the working directory, as Lhotse itself resolves it; ``duration`` = the span's duration;
+- ``start`` (only for a span over part of its file) = the span's start in the file, in seconds: the
   dataset reads ``duration`` seconds from there;
-- ``text`` = the supervision text, cleaned and tagged with the supervision's ``language`` (lower-cased;
-  use ISO codes such as ``hi`` in Lhotse, or pass `default_lang` for cuts without one);
+- ``text`` = the supervisions' text, cleaned and tagged with their ``language``: a code (``hi``,
+  ``EN``, ``zh-cn``) or a name of `speechlm.data.lang_names.LANGUAGE_NAMES` (``English``), else an
+  error naming the cut; `default_lang` for cuts without one;
 - ``shard_id`` = the cuts file's name, or ``cutset`` for an in-memory CutSet.
 
 Cuts that carry a prompt and a target (issue 23): ``custom`` fields of the cut or of its supervision
@@ -18,25 +21,29 @@ value is the cut's id or empty is the cut's own audio and any other value a file
 such cut is read through that module's rows (a one-clip row keeps its columns; ``answer``/``task``/
 ``instruction`` are added); such a cut may have no supervision (no transcript, no CTC target).
 
-Anything else (several supervisions, multi-channel, URL/memory/command sources) raises
-`ManifestError` naming the cut, since silently picking one supervision or channel would train on the
-wrong audio/text pairs. `check_cut` holds these checks for every Lhotse reader (cuts files here and
-in `speechlm.data.sources.lhotse_cuts`, Shar in `speechlm.data.sources.lhotse_shar`). Lhotse is
-imported only when called.
+Anything else (no supervision on a plain cut, multi-channel, URL/memory/command sources, supervisions
+that overlap, reach outside the cut or are in two languages) raises `ManifestError` naming the cut,
+since silently picking one supervision or channel would train on the wrong audio/text pairs.
+`check_cut` holds these checks for every Lhotse reader (cuts files here and in
+`speechlm.data.sources.lhotse_cuts`, Shar in `speechlm.data.sources.lhotse_shar`). Lhotse is imported
+only when called.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from speechlm.data.lang_names import checked_language_code
+from speechlm.data.lhotse_span import Coverage, SupervisedSpan, supervised_span
 from speechlm.data.manifest import LOCATOR_SCHEMA, ManifestError, build_manifest_table
 from speechlm.data.manifest.nemo import count_drop, warn_dropped
-from speechlm.data.text import check_transcript, clean_text, normalize_lang, split_lang_tag, tag_text
+from speechlm.data.text import check_transcript, clean_text, tag_text
 
 _TOLERANCE_S = 1e-3  # a cut "covers" its recording if start and end match within a millisecond
 
@@ -51,18 +58,40 @@ def _import_cutset() -> Any:
     return CutSet
 
 
+@dataclass(frozen=True)
+class CutClip:
+    """What one cut trains on: its audio file, the supervised span in it, the span's text and language."""
+
+    source: Any  # the recording's one AudioSource
+    span: SupervisedSpan  # seconds into the cut
+    lang: str
+    start: float  # seconds into the file: the cut's start plus the span's
+    whole_file: bool  # the span is the whole file (no `start` locator needed)
+
+    @property
+    def duration(self) -> float:
+        return self.span.duration
+
+    def transcript(self, lang: str) -> tuple[str, str | None]:
+        """The span's text cleaned and tagged with `lang`, and why `check_transcript` refuses it (or None)."""
+        cleaned = clean_text(self.span.text)
+        tag = next((t for t in self.span.tags if t != lang), lang)  # a tag that disagrees is the one to check
+        return tag_text(cleaned, lang), check_transcript(tag_text(cleaned, tag), lang)
+
+
 def check_cut(
     cut: Any, where: str, default_lang: str | None, *, source_types: tuple[str, ...] = ("file",)
-) -> tuple[Any, Any, str]:
-    """The checks every Lhotse reader applies to one cut: (audio source, supervision, language code).
+) -> CutClip:
+    """The checks every Lhotse reader applies to one cut, and the clip it trains on (`CutClip`).
 
-    Raises ManifestError, naming the cut (`where`), for several or no supervisions, no recording, a
-    multi-channel or multi-file recording, a source type outside `source_types`, or no language.
+    Raises ManifestError, naming the cut (`where`), for no supervision, no recording, a multi-channel
+    or multi-file recording, a source type outside `source_types`, no language or one that is neither
+    a code nor a known name, and the supervision errors of `speechlm.data.lhotse_span.supervised_span`.
     """
-    if len(cut.supervisions) != 1:
+    if not cut.supervisions:
         raise ManifestError(
-            f"{where} has {len(cut.supervisions)} supervisions, expected exactly 1; "
-            "split it with cuts.trim_to_supervisions() first"
+            f"{where} has 0 supervisions: nothing says what it holds; give it a supervision with the "
+            "transcript, or prompt/answer custom fields (docs/data.md, 'Lhotse cuts')"
         )
     recording = getattr(cut, "recording", None)
     if recording is None:
@@ -89,47 +118,76 @@ def check_cut(
             f"({source.source}) is {float(recording.duration):.3f} s long; fix the cut's start/duration "
             "or the recording's duration"
         )
-    sup = cut.supervisions[0]
-    lang = normalize_lang(sup.language) if sup.language else default_lang
+    span = supervised_span(cut, where)
+    lang = span.lang or default_lang
     if lang is None:
         raise ManifestError(
-            f"{where}: supervision language {sup.language!r} is missing or not a code; set "
-            "supervision.language (e.g. 'hi') or pass default_lang"
+            f"{where} names no language; set supervision.language (e.g. 'hi' or 'English') or the "
+            "cut's custom 'lang', or pass default_lang (--lang)"
         )
-    return source, sup, lang
+    first = start + span.start
+    whole = abs(first) <= _TOLERANCE_S and abs(span.duration - float(recording.duration)) <= _TOLERANCE_S
+    return CutClip(source, span, lang, first, whole)
 
 
 def checked_default_lang(default_lang: str | None) -> str | None:
-    default = normalize_lang(default_lang) if default_lang is not None else None
-    if default_lang is not None and default is None:
-        raise ManifestError(f"default_lang {default_lang!r} is not a language code; pass e.g. 'hi' or 'en'")
-    return default
+    """The code of `default_lang` (`--lang`, an input_cfg entry's language) by the rule of supervisions."""
+    return None if default_lang is None else checked_language_code(default_lang, "default_lang")
+
+
+_NOT_CUTS = "make cuts with CutSet.from_manifests(recordings=..., supervisions=...) and save them with CutSet.to_file()"
+
+
+def _manifest_kind(path: Path) -> str | None:
+    """The Lhotse manifest class of file `path` when it is one (RecordingSet, SupervisionSet, ...), else None."""
+    from lhotse import load_manifest
+
+    try:
+        return type(load_manifest(path)).__name__
+    except Exception:  # noqa: BLE001 - only asked to name the file in an error; any failure means "not one"
+        return None
 
 
 def load_cuts(path: Path) -> Any:
     """The cuts in cuts file `path`, read whole (ManifestError naming the file when it is missing or
-    is not a Lhotse cuts file: not gzip, not JSON lines, lines that are not cuts)."""
+    is not a Lhotse cuts file: not gzip, not JSON, records that are not cuts, another Lhotse manifest)."""
     if not path.is_file():
         raise ManifestError(f"Lhotse cuts file {path} does not exist")
     cutset = _import_cutset()
     try:
-        return list(cutset.from_file(path))
+        cuts = list(cutset.from_file(path))
     except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:
         # gzip.BadGzipFile is an OSError, json.JSONDecodeError a ValueError; a JSON line that is not
         # a cut fails in Lhotse's deserialisation with a KeyError/TypeError/AttributeError
+        kind = _manifest_kind(path)
+        if kind is not None:
+            raise ManifestError(f"{path} is a Lhotse {kind}, not a CutSet; {_NOT_CUTS}") from None
         raise ManifestError(
-            f"{path} is not a readable Lhotse cuts file ({type(e).__name__}: {e}); expected the "
-            "JSON lines (optionally gzipped) of CutSet.to_file(); for a NeMo manifest use --format nemo"
+            f"{path} is not a readable Lhotse cuts file ({type(e).__name__}: {e}); expected what "
+            "CutSet.to_file() writes: a JSON array (.json) or JSON lines (.jsonl), optionally gzipped "
+            "(.gz); for a NeMo manifest use --format nemo"
         ) from None
+    from lhotse.cut import Cut
+
+    for k, cut in enumerate(cuts):
+        if not isinstance(cut, Cut):  # Lhotse reads JSON lines of recordings or supervisions as a CutSet
+            raise ManifestError(
+                f"{path}: record {k} is a Lhotse {type(cut).__name__}, not a cut (the file is not a "
+                f"CutSet); {_NOT_CUTS}"
+            )
+    return cuts
 
 
 def cuts_to_manifest(
     cuts_or_path: Any, *, default_lang: str | None = None, dropped: dict[str, int] | None = None
 ) -> pa.Table:
-    """Convert a Lhotse ``CutSet`` (or a path to a cuts ``.jsonl(.gz)``) to a manifest table.
+    """Convert a Lhotse ``CutSet`` (or a path to a cuts file: ``.json`` array or ``.jsonl``, either
+    optionally gzipped, as ``CutSet.to_file`` writes them) to a manifest table.
 
-    A cut over part of its recording gets a ``start`` (seconds into the file; `LOCATOR_SCHEMA`) and
-    is read as that segment; the column is present only when some cut needs it. A cut whose
+    A cut is its supervised span (module docstring); a span over part of its recording gets a ``start``
+    (seconds into the file; `LOCATOR_SCHEMA`) and is read as that segment; the column is present only
+    when some row needs it. The seconds no supervision covers are logged when a cut is trimmed and
+    kept in the table's schema metadata (`speechlm.data.lhotse_span.Coverage`). A cut whose
     transcript fails `check_transcript` (empty after cleaning, a ``<|xx|>`` tag that disagrees with
     the supervision's language) is dropped and counted in `dropped` (a warning when None).
     """
@@ -150,27 +208,27 @@ def cuts_to_manifest(
     texts: list[str] = []
     langs: list[str] = []
     starts: list[float | None] = []
+    coverage = Coverage()
     for cut in cuts:
-        source, sup, lang = check_cut(cut, f"cut {cut.id!r} ({shard_id})", default)
-        tagged, text = split_lang_tag(sup.text or "")
-        cleaned = clean_text(text)
-        reason = check_transcript(tag_text(cleaned, tagged or lang), lang)
+        where = f"cut {cut.id!r} ({shard_id})"
+        clip = check_cut(cut, where, default)
+        text, reason = clip.transcript(clip.lang)
         if reason is not None:
             count_drop(counts, reason)
             continue
-        whole = abs(cut.start) <= _TOLERANCE_S and abs(cut.duration - cut.recording.duration) <= _TOLERANCE_S
+        coverage.add(float(cut.duration), clip.span, where)
         ids.append(cut.id)
-        paths.append(os.path.abspath(source.source))
-        durations.append(float(cut.duration))
-        texts.append(tag_text(cleaned, lang))
-        langs.append(lang)
-        starts.append(None if whole else float(cut.start))
+        paths.append(os.path.abspath(clip.source.source))
+        durations.append(clip.duration)
+        texts.append(text)
+        langs.append(clip.lang)
+        starts.append(None if clip.whole_file else clip.start)
     if dropped is None:
         warn_dropped(shard_id, counts)
     table = build_manifest_table(ids, paths, durations, texts, langs, shard_ids=shard_id, source="lhotse")
     if any(s is not None for s in starts):
         table = table.append_column(LOCATOR_SCHEMA.field("start"), pa.array(starts, pa.float64()))
-    return table
+    return coverage.finish(table, shard_id)
 
 
 PROMPT_FIELDS = ("prompt", "instruction", "answer", "target", "task", "conversation")
@@ -192,32 +250,34 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
     from speechlm.data.sources.conversations import ClipSource, RowsBuilder, conversation_of_record
 
     rows = RowsBuilder.new()
+    coverage = Coverage()
     for cut in cuts:
         where = f"cut {cut.id!r} ({shard_id})"
         fields = _prompt_fields(cut)
-        has_sup = len(cut.supervisions) == 1
+        has_sup = bool(cut.supervisions)
         if not has_sup and not fields:
-            check_cut(cut, where, default)  # its error: a plain cut needs exactly one supervision
-        probe = cut if has_sup else _with_dummy_supervision(cut, fields.get("lang") or default)
-        source, sup, lang = check_cut(probe, where, default)
-        if fields.get("lang"):
-            lang = normalize_lang(str(fields["lang"])) or lang
+            check_cut(cut, where, default)  # its error: a plain cut needs a supervision
+        given_lang = (
+            checked_language_code(fields["lang"], f"{where}: custom 'lang'") if fields.get("lang") else None
+        )
+        probe = cut if has_sup else _with_dummy_supervision(cut, given_lang or default)
+        clip = check_cut(probe, where, default)
+        lang = given_lang or clip.lang
         text = ""
-        if has_sup and sup.text:
-            tagged, raw = split_lang_tag(sup.text)
-            cleaned = clean_text(raw)
-            reason = check_transcript(tag_text(cleaned, tagged or lang), lang)
+        if any(sup.text for sup in cut.supervisions):
+            tagged_text, reason = clip.transcript(lang)
             if reason is not None and not (
                 fields.get("answer") or fields.get("target") or fields.get("conversation")
             ):
                 count_drop(dropped, reason)
                 continue
-            text = tag_text(cleaned, lang) if reason is None else ""
-        whole = abs(cut.start) <= _TOLERANCE_S and abs(cut.duration - cut.recording.duration) <= _TOLERANCE_S
+            text = tagged_text if reason is None else ""
+        if has_sup:
+            coverage.add(float(cut.duration), clip.span, where)
         own = {
-            "value": os.path.abspath(source.source),
-            "duration": float(cut.duration),
-            **({} if whole else {"offset": float(cut.start)}),
+            "value": os.path.abspath(clip.source.source),
+            "duration": clip.duration,
+            **({} if clip.whole_file else {"offset": clip.start}),
             **({"text": text} if text else {}),
         }
         rec: dict[str, Any] = {"id": cut.id, "lang": lang, "task": fields.get("task")}
@@ -238,7 +298,7 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
         conv = conversation_of_record(rec, where, ClipSource(Path.cwd()), default)
         rows.add(conv, where, task_given=fields.get("task") is not None)
     warn_dropped(shard_id, dropped)
-    return rows.table(shard_id, "lhotse")
+    return coverage.finish(rows.table(shard_id, "lhotse"), shard_id)
 
 
 def _with_dummy_supervision(cut: Any, lang: str | None) -> Any:

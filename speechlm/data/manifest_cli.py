@@ -69,7 +69,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     build.set_defaults(func=run_build)
 
     stats = sub.add_parser("stats", help="hours and utterances per language, duration histogram")
-    stats.add_argument("manifest", metavar="MANIFEST", help=".parquet manifest or NeMo .json/.jsonl")
+    stats.add_argument(
+        "manifest",
+        metavar="MANIFEST",
+        help=".parquet manifest, NeMo .json/.jsonl, Lhotse cuts file (any form CutSet.to_file "
+        "writes; prints the seconds no supervision covers), or a shard folder",
+    )
     stats.add_argument("--plot", metavar="FILE.png", help="also save a plot")
     stats.add_argument("--lang", metavar="xx", help="language of NeMo lines without one")
     stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -79,7 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "source",
         metavar="NEMO_JSONL",
-        help="NeMo manifest, cuts.jsonl.gz with --format lhotse, or with --format conversations NeMo "
+        help="NeMo manifest, a Lhotse cuts file (.json/.jsonl, optionally .gz) with --format lhotse, or with --format conversations NeMo "
         "multimodal-conversation / ShareGPT JSON(L) or its tarred folder (docs/data.md)",
     )
     convert.add_argument("--out", required=True, metavar="FILE.parquet", help="output manifest")

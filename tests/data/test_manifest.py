@@ -575,8 +575,17 @@ def test_cuts_to_manifest(tmp_path: Path) -> None:
     cutset.to_file(path)
     assert cuts_to_manifest(path).column("segment_id").to_pylist() == [c.id for c in cuts]
 
-    part = cuts_to_manifest(CutSet.from_cuts([cuts[0].truncate(duration=0.25)]))  # a segment: read from start
+    from lhotse.utils import fastcopy
+
+    seg = cuts[0].truncate(
+        duration=0.25
+    )  # a segment of its file that its supervision covers: read from start
+    seg.supervisions = [fastcopy(seg.supervisions[0], duration=0.25)]
+    part = cuts_to_manifest(CutSet.from_cuts([seg]))
     assert part.column("start").to_pylist() == [0.0] and part.column("duration").to_pylist() == [0.25]
+    # cut in the middle of its supervision, which Lhotse keeps whole: the text holds words the cut lacks
+    with pytest.raises(ManifestError, match="holds words the cut's audio lacks"):
+        cuts_to_manifest(CutSet.from_cuts([cuts[0].truncate(duration=0.25)]))
     assert "start" not in table.column_names  # whole-file cuts need no locator
 
 

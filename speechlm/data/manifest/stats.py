@@ -1,9 +1,14 @@
 """Manifest statistics: hours, utterances and a duration histogram per language and in total
 (`manifest_stats`), rendered as text (`format_stats`) or saved as a PNG (`plot_stats`).
+
+A table read from Lhotse cuts carries, under `COVERAGE_KEY` in its schema metadata, how many of the
+cuts' seconds no supervision covers (`speechlm.data.lhotse_span.Coverage`); the statistics report it as
+``lhotse_coverage``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -17,6 +22,8 @@ from speechlm.data.manifest.report import _format_table
 from speechlm.data.manifest.schema import row_contents
 from speechlm.data.sampler.build import CHARS_PER_TOKEN
 
+COVERAGE_KEY = b"speechlm.lhotse_coverage"
+
 
 def _count_bins(longest: float, width: float) -> int:
     """Bins of `width` from 0 s such that `longest` falls inside the last one (not on its top edge)."""
@@ -27,7 +34,8 @@ def manifest_stats(
     table: pa.Table, *, bin_width: float | None = None, where: str = "manifest"
 ) -> dict[str, Any]:
     """Hours and utterances per language and in total, and a duration histogram per language; per task
-    (``tasks``, only for a manifest with a ``task`` column) utterances, hours and their shares.
+    (``tasks``, only for a manifest with a ``task`` column) utterances, hours and their shares; for a
+    table read from Lhotse cuts, ``lhotse_coverage`` (the seconds no supervision covers, see the module).
 
     The histogram bins start at 0 s; `bin_width` defaults to the smallest of 0.1, 0.25, 0.5, 1, 2, 5,
     10 s that needs at most 40 bins. A duration that is NaN, Inf or <= 0 is a ManifestError naming
@@ -69,12 +77,14 @@ def manifest_stats(
             "utterance_share": round(dt.size / max(d.size, 1), 4),
             "hours_share": round(float(dt.sum()) / max(float(d.sum()), 1e-12), 4),
         }
+    coverage = (table.schema.metadata or {}).get(COVERAGE_KEY)
     return {
         "utterances": int(d.size),
         "hours": round(float(d.sum()) / 3600.0, 4),
         "mean_duration_s": round(float(d.mean()), 3) if d.size else 0.0,
         "languages": languages,
         **({"tasks": by_task} if by_task else {}),
+        **({"lhotse_coverage": json.loads(coverage)} if coverage else {}),
         "histogram": {"bin_edges_s": edges.tolist(), "counts": np.histogram(d, bins=edges)[0].tolist()},
     }
 
@@ -125,6 +135,8 @@ def format_stats(stats: dict[str, Any]) -> str:
             "  (with transcript: clips with a CTC target; answer tokens~: answer characters / "
             f"{CHARS_PER_TOKEN:g}, the sampler's estimate)"
         )
+    if stats.get("lhotse_coverage"):
+        lines += ["", _format_coverage(stats["lhotse_coverage"])]
     edges, counts = stats["histogram"]["bin_edges_s"], stats["histogram"]["counts"]
     peak = max(counts, default=0) or 1
     first = next((i for i, c in enumerate(counts) if c), 0)  # leading empty bins are not printed
@@ -132,6 +144,16 @@ def format_stats(stats: dict[str, Any]) -> str:
     for lo, hi, c in zip(edges[first:-1], edges[first + 1 :], counts[first:]):
         lines.append(f"  {lo:6.2f}-{hi:<6.2f} {c:>9}  {'#' * round(40 * c / peak)}".rstrip())
     return "\n".join(lines)
+
+
+def _format_coverage(c: dict[str, Any]) -> str:
+    """The Lhotse coverage line: seconds of the cuts not covered by a supervision, left out or kept."""
+    uncovered = c["left_out_s"] + c["between_supervisions_s"]
+    return (
+        f"  Lhotse cuts: {c['cut_s']:.2f} s in {c['cuts']} cuts, {uncovered:.2f} s not covered by a "
+        f"supervision: {c['trimmed_cuts']} cuts train on their supervised span only "
+        f"({c['left_out_s']:.2f} s left out), {c['between_supervisions_s']:.2f} s between supervisions kept"
+    )
 
 
 def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:

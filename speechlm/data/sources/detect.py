@@ -10,7 +10,8 @@ Every source becomes the same in-memory index the sampler and the dataset use: a
 ``speechlm_shards``       a folder from ``speechlm shards write`` (``index.parquet`` + tars)
 ``nemo_tarred``           a NeMo tarred dataset folder (``tarred_audio_manifest.json`` + tars)
 ``lhotse_shar``           a Lhotse Shar folder (``cuts.NNNNNN.jsonl.gz`` + ``recording.NNNNNN.tar``)
-``lhotse_cuts``           a Lhotse cuts file (``.jsonl.gz`` / ``.jsonl``), with offsets allowed
+``lhotse_cuts``           a Lhotse cuts file as ``CutSet.to_file`` writes it: JSON lines (``.jsonl``) or a
+                          JSON array (``.json``), either optionally gzipped; offsets allowed
 ``wenet``                 a WeNet ``data.list`` (raw: one JSON per line; shard: one tar per line)
 ``conversations``         samples with prompts and several clips (`conversations`): NeMo multimodal
                           conversation JSONL or its tarred folder, ShareGPT JSON, rows with a conversation
@@ -26,6 +27,7 @@ the result; this module imports the manifest readers and nothing imports it back
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import logging
 import re
@@ -83,20 +85,64 @@ def _read_speechlm_shards(
     return read_shards(path, report)
 
 
-def _first_json_line(path: Path) -> dict[str, Any] | None:
-    opener: Any = gzip.open if path.suffix == ".gz" else open
+_PROBE_CHARS = 1 << 16  # a cut, even with many supervisions, is a few kB; the probe reads up to 1 MiB
+
+
+def _first_json_record(path: Path) -> tuple[bool, dict[str, Any] | None]:
+    """Whether JSON-lines or JSON-array file `path` (gzipped if it ends in .gz) is an array, and its first
+    record (None when there is none, or it is not an object, or the file cannot be read or parsed).
+
+    A JSON array (ShareGPT, Lhotse's ``CutSet.to_file("x.json")``) may be one pretty-printed object
+    over many lines, or the whole file on one line: its first element is parsed from the front of the
+    file alone, so a large file is not read whole to be told apart."""
+    opener: Any = gzip.open if path.suffix.lower() == ".gz" else open
     try:
-        with opener(path, "rb") as f:  # bytes: a bad byte further down is the reader's to name
-            for raw in f:
-                line = raw.decode("utf-8")
-                if line.strip():
-                    if line.lstrip().startswith("["):  # a JSON list of records (ShareGPT)
-                        return {"conversations": []}
-                    value = json.loads(line)
-                    return value if isinstance(value, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return None
+        # bytes, decoded leniently: a bad byte further down is the reader's to name, with its line
+        with opener(path, "rb") as raw:
+            f = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+            head = ""
+            while not head.strip():
+                line = f.readline(_PROBE_CHARS)  # bounded: a JSON array may be all on one line
+                if not line:
+                    return False, None
+                head = line
+            if not head.lstrip().startswith("["):
+                value = json.loads(head if head.endswith("\n") else head + f.readline())
+                return False, value if isinstance(value, dict) else None
+            head = head.lstrip()[1:]
+            for _ in range(16):
+                try:
+                    value, _end = json.JSONDecoder().raw_decode(head.lstrip())
+                    return True, value if isinstance(value, dict) else None
+                except ValueError:
+                    try:
+                        more = f.read(_PROBE_CHARS)
+                    except (OSError, EOFError, UnicodeDecodeError):
+                        break  # an array all the same: its reader names what is wrong in it
+                    if not more:
+                        break
+                    head += more
+            return True, None
+    except (OSError, EOFError, ValueError, UnicodeDecodeError):
+        return False, None
+
+
+_CUT_TYPES = ("MonoCut", "Cut", "MultiCut", "MixedCut", "PaddingCut", "DataCut")
+
+
+def _is_lhotse_record(record: dict[str, Any] | None) -> bool:
+    """A record as `CutSet.to_file` writes a cut (also Lhotse's older fixtures, whose type is `Cut`), or
+    as Lhotse writes a recording or a supervision: those files are read by the cuts reader too, whose
+    error says to make cuts of them."""
+    if record is None:
+        return False
+    if record.get("type") in _CUT_TYPES and "duration" in record:
+        return True
+    if "sources" in record and "sampling_rate" in record:  # a RecordingSet
+        return True
+    if {"recording_id", "start", "duration"} <= record.keys() and "audio_filepath" not in record:
+        return True  # a SupervisionSet
+    return "supervisions" in record and ("recording" in record or "features" in record)
 
 
 def _has_conversations_column(path: Path) -> bool:
@@ -158,20 +204,21 @@ def detect_source_type(path: str | Path) -> str:
         return "parquet"
     if path.suffix.lower() == ".list" or path.name == "data.list":
         return "wenet"
-    if suffixes.endswith(".jsonl.gz"):
-        return "lhotse_cuts"
+    if suffixes.endswith((".jsonl.gz", ".json.gz")):
+        return "lhotse_cuts"  # the gzipped forms `CutSet.to_file` writes; no other reader takes gzip
     if path.suffix.lower() in (".json", ".jsonl"):
-        first = _first_json_line(path) if path.is_file() else None
-        if first is not None and "supervisions" in first and "recording" in first:
+        array, first = _first_json_record(path) if path.is_file() else (False, None)
+        if _is_lhotse_record(first):
             return "lhotse_cuts"
-        if first is not None and any(
-            first.get(k) is not None for k in ("conversations", "messages", "conversation")
+        if array or (
+            first is not None
+            and any(first.get(k) is not None for k in ("conversations", "messages", "conversation"))
         ):
-            return "conversations"
+            return "conversations"  # a JSON array is ShareGPT's form; its reader names what is wrong in it
         return "nemo"
     raise ManifestError(
         f"{path}: unknown manifest format; expected a .parquet manifest, a NeMo .json(l), a Lhotse "
-        "cuts .jsonl.gz, a WeNet data.list, or a shard folder (speechlm, NeMo tarred, Lhotse Shar); "
+        "cuts file (.json, .jsonl, .json.gz, .jsonl.gz), a WeNet data.list, or a shard folder (speechlm, NeMo tarred, Lhotse Shar); "
         f"or name the type explicitly in data.input_cfg ({', '.join(SOURCE_TYPES)})"
     )
 

@@ -1,9 +1,13 @@
-"""Lhotse cuts files (``.jsonl.gz`` / ``.jsonl``) as a data source, offsets and multi-cut recordings included.
+"""Lhotse cuts files as a data source, offsets and multi-cut recordings included.
 
-The conversion is `speechlm.data.lhotse_adapter.cuts_to_manifest`: a cut over part of its recording
-becomes a file segment (``start`` locator column, `duration` seconds read from there), so several
-cuts of one long recording are several rows over the same file. Multi-channel, URL/memory/command
-sources and cuts with other than one supervision stop the load with the adapter's errors.
+A cuts file is what ``CutSet.to_file`` writes: JSON lines (``.jsonl``) or a JSON array (``.json``,
+the form of Lhotse's own test fixtures), either optionally gzipped (``.gz``). The conversion is
+`speechlm.data.lhotse_adapter.cuts_to_manifest`: a cut trains on its supervised span
+(`speechlm.data.lhotse_span`), and a span over part of its recording becomes a file segment
+(``start`` locator column, `duration` seconds read from there), so several cuts of one long
+recording are several rows over the same file. Multi-channel, URL/memory/command sources, cuts
+without supervision (unless they carry prompt fields) and supervisions that overlap or leave their
+cut stop the load with the adapter's errors.
 """
 
 from __future__ import annotations

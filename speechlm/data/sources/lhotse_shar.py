@@ -12,8 +12,11 @@ step; we index instead: each cut is joined to the audio member whose name withou
 the cut id, which is the pairing check Lhotse makes while streaming, done once at index time (the
 member's header is checked again at read time). The member holds just the cut's audio, so a row is
 a whole member of `duration` = the cut's duration. The cuts go through the same per-cut checks as a
-cuts file (`speechlm.data.lhotse_adapter.check_cut`); a cut whose member is missing is dropped and
-counted against the tar, and a missing or unreadable tar stops the load naming it.
+cuts file (`speechlm.data.lhotse_adapter.check_cut`), several supervisions joined in time order; since
+a member is read whole, a cut that its supervisions do not cover (its supervised span is shorter
+than the cut, `speechlm.data.lhotse_span`) is refused, naming the cut and the fix, rather than trained
+on audio no transcript describes. A cut whose member is missing is dropped and counted against the
+tar, and a missing or unreadable tar stops the load naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from speechlm.data.lhotse_adapter import check_cut, checked_default_lang, load_cuts
+from speechlm.data.lhotse_span import Coverage
 from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import locate_members, with_tar_locators
@@ -72,13 +76,23 @@ def read_lhotse_shar(
     texts: list[str] = []
     langs: list[str] = []
     codes: list[int] = []
+    coverage = Coverage()
     for k, (cuts_path, _tar) in enumerate(shards):
         for cut in load_cuts(cuts_path):
-            _, sup, lang = check_cut(cut, f"cut {cut.id!r} ({cuts_path})", default, source_types=("shar",))
+            where = f"cut {cut.id!r} ({cuts_path})"
+            clip = check_cut(cut, where, default, source_types=("shar",))
+            if clip.duration < float(cut.duration):
+                raise ManifestError(
+                    f"{where}: its supervisions cover {clip.span.start:.3f}-{clip.span.end:.3f} s of the "
+                    f"cut's {float(cut.duration):.3f} s, but a Shar member is read whole, so the cut cannot "
+                    "train on its supervised span alone (docs/data.md, 'Lhotse cuts'); write the Shar from "
+                    "cuts their supervisions cover (cuts.trim_to_supervisions()), or read a cuts file"
+                )
+            coverage.add(float(cut.duration), clip.span, where)
             ids.append(cut.id)
             durations.append(float(cut.duration))
-            texts.append(tag_text(clean_text(sup.text or ""), lang))
-            langs.append(lang)
+            texts.append(tag_text(clean_text(clip.span.text), clip.lang))
+            langs.append(clip.lang)
             codes.append(k)
     tars = [tar for _, tar in shards]
     code_arr = np.asarray(codes, np.int64)
@@ -86,4 +100,5 @@ def read_lhotse_shar(
     table = build_manifest_table(
         ids, loc.names, durations, texts, langs, shard_ids=[tars[c].name for c in codes], source="lhotse"
     )
-    return with_tar_locators(table, code_arr, tars, loc.offsets, loc.sizes, loc.headers, loc.keep)
+    table = with_tar_locators(table, code_arr, tars, loc.offsets, loc.sizes, loc.headers, loc.keep)
+    return coverage.finish(table, str(path))

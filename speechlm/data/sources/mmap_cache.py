@@ -62,7 +62,8 @@ from speechlm.data.manifest.schema import (
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = "4"  # 2: relative parquet paths resolved, indexed files recorded; 3: conversation columns;
-# 4: prompt/target read as instruction/answer
+# 4: Lhotse cuts as their supervised span, language names as codes; prompt/target read as instruction/answer
+# (an index built before is stale)
 BATCH_ROWS = 1 << 20
 FILES_KEY = b"speechlm.indexed_files"  # [[path, size, mtime_ns], ...] of the files an entry indexed
 SOURCE_KEY = b"speechlm.source"  # the manifest path, for messages (dataset.SpeechDataset)
