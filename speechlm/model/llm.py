@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from speechlm.config import LLMConfig
+from speechlm.model.pretrained_dir import read_llm_dir
 
 LLM_FAMILIES = ("llama", "qwen2")
 
@@ -89,10 +90,7 @@ def build_llm(
 
     if llm_cfg.pretrained:
         path = Path(llm_cfg.pretrained)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"llm.pretrained={llm_cfg.pretrained!r} is not a directory; give a local save_pretrained directory"
-            )
+        read_llm_dir(path)  # a missing dir, config.json or weights, a truncated safetensors: clear errors
         cfg = AutoConfig.from_pretrained(path)
         cfg.use_cache = False
         cfg.attention_dropout = dropout
