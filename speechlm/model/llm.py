@@ -84,7 +84,9 @@ def build_llm(
     ``dropout`` is the attention dropout (the only dropout of Llama/Qwen2); the reference, flex and
     torch_varlen backends refuse a nonzero value on THD batches.
     A pretrained model whose vocabulary is smaller than ``vocab_size`` gets its embeddings resized;
-    the rows of ``added_token_ids`` start at the mean of the pretrained rows (`init_added_rows`).
+    the rows of ``added_token_ids`` start at the mean of the pretrained rows (`init_added_rows`). Only
+    added rows may lie past the model's vocabulary: the pre-flight refuses a tokenizer whose own tokens
+    do not fit (`speechlm.model.pretrained_dir.check_tokenizer_fits_llm`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
