@@ -19,8 +19,6 @@ import statistics
 import sys
 import time
 
-from speechlm.model.devices import device_argument
-
 VOCAB = 256
 
 
@@ -143,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--device",
-        type=device_argument,
         choices=("cpu", "cuda"),
         default="cpu",
         help="cpu: gloo, one process per CP rank (default); cuda: NCCL, one GPU per CP rank",

@@ -13,7 +13,6 @@ import time
 import torch
 
 from speechlm.config import EncoderConfig
-from speechlm.model.devices import device_argument
 from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("minutes", type=float)
     p.add_argument("--contexts", nargs="+", choices=sorted(CONTEXTS), default=["full", "limited"])
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     for context in args.contexts:
         print(measure(args.minutes, context, tiny=args.tiny, device=args.device), flush=True)

@@ -45,7 +45,7 @@ from typing import Any
 from bench_packing import LAYOUTS, count_frames, lognormal_batches
 
 from speechlm.cli import positive_float, positive_int
-from speechlm.model.devices import device_argument
+from speechlm.model.devices import device_name_argument
 
 ENCODER_1B = [
     "model.encoder.kind=parakeet",
@@ -257,7 +257,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="speechlm bench mfu", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides of the preset")
     ap.add_argument("--size", choices=sorted(PRESETS), default="tiny", help="model preset (module docstring)")
-    ap.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda (cuda:N)")
+    ap.add_argument("--device", type=device_name_argument, default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument(
         "--budget", type=positive_float, default=None, help="seconds of audio per micro-batch (preset's)"
     )

@@ -28,8 +28,9 @@ def available_devices() -> list[str]:
     return names
 
 
-def check_device(name: str, *, flag: str = "--device") -> str:
-    """`name` when this machine can run on it; a UsageError naming the value and the devices there are."""
+def check_device(name: str, *, flag: str = "--device", here_only: bool = True) -> str:
+    """`name` when this machine can run on it (``here_only=False``: when it is a cpu/cuda/mps device at
+    all, for a plan made for another machine); a UsageError naming the value and the devices there are."""
     import torch
 
     here = available_devices()
@@ -42,6 +43,8 @@ def check_device(name: str, *, flag: str = "--device") -> str:
         raise UsageError(
             f"{flag} {name!r}: speechlm runs on {', '.join(KINDS)} devices only; {fix}"
         ) from None
+    if not here_only:
+        return name
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = (
@@ -59,9 +62,15 @@ def check_device(name: str, *, flag: str = "--device") -> str:
     return name
 
 
-def device_argument(text: str) -> str:
+def device_argument(text: str, *, here_only: bool = True) -> str:
     """argparse ``type=`` for ``--device``: `check_device`, reported as an argument error (exit 2)."""
     try:
-        return check_device(text)
+        return check_device(text, here_only=here_only)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None
+
+
+def device_name_argument(text: str) -> str:
+    """argparse ``type=`` for a ``--device`` that may name a GPU this machine lacks (a dry run planned
+    for another machine; the command checks the device itself before it runs): the kind only."""
+    return device_argument(text, here_only=False)
