@@ -283,8 +283,15 @@ def skeleton_llm(llm_cfg: Any, config: dict[str, Any] | None) -> Any:
 
 
 def check_lora_targets(llm_cfg: Any, config: dict[str, Any] | None) -> None:
-    """`model.llm.train=lora`: every target module names a module of the LLM (UsageError, exit 2)."""
-    problem = lora_target_problem(list(llm_cfg.lora.target_modules), skeleton_llm(llm_cfg, config))
+    """`model.llm.train=lora`: every target module names a module of the LLM (UsageError, exit 2).
+
+    An architecture this transformers cannot build from its config alone (a quantized checkpoint, custom
+    code) is left to `inject_lora`, which raises the same UsageError once the model is loaded."""
+    try:
+        skeleton = skeleton_llm(llm_cfg, config)
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError):
+        return
+    problem = lora_target_problem(list(llm_cfg.lora.target_modules), skeleton)
     if problem:
         raise UsageError(problem)
 

@@ -286,3 +286,23 @@ def test_PX04_a_checkpoint_whose_base_moved_is_refused_naming_the_path_and_the_c
     truncate(base)
     with pytest.raises(DataError, match="cannot be loaded: .*model.safetensors is truncated"):
         check_pretrained_parts(cfg, ckpt)
+
+
+def test_an_architecture_that_cannot_be_built_here_leaves_the_check_to_the_load() -> None:
+    """No skeleton (a model type this transformers lacks, a quantized config): inject_lora checks later."""
+    from speechlm.config import LLMConfig, LoRAConfig
+    from speechlm.model.pretrained_dir import check_lora_targets
+
+    llm_cfg = LLMConfig(pretrained="x", train="lora", lora=LoRAConfig(target_modules=["foo_proj"]))
+    check_lora_targets(llm_cfg, {"model_type": "no-such-architecture"})
+    with pytest.raises(UsageError, match="foo_proj name no module"):
+        check_lora_targets(
+            llm_cfg,
+            {
+                "model_type": "llama",
+                "vocab_size": 16,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "intermediate_size": 16,
+            },
+        )
