@@ -306,3 +306,15 @@ def test_an_architecture_that_cannot_be_built_here_leaves_the_check_to_the_load(
                 "intermediate_size": 16,
             },
         )
+
+
+def test_validate_for_another_machine_notes_a_pretrained_dir_absent_here(
+    demo_data: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As for the manifests and the tokenizer: what is not here is said, not refused (train refuses it)."""
+    elsewhere = tmp_path / "on_the_cluster"
+    argv = train_argv(demo_data, elsewhere, tmp_path, "model.llm.train=lora")
+    rc, out, err = run(["validate", *argv[1:]], capsys)
+    assert rc == 0 and f"note: model.llm.pretrained {elsewhere} not checked" in err, (out, err)
+    rc, out, err = run(argv, capsys)
+    assert rc == 1 and str(elsewhere) in err and "model:" not in out, err
