@@ -44,6 +44,9 @@ from typing import Any
 
 from bench_packing import LAYOUTS, count_frames, lognormal_batches
 
+from speechlm.cli import positive_float, positive_int
+from speechlm.model.devices import device_name_argument
+
 ENCODER_1B = [
     "model.encoder.kind=parakeet",
     "model.encoder.hidden_size=1024",
@@ -254,10 +257,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="speechlm bench mfu", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides of the preset")
     ap.add_argument("--size", choices=sorted(PRESETS), default="tiny", help="model preset (module docstring)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds of audio per micro-batch (preset's)")
-    ap.add_argument("--batches", type=int, default=None, help="distinct micro-batches (preset's)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per layout (default: 2 x --batches)")
+    ap.add_argument("--device", type=device_name_argument, default="cpu", help="cpu or cuda (cuda:N)")
+    ap.add_argument(
+        "--budget", type=positive_float, default=None, help="seconds of audio per micro-batch (preset's)"
+    )
+    ap.add_argument("--batches", type=positive_int, default=None, help="distinct micro-batches (preset's)")
+    ap.add_argument(
+        "--steps", type=positive_int, default=None, help="timed steps per layout (default: 2 x --batches)"
+    )
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per layout first (preset's)")
     ap.add_argument("--assume-mfu", type=float, default=0.35, help="MFU of the predicted run time")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and predicted time; build nothing")

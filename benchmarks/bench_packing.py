@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speechlm.cli import positive_float, positive_int
+
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {"bshd": (False, False), "thd_padded_encoder": (True, False), "thd": (True, True)}
 
@@ -216,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--config", default=str(REPO / "configs/demo.yaml"), help="model config (YAML)")
     ap.add_argument("--data", default="/tmp/speechlm_bench_demo", help="demo manifest/tokenizer directory")
-    ap.add_argument("--batches", type=int, default=12, help="micro-batches timed per layout")
-    ap.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per batch")
+    ap.add_argument("--batches", type=positive_int, default=12, help="micro-batches timed per layout")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed forward+backward passes per batch")
     ap.add_argument(
         "--max-batch-duration",
-        type=float,
+        type=positive_float,
         default=None,
         help="seconds of audio per micro-batch (default: the config's)",
     )

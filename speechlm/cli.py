@@ -26,6 +26,28 @@ def _version() -> str:
         return "unknown"
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a count that must be at least 1 (an argument error, exit 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give one of at least 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a number of at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=`` for a finite quantity that must be above 0 (an argument error, exit 2, otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: give one above 0") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number above 0")
+    return value
+
+
 # subcommand modules, in the order `--help` lists them
 SUBCOMMAND_MODULES = (
     "speechlm.data.manifest_cli",  # manifest build | stats

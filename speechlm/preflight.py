@@ -138,6 +138,28 @@ def load_run_tokenizer(cfg: Any, langs: Any = ()) -> Any:
         raise DataError(f"{key}={path} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
+def check_llm(cfg: Any, tokenizer: Any) -> None:
+    """model.llm.pretrained's files are whole, the run's tokenizer is that LLM's (a Hugging Face one; a
+    SentencePiece model allowed by data.allow_sentencepiece_with_pretrained is not), and LoRA's target
+    modules name modules of the LLM (`speechlm.model.pretrained_dir.check_pretrained_llm`)."""
+    from speechlm.model.pretrained_dir import check_pretrained_llm
+
+    check_pretrained_llm(cfg, tokenizer if tokenizer_source(cfg)[1] == "hf" else None)
+
+
+def validate_llm(cfg: Any) -> list[str]:
+    """`check_llm` for `speechlm validate`; a model.llm.pretrained absent here is a note, not an error."""
+    pretrained = cfg.model.llm.pretrained
+    if pretrained and not Path(pretrained).exists():
+        return [
+            f"model.llm.pretrained {pretrained} not checked (nor its tokenizer and LoRA targets): it does not exist here"
+        ]
+    path, kind = tokenizer_source(cfg)
+    hf = pretrained and kind == "hf" and path is not None and Path(path).is_dir()
+    check_llm(cfg, load_run_tokenizer(cfg) if hf else None)
+    return []
+
+
 def _run_template(cfg: Any) -> str:
     """data.chat_template: ``auto``/``none`` or the text of the template file it names."""
     template: str = cfg.data.chat_template
@@ -491,7 +513,12 @@ def summarize(table: Any, cfg: Any) -> dict[str, Any]:
 
     durations = table.column("duration").to_numpy()
     if cfg.data.max_duration is not None:
-        durations = durations[durations <= cfg.data.max_duration]
+        kept = durations[durations <= np.float32(cfg.data.max_duration)]
+        if len(durations) and not len(kept):  # the sampler would raise this after the model is built
+            from speechlm.data.sampler.epoch_plan import too_long_message
+
+            raise DataError(too_long_message(durations, cfg.data.max_duration))
+        durations = kept
     longest = float(durations.max()) if len(durations) else 0.0
     subsampling = token_cost_of(cfg.model).encoder_subsampling
     summary = {
@@ -543,7 +570,7 @@ def validate_data(cfg: Any, manifest: str | None = None) -> tuple[dict[str, Any]
     """
     import dataclasses
 
-    notes: list[str] = []
+    notes: list[str] = validate_llm(cfg)
     facts = tokenizer_summary(cfg)
     tok_facts = facts if facts["tokenizer_kind"] == "hf" or facts["llm_pretrained"] else {}
     if manifest is not None:

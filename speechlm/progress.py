@@ -4,8 +4,8 @@ The display is drawn on stderr, only when this process is rank 0 and stderr is a
 else (stderr piped or redirected to a log, CI, a scheduler's log file, a rank other than 0) gets no
 display at all: no carriage returns, no redraws, so logs stay line-based and the commands print the
 same lines as before. stdout is never drawn on: `speechlm transcribe ... > out.jsonl` on a terminal
-shows the display and writes clean lines. `SPEECHLM_PROGRESS=0` turns the display off on a terminal
-too.
+shows the display and writes clean lines. `SPEECHLM_PROGRESS=0` (or off, false, no) turns the display
+off on a terminal too; a value it does not understand is warned about once.
 
 A `Progress` counts `done` of `total` (None: an open count, e.g. a phase whose length is unknown) and
 draws ``DESC [#####.....] 12/40 UNIT 30% 0:12 ETA 0:28 · key value ...``; the ETA is the mean rate
@@ -36,9 +36,31 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
+OFF_WORDS = ("0", "off", "false", "no")
+ON_WORDS = ("1", "on", "true", "yes")
+_warned: set[str] = set()
+
+
+def progress_setting() -> bool:
+    """SPEECHLM_PROGRESS read as a switch: off for 0/off/false/no, on for 1/on/true/yes or unset (any
+    case); another value is warned about once per process, naming the variable, and leaves the display on."""
+    value = os.environ.get(ENV, "").strip()
+    word = value.lower()
+    if word in OFF_WORDS:
+        return False
+    if word and word not in ON_WORDS and value not in _warned:
+        _warned.add(value)
+        print(
+            f"warning: {ENV}={value!r} is not understood; set it to one of {', '.join(OFF_WORDS)} to turn the "
+            f"progress display off ({', '.join(ON_WORDS)} or unset: on)",
+            file=sys.stderr,
+        )
+    return True
+
+
 def progress_enabled(rank: int = 0) -> bool:
-    """True when a progress display may be drawn: rank 0, stderr a terminal, SPEECHLM_PROGRESS not 0."""
-    if rank != 0 or os.environ.get(ENV, "").strip() == "0":
+    """True when a progress display may be drawn: rank 0, stderr a terminal, SPEECHLM_PROGRESS not off."""
+    if rank != 0 or not progress_setting():
         return False
     return is_terminal(sys.stderr)
 

@@ -221,6 +221,20 @@ TRAIN_MODE_RULES: tuple[Rule, ...] = (
         doc="Freezing an LLM, or training adapters on it, only makes sense for a pretrained one; a "
         "warning, since tests and benchmarks do it on purpose.",
     ),
+    Rule(
+        id="freezing-a-random-encoder",
+        level=WARNING,
+        when="model.encoder.train=frozen without model.encoder.pretrained",
+        applies=lambda c: c.encoder_train == "frozen" and not c.encoder_pretrained,
+        reason=lambda c, d: (
+            "model.encoder.train=frozen keeps the encoder's randomly initialised weights (model.encoder.pretrained "
+            "is not set): the projector and the LLM learn from features of an encoder that never learns"
+        ),
+        fix="set model.encoder.pretrained=PATH (a save_pretrained directory or a .nemo file), or "
+        "model.encoder.train=full to train the encoder from scratch",
+        doc="The encoder counterpart of adapting-a-random-llm: a frozen encoder only makes sense for a "
+        "pretrained one. A warning, since tests and benchmarks do it on purpose.",
+    ),
 )
 
 TRAINING_RULES: tuple[Rule, ...] = (

@@ -129,6 +129,33 @@ def test_enabled_only_on_a_terminal_on_rank_0(monkeypatch):
         os.close(slave)
 
 
+@pytest.mark.parametrize("value", ["0", "off", "OFF", "false", "No", " no "])
+def test_the_usual_false_words_turn_the_display_off(monkeypatch, capsys, value):
+    """PR02: SPEECHLM_PROGRESS=off/false/no was ignored (only "0" worked)."""
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            monkeypatch.setattr(sys, "stderr", tty)
+            monkeypatch.setenv(progress.ENV, value)
+            assert not progress_enabled(0)
+            for on in ("1", "on", "true", "YES", ""):
+                monkeypatch.setenv(progress.ENV, on)
+                assert progress_enabled(0)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_an_unknown_value_is_warned_about_once_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv(progress.ENV, "maybe")
+    monkeypatch.setattr(progress, "_warned", set())
+    assert progress.progress_setting()
+    assert progress.progress_setting()
+    err = capsys.readouterr().err
+    assert err.count("warning: SPEECHLM_PROGRESS='maybe' is not understood") == 1
+    assert "0, off, false, no" in err
+
+
 # ------------------------------------------------------------------------------------------ commands
 def test_plan_draws_on_a_terminal_and_nothing_into_pipes(demo_data):
     args = ["plan", "--config", "configs/demo.yaml", "--manifest", demo_data["train"]]

@@ -109,6 +109,7 @@ class ValidationContext:
     llm_pretrained: bool = False  # model.llm.pretrained is set
     llm_train_added_rows: bool = True  # model.llm.train_added_rows (frozen/lora: added tokens' rows train)
     encoder_train: str = "full"  # model.encoder.train: "full" or "frozen"
+    encoder_pretrained: bool = False  # model.encoder.pretrained is set
     unfreeze_step: int = 0  # optim.unfreeze_step
     lang_tags: str | None = None  # data.lang_tags ("special": one added token per language), where it exists
     encoder_heads: int = 4  # model.encoder.num_heads (the sizes of an encoder built from the config)
@@ -260,6 +261,7 @@ def build_context(
         llm_pretrained=getattr(model.llm, "pretrained", None) is not None,
         llm_train_added_rows=bool(getattr(model.llm, "train_added_rows", True)),
         encoder_train=str(getattr(model.encoder, "train", "full")),
+        encoder_pretrained=getattr(model.encoder, "pretrained", None) is not None,
         unfreeze_step=int(getattr(getattr(config, "optim", None), "unfreeze_step", 0) or 0),
         lang_tags=getattr(getattr(config, "data", None), "lang_tags", None),
         encoder_heads=int(getattr(model.encoder, "num_heads", 4)),

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from speechlm.config import LLMConfig
+from speechlm.model.pretrained_dir import read_llm_dir
 
 LLM_FAMILIES = ("llama", "qwen2")
 
@@ -83,16 +84,15 @@ def build_llm(
     ``dropout`` is the attention dropout (the only dropout of Llama/Qwen2); the reference, flex and
     torch_varlen backends refuse a nonzero value on THD batches.
     A pretrained model whose vocabulary is smaller than ``vocab_size`` gets its embeddings resized;
-    the rows of ``added_token_ids`` start at the mean of the pretrained rows (`init_added_rows`).
+    the rows of ``added_token_ids`` start at the mean of the pretrained rows (`init_added_rows`). Only
+    added rows may lie past the model's vocabulary: the pre-flight refuses a tokenizer whose own tokens
+    do not fit (`speechlm.model.pretrained_dir.check_tokenizer_fits_llm`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if llm_cfg.pretrained:
         path = Path(llm_cfg.pretrained)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"llm.pretrained={llm_cfg.pretrained!r} is not a directory; give a local save_pretrained directory"
-            )
+        read_llm_dir(path)  # a missing dir, config.json or weights, a truncated safetensors: clear errors
         cfg = AutoConfig.from_pretrained(path)
         cfg.use_cache = False
         cfg.attention_dropout = dropout

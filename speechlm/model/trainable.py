@@ -79,14 +79,12 @@ def inject_lora(llm: nn.Module, lora: LoRAConfig) -> None:
     """Inject LoRA adapters in place (peft, no wrapper); a target that matches no module is an error."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in llm.named_modules()}
-    missing = [t for t in lora.target_modules if t not in names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in llm.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(
-            f"model.llm.lora.target_modules: {', '.join(missing)} name no module of the LLM "
-            f"({type(llm).__name__}); its linear layers are: {', '.join(linear)}"
-        )
+    from speechlm.errors import UsageError
+    from speechlm.model.pretrained_dir import lora_target_problem
+
+    problem = lora_target_problem(list(lora.target_modules), llm)
+    if problem:  # the pre-flight refuses it first (`check_pretrained_llm`); a direct caller gets it here
+        raise UsageError(problem)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,

@@ -256,6 +256,7 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
     # data.tokenizer's SentencePiece model; the prompt format is built from it once
     tokenizer = preflight.load_run_tokenizer(cfg, preflight.manifest_langs(train_table, val_table))
     preflight.check_inputs(cfg, train_table, val_table, tokenizer)  # languages, tags, nulls: train and val
+    preflight.check_llm(cfg, tokenizer)  # the LLM's files, its tokenizer, LoRA's target modules
     prompt = preflight.build_run_prompt(cfg, tokenizer)
     summary = {**preflight.summarize(train_table, cfg), **preflight.tokenizer_summary(cfg)}
     validate_at_fit_start(cfg, world_size, rank=rank, manifest_summary=summary)  # before any weights load

@@ -68,9 +68,8 @@ def resolve_checkpoint(path: str | Path, log: Any = print) -> Path:
     )
 
 
-def checkpoint_config(ckpt: Path) -> ExperimentConfig:
-    """The config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
-    from speechlm.config import load_config
+def checkpoint_config_file(ckpt: Path) -> Path:
+    """The file of the config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
     from speechlm.train.run_dir import saved_config
 
     _, source = saved_config(ckpt, ckpt.parent.parent)
@@ -79,7 +78,41 @@ def checkpoint_config(ckpt: Path) -> ExperimentConfig:
             f"{ckpt} holds no config (speechlm/config.yaml) and {ckpt.parent.parent / 'config.yaml'} does not "
             "exist: the model cannot be rebuilt; copy the run's config.yaml next to its checkpoints folder"
         )
-    return load_config(source)
+    return source
+
+
+def checkpoint_config(ckpt: Path) -> ExperimentConfig:
+    """The config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
+    from speechlm.config import load_config
+
+    return load_config(checkpoint_config_file(ckpt))
+
+
+def check_pretrained_parts(cfg: ExperimentConfig, ckpt: Path) -> None:
+    """The pretrained directories the model of `ckpt` is rebuilt from (model.llm.pretrained,
+    model.encoder.pretrained) are still where the run found them and whole: a frozen or LoRA checkpoint
+    does not hold its base. Refused before anything is built, naming the path and the config to edit."""
+    from speechlm.errors import DataError
+    from speechlm.model.pretrained_dir import read_llm_dir
+
+    def refuse(key: str, path: str, why: str) -> None:
+        raise DataError(
+            f"checkpoint {ckpt} was trained on {key}={path}, which its model is rebuilt from, but {why}. Put "
+            f"that directory back at {path}, or set {key} in {checkpoint_config_file(ckpt)} to where it is "
+            "now (a frozen or LoRA checkpoint's fingerprint then checks that it is the same model)"
+        )
+
+    llm = cfg.model.llm.pretrained
+    if llm and not Path(llm).is_dir():
+        refuse("model.llm.pretrained", llm, "it is not a directory here (moved or removed?)")
+    if llm:
+        try:
+            read_llm_dir(llm)
+        except DataError as e:
+            refuse("model.llm.pretrained", llm, f"it cannot be loaded: {e}")
+    encoder = cfg.model.encoder.pretrained
+    if encoder and not Path(encoder).exists():
+        refuse("model.encoder.pretrained", encoder, "it does not exist here (moved or removed?)")
 
 
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
@@ -113,6 +146,7 @@ def load_checkpoint(
 
     ckpt = resolve_checkpoint(path, log)
     cfg = checkpoint_config(ckpt)
+    check_pretrained_parts(cfg, ckpt)
     tokenizer = checkpoint_tokenizer(cfg, ckpt)
     tok = tokenizer_info(cfg, tokenizer)
     torch.manual_seed(cfg.trainer.seed)  # the values of any tensor the checkpoint does not hold

@@ -86,7 +86,9 @@ def add_decoding_arguments(p: argparse.ArgumentParser, *, device_help: str) -> N
         help="weight of the CTC head's prefix scores in joint CTC/attention greedy decoding, 0-1 (default: the "
         "model's model.decode_ctc_weight; 0: the LLM alone)",
     )
-    p.add_argument("--device", default=None, help=device_help)
+    from speechlm.model.devices import device_argument
+
+    p.add_argument("--device", type=device_argument, default=None, help=device_help)
 
 
 def apply_ctc_weight(model: Any, weight: float | None) -> None:

@@ -258,6 +258,10 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("model.llm.train=lora",)),
         Case(("model.llm.train=lora", "model.llm.pretrained=/some/llm")),
     ),
+    "freezing-a-random-encoder": (
+        Case(("model.encoder.train=frozen",)),
+        Case(("model.encoder.train=frozen", "model.encoder.pretrained=/some/encoder")),
+    ),
 }
 
 
@@ -693,6 +697,7 @@ def test_full_table_is_the_parallel_rules_then_the_training_rules() -> None:
         "frozen-encoder-with-unfreeze-step",
         "frozen-llm-added-lang-tags",
         "adapting-a-random-llm",
+        "freezing-a-random-encoder",
     ]
     # parallel.validator alone runs the parallel rules; the budget rule lives in speechlm
     cfg = make_config("sampler.max_batch_duration=null")
