@@ -16,7 +16,9 @@ process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo
 (teacher-forced), ``<task>/<metric>`` and ``<task>/<metric>_<lang>`` (``asr/wer``, ``ast/bleu``, ...),
 ``wer`` and ``wer_<lang>`` (ASR), ``utterances`` and ``dropped`` per language (and ``all``), the same per
 task under ``tasks``, ``dropped_reasons``. ``--decodes FILE`` writes one JSON line per decoded utterance
-(``row``, ``task``, ``lang``, ``ref``, ``hyp``).
+(``row``, ``task``, ``lang``, ``ref``, ``hyp``). ``--metric TASK=METRIC[,METRIC]`` scores a task with these
+metrics (replacing the checkpoint's ``trainer.eval_metrics`` entry); a task with no metric is refused
+before decoding, naming that option.
 """
 
 from __future__ import annotations

@@ -185,19 +185,19 @@ def check_args(args: argparse.Namespace) -> None:
             "give audio files or --manifest M (one of the two): nothing to transcribe, or both given"
         )
     check_decoding_arguments(args)
-    if args.out is not None:
-        out = Path(args.out)
-        if out.is_dir():
-            raise OutputError(f"--out {out} is a directory: give a file path such as {out / 'hyps.jsonl'}")
-        if not out.parent.is_dir():
-            raise OutputError(f"--out {out}: the folder {out.parent} does not exist; create it first")
-        check_out_writable(out)
     if not (args.max_duration > 0 and math.isfinite(args.max_duration)):
         raise UsageError(f"--max-duration {args.max_duration}: give seconds > 0")
     if args.chunk is not None and not 1.0 <= args.chunk <= args.max_duration:
         raise UsageError(
             f"--chunk {args.chunk}: give window seconds between 1 and --max-duration ({args.max_duration:g})"
         )
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise OutputError(f"--out {out} is a directory: give a file path such as {out / 'hyps.jsonl'}")
+        if not out.parent.is_dir():
+            raise OutputError(f"--out {out}: the folder {out.parent} does not exist; create it first")
+        check_out_writable(out)  # last: every usage error comes first
 
 
 def run_transcribe_command(args: argparse.Namespace) -> int:
