@@ -169,13 +169,16 @@ class MetricSpec:
         t = cfg.trainer
         return cls.build(t.eval_metrics, t.eval_normalize, t.eval_cer_langs)
 
-    def check_task(self, task: str, where: str) -> None:
-        """UsageError when `task` (found in `where`) has no metric."""
+    def check_task(self, task: str, where: str, how: str | None = None) -> None:
+        """UsageError when `task` (found in `where`) has no metric; `how` says how to give it one (default:
+        training's trainer.eval_metrics)."""
         if task not in self.metrics:
+            how = how or (
+                f"add it to trainer.eval_metrics, e.g. trainer.eval_metrics='{{{task}: [accuracy]}}'"
+            )
             raise UsageError(
-                f"{where} has rows of task {task!r}, which has no metric: add it to trainer.eval_metrics, e.g. "
-                f"trainer.eval_metrics='{{{task}: [accuracy]}}' (metrics: {', '.join(METRICS)}; tasks with a "
-                f"metric: {', '.join(sorted(self.metrics))})"
+                f"{where} has rows of task {task!r}, which has no metric: {how} (metrics: {', '.join(METRICS)}; "
+                f"tasks with a metric: {', '.join(sorted(self.metrics))})"
             )
 
     def row_metrics(self, task: str, lang: str) -> tuple[str, ...]:

@@ -84,6 +84,22 @@ def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
 
     None when there is no `step_*` directory; CheckpointError when there are some but none verifies.
     Every rank runs this on the same files and reaches the same answer (nothing here is random)."""
+    found, refused = newest_verified(ckpt_root, log)
+    if found is None and refused:  # starting over would silently throw the run away (keep_last deletes)
+        raise CheckpointError(
+            f"resume=auto: none of the {len(refused)} checkpoints in {ckpt_root} can be resumed from (first: "
+            f"{refused[0][1]}); checkpoints written before complete.json existed cannot be loaded safely. Start "
+            f"over in a new trainer.run_dir, or remove {ckpt_root} to start over in this one"
+        )
+    return found
+
+
+def newest_verified(
+    ckpt_root: Path, log: Any = print, prefix: str = "resume=auto"
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the `latest` pointer's checkpoint if it verifies, else the newest one that does, or None; the
+    (checkpoint, reason) of each one refused before it, newest first). Skips and a fallback are logged
+    with `prefix`; what to do when none verifies is the caller's (training and evaluation differ)."""
     pointer = ckpt_root / "latest"
     candidates = [p for _, p in reversed(list_checkpoints(ckpt_root))]
     if pointer.is_file():
@@ -91,26 +107,18 @@ def latest_checkpoint(ckpt_root: Path, log: Any = print) -> Path | None:
         if target in candidates:
             candidates.remove(target)
             candidates.insert(0, target)
-    reasons = []
-    skipped: list[Path] = []
+    refused: list[tuple[Path, str]] = []
     for p in candidates:
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
-            log(f"resume=auto: skipping {p}: {e}")
-            reasons.append(str(e))
-            skipped.append(p)
+            log(f"{prefix}: skipping {p}: {e}")
+            refused.append((p, str(e)))
             continue
-        if skipped:
-            log(f"resume=auto: falling back from {skipped[0]} to {p}, the newest checkpoint that verifies")
-        return p
-    if reasons:  # starting over would silently throw the run away (and keep_last would delete them)
-        raise CheckpointError(
-            f"resume=auto: none of the {len(reasons)} checkpoints in {ckpt_root} can be resumed from (first: "
-            f"{reasons[0]}); checkpoints written before complete.json existed cannot be loaded safely. Start "
-            f"over in a new trainer.run_dir, or remove {ckpt_root} to start over in this one"
-        )
-    return None
+        if refused:
+            log(f"{prefix}: falling back from {refused[0][0]} to {p}, the newest checkpoint that verifies")
+        return p, refused
+    return None, refused
 
 
 def previous_complete(path: Path) -> Path | None:

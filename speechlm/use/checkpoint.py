@@ -1,8 +1,10 @@
 """A trained checkpoint as a one-process model: what `speechlm evaluate` and `speechlm export` start from.
 
 `resolve_checkpoint(RUN_OR_CKPT)`: a checkpoint directory (it has ``complete.json``) is verified and
-taken as it is; a run directory gives its latest complete checkpoint (`latest_checkpoint`: the
-``latest`` pointer if it verifies, else the newest one that does). The config is the one saved with
+taken as it is; a run directory gives its latest complete checkpoint (`newest_verified`: the
+``latest`` pointer if it verifies, else the newest one that does). A checkpoint that does not verify
+is refused naming the file and what is wrong (an interrupted save, a truncated or missing file) and
+what to do: the earlier checkpoint that verifies, by path, or restoring the file or training again. The config is the one saved with
 the checkpoint (``speechlm/config.yaml`` inside it, else the run's ``config.yaml``), so the model is
 rebuilt exactly as it was trained, and the tokenizer is the one that config names.
 
@@ -26,8 +28,10 @@ import torch
 from speechlm.config import ExperimentConfig
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
+    STEP_RE,
     CheckpointError,
-    latest_checkpoint,
+    newest_verified,
+    previous_complete,
     verify_checkpoint,
 )
 
@@ -49,22 +53,49 @@ class LoadedCheckpoint:
 
 
 def resolve_checkpoint(path: str | Path, log: Any = print) -> Path:
-    """The checkpoint directory `path` names: itself (verified), or a run dir's latest complete one."""
+    """The checkpoint directory `path` names: itself (verified), or a run dir's latest complete one.
+
+    A damaged checkpoint is refused with what is wrong with it and what to do to use the model (a
+    checkpoint that verifies, by path; or train again), never with training's resume advice: evaluating
+    or exporting deletes nothing and resumes nothing."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(
             f"{p} does not exist: give a run directory or one of its checkpoints/step_* dirs"
         )
-    if (p / COMPLETE_NAME).is_file():
-        verify_checkpoint(p)
+    if (p / COMPLETE_NAME).is_file() or (STEP_RE.match(p.name) and p.parent.name == "checkpoints"):
+        try:
+            verify_checkpoint(p)
+        except CheckpointError as e:
+            raise unusable_checkpoint(p, str(e), previous_complete(p)) from None
         return p
     if (p / "checkpoints").is_dir():
-        found = latest_checkpoint(p / "checkpoints", log)
+        found, refused = newest_verified(p / "checkpoints", log, prefix="checkpoint")
         if found is not None:
             return found
+        if refused:
+            raise unusable_checkpoint(refused[0][0], refused[0][1], None, others=len(refused) - 1)
     raise CheckpointError(
         f"{p} is neither a checkpoint (no {COMPLETE_NAME}) nor a run directory with a complete checkpoint "
         f"under {p / 'checkpoints'}: give a run directory (trainer.run_dir) or a checkpoints/step_* dir"
+    )
+
+
+def unusable_checkpoint(ckpt: Path, reason: str, earlier: Path | None, others: int = 0) -> CheckpointError:
+    """The error of a checkpoint that does not verify, for a command that only reads it (module doc)."""
+    more = (
+        f"; the {others} other checkpoint(s) of the run do not verify either (listed above)" if others else ""
+    )
+    if earlier is not None:
+        advice = f"give the earlier checkpoint {earlier} (it verifies) by its path instead"
+    else:
+        advice = (
+            "no other checkpoint of this run verifies: restore the damaged file from a copy of the run, or train "
+            "again (`speechlm train` into a new trainer.run_dir)"
+        )
+    return CheckpointError(
+        f"checkpoint {ckpt} cannot be used: {reason}{more}. What to do: {advice}. Nothing in the run directory "
+        "was changed"
     )
 
 

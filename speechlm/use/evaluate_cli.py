@@ -16,7 +16,9 @@ process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo
 (teacher-forced), ``<task>/<metric>`` and ``<task>/<metric>_<lang>`` (``asr/wer``, ``ast/bleu``, ...),
 ``wer`` and ``wer_<lang>`` (ASR), ``utterances`` and ``dropped`` per language (and ``all``), the same per
 task under ``tasks``, ``dropped_reasons``. ``--decodes FILE`` writes one JSON line per decoded utterance
-(``row``, ``task``, ``lang``, ``ref``, ``hyp``).
+(``row``, ``task``, ``lang``, ``ref``, ``hyp``). ``--metric TASK=METRIC[,METRIC]`` scores a task with these
+metrics (replacing the checkpoint's ``trainer.eval_metrics`` entry); a task with no metric is refused
+before decoding, naming that option.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="TASK=METRIC[,METRIC]",
+        help="score TASK with these metrics, replacing the checkpoint's trainer.eval_metrics entry (repeatable; "
+        "e.g. --metric caption=accuracy)",
+    )
+    p.add_argument(
         "--decodes", default=None, help="also write one JSON line per utterance (row, task, lang, ref, hyp)"
     )
     add_decoding_arguments(p, device_help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
@@ -57,6 +67,7 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
     from speechlm.use.transcribe import check_decoding_arguments
 
     check_decoding_arguments(args)
+    metrics = parse_metric_arguments(args.metric)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = args.device or default_device()
     if world_size > 1:
@@ -72,6 +83,7 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
             max_utterances=args.batch_size,
             batch_seconds=args.batch_seconds,
             ctc_weight=args.ctc_weight,
+            metrics=metrics,
         )
     finally:
         if world_size > 1:
@@ -88,6 +100,38 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
         else:
             print(result["table"])
     return 0
+
+
+def parse_metric_arguments(values: list[str]) -> dict[str, list[str]]:
+    """``--metric TASK=METRIC[,METRIC]`` (repeatable) as {task: [metric, ...]}; UsageError naming a bad one."""
+    from speechlm.errors import UsageError
+    from speechlm.metrics import METRICS
+
+    out: dict[str, list[str]] = {}
+    for value in values:
+        task, sep, names = value.partition("=")
+        metrics = [m.strip() for m in names.split(",") if m.strip()]
+        unknown = [m for m in metrics if m not in METRICS]
+        if not sep or not task.strip() or not metrics or unknown:
+            raise UsageError(
+                f"--metric {value}: give TASK=METRIC[,METRIC], e.g. --metric caption=accuracy (metrics: "
+                f"{', '.join(METRICS)})"
+            )
+        out[task.strip()] = metrics
+    return out
+
+
+def check_tasks_have_metrics(cfg: Any, table: Any, manifest: str | Path) -> None:
+    """Every task of `table` has a metric under `cfg` (with --metric applied); the advice is evaluate's."""
+    from speechlm.metrics import MetricSpec, table_pairs
+
+    spec = MetricSpec.from_config(cfg)
+    for task in sorted({task for task, _ in table_pairs(table)}):
+        spec.check_task(
+            task,
+            f"--manifest {manifest}",
+            how=f"give it one with --metric, e.g. `speechlm evaluate ... --metric {task}=accuracy`",
+        )
 
 
 def default_device() -> str:
@@ -120,8 +164,10 @@ def evaluate_checkpoint(
     max_utterances: int | None = None,
     batch_seconds: float | None = None,
     ctc_weight: float | None = None,
+    metrics: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """Evaluate on this rank's share, gather; returns {record, table, decodes} (the same on every rank).
+    `metrics` ({task: [metric, ...]}, ``--metric``) replace those tasks' entries of trainer.eval_metrics.
 
     With `world_size` > 1 the default process group must be initialised (torchrun, or a test harness)."""
     from parallel.collectives import Collectives
@@ -137,7 +183,9 @@ def evaluate_checkpoint(
     cfg.data.val_manifest = str(manifest)  # names the split in messages
     if batch_seconds is not None:
         cfg.trainer.eval_batch_duration = float(batch_seconds)
+    cfg.trainer.eval_metrics = {**cfg.trainer.eval_metrics, **(metrics or {})}
     table = open_index(manifest)
+    check_tasks_have_metrics(cfg, table, manifest)
     problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
     if problems:
         raise DataError("\n".join(problems))

@@ -1,31 +1,48 @@
 """`speechlm transcribe RUN_OR_EXPORT AUDIO... | --manifest M [--out out.jsonl]`: greedy transcripts.
 
 The model comes from an export directory (`speechlm.model.exported`: no training code is imported)
-or from a run / checkpoint directory (`speechlm.use.checkpoint`). Inputs are audio files (any format
-libsndfile reads, resampled to the model's rate) or a manifest of any format the trainer reads.
+or from a run / checkpoint directory (`speechlm.use.checkpoint`). Inputs (`speechlm.use.inputs`) are
+audio files (any format libsndfile reads, resampled to the model's rate) or ``--manifest M``: a list of
+paths, a NeMo JSON-lines or parquet manifest whose ``text`` is optional, or any source the trainer
+reads; transcripts are never needed.
 
-Batching is the evaluation's (`batch_by_duration`): shortest first, at most ``--batch-seconds`` of
-audio (default: the model's ``trainer.eval_batch_duration``, as `speechlm evaluate` uses) and at most
-``--batch-size`` utterances per batch; each batch is decoded greedily with the KV cache
-(`SpeechLLM.generate_greedy`) on ``--device`` (default: the GPU when there is one). With the same
-manifest and batch settings the hypotheses equal those `speechlm evaluate` scores.
+Long audio: a clip longer than ``--max-duration`` (default 60 s) is not decoded in one piece (its
+transcript would be cut at ``--max-new-tokens`` and memory grows with the clip): its line carries an
+error, unless ``--chunk SECONDS`` is given. Then a clip longer than SECONDS is cut into
+n = ceil(duration / SECONDS) equal consecutive windows (no overlap), each decoded as an utterance of
+its own, and the texts are joined in order with one space (``lang``: the first window's tag;
+``windows``: n). A word spoken across a window boundary may come out split or garbled. A piece whose
+decoding stops at ``--max-new-tokens`` with no end of transcript marks its line ``"truncated": true``,
+with a warning on stderr: a cut transcript is never passed off as whole.
+
+Batching is the evaluation's (`batch_by_duration` over the pieces): shortest first, at most
+``--batch-seconds`` of audio (default: the model's ``trainer.eval_batch_duration``, as `speechlm
+evaluate` uses) and at most ``--batch-size`` pieces per batch; each batch is decoded greedily with the
+KV cache (`SpeechLLM.generate_greedy`) on ``--device`` (default: the GPU when there is one). With the
+same manifest and batch settings the hypotheses equal those `speechlm evaluate` scores.
 
 Output: one JSON line per input, in input order: ``{"path", "lang", "text"}`` (``lang``: the language
-tag the model emitted, null when it emitted none; a manifest adds ``row``). An input that cannot be
-used (missing file, undecodable audio, a manifest row the trainer would drop) gets
-``{"path", "error"}`` instead, the others are still transcribed, and the command exits 1 after
-writing everything. A progress display goes to stderr when there is more than one batch and the
-output is a terminal (`speechlm.progress`; none in logs or pipes).
+tag the model emitted, null when it emitted none; a manifest adds ``row``, a conversation row's clips
+``clip``). An input that cannot be used (missing file, undecodable audio, a manifest line without an
+audio path, a clip over ``--max-duration``) gets ``{"path", "error"}`` instead, the others are still
+transcribed, and the command exits 1 after writing everything. An input list that is empty is an error
+(exit 1). A progress display goes to stderr when there is more than one batch and the output is a
+terminal (`speechlm.progress`; none in logs or pipes).
 
 Interruption: ``--out`` is written once, at the end, into a temporary file renamed over it; a
 process stopped by SIGTERM or SIGKILL leaves ``--out`` as it was before (absent, or the previous
-complete file), never a partial one. Without ``--out`` the lines go to stdout at the end.
+complete file), never a partial one. That temporary file is created (and removed) before the model
+is loaded, so an ``--out`` that cannot be written is refused at once (exit 4), not after the work; a
+write that fails at the end (disk full) is exit 4 too, saying the lines were not written. Without
+``--out`` the lines go to stdout at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -36,6 +53,7 @@ from typing import Any
 from speechlm.errors import EXIT_DATA, OutputError, UsageError
 
 DEFAULT_MAX_NEW_TOKENS = 96  # the same budget as evaluation (speechlm.train.evaluate.decode_shard)
+DEFAULT_MAX_DURATION = 60.0  # seconds of one clip decoded in one piece, unless --max-duration / --chunk
 
 
 def add_parser(sub: Any) -> None:
@@ -51,6 +69,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", help="write the JSON lines to this file (atomically, at the end); default stdout")
     add_decoding_arguments(p, device_help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--lang", default=None, help="force this language tag instead of letting the model choose")
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        default=DEFAULT_MAX_DURATION,
+        help=f"seconds: a longer clip is refused (its line carries an error) unless --chunk is given "
+        f"(default {DEFAULT_MAX_DURATION:g})",
+    )
+    p.add_argument(
+        "--chunk",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cut clips longer than this into equal windows of at most SECONDS, decode each and join their "
+        "texts with a space (docs/use.md)",
+    )
     p.set_defaults(func=run_transcribe_command)
 
 
@@ -154,15 +187,24 @@ def check_args(args: argparse.Namespace) -> None:
             "give audio files or --manifest M (one of the two): nothing to transcribe, or both given"
         )
     check_decoding_arguments(args)
+    if not (args.max_duration > 0 and math.isfinite(args.max_duration)):
+        raise UsageError(f"--max-duration {args.max_duration}: give seconds > 0")
+    if args.chunk is not None and not 1.0 <= args.chunk <= args.max_duration:
+        raise UsageError(
+            f"--chunk {args.chunk}: give window seconds between 1 and --max-duration ({args.max_duration:g})"
+        )
     if args.out is not None:
         out = Path(args.out)
         if out.is_dir():
             raise OutputError(f"--out {out} is a directory: give a file path such as {out / 'hyps.jsonl'}")
         if not out.parent.is_dir():
             raise OutputError(f"--out {out}: the folder {out.parent} does not exist; create it first")
+        check_out_writable(out)  # last: every usage error comes first
 
 
 def run_transcribe_command(args: argparse.Namespace) -> int:
+    from speechlm.use.inputs import file_inputs, manifest_inputs
+
     check_args(args)
     um = load_model(args.model, args.device or default_device())
     apply_ctc_weight(um.model, args.ctc_weight)
@@ -178,9 +220,17 @@ def run_transcribe_command(args: argparse.Namespace) -> int:
                 f"--lang {args.lang}: the model knows the languages {', '.join(um.tokenizer.langs)}"
             )
         lang_id = int(um.tokenizer.lang_id(args.lang))
-    source = ManifestInputs(args.manifest, um) if args.manifest else FileInputs(args.audio, um.sample_rate)
-    batches = source.batches(args.batch_seconds or um.batch_seconds, args.batch_size)
-    records = transcribe(um, source, batches, max_new_tokens=args.max_new_tokens, lang_id=lang_id)
+    inputs = manifest_inputs(args.manifest, um) if args.manifest else file_inputs(args.audio, um.sample_rate)
+    rule = WindowRule(args.max_duration, args.chunk)
+    records = transcribe(
+        um,
+        inputs,
+        rule,
+        batch_seconds=args.batch_seconds or um.batch_seconds,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        lang_id=lang_id,
+    )
     write_records(records, args.out)
     failed = [r for r in records if "error" in r]
     if failed:
@@ -194,89 +244,6 @@ def run_transcribe_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- inputs ------------------------------------------------------------------------------------------
-class FileInputs:
-    """Audio files named on the command line; durations from the file headers (0 when unreadable)."""
-
-    def __init__(self, paths: list[str], sample_rate: int) -> None:
-        self.paths, self.sample_rate = list(paths), sample_rate
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def durations(self) -> list[float]:
-        import soundfile as sf
-
-        out = []
-        for p in self.paths:
-            try:
-                out.append(float(sf.info(p).duration))
-            except Exception:  # noqa: BLE001 - reported when the file is loaded
-                out.append(0.0)
-        return out
-
-    def batches(self, seconds: float, size: int | None) -> list[list[int]]:
-        import numpy as np
-
-        from speechlm.data.sampler.batching import batch_by_duration
-
-        return batch_by_duration(np.asarray(self.durations()), seconds, size)
-
-    def record(self, i: int) -> dict[str, Any]:
-        return {"path": self.paths[i]}
-
-    def load(self, batch: list[int]) -> Iterator[tuple[int, Any, str | None]]:
-        """(input, audio tensor or None, error or None) per input of `batch`."""
-        import torch
-
-        from speechlm.data.audio import AudioDecodeError
-        from speechlm.data.dataset import load_audio
-
-        for i in batch:
-            try:
-                audio = load_audio(self.paths[i], self.sample_rate)
-            except (FileNotFoundError, AudioDecodeError) as e:
-                yield i, None, str(e)
-                continue
-            if audio.size == 0:
-                yield i, None, f"{self.paths[i]} decodes to no samples"
-                continue
-            yield i, torch.from_numpy(audio), None
-
-
-class ManifestInputs:
-    """The rows of a manifest, read as evaluation reads them (`SpeechDataset`)."""
-
-    def __init__(self, manifest: str, um: UsableModel) -> None:
-        from speechlm.data.dataset import SpeechDataset
-        from speechlm.data.sources.mmap_cache import open_index
-
-        self.table = open_index(manifest)
-        # the text is not needed here: any length is accepted (evaluation drops what training drops)
-        self.ds = SpeechDataset(self.table, um.tokenizer, max_tokens=1 << 30, sample_rate=um.sample_rate)
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def batches(self, seconds: float, size: int | None) -> list[list[int]]:
-        from speechlm.data.manifest import manifest_arrays
-        from speechlm.data.sampler.batching import batch_by_duration
-
-        return batch_by_duration(manifest_arrays(self.table).durations, seconds, size)
-
-    def record(self, i: int) -> dict[str, Any]:
-        return {"row": i, "path": str(self.ds.resolve_path(i))}
-
-    def load(self, batch: list[int]) -> Iterator[tuple[int, Any, str | None]]:
-        from speechlm.data.dataset import DroppedSample
-
-        for sample in self.ds.__getitems__(batch):
-            if isinstance(sample, DroppedSample):
-                yield sample.index, None, f"{sample.reason}: {sample.detail}"
-            else:
-                yield sample.index, sample.audio, None
-
-
 # --- decoding ----------------------------------------------------------------------------------------
 def language_of(tokenizer: Any, ids: list[int]) -> str | None:
     """The language whose tag is the first generated token, None when it is not a tag."""
@@ -288,49 +255,214 @@ def language_of(tokenizer: Any, ids: list[int]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class WindowRule:
+    """How long a clip may be: ``--max-duration`` (refused beyond it), ``--chunk`` (cut into windows)."""
+
+    max_duration: float = DEFAULT_MAX_DURATION
+    chunk: float | None = None
+
+    def windows(self, seconds: float) -> int:
+        """Windows a clip of `seconds` is decoded in: n = ceil(seconds / chunk) equal ones with --chunk
+        (each at most chunk seconds), else 1."""
+        if self.chunk is None or seconds <= self.chunk:
+            return 1
+        return math.ceil(seconds / self.chunk - 1e-9)
+
+    def refusal(self, path: Any, seconds: float) -> str | None:
+        """Why a clip of `seconds` is not decoded (longer than --max-duration, no --chunk), or None."""
+        if self.chunk is not None or seconds <= self.max_duration:
+            return None
+        return (
+            f"{path} is {seconds:.1f} s long, more than --max-duration {self.max_duration:g} s: it is not "
+            "decoded in one piece (the transcript would be cut at --max-new-tokens and memory grows with the "
+            "clip); give --chunk SECONDS (e.g. --chunk 30) to transcribe it in windows, or a larger --max-duration"
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One decoding row: window `window` of `windows` of input `input` (`seconds` long)."""
+
+    input: int
+    window: int
+    windows: int
+    seconds: float
+
+
+def window_of(audio_N: Any, window: int, windows: int) -> Any:
+    """Window `window` of `windows` equal consecutive windows of `audio_N` (the last takes the rest)."""
+    n = int(audio_N.shape[0])
+    return audio_N[window * n // windows : (window + 1) * n // windows]
+
+
+def plan_pieces(inputs: list[Any], rule: WindowRule) -> tuple[list[Piece], dict[int, str]]:
+    """The pieces to decode, and the inputs refused by length ({input: reason}), from their durations."""
+    pieces, refused = [], {}
+    for i, item in enumerate(inputs):
+        reason = rule.refusal(item.record.get("path"), item.duration)
+        if reason is not None:
+            refused[i] = reason
+            continue
+        n = rule.windows(item.duration)
+        pieces += [Piece(i, k, n, item.duration / n) for k in range(n)]
+    return pieces, refused
+
+
+class Joined:
+    """The windows of one input decoded so far: texts joined with one space, in window order."""
+
+    def __init__(self, windows: int) -> None:
+        self.texts: list[str | None] = [None] * windows
+        self.langs: list[str | None] = [None] * windows
+        self.truncated = False
+
+    def add(self, window: int, text: str, lang: str | None, truncated: bool) -> None:
+        self.texts[window], self.langs[window] = text, lang
+        self.truncated = self.truncated or truncated
+
+    def done(self) -> bool:
+        return all(t is not None for t in self.texts)
+
+    def record(self) -> dict[str, Any]:
+        text = " ".join(t for t in self.texts if t)
+        out: dict[str, Any] = {"lang": next((x for x in self.langs if x is not None), None), "text": text}
+        if len(self.texts) > 1:
+            out["windows"] = len(self.texts)
+        if self.truncated:
+            out["truncated"] = True
+        return out
+
+
 def transcribe(
     um: UsableModel,
-    source: Any,
-    batches: list[list[int]],
+    inputs: list[Any],
+    rule: WindowRule,
     *,
+    batch_seconds: float,
+    batch_size: int | None,
     max_new_tokens: int,
     lang_id: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode every batch; one record per input, in input order."""
-    import torch
+    """Decode every input (`speechlm.use.inputs.AudioInput`), in batches of pieces; one record per input,
+    in input order. A clip longer than the rule allows gets an error record; with --chunk a long clip
+    is decoded as windows whose texts are joined. A piece whose decoding stopped at `max_new_tokens`
+    marks its input ``"truncated": true`` and is warned about."""
+    import numpy as np
 
-    from speechlm.data.text import decode_hypothesis
+    from speechlm.data.sampler.batching import batch_by_duration
     from speechlm.progress import Progress
+    from speechlm.use.inputs import InputError
 
     device = next(um.model.parameters()).device
-    records: list[dict[str, Any] | None] = [None] * len(source)
+    pieces, refused = plan_pieces(inputs, rule)
+    batches = batch_by_duration(np.asarray([p.seconds for p in pieces]), batch_seconds, batch_size)
+    records: list[dict[str, Any] | None] = [None] * len(inputs)
+    for i, reason in refused.items():
+        records[i] = {**inputs[i].record, "error": reason}
+    joined: dict[int, Joined] = {}
     print(
-        f"transcribing {len(source)} inputs in {len(batches)} batches on {device}",
+        f"transcribing {len(inputs)} inputs ({len(pieces)} pieces) in {len(batches)} batches on {device}",
         file=sys.stderr,
         flush=True,
     )
-    bar = Progress(len(source), "transcribing", "utt", enabled=None if len(batches) > 1 else False)
+    bar = Progress(len(pieces), "transcribing", "utt", enabled=None if len(batches) > 1 else False)
+    cache: tuple[int, Any] | None = None  # the last input's audio: its windows are decoded one after another
     for batch in batches:
-        ok: list[tuple[int, Any]] = []
-        for i, audio, error in source.load(batch):
-            if error is not None:
-                records[i] = {**source.record(i), "error": error}
-            else:
-                ok.append((i, audio))
-        if ok:
-            lens = torch.tensor([int(a.shape[0]) for _, a in ok])
-            audio_BN = torch.zeros(len(ok), int(lens.max()), dtype=torch.float32)
-            for b, (_, a) in enumerate(ok):
-                audio_BN[b, : a.shape[0]] = a
-            out = um.model.generate_greedy(
-                audio_BN.to(device), lens.to(device), max_new_tokens=max_new_tokens, lang_id=lang_id
-            )
-            for (i, _), ids in zip(ok, out):
-                text = decode_hypothesis(um.tokenizer, ids)
-                records[i] = {**source.record(i), "lang": language_of(um.tokenizer, ids), "text": text}
+        ok: list[tuple[Piece, Any]] = []
+        for piece in (pieces[b] for b in batch):
+            i = piece.input
+            if records[i] is not None:  # an earlier window of it failed
+                continue
+            try:
+                if cache is None or cache[0] != i:
+                    cache = (i, inputs[i].load())
+                    seconds = cache[1].shape[0] / um.sample_rate
+                    late = rule.refusal(inputs[i].record.get("path"), seconds)
+                    if late is not None:  # the header or manifest said less than the audio holds
+                        raise InputError(late)
+            except InputError as e:
+                records[i] = {**inputs[i].record, "error": str(e)}
+                continue
+            ok += expand(piece, cache[1], rule, um.sample_rate)
+        for (piece, ids), truncated in decode_pieces(um, ok, device, max_new_tokens, lang_id):
+            i = piece.input
+            j = joined.setdefault(i, Joined(piece.windows))
+            j.add(piece.window, decode_text(um.tokenizer, ids), language_of(um.tokenizer, ids), truncated)
+            if j.done():
+                records[i] = {**inputs[i].record, **joined.pop(i).record()}
         bar.update(len(batch))
     bar.close()
+    warn_truncated([r for r in records if r is not None and r.get("truncated")], max_new_tokens)
     return [r for r in records if r is not None]
+
+
+def expand(piece: Piece, audio_N: Any, rule: WindowRule, sample_rate: int) -> list[tuple[Piece, Any]]:
+    """The samples of `piece`; a one-piece input whose audio turned out longer than --chunk becomes all
+    its windows here (its duration was unknown or understated when the pieces were planned)."""
+    import torch
+
+    n = rule.windows(audio_N.shape[0] / sample_rate) if piece.windows == 1 else piece.windows
+    if n != piece.windows:
+        return [(Piece(piece.input, k, n, piece.seconds), torch.as_tensor(window_of(audio_N, k, n)))
+                for k in range(n)]  # fmt: skip
+    return [(piece, torch.as_tensor(window_of(audio_N, piece.window, piece.windows)))]
+
+
+def decode_pieces(
+    um: UsableModel, ok: list[tuple[Piece, Any]], device: Any, max_new_tokens: int, lang_id: int | None
+) -> Iterator[tuple[tuple[Piece, list[int]], bool]]:
+    """Greedy ids of each piece (one padded batch), and whether it stopped at `max_new_tokens` (no stop
+    token: `generate_greedy` returns the ids without the stop token, so a full budget means none came)."""
+    import torch
+
+    if not ok:
+        return
+    lens = torch.tensor([int(a.shape[0]) for _, a in ok])
+    audio_BN = torch.zeros(len(ok), int(lens.max()), dtype=torch.float32)
+    for b, (_, a) in enumerate(ok):
+        audio_BN[b, : a.shape[0]] = a
+    out = um.model.generate_greedy(
+        audio_BN.to(device), lens.to(device), max_new_tokens=max_new_tokens, lang_id=lang_id
+    )
+    for (piece, _), ids in zip(ok, out):
+        yield (piece, ids), len(ids) >= max_new_tokens
+
+
+def decode_text(tokenizer: Any, ids: list[int]) -> str:
+    from speechlm.data.text import decode_hypothesis
+
+    return str(decode_hypothesis(tokenizer, ids))
+
+
+def warn_truncated(records: list[dict[str, Any]], max_new_tokens: int) -> None:
+    if records:
+        print(
+            f"warning: {len(records)} input(s) stopped at --max-new-tokens {max_new_tokens} before the model ended "
+            f'its transcript (first: {records[0]["path"]}): their lines carry "truncated": true and miss the '
+            "rest; give a larger --max-new-tokens, or --chunk SECONDS for long audio",
+            file=sys.stderr,
+        )
+
+
+def check_out_writable(out: Path) -> None:
+    """Create and remove `out`'s temporary file now, so an --out that cannot be written is refused before
+    any decoding (exit 4), not after it."""
+    tmp = temp_name(out)
+    try:
+        with tmp.open("w"):
+            pass
+    except OSError as e:
+        raise OutputError(
+            f"--out {out} cannot be written ({e.strerror or e}): nothing was transcribed; give a path in a "
+            "folder you can write to"
+        ) from None
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+
+
+def temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
 def write_records(records: list[dict[str, Any]], out: str | None) -> None:
@@ -341,11 +473,15 @@ def write_records(records: list[dict[str, Any]], out: str | None) -> None:
         sys.stdout.flush()
         return
     path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {e.strerror or e}; free space or fix the path") from None
+        with contextlib.suppress(OSError):  # on a read-only or vanished folder the removal fails too
+            tmp.unlink(missing_ok=True)
+        raise OutputError(
+            f"cannot write {path}: {e.strerror or e}; the {len(records)} lines decoded were not written (a "
+            f"previous {path.name} is left as it was); free space or fix the path and run again"
+        ) from None
     print(f"wrote {len(records)} lines to {path}", file=sys.stderr)

@@ -370,3 +370,33 @@ def _transcribe_default(exported, demo_data, capsys) -> list[str]:
 
     assert main(["transcribe", str(exported), "--manifest", demo_data["val"]]) == 0
     return capsys.readouterr().out.splitlines()
+
+
+def test_transcribe_a_manifest_of_new_audio_gives_the_texts_of_the_same_audio_with_transcripts(
+    exported, demo_data, tmp_path, capsys
+):
+    """Issue 36 TR12/TR13: rows with "text": "" (or no text) were dropped and the run exited 0 with no line."""
+    import pyarrow.parquet as pq
+
+    from speechlm.cli import main
+
+    val = pq.read_table(demo_data["val"]).to_pylist()
+    base = Path(demo_data["val"]).parent
+    rows = [
+        {
+            "audio_filepath": str(base / r["audio_filepath"]),
+            "duration": r["duration"],
+            **({"text": ""} if i % 2 else {}),
+        }
+        for i, r in enumerate(val)
+    ]
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outs = []
+    for manifest in (demo_data["val"], str(new)):
+        assert main(["transcribe", str(exported), "--manifest", manifest, "--device", "cpu"]) == 0
+        outs.append([json.loads(x) for x in capsys.readouterr().out.splitlines()])
+    assert len(outs[1]) == len(val) > 0
+    assert [(x["row"], x["text"], x["lang"]) for x in outs[1]] == [
+        (x["row"], x["text"], x["lang"]) for x in outs[0]
+    ]
