@@ -245,7 +245,7 @@ def row_contents(columns: pa.Table | pa.RecordBatch) -> RowContents:
             if doc is not None:
                 conv = Conversation.from_json(doc)
                 if tasks[i]:
-                    conv = replace(conv, task=tasks[i])
+                    conv = replace(conv, task=str(tasks[i]))
                 clips[i] = len(conv.clips)
                 ctc[i] = sum(t is not None for t in conv.ctc_transcripts())
                 answer_chars[i] = sum(len(t.text) for t in conv.turns if t.role == "assistant")

@@ -61,9 +61,10 @@ def manifest_stats(
         }
     tasks = task_codes(table)
     by_task: dict[str, Any] = {}
+    codes, names = tasks if tasks is not None else (None, [])
     contents = row_contents(table) if tasks is not None else None
-    for code, name in enumerate(tasks[1] if tasks is not None else []):
-        rows = tasks[0] == code
+    for code, name in enumerate(names):
+        rows = codes == code
         dt = d[rows]
         assert contents is not None
         answer_chars = int(contents.answer_chars[rows].sum(dtype=np.int64))
