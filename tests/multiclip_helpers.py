@@ -138,7 +138,9 @@ def make_conv_batch(
         n_clips = 1 + (seed + i) % 3
         conv = random_conversation(g, n_clips, vocab, two_turns=(seed + i) % 2 == 1)
         if not transcripts:
-            conv = dataclasses.replace(conv, clips=tuple(dataclasses.replace(c, transcript=None) for c in conv.clips))
+            conv = dataclasses.replace(
+                conv, clips=tuple(dataclasses.replace(c, transcript=None) for c in conv.clips)
+            )
         convs.append(conv)
     n = sum(len(c.audio_order) for c in convs)
     audio, lens = random_audio(g, n)

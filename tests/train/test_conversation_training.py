@@ -66,9 +66,18 @@ def test_every_format_mixed_with_asr_data_trains_on_a_pretrained_llms_tokenizer(
 @pytest.mark.slow
 def test_resume_is_exact_with_conversations_mixed_with_asr_data(demo_data, tmp_path):
     """~60 s: 4 steps straight against 2 steps, a checkpoint, and 2 more after a resume."""
-    base = [SMOKE, f"data.input_cfg={_mix(tmp_path, demo_data)}", f"data.tokenizer={demo_data['tok']}", *COMMON]
+    base = [
+        SMOKE,
+        f"data.input_cfg={_mix(tmp_path, demo_data)}",
+        f"data.tokenizer={demo_data['tok']}",
+        *COMMON,
+    ]
     a, b, _ = full_and_resumed_metrics(run_train, base, tmp_path, steps=4, stop=2)
     assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
     for ma, mb in zip(a, b):
         assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-6), f"step {ma['step']}"
-        assert (mb["utterances"], mb["clips"], mb["ctc_clips"]) == (ma["utterances"], ma["clips"], ma["ctc_clips"])
+        assert (mb["utterances"], mb["clips"], mb["ctc_clips"]) == (
+            ma["utterances"],
+            ma["clips"],
+            ma["ctc_clips"],
+        )

@@ -173,7 +173,9 @@ def test_a_step_whose_every_sample_was_dropped_names_the_rows_and_advice_that_fi
     )
     with pytest.raises(DataError) as e:
         module._agree_step(
-            StepBatch(micro_batches=[empty], position={"epoch": 0, "position": 1}, dropped=dict(empty.dropped))
+            StepBatch(
+                micro_batches=[empty], position={"epoch": 0, "position": 1}, dropped=dict(empty.dropped)
+            )
         )
     msg = str(e.value)
     assert "every one of its 2 samples was dropped" in msg and "too_many_tokens 2" in msg
