@@ -8,6 +8,8 @@ run that `validate` accepts does not stop at its first validation or final evalu
 - every transcript and the instruction use only tags the tokenizer knows, every language of the train
   and val manifests is one of its languages, and no row has a null text, path or language
   (`check_inputs`; the scan runs over the Arrow text column with pyarrow.compute, a chunk at a time);
+- every character of the answers and transcripts, after the data.text_normalize rule, is one the
+  tokenizer can encode, never <unk> (`coverage_problems`: a scan over the distinct characters);
 - the run dir and its `checkpoints` folder are directories, or can be created, and are writable, and
   an explicit `trainer.resume` path is a complete checkpoint (`check_run_dir`, `check_resume`; train only);
 - the figures the validator's data-side rules read: rows and the longest clip (`summarize`), and,
@@ -19,6 +21,7 @@ A problem raises a `speechlm.errors.UserError` that names the file, row or key, 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -174,8 +177,9 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
 
 def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
     """The run's `speechlm.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
-    data.loss_turns), which every dataset of training and evaluation renders its rows with; its one-turn
+    data.loss_turns, data.text_normalize), which every dataset of training and evaluation renders its rows with; its one-turn
     prompts are `build_run_prompt`'s (data.instruction is the datasets' default instruction)."""
+    from speechlm.data.text import normalize_target
     from speechlm.data.tokenizer import AUDIO
     from speechlm.prompt import ConversationRenderer
 
@@ -185,6 +189,7 @@ def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
         chat_template=_run_template(cfg),
         loss_turns=cfg.data.loss_turns,
         audio_token=AUDIO,
+        normalize=functools.partial(normalize_target, rule=cfg.data.text_normalize),
     )
 
 
@@ -262,7 +267,8 @@ def check_instruction(instruction: str | None, tokenizer: Any) -> None:
         )
 
 
-def _row_name(table: Any, row: int) -> str:
+def row_name(table: Any, row: int) -> str:
+    """``row N (segment S)`` of `table` (``row N`` without a segment id), as messages name a row."""
     if "segment_id" in table.column_names:
         seg = table.column("segment_id")[row]
         if seg.is_valid:
@@ -281,7 +287,7 @@ def _null_problems(table: Any, name: str) -> list[str]:
         if column.null_count:
             row = pc.index(pc.is_null(column), True).as_py()
             out.append(
-                f"{name}, {_row_name(table, row)}: column {col} is null ({column.null_count} null row(s) "
+                f"{name}, {row_name(table, row)}: column {col} is null ({column.null_count} null row(s) "
                 "in all); fix those rows or rebuild the manifest"
             )
     return out
@@ -303,7 +309,7 @@ def _language_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
     for code in unknown:
         hits = pc.equal(as_text, code)
         parts.append(
-            f"{code!r} ({pc.sum(hits).as_py()} row(s), first {_row_name(table, pc.index(hits, True).as_py())})"
+            f"{code!r} ({pc.sum(hits).as_py()} row(s), first {row_name(table, pc.index(hits, True).as_py())})"
         )
     return [
         f"{name} has language(s) that tokenizer {tokenizer.path} does not know: {'; '.join(parts)} (it knows "
@@ -357,7 +363,7 @@ def _tag_problems(table: Any, name: str, tokenizer: Any, column: str = "text") -
         bad = _unknown_tags_in(text, set(known))
         tags.update(dict.fromkeys(bad))
         where = "" if column == "text" else f"column {column}, "
-        quoted.append(f"{where}{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
+        quoted.append(f"{where}{row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
     return [
         f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
         f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
@@ -379,15 +385,27 @@ def check_table(table: Any, name: str, tokenizer: Any) -> list[str]:
     return [*nulls, *_language_problems(table, name, tokenizer), *tags]
 
 
+def coverage_problems(table: Any, name: str, tokenizer: Any, rule: str) -> list[str]:
+    """Characters of the answers and transcripts of `table` that `tokenizer` cannot encode under the
+    data.text_normalize rule `rule` (`speechlm.data.text_coverage`): they would be trained as <unk>."""
+    from speechlm.data.text_coverage import coverage_problems as problems_of
+
+    return problems_of(table, name, tokenizer, rule, lambda row: row_name(table, row))
+
+
 def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> None:
     """Everything in the manifests and the instruction that the tokenizer must know, train and val.
 
     The instruction is a config value (UsageError); the manifests' problems are one DataError."""
     check_instruction(cfg.data.instruction, tokenizer)
     train_name = "data.input_cfg" if cfg.data.input_cfg is not None else f"manifest {cfg.data.train_manifest}"
+    rule = cfg.data.text_normalize
     problems = check_table(train_table, train_name, tokenizer)
+    problems += coverage_problems(train_table, train_name, tokenizer, rule)
     if val_table is not None:
-        problems += check_table(val_table, f"val manifest {cfg.data.val_manifest}", tokenizer)
+        val_name = f"val manifest {cfg.data.val_manifest}"
+        problems += check_table(val_table, val_name, tokenizer)
+        problems += coverage_problems(val_table, val_name, tokenizer, rule)
     if problems:
         raise DataError(" ".join(p if p.endswith(".") else p + "." for p in problems))
     check_eval_metrics(cfg, train_table, val_table)
