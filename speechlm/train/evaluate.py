@@ -9,6 +9,12 @@ greedy loops step in lockstep through an all-reduced "anyone still decoding?" fl
 (`speechlm.model.generation`). Under FSDP each forward all-gathers weights over the mesh, so
 without this a rank that finished early would leave its peers waiting forever.
 
+References. An utterance's reference is its manifest row's own answer (the transcript where the row
+has none), never the decode of its token ids (a character the tokenizer lacks would come back as
+`⁇`); reference and hypothesis both go through the run's `data.text_normalize` rule
+(`speechlm.data.text.normalize_target`, the rule training encoded the answers under), then lose their
+language tag.
+
 Metrics from counts. Each utterance is scored by its task's metrics (`speechlm.metrics`: WER or CER,
 BLEU and chrF, accuracy) into integer sufficient statistics, e.g. (errors = S + D + I, reference
 words) for WER, sacrebleu's n-gram counts for BLEU; utterances whose normalised reference is empty
@@ -329,7 +335,8 @@ class Evaluator:
     utterance, on every rank, in the order of a single-rank run (``last_tasks``: the task of each);
     ``last_counts`` the utterances scored and dropped per language (``scored``, ``dropped``) and per task
     and language (``scored_by_task``, ``dropped_by_task``), and the drop reasons, summed over the
-    data-parallel ranks. The metrics and normalisation of each task are `MetricSpec.from_config(cfg)`.
+    data-parallel ranks. The references are the rows' own text under `data.text_normalize` (module doc);
+    the metrics and normalisation of each task are `MetricSpec.from_config(cfg)`.
 
     `data.max_dropped_fraction` applies to the split: more than that fraction unreadable, or nothing
     decodable at all, is a `DataError` naming the files (never a result computed from nothing).

@@ -8,6 +8,7 @@ its token ids. `trainer.eval_cer_langs` compares language codes in lower case.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -223,3 +224,29 @@ def test_the_scan_encodes_characters_not_rows(demo_data: dict[str, str]) -> None
     assert found and "1 row holds" in found[0] and "row 12345: 'X'" in found[0], found
     distinct = {c for t in rows for c in t}
     assert len(calls) < 2 * len(distinct), len(calls)
+
+
+@pytest.mark.parametrize("with_unk", [True, False], ids=["bpe_with_unk", "no_unk_token"])
+def test_a_hugging_face_tokenizer_is_asked_by_its_unk_id(tmp_path: Path, with_unk: bool) -> None:
+    """An HF tokenizer with an unk token refuses what maps to it; one without (byte-level BPE) covers all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from speechlm.data.hf_tokenizer import HFTokenizer
+    from speechlm.data.text_coverage import coverage_problems
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if with_unk else None))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator(["moon blue sun river", "green book big sky"], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"eos_token": "</s>", **({"unk_token": "<unk>"} if with_unk else {})}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = HFTokenizer(tmp_path, langs=["en"])
+    table = pa.table({"text": ["<|en|> moon blue", "<|en|> MOON"]})
+    found = coverage_problems(table, "m", hf, "none", lambda r: f"row {r}")
+    if with_unk:
+        assert found and "1 row holds" in found[0] and "row 1: 'M', 'N', 'O'" in found[0], found
+        assert "set data.text_normalize=lower" in found[0]
+        assert coverage_problems(table, "m", hf, "lower", str) == []
+    else:
+        assert hf.unk_id is None and found == []
