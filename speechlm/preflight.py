@@ -177,8 +177,9 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
 
 def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
     """The run's `speechlm.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
-    data.loss_turns, data.text_normalize), which every dataset of training and evaluation renders its rows with; its one-turn
-    prompts are `build_run_prompt`'s (data.instruction is the datasets' default instruction)."""
+    data.loss_turns, data.text_normalize), which every dataset of training and evaluation renders its
+    rows with; its one-turn prompts are `build_run_prompt`'s (data.instruction is the datasets' default
+    instruction)."""
     from speechlm.data.text import normalize_target
     from speechlm.data.tokenizer import AUDIO
     from speechlm.prompt import ConversationRenderer
@@ -267,8 +268,7 @@ def check_instruction(instruction: str | None, tokenizer: Any) -> None:
         )
 
 
-def row_name(table: Any, row: int) -> str:
-    """``row N (segment S)`` of `table` (``row N`` without a segment id), as messages name a row."""
+def _row_name(table: Any, row: int) -> str:
     if "segment_id" in table.column_names:
         seg = table.column("segment_id")[row]
         if seg.is_valid:
@@ -287,7 +287,7 @@ def _null_problems(table: Any, name: str) -> list[str]:
         if column.null_count:
             row = pc.index(pc.is_null(column), True).as_py()
             out.append(
-                f"{name}, {row_name(table, row)}: column {col} is null ({column.null_count} null row(s) "
+                f"{name}, {_row_name(table, row)}: column {col} is null ({column.null_count} null row(s) "
                 "in all); fix those rows or rebuild the manifest"
             )
     return out
@@ -309,7 +309,7 @@ def _language_problems(table: Any, name: str, tokenizer: Any) -> list[str]:
     for code in unknown:
         hits = pc.equal(as_text, code)
         parts.append(
-            f"{code!r} ({pc.sum(hits).as_py()} row(s), first {row_name(table, pc.index(hits, True).as_py())})"
+            f"{code!r} ({pc.sum(hits).as_py()} row(s), first {_row_name(table, pc.index(hits, True).as_py())})"
         )
     return [
         f"{name} has language(s) that tokenizer {tokenizer.path} does not know: {'; '.join(parts)} (it knows "
@@ -363,7 +363,7 @@ def _tag_problems(table: Any, name: str, tokenizer: Any, column: str = "text") -
         bad = _unknown_tags_in(text, set(known))
         tags.update(dict.fromkeys(bad))
         where = "" if column == "text" else f"column {column}, "
-        quoted.append(f"{where}{row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
+        quoted.append(f"{where}{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
     return [
         f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
         f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
@@ -390,7 +390,14 @@ def coverage_problems(table: Any, name: str, tokenizer: Any, rule: str) -> list[
     data.text_normalize rule `rule` (`speechlm.data.text_coverage`): they would be trained as <unk>."""
     from speechlm.data.text_coverage import coverage_problems as problems_of
 
-    return problems_of(table, name, tokenizer, rule, lambda row: row_name(table, row))
+    return problems_of(table, name, tokenizer, rule, lambda row: _row_name(table, row))
+
+
+def uncovered_targets(table: Any, tokenizer: Any, rule: str) -> Any:
+    """`speechlm.data.text_coverage.find_uncovered` with the rows named as the pre-flight names them."""
+    from speechlm.data.text_coverage import find_uncovered
+
+    return find_uncovered(table, tokenizer, rule, lambda row: _row_name(table, row))
 
 
 def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> None:

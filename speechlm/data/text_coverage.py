@@ -10,24 +10,31 @@ The scan is vectorised over unique characters, never an encode per row:
 
 1. The target texts of a manifest: the ``text`` column (the transcript, and the answer where ``answer``
    is null), the ``answer`` column, and, in a ``conversation`` row, every assistant turn's text and every
-   clip's transcript (that JSON is parsed per such row). ``<|..|>`` tags are removed first (pyarrow's
-   RE2, a slice of `SCAN_ROWS` rows at a time), and, under the ``clean`` rules, the ``[..]`` and
-   ``<..>`` annotations that `clean_text` removes.
-2. The distinct code points of each slice: its UTF-8 bytes decoded once, as UTF-32 code points into a
-   boolean table of the 0x110000 code points (numpy).
+   clip's transcript (that JSON is parsed per such row), a slice of `SCAN_ROWS` rows at a time.
+2. The distinct characters of each slice (`CharScan`): its UTF-8 data decoded once and marked, as UTF-16
+   code units, into a table of the 65536 BMP code points (numpy; astral characters by a regex, only in a
+   slice that has some). ``<``, ``|`` and ``>`` count only outside ``<|..|>`` tags (counted with
+   `bytes.count`, not cut out); a regex removes the tags first only where a tag name holds a character
+   the tokenizer may lack, and, under the ``clean`` rules, the ``[..]``/``<..>`` annotations that
+   `clean_text` removes.
 3. Each distinct character is normalised on its own (`normalize_piece`; a lone apostrophe also as the
    ``'`` it becomes between letters under ``clean``, ``Σ`` also as the final ``ς`` under ``lower``) and
    every character of the result encoded once (cached): one that gives the tokenizer's unk id is
    uncovered. A letter followed by a combining mark that Unicode composes (NFC or NFKC: ``e`` + U+0301
-   is ``é``) is checked as the pair too when the pair occurs in the text (a literal search per pair),
+   is ``é``) is checked as the pair too when the pair occurs in the text (a byte search per slice),
    since normalisation (ours, or the tokenizer's own) composes it.
-4. Only when something is uncovered are rows looked for: one RE2 match of the uncovered characters
-   per slice gives the count of rows and the first `SHOW` of them, which the message quotes.
+4. Only when something is uncovered are rows looked for: per slice, the tags (and annotations) removed
+   and one RE2 match of the uncovered characters (pyarrow) give the count of rows and the first `SHOW`
+   of them, which the message quotes.
 
 The message names the manifest, the count of rows, the first rows (segment ids) with their
 characters and text, and the fix: the ``data.text_normalize`` rule that covers every character when one
-does, else retraining the tokenizer or fixing the rows. Measured: about 0.6 s per million 70-character
-transcripts on one CPU core when nothing is uncovered (steps 1-3).
+does, else retraining the tokenizer or fixing the rows. Measured when nothing is uncovered: about four
+times the tag scan of the same column (`speechlm.preflight.unknown_tag_rows`), 4 s per million
+48-character transcripts on a shared, heavily loaded CPU core. Limits: a character is judged on its own
+(and as a composing pair), so a WordPiece vocabulary that has a character but not its ``##``
+continuation piece is not caught; the suggested rule is judged on the characters as the current rule
+leaves them.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ from speechlm.data.text import _ANGLE_TAG, _APOSTROPHES, _SQUARE_TAG, TEXT_NORMA
 SCAN_ROWS = 1 << 18  # rows per slice (bounds the temporary strings and code points)
 SHOW = 3  # rows quoted per manifest
 SHOW_CHARS = 12  # characters named in the message
-_CODE_POINTS = 0x110000
 _CLEAN_RULES = ("clean", "clean_lower")
 _LOWER_RULES = ("lower", "clean_lower")
 
@@ -248,7 +254,8 @@ class Uncovered:
     fix: str  # a data.text_normalize rule that covers every character, else how to fix the data
 
     def describe(self, name: str, tokenizer: Any, rule: str) -> str:
-        """``NAME: N rows hold characters that tokenizer T cannot encode under data.text_normalize=R (...)``."""
+        """``NAME: N rows hold characters that tokenizer T cannot encode under data.text_normalize=R
+        (the characters)``."""
         rows = f"{self.rows} {'rows hold' if self.rows != 1 else 'row holds'}"
         return (
             f"{name}: {rows} characters that tokenizer {getattr(tokenizer, 'path', tokenizer)} cannot encode "
@@ -344,4 +351,7 @@ def _fix(cov: Coverage, chars: list[str], pairs: list[str], rule: str) -> str:
             "retrain the tokenizer on text with these characters (`speechlm tokenizer train --manifest M`), "
             "or fix those rows (data.text_normalize=lower/clean/clean_lower do not remove them all)"
         )
-    return "fix those rows, or use a tokenizer that has these characters (no data.text_normalize rule removes them all)"
+    return (
+        "fix those rows, or use a tokenizer that has these characters (no data.text_normalize rule removes "
+        "them all)"
+    )

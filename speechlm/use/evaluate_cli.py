@@ -183,10 +183,9 @@ def warn_uncovered(table: Any, name: str, tokenizer: Any, rule: str) -> None:
     """A warning when references hold characters the checkpoint's tokenizer cannot encode under its
     data.text_normalize rule: the model cannot write them, so they are scored as errors (never as the
     tokenizer's round trip of the text)."""
-    from speechlm.data.text_coverage import find_uncovered
-    from speechlm.preflight import row_name
+    from speechlm.preflight import uncovered_targets
 
-    found = find_uncovered(table, tokenizer, rule, lambda row: row_name(table, row))
+    found = uncovered_targets(table, tokenizer, rule)
     if found is not None:
         _stderr(
             f"warning: {found.describe(name, tokenizer, rule)}: the model cannot write them, so the metrics "
