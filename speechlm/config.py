@@ -34,6 +34,8 @@ from speechlm.metrics import METRICS, NORMALIZE_OPS, check_metric_name
 ReadMode = Literal["indexed", "streaming"]
 LossTurns = Literal["all", "last"]
 LangTags = Literal["special", "none"]  # language tags: one added special token each, or none
+# the rule every answer/transcript goes through in training and scoring (speechlm.data.text.normalize_target)
+TextNormalize = Literal["none", "lower", "clean", "clean_lower"]
 SampleRate = Literal[16000]  # the encoders' front end reads 16 kHz (model/features.py)
 SamplerMode = Literal["temperature", "exhaustive"]
 EncoderKind = Literal["parakeet", "whisper", "nemo"]
@@ -127,6 +129,9 @@ class DataConfig(Section):
     # the assistant turns a conversation is trained on: "all" of them, or only the "last" (the others
     # are context); a one-turn transcript has one either way (speechlm.prompt.ConversationRenderer)
     loss_turns: LossTurns = "all"
+    # the rule answers and transcripts go through before they are encoded (training) and scored (refs
+    # and hyps): speechlm.data.text.normalize_target; the pre-flight refuses characters the tokenizer lacks
+    text_normalize: TextNormalize = "none"
     # unreadable/missing audio is dropped and counted; more than this fraction of one training micro-batch
     # dropped stops the run with the file names (1.0: never stop)
     max_dropped_fraction: float = 0.5
@@ -779,6 +784,14 @@ FIELDS: dict[str, Rule] = {
         "others are context)",
         choices=choices_of(LossTurns),
     ),
+    "data.text_normalize": OneOf(
+        "the rule every answer and transcript goes through before training encodes it and evaluation scores "
+        "it (reference and hypothesis alike; <|xx|> tags kept): 'none' (as written), 'lower' (lower-cased), "
+        "'clean' (the cleaning of `speechlm manifest build`: punctuation, symbols and [..]/<..> annotations "
+        "removed, case kept), 'clean_lower' (both); characters the tokenizer cannot encode after it are "
+        "refused before step 1, never trained as <unk>",
+        choices=choices_of(TextNormalize),
+    ),
     "data.max_dropped_fraction": Num(
         "fraction of a training micro-batch whose audio may be unreadable before "
         "the run stops (1: never stop)",
@@ -1044,7 +1057,9 @@ FIELDS: dict[str, Rule] = {
         choices=NORMALIZE_OPS,
     ),
     "trainer.eval_cer_langs": Names(
-        "languages scored by character error rate (cer) where their task asks for wer", nonempty=False
+        "languages scored by character error rate (cer) where their task asks for wer (codes in any case: EN "
+        "is en)",
+        nonempty=False,
     ),
     "trainer.overwrite": Flag(
         "a new run in a run_dir that holds another run moves that run aside to RUN_DIR.old-<UTC time> "

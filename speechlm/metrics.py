@@ -25,7 +25,8 @@ is not scored (counted as an empty reference).
 Keys (`metric_key`): ``<task>/<metric>`` over all the task's utterances and ``<task>/<metric>_<lang>``
 per language; ASR's word error rate also under today's names ``wer`` and ``wer_<lang>``. A language
 listed in `cer_langs` (languages written without spaces between words) is scored with ``cer`` where
-its task asks for ``wer``. Which way is better: lower for wer, cer and loss, higher for bleu, chrf,
+its task asks for ``wer`` (codes compared in lower case, as the data's language checks do: ``EN`` is
+``en``). Which way is better: lower for wer, cer and loss, higher for bleu, chrf,
 accuracy (`lower_is_better`).
 """
 
@@ -161,7 +162,7 @@ class MetricSpec:
         """The defaults with the tasks named in `metrics` / `normalize` replaced."""
         m = {**DEFAULT_METRICS, **{t: tuple(v) for t, v in (metrics or {}).items()}}
         n = {**DEFAULT_NORMALIZE, **{t: tuple(v) for t, v in (normalize or {}).items()}}
-        return cls(m, n, frozenset(cer_langs))
+        return cls(m, n, frozenset(str(x).strip().lower() for x in cer_langs))  # EN is en, as data-side
 
     @classmethod
     def from_config(cls, cfg: Any) -> MetricSpec:
@@ -185,7 +186,7 @@ class MetricSpec:
         """The metrics an utterance of (task, lang) is scored with: its task's, wer -> cer in `cer_langs`."""
         self.check_task(task, "the evaluated split")
         names = self.metrics[task]
-        if lang in self.cer_langs:
+        if lang.strip().lower() in self.cer_langs:
             names = tuple(dict.fromkeys("cer" if m == "wer" else m for m in names))
         return names
 

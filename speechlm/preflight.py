@@ -8,6 +8,8 @@ run that `validate` accepts does not stop at its first validation or final evalu
 - every transcript and the instruction use only tags the tokenizer knows, every language of the train
   and val manifests is one of its languages, and no row has a null text, path or language
   (`check_inputs`; the scan runs over the Arrow text column with pyarrow.compute, a chunk at a time);
+- every character of the answers and transcripts, after the data.text_normalize rule, is one the
+  tokenizer can encode, never <unk> (`coverage_problems`: a scan over the distinct characters);
 - the run dir and its `checkpoints` folder are directories, or can be created, and are writable, and
   an explicit `trainer.resume` path is a complete checkpoint (`check_run_dir`, `check_resume`; train only);
 - the figures the validator's data-side rules read: rows and the longest clip (`summarize`), and,
@@ -19,6 +21,7 @@ A problem raises a `speechlm.errors.UserError` that names the file, row or key, 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -196,8 +199,10 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
 
 def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
     """The run's `speechlm.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
-    data.loss_turns), which every dataset of training and evaluation renders its rows with; its one-turn
-    prompts are `build_run_prompt`'s (data.instruction is the datasets' default instruction)."""
+    data.loss_turns, data.text_normalize), which every dataset of training and evaluation renders its
+    rows with; its one-turn prompts are `build_run_prompt`'s (data.instruction is the datasets' default
+    instruction)."""
+    from speechlm.data.text import normalize_target
     from speechlm.data.tokenizer import AUDIO
     from speechlm.prompt import ConversationRenderer
 
@@ -207,6 +212,7 @@ def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
         chat_template=_run_template(cfg),
         loss_turns=cfg.data.loss_turns,
         audio_token=AUDIO,
+        normalize=functools.partial(normalize_target, rule=cfg.data.text_normalize),
     )
 
 
@@ -401,15 +407,34 @@ def check_table(table: Any, name: str, tokenizer: Any) -> list[str]:
     return [*nulls, *_language_problems(table, name, tokenizer), *tags]
 
 
+def coverage_problems(table: Any, name: str, tokenizer: Any, rule: str) -> list[str]:
+    """Characters of the answers and transcripts of `table` that `tokenizer` cannot encode under the
+    data.text_normalize rule `rule` (`speechlm.data.text_coverage`): they would be trained as <unk>."""
+    from speechlm.data.text_coverage import coverage_problems as problems_of
+
+    return problems_of(table, name, tokenizer, rule, lambda row: _row_name(table, row))
+
+
+def uncovered_targets(table: Any, tokenizer: Any, rule: str) -> Any:
+    """`speechlm.data.text_coverage.find_uncovered` with the rows named as the pre-flight names them."""
+    from speechlm.data.text_coverage import find_uncovered
+
+    return find_uncovered(table, tokenizer, rule, lambda row: _row_name(table, row))
+
+
 def check_inputs(cfg: Any, train_table: Any, val_table: Any, tokenizer: Any) -> None:
     """Everything in the manifests and the instruction that the tokenizer must know, train and val.
 
     The instruction is a config value (UsageError); the manifests' problems are one DataError."""
     check_instruction(cfg.data.instruction, tokenizer)
     train_name = "data.input_cfg" if cfg.data.input_cfg is not None else f"manifest {cfg.data.train_manifest}"
+    rule = cfg.data.text_normalize
     problems = check_table(train_table, train_name, tokenizer)
+    problems += coverage_problems(train_table, train_name, tokenizer, rule)
     if val_table is not None:
-        problems += check_table(val_table, f"val manifest {cfg.data.val_manifest}", tokenizer)
+        val_name = f"val manifest {cfg.data.val_manifest}"
+        problems += check_table(val_table, val_name, tokenizer)
+        problems += coverage_problems(val_table, val_name, tokenizer, rule)
     if problems:
         raise DataError(" ".join(p if p.endswith(".") else p + "." for p in problems))
     check_eval_metrics(cfg, train_table, val_table)

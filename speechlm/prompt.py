@@ -31,7 +31,7 @@ A template that writes no special token after the content gets ``eos`` appended 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,7 +246,10 @@ class ConversationRenderer:
 
     A conversation of the transcription shape (one user turn ``[audio] + instruction``, one assistant
     turn, no system turn of its own) is rendered through a `PromptFormat` cached per instruction: the
-    same ids as `build_prompt_format(...).build(...)`, at the cost of a tuple concatenation."""
+    same ids as `build_prompt_format(...).build(...)`, at the cost of a tuple concatenation.
+
+    Assistant text is a training target: `encode_target` applies ``normalize`` (the run's
+    ``data.text_normalize`` rule) before encoding it; user and system text are encoded as written."""
 
     def __init__(
         self,
@@ -256,10 +259,12 @@ class ConversationRenderer:
         chat_template: str = "auto",
         loss_turns: str = "all",
         audio_token: str = "<|audio|>",
+        normalize: Callable[[str], str] | None = None,
     ) -> None:
         if loss_turns not in LOSS_TURNS:
             raise ValueError(f"loss_turns={loss_turns!r}: choose one of {LOSS_TURNS}")
         self.tokenizer = tokenizer
+        self.normalize = normalize
         self.system_prompt = system_prompt or None
         self.chat_template = chat_template
         self.loss_turns = loss_turns
@@ -310,9 +315,15 @@ class ConversationRenderer:
     def answers_of(self, turns: Sequence[Any], answer_ids: Sequence[int] | None = None) -> list[list[int]]:
         """The ids of each assistant turn's text, the last one ``answer_ids`` when given."""
         said = [t.text for t in turns if t.role == "assistant"]
-        answers = [list(self.tokenizer.encode(text)) for text in said[:-1]]
-        last = self.tokenizer.encode(said[-1]) if answer_ids is None else answer_ids
+        answers = [self.encode_target(text) for text in said[:-1]]
+        last = self.encode_target(said[-1]) if answer_ids is None else answer_ids
         return [*answers, [int(t) for t in last]]
+
+    def encode_target(self, text: str) -> list[int]:
+        """The ids of an answer or transcript: ``normalize`` applied (the run's data.text_normalize rule,
+        `speechlm.data.text.normalize_target`), then encoded. Every target of training goes through here
+        (the dataset's answers and per-clip transcripts too)."""
+        return list(self.tokenizer.encode(text if self.normalize is None else self.normalize(text)))
 
     def _labelled(self, turns: Sequence[Any]) -> list[bool]:
         last = max(i for i, t in enumerate(turns) if t.role == "assistant")

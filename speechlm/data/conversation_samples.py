@@ -37,8 +37,8 @@ SpeechDataset = Any
 
 
 def _encode(ds: SpeechDataset, i: int, text: str, what: str) -> list[int] | DroppedSample:
-    try:
-        return list(ds.tokenizer.encode(text))
+    try:  # an answer or a clip's transcript: a target, under the run's data.text_normalize rule
+        return list(ds.renderer.encode_target(text))
     except ValueError as e:  # a tag the tokenizer lacks
         return ds._drop(i, "tag_mismatch", f"{what}: {e}")
 

@@ -510,8 +510,8 @@ class SpeechDataset(Dataset):
                 reason,
                 f"text {text[:60]!r}: {advice}; fix the row (`speechlm manifest build` tags and cleans)",
             )
-        try:
-            ids = self.tokenizer.encode(text)
+        try:  # a target: the renderer's data.text_normalize rule applies (prompt.ConversationRenderer)
+            ids = self.tokenizer.encode(text) if self.renderer is None else self.renderer.encode_target(text)
         except ValueError as e:  # a tag the tokenizer lacks further in (or in other case): not <|lang|>
             return self._drop(i, "tag_mismatch", f"{e}")
         if len(ids) > self.max_tokens:

@@ -29,6 +29,18 @@ Cleaning works on Unicode categories, not on per-script lists, so it treats ever
 Letters (L*), digits and other numbers (N*) and all combining marks (M*: Indic vowel signs,
 viramas, anusvara, nukta, Latin accents) are kept, so ``हिन्दी``, ``বাংলা``, ``தமிழ்`` survive intact.
 Case is kept. `clean_text` is idempotent: cleaning a cleaned text changes nothing.
+
+Training targets (`normalize_target`, the rule of ``data.text_normalize``). Every answer and transcript a
+run trains on, and the reference and hypothesis its evaluation scores, go through one rule, applied to
+the text between ``<|...|>`` tags (tags are kept as they are):
+
+    none          the text as it is (the default; the demo corpus is cleaned and lower-case already)
+    lower         lower-cased (``str.lower``: every script with case)
+    clean         `clean_text` (the manifest builder's cleaning above; case kept)
+    clean_lower   lower-cased, then `clean_text`
+
+The pre-flight (`speechlm.preflight.coverage_problems`) refuses a run whose normalised targets hold a
+character the tokenizer cannot encode, so none is trained as ``<unk>``.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ import re
 import unicodedata
 from collections.abc import Iterable
 from typing import Any
+
+from speechlm.data.special_tokens import _TAG_RE
 
 ZWNJ = "\u200c"
 ZWJ = "\u200d"
@@ -105,6 +119,37 @@ def clean_text(text: str) -> str:
     text = _INNER_APOSTROPHE.sub(_keep_inner_apostrophe, text)
     text = text.translate(_SPACE)
     return _SPACES.sub(" ", text).strip()
+
+
+TEXT_NORMALIZE = ("none", "lower", "clean", "clean_lower")  # data.text_normalize (config.TextNormalize)
+
+
+def normalize_piece(text: str, rule: str) -> str:
+    """`text` (holding no ``<|...|>`` tag) under the rule `rule` of `TEXT_NORMALIZE`."""
+    if rule == "none":
+        return text
+    if rule == "lower":
+        return text.lower()
+    if rule == "clean":
+        return clean_text(text)
+    if rule == "clean_lower":
+        return clean_text(text.lower())
+    raise ValueError(f"data.text_normalize={rule!r}: not a rule; use one of {', '.join(TEXT_NORMALIZE)}")
+
+
+def normalize_target(text: str, rule: str) -> str:
+    """An answer or transcript as the run trains on it and scores it (module doc): `normalize_piece` on
+    the text between the ``<|...|>`` tags, the tags kept; ``none`` returns `text` itself."""
+    if rule == "none":
+        return text
+    done, end = [], 0
+    for m in _TAG_RE.finditer(text):  # the tag syntax of both tokenizers
+        done += [normalize_piece(text[end : m.start()], rule), m.group(0)]
+        end = m.end()
+    done.append(normalize_piece(text[end:], rule))
+    if rule == "lower":
+        return "".join(done)
+    return " ".join(p for p in done if p)  # clean_text strips each piece
 
 
 def normalize_lang(lang: str | None) -> str | None:

@@ -9,6 +9,12 @@ greedy loops step in lockstep through an all-reduced "anyone still decoding?" fl
 (`speechlm.model.generation`). Under FSDP each forward all-gathers weights over the mesh, so
 without this a rank that finished early would leave its peers waiting forever.
 
+References. An utterance's reference is its manifest row's own answer (the transcript where the row
+has none), never the decode of its token ids (a character the tokenizer lacks would come back as
+`⁇`); reference and hypothesis both go through the run's `data.text_normalize` rule
+(`speechlm.data.text.normalize_target`, the rule training encoded the answers under), then lose their
+language tag.
+
 Metrics from counts. Each utterance is scored by its task's metrics (`speechlm.metrics`: WER or CER,
 BLEU and chrF, accuracy) into integer sufficient statistics, e.g. (errors = S + D + I, reference
 words) for WER, sacrebleu's n-gram counts for BLEU; utterances whose normalised reference is empty
@@ -48,7 +54,7 @@ import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import TRAIN_PREFIX, ExperimentConfig
-from speechlm.data.text import decode_hypothesis, strip_lang_tag
+from speechlm.data.text import decode_hypothesis, normalize_target, strip_lang_tag
 from speechlm.errors import DataError
 from speechlm.metrics import (
     DEFAULT_TASK,
@@ -201,10 +207,17 @@ def decode_shard(
     max_new_tokens: int = 96,
     use_cache: bool = True,
     spec: MetricSpec | None = None,
+    reference: Callable[[int], str] | None = None,
+    text_normalize: str = "none",
 ) -> list[dict[str, Any]]:
     """Greedy-decode this rank's batches (lockstep) with `model.generate_for_batch`; one row per utterance:
     row, task, lang, ref, hyp, stats ({metric: statistics} under `spec`, default `MetricSpec.build()`;
-    {} when the reference is empty), and for WER-scored rows errors and words (the WER statistics)."""
+    {} when the reference is empty), and for WER-scored rows errors and words (the WER statistics).
+
+    The reference of manifest row r is `reference(r)`, the row's own answer or transcript text (`Evaluator`
+    passes the dataset's); None (batches built without a manifest, in tests): the decode of the batch's
+    target ids. Reference and hypothesis both go through the data.text_normalize rule `text_normalize`
+    (`normalize_target`: what training encoded), then lose their language tag."""
     spec = spec or MetricSpec.build()
     rows: list[dict[str, Any]] = []
     was_training = model.training
@@ -220,11 +233,15 @@ def decode_shard(
                 continue
             tasks = batch.tasks or [DEFAULT_TASK] * len(batch)
             for b in range(len(batch)):
-                n = int(batch.token_lens[b])
-                ref = strip_lang_tag(tokenizer.decode(batch.tokens[b, :n].tolist()))
-                hyp = decode_hypothesis(tokenizer, out_ids[b])
+                row_id = int(batch.indices[b])
+                if reference is not None:
+                    ref = reference(row_id)
+                else:
+                    ref = tokenizer.decode(batch.tokens[b, : int(batch.token_lens[b])].tolist())
+                ref = strip_lang_tag(normalize_target(ref, text_normalize))
+                hyp = normalize_target(decode_hypothesis(tokenizer, out_ids[b]), text_normalize)
                 stats = spec.score_utterance(tasks[b], batch.langs[b], ref, hyp) or {}
-                row = dict(row=int(batch.indices[b]), task=tasks[b], lang=batch.langs[b], ref=ref, hyp=hyp)
+                row = dict(row=row_id, task=tasks[b], lang=batch.langs[b], ref=ref, hyp=hyp)
                 row["stats"] = stats
                 if "wer" in stats:
                     row["errors"], row["words"] = stats["wer"]
@@ -319,7 +336,8 @@ class Evaluator:
     utterance, on every rank, in the order of a single-rank run (``last_tasks``: the task of each);
     ``last_counts`` the utterances scored and dropped per language (``scored``, ``dropped``) and per task
     and language (``scored_by_task``, ``dropped_by_task``), and the drop reasons, summed over the
-    data-parallel ranks. The metrics and normalisation of each task are `MetricSpec.from_config(cfg)`.
+    data-parallel ranks. The references are the rows' own text under `data.text_normalize` (module doc);
+    the metrics and normalisation of each task are `MetricSpec.from_config(cfg)`.
 
     `data.max_dropped_fraction` applies to the split: more than that fraction unreadable, or nothing
     decodable at all, is a `DataError` naming the files (never a result computed from nothing).
@@ -477,6 +495,8 @@ class Evaluator:
                     comm=comm,
                     max_new_tokens=self.max_new_tokens,
                     spec=self.spec,
+                    reference=lambda row: ds.conversation(row).answer,  # the manifest's text, not its ids
+                    text_normalize=self.cfg.data.text_normalize,
                 )
                 ce, n = self.batch_loss(module, batch)
                 out.ce += ce

@@ -189,6 +189,8 @@ def evaluate_checkpoint(
     problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
     if problems:
         raise DataError("\n".join(problems))
+    if not quiet:
+        warn_uncovered(table, f"--manifest {manifest}", loaded.tokenizer, cfg.data.text_normalize)
     module = loaded.module
     from speechlm.use.transcribe import apply_ctc_weight
 
@@ -223,6 +225,22 @@ def evaluate_checkpoint(
         )
     ]
     return {"record": record, "table": format_eval_table(metrics, counts), "decodes": decodes}
+
+
+def warn_uncovered(table: Any, name: str, tokenizer: Any, rule: str) -> None:
+    """A warning when references hold characters the checkpoint's tokenizer cannot encode under its
+    data.text_normalize rule: the model cannot write them, so they are scored as errors (never as the
+    tokenizer's round trip of the text)."""
+    from speechlm.preflight import uncovered_targets
+
+    found = uncovered_targets(table, tokenizer, rule)
+    if found is not None:
+        _stderr(
+            f"warning: {found.describe(name, tokenizer, rule)}: the model cannot write them, so the metrics "
+            f"count them as errors (the references are the manifest's text under data.text_normalize={rule}, "
+            f"the rule the checkpoint was trained with): {found.quoted}; to score without them, normalise "
+            "the manifest's text the way the training data was (e.g. lower-case it)"
+        )
 
 
 def _stderr(message: str) -> None:

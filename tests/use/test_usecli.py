@@ -134,6 +134,30 @@ def test_evaluate_refuses_a_manifest_with_languages_the_tokenizer_lacks(
     assert "fr" in err and str(bad) in err
 
 
+def test_ev10_evaluate_scores_the_manifest_text_and_warns_of_what_the_model_cannot_write(
+    trained_run, demo_data, tmp_path, capsys
+):
+    """EV10: English references in upper case are scored as written (never the tokenizer's `⁇` round
+    trip), and a warning names the rows and characters the model cannot write (scored as errors)."""
+    import pyarrow.parquet as pq
+    from textnorm_helpers import plain, upper_transcripts
+
+    from speechlm.cli import main
+
+    val = upper_transcripts(demo_data["val"], tmp_path / "val_upper.parquet")
+    decodes = tmp_path / "decodes.jsonl"
+    args = ["evaluate", str(trained_run), "--manifest", str(val), "--json", "--decodes", str(decodes)]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "warning:" in err and "'A' (U+0041)" in err and "count them as errors" in err, err
+    texts = pq.read_table(val).column("text").to_pylist()
+    rows = read_jsonl(decodes)
+    en = [r for r in rows if r["lang"] == "en"]
+    assert en and all(r["ref"] == plain(texts[r["row"]]) and r["ref"].isupper() for r in en)
+    assert not any("⁇" in r["ref"] for r in rows)
+    assert json.loads(out)["wer_en"] >= 1.0  # no upper-case word can be written
+
+
 # ------------------------------------------------------------------------------------ export, transcribe
 TRANSCRIBE_NO_TRAINING = """
 import argparse, json, sys
