@@ -30,7 +30,6 @@ continue the saved data order and is refused, naming `trainer.resume_data=next_e
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -46,6 +45,7 @@ import torch
 
 from speechlm.config import ExperimentConfig
 from speechlm.errors import OutputError, RunDirError
+from speechlm.io import sha256_of  # noqa: F401 (re-exported: its first home)
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 COMPLETE_NAME = "complete.json"
@@ -155,7 +155,6 @@ def resolve_resume(resume: str | None, run_dir: Path, log: Any = print) -> Path 
 
 # --- writing ----------------------------------------------------------------------------------------
 CONFIG_NAME = "config.yaml"  # the run's config at save time, compared with the current one on resume
-HASH_CHUNK = 1 << 20
 
 
 def list_files(root: Path) -> dict[str, int]:
@@ -164,15 +163,6 @@ def list_files(root: Path) -> dict[str, int]:
         for f in sorted(root.rglob("*"))
         if f.is_file() and f.name != COMPLETE_NAME
     }
-
-
-def sha256_of(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks (about 1.5 GB/s on one core)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def own_files(ckpt_dir: Path, rank: int) -> list[Path]:
