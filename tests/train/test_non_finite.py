@@ -112,3 +112,37 @@ def test_a_checkpoint_holding_nan_weights_is_refused_naming_it_and_the_previous_
             load_trained_state(module, [], bad)
     msg = str(e.value)
     assert str(bad) in msg and "tensor w holds 1 NaN" in msg and f"trainer.resume={good}" in msg
+
+
+@pytest.mark.slow  # a 4-step run through Lightning (~30 s on 2 idle cores)
+def test_train_stops_with_exit_1_at_the_nan_step_and_saves_nothing_of_it(
+    demo_data, tmp_path, capsys, monkeypatch
+):
+    """Through Lightning: step 2's loss turns NaN; the run exits 1 naming step 2, metrics.jsonl and the
+    checkpoints hold step 1 only (no checkpoint of the NaN step, no final save)."""
+    from helpers import SMOKE, read_train_metrics, train_in_process
+
+    from speechlm.train import step as step_module
+
+    real = step_module.compute_micro_losses
+    calls = []
+
+    def nan_from_the_second_step(model, batch, **kw):
+        out = real(model, batch, **kw)
+        calls.append(1)
+        if len(calls) >= 2:  # grad_accum=1: the second call is optimizer step 2
+            out.ce_sum = out.ce_sum * float("nan")
+        return out
+
+    monkeypatch.setattr(step_module, "compute_micro_losses", nan_from_the_second_step)
+    run_dir = tmp_path / "run"
+    r = train_in_process(
+        [SMOKE, f"data.train_manifest={demo_data['train']}", f"data.val_manifest={demo_data['val']}",
+         f"data.tokenizer={demo_data['tok']}", "trainer.max_steps=4", "trainer.grad_accum=1",
+         "trainer.ckpt_every=1", "trainer.final_eval_split=none", f"trainer.run_dir={run_dir}"],
+        capsys,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "optimizer step 2: the loss is nan" in r.stderr and "Traceback" not in r.stderr
+    assert [row["step"] for row in read_train_metrics(run_dir)] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
