@@ -158,6 +158,7 @@ def write_export(loaded: Any, tmp: Path) -> None:
         save_encoder_dir(cfg.model.encoder, model.encoder, tmp / ENCODER_DIR)
     save_file(speech_state_dict(model), str(tmp / SPEECH_WEIGHTS))
     model_section = to_dict(cfg.model)
+    model_section["llm"].pop("family")  # the LLM's own, when it is one model.llm.family names
     model_section["llm"].update(llm_widths(merged.config))  # a pretrained LLM's, not the config's defaults
     model_section["llm"]["pretrained"] = LLM_DIR
     model_section["encoder"]["pretrained"] = ENCODER_DIR if cfg.model.encoder.pretrained else None
