@@ -166,3 +166,15 @@ def test_export_files_get_the_process_umask(demo_data, tmp_path):
     modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
     assert modes["speech.safetensors"] == 0o640 and modes["llm/model.safetensors"] == 0o640, modes
     assert all(m == (0o750 if (out / p).is_dir() else 0o640) for p, m in modes.items()), modes
+
+
+def test_llm_widths_leave_out_a_family_the_config_does_not_name():
+    from types import SimpleNamespace
+
+    from speechlm.use.export_cli import llm_widths
+
+    mistral = SimpleNamespace(model_type="mistral", hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    assert llm_widths(mistral) == {"hidden_size": 64, "num_layers": 3, "num_heads": 8, "num_kv_heads": 2,
+                                   "intermediate_size": 128, "max_position_embeddings": 512}  # fmt: skip
+    assert llm_widths(SimpleNamespace(**{**vars(mistral), "model_type": "qwen2"}))["family"] == "qwen2"
