@@ -78,6 +78,12 @@ class OutputError(UserError):
     exit_code = EXIT_OUTPUT
 
 
+class NonFiniteError(DataError):
+    """A NaN or infinity where a number must be finite: a training step's loss or gradient norm, or a
+    tensor of loaded weights (a pretrained LLM or encoder, a checkpoint). Exit 1, naming the step, or
+    the file and the tensor."""
+
+
 def debug_enabled() -> bool:
     return os.environ.get("SPEECHLM_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -230,6 +230,25 @@ def peak_tflops(
     return PEAK_TFLOPS[device_kind] * (cpu_cores if device_kind == "cpu" else 1)
 
 
+# a per-device peak outside this range (TFLOP/s) is no device's: one CPU core is about 0.1, the largest GPUs
+# a few thousand. A value outside it was most likely given in another unit (FLOP/s, GFLOP/s, PFLOP/s)
+PLAUSIBLE_PEAK_TFLOPS = (0.01, 10_000.0)
+MFU_FLAG = "n/a: above 100%, check trainer.peak_tflops"  # what an MFU above 1 is shown as
+
+
+def implausible_peak(peak: float | None) -> str | None:
+    """Why `peak` (trainer.peak_tflops, TFLOP/s of one device) cannot be a device's peak, or None."""
+    lo, hi = PLAUSIBLE_PEAK_TFLOPS
+    if peak is None or lo <= peak <= hi:
+        return None
+    return (
+        f"trainer.peak_tflops={peak:g} TFLOP/s per device is outside {lo:g}-{hi:g} (a CPU core is about "
+        f"{PEAK_TFLOPS['cpu']:g}, an H100 {PEAK_TFLOPS['h100']:g}): was it given in another unit (FLOP/s, "
+        "GFLOP/s)? MFU is measured against it and will be wrong; give the device's dense peak in TFLOP/s, "
+        "or leave the key unset for the table's"
+    )
+
+
 def device_kind_of(name: str) -> str | None:
     """'h100', 'h200', 'a100' from a CUDA device name ('NVIDIA H100 80GB HBM3'), None otherwise."""
     low = name.lower()

@@ -285,3 +285,19 @@ def rank_layouts(
             )
         )
     return out
+
+
+def dp_only_step(rank: int, world: int) -> tuple[Any, Any, Any, Any, list[Batch], ExperimentConfig]:
+    """(model, step context, optimizer, scheduler, this rank's micro-batches, config) of one optimizer
+    step of the tiny model under pure data parallelism over `world` gloo ranks (process group set up)."""
+    from parallel.mesh import ParallelDims
+    from speechlm.train.distributed import build_distributed_context
+
+    torch.set_num_threads(1)
+    dims = ParallelDims(world, 1, -1, 1, 1)
+    dims.build_mesh("cpu")
+    cfg = tiny_config()
+    model = build_model(cfg)
+    ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
+    opt, sched = build_optimizer(model, cfg)
+    return model, ctx, opt, sched, [global_steps(1, dims.dp)[0][dims.dp_rank(rank)]], cfg

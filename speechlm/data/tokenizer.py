@@ -198,6 +198,7 @@ class Tokenizer:
             ) from None
         meta = self._read_sidecar()
         self.langs: tuple[str, ...] = tuple(meta["langs"])
+        self.model_type = str(meta.get("model_type") or "bpe")  # "bpe" or "unigram" (sidecar format 1)
         self.pad_id = self._piece_id(PAD)
         self.unk_id = self._piece_id(UNK)
         self.bos_id = self._piece_id(BOS)
@@ -300,6 +301,22 @@ class Tokenizer:
                 shutil.copyfile(src, out / f".{name}.tmp")
                 (out / f".{name}.tmp").replace(out / name)
         return out / f"{SP_SAVED}.model"
+
+    def piece_table(self) -> list[tuple[str, float, bool]]:
+        """Every id's (piece, score, learned) in id order; learned: a piece the model type segments text
+        into (not pad/unk/bos/eos, the placeholder or a tag). What a conversion to another tokenizer
+        library needs (`speechlm.use.hf_export`)."""
+        fixed = set(self._special_ids.values())
+        sp = self._sp
+        return [
+            (str(sp.id_to_piece(i)), float(sp.get_score(i)), not (i in fixed or sp.is_control(i) or
+             sp.is_unknown(i) or sp.is_unused(i)))
+            for i in range(self.vocab_size)
+        ]  # fmt: skip
+
+    def special_pieces(self) -> dict[str, int]:
+        """pad, unk, bos, eos, the audio placeholder and the language tags: piece -> id."""
+        return dict(self._special_ids)
 
     def lang_id(self, lang: str) -> int:
         """Return the id of the tag token `<|lang|>`."""

@@ -7,14 +7,24 @@ Layout (every path relative to the directory; `speechlm.use.export_cli` writes i
                            (``speech_llm``), the tokenizer's path and languages, the sample rate,
                            the source checkpoint and step, and the versions that wrote it
     llm/                   the decoder LLM, LoRA merged, `save_pretrained` in safetensors (config.json,
-                           model.safetensors, generation_config.json): loads with AutoModelForCausalLM
-    tokenizer/             the text tokenizer with its added tokens (a SentencePiece .model + sidecar,
-                           or a Hugging Face tokenizer dir)
+                           model.safetensors, generation_config.json): loads with AutoModelForCausalLM;
+                           beside it, as Hugging Face keeps them, the text tokenizer with its added
+                           tokens (``AutoTokenizer.from_pretrained(llm)``: the pretrained LLM's tokenizer
+                           files, or the SentencePiece model's conversion, `speechlm.use.hf_export`) and
+                           speechlm's own copy (``speechlm_tokenizer.json``, or ``sentencepiece.model`` /
+                           ``.json``), which the config's ``tokenizer`` names
     encoder/               only for a pretrained Parakeet/Whisper encoder: its config and preprocessor
     speech.safetensors     every other tensor of the model: encoder, projector, CTC head
 
+Exports written before the tokenizer moved beside the LLM have it in ``tokenizer/``; the config's
+``tokenizer`` says where, and they load as before.
+
 `speechlm_export.json` is written last and the directory is renamed into place whole, so a directory
-without it is an interrupted export and is refused here. Loading reads local files only (no hub
+without it is an interrupted export and is refused here. Its ``files`` records every other file's size
+and ``sha256`` its SHA-256: both are verified at every load (`read_export_config`: sizes first, then
+the hashes, streamed by `speechlm.io.sha256_of` at about 1.5 GB/s, so seconds for a multi-GB LLM), so
+a file altered in place (same size: NaN weights) is refused naming it. An export written before the
+hashes were recorded is checked by size only. Loading reads local files only (no hub
 access: ``HF_HUB_OFFLINE`` is set while the LLM loads) and imports nothing of ``speechlm.train`` (nor,
 being model code, of ``speechlm.data``: the caller loads the tokenizer from `ExportedModel.tokenizer_path`).
 """
@@ -30,11 +40,11 @@ from typing import Any
 import torch
 
 from speechlm.errors import RunDirError
+from speechlm.io import sha256_of
 
 EXPORT_CONFIG = "speechlm_export.json"
 EXPORT_FORMAT = 1
 LLM_DIR = "llm"
-TOKENIZER_DIR = "tokenizer"
 ENCODER_DIR = "encoder"
 SPEECH_WEIGHTS = "speech.safetensors"
 LLM_PREFIX = "llm."  # the LLM's tensors in SpeechLLM's state dict (saved under llm/, not speech.safetensors)
@@ -104,6 +114,13 @@ def read_export_config(path: Path) -> dict[str, Any]:
         g = path / rel
         if not g.is_file() or g.stat().st_size != size:
             raise ExportError(f"{g} is missing or not the size it was exported with: the export was altered")
+    for rel, digest in dict(config.get("sha256") or {}).items():  # exports before 2026-11-28: sizes only
+        g = path / rel
+        if not g.is_file() or sha256_of(g) != digest:
+            raise ExportError(
+                f"{g} does not match the SHA-256 recorded when it was exported: the file was corrupted or "
+                "altered in place; export again from the checkpoint (`speechlm export RUN_OR_CKPT --out DIR`)"
+            )
     return config
 
 

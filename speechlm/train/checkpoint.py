@@ -30,7 +30,6 @@ continue the saved data order and is refused, naming `trainer.resume_data=next_e
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -46,6 +45,7 @@ import torch
 
 from speechlm.config import ExperimentConfig
 from speechlm.errors import OutputError, RunDirError
+from speechlm.io import sha256_of  # noqa: F401 (re-exported: its first home)
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 COMPLETE_NAME = "complete.json"
@@ -163,7 +163,6 @@ def resolve_resume(resume: str | None, run_dir: Path, log: Any = print) -> Path 
 
 # --- writing ----------------------------------------------------------------------------------------
 CONFIG_NAME = "config.yaml"  # the run's config at save time, compared with the current one on resume
-HASH_CHUNK = 1 << 20
 
 
 def list_files(root: Path) -> dict[str, int]:
@@ -172,15 +171,6 @@ def list_files(root: Path) -> dict[str, int]:
         for f in sorted(root.rglob("*"))
         if f.is_file() and f.name != COMPLETE_NAME
     }
-
-
-def sha256_of(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks (about 1.5 GB/s on one core)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def own_files(ckpt_dir: Path, rank: int) -> list[Path]:
@@ -573,6 +563,7 @@ def load_trained_state(
     model_state = {"state_dict": {k: v for k, v in state.items() if k in saved}}
     dcp.load(model_state, storage_reader=safe_storage_reader(path))
     model.load_state_dict(model_state["state_dict"], strict=False)  # the absent keys were checked above
+    check_finite_state(path, model_state["state_dict"])
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         optim_state = {key: get_optimizer_state_dict(model, optimizer)}
@@ -581,6 +572,32 @@ def load_trained_state(
             model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
         )
     return meta
+
+
+def check_finite_state(path: Path, state: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose loaded tensors hold a NaN or an infinity (NonFiniteError naming the
+    checkpoint and the tensor). Each rank checks what it loaded (its shards); under a process group the
+    ranks share their findings, so all of them stop here together, never one waiting for the others."""
+    import torch.distributed as dist
+
+    from speechlm.errors import NonFiniteError
+    from speechlm.model.finite import first_non_finite, non_finite_message
+
+    found = first_non_finite(state.items())
+    findings: list[Any] = [found]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        findings = [None] * dist.get_world_size()
+        dist.all_gather_object(findings, found)
+    first = next((f for f in findings if f is not None), None)
+    if first is None:
+        return
+    earlier = previous_complete(path) if path.parent.is_dir() else None
+    fix = (
+        f"resume from {earlier} (trainer.resume={earlier}), the newest earlier checkpoint that verifies"
+        if earlier is not None
+        else "no earlier checkpoint of this run verifies: start a new run"
+    )
+    raise NonFiniteError(non_finite_message(path, first, fix))
 
 
 def shape_mismatches(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:

@@ -334,6 +334,10 @@ class SpeechLLMModule(L.LightningModule):
             self.data_pipeline.close()
 
     def on_train_start(self) -> None:
+        from speechlm.train.throughput import warn_implausible_peak
+
+        if self.trainer.is_global_zero:  # a peak in another unit: MFU would be off by the unit's factor
+            warn_implausible_peak(self.cfg.trainer.peak_tflops)
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers
         from speechlm.train.checkpoint import restore_rng_state
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 
+from speechlm.flops import MFU_FLAG
 from speechlm.progress import Progress, format_duration, is_terminal, progress_enabled
 
 LINES_PER_RUN = 10  # plain lines a run without a terminal prints (plus the last step's)
@@ -46,12 +47,13 @@ STEP_FIELDS = (
 
 
 def step_fields(m: dict[str, Any]) -> dict[str, str]:
-    """The trailing `label value` fields of a step (`STEP_FIELDS`), each only when the step logged it."""
+    """The trailing `label value` fields of a step (`STEP_FIELDS`), each only when the step logged it; an
+    MFU above 100% is shown as `MFU_FLAG` (its peak, trainer.peak_tflops, cannot be the device's)."""
     out: dict[str, str] = {}
     for key, label, fmt, factor in STEP_FIELDS:
         value = _num(m.get(key))
         if value is not None and not (key == "utt_per_s" and "tok/s" in out):
-            out[label] = fmt.format(factor * value)
+            out[label] = MFU_FLAG if key == "mfu" and value > 1 else fmt.format(factor * value)
     return out
 
 
@@ -209,9 +211,8 @@ def run_summary(
         lines.append(f"  mean throughput: {throughput} (over {len(train)} logged steps)")
     mfu, tflops = _mean(train, "mfu"), _mean(train, "tflops_per_s")
     if mfu is not None:
-        lines.append(
-            f"  mean MFU: {100 * mfu:.1f}%" + (f" ({tflops:.3g} TFLOP/s)" if tflops is not None else "")
-        )
+        shown = f"{MFU_FLAG} ({100 * mfu:.1f}%)" if mfu > 1 else f"{100 * mfu:.1f}%"
+        lines.append(f"  mean MFU: {shown}" + (f" ({tflops:.3g} TFLOP/s)" if tflops is not None else ""))
     best = best_validation(val, best_metric, lower_is_better)
     lines.append(f"  best validation: {best}" if best else "  best validation: none (no validation ran)")
     outputs = output_lines(run_dir)

@@ -9,8 +9,13 @@ layout: trivial (`StepContext()`) for one process, so no collective is issued.
 
 Collectives of one optimizer step, besides FSDP's and CP's own: one small all-reduce before the first
 forward (`agree_step`: labelled tokens and clips, the normalisers of the objective; the caller's
-utterance/audio/drop counts; the SIGTERM and data-error flags), and one after the optimizer step (the
-CE/CTC sums of the step, for the log; they exist only after the forwards).
+utterance/audio/drop counts; the SIGTERM and data-error flags), and one after the backwards, before
+the optimizer step (the CE/CTC sums of the step: they exist only after the forwards).
+
+Numbers are checked: a step whose loss or gradient norm is NaN or infinite stops the run
+(`check_step_finite`, a `NonFiniteError`, exit 1) before the optimizer applies it, at its first
+occurrence: no step is skipped and trained past (nothing here scales the loss, so an infinite step is
+never routine). The figures checked are the same on every rank, so all ranks stop at the same step.
 
 A micro-batch whose every clip failed to decode (an empty `Batch`) still runs a forward and backward on
 a tiny dummy clip with weight 0, so every rank issues the same collectives in the same order (FSDP and
@@ -255,23 +260,25 @@ def run_optimizer_step(
         mwork = getattr(out, "work", None)
         if mwork is not None and out.weight > 0:  # a dummy micro-batch is no model work
             works.append(mwork)
+    flops = flop_count(works, frozen) if flop_count is not None else 0.0
+    ce_sum, ctc_sum, *shard_sums = ctx.collectives.sum_shards(
+        [float(ce_total), float(ctc_total), *StepWork.of(works, flops, 0.0).shard_values()]
+    )  # the step's loss (every rank gets the same sums) and work, for the log and the check below
+    ce = ce_sum / max(n_tok, 1)
+    ctc = ctc_sum / n_ctc
+    step_loss = ce + (w_ctc * ctc if w_ctc > 0 else 0.0)
     t_optim = _synced_time(model)
     grad_norm = (
         clip() if clip is not None else clip_model_gradients(model, cfg.optim.grad_clip, ctx.clip_grad_norm)
     )
+    check_step_finite(step + 1, step_loss, ce, ctc if w_ctc > 0 else None, grad_norm, cfg)
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
     optim_s = _synced_time(model) - t_optim
-    local = StepWork.of(works, flop_count(works, frozen) if flop_count is not None else 0.0, optim_s)
-    ce_sum, ctc_sum, *shard_sums = ctx.collectives.sum_shards(
-        [float(ce_total), float(ctc_total), *local.shard_values()]
-    )  # for the log
-    work = local.with_totals(shard_sums)
-    ce = ce_sum / max(n_tok, 1)
-    ctc = ctc_sum / n_ctc
+    work = StepWork.of(works, flops, optim_s).with_totals(shard_sums)
     return {
-        "loss": ce + (w_ctc * ctc if w_ctc > 0 else 0.0),
+        "loss": step_loss,
         "ce": ce,
         "ctc": ctc if w_ctc > 0 and counts.clips > 0 else None,  # None: no clip of the step has a transcript
         "grad_norm": grad_norm,
@@ -282,6 +289,27 @@ def run_optimizer_step(
         "encoder_frozen": frozen,
         "work": work,
     }
+
+
+def check_step_finite(
+    step: int, loss: float, ce: float, ctc: float | None, grad_norm: float, cfg: ExperimentConfig
+) -> None:
+    """Stop the run at the first optimizer step whose loss or gradient norm is NaN or infinite, before the
+    optimizer applies it. Both figures are the same on every rank (the loss sums come from one all-reduce,
+    the norm from the clipping's), so every rank raises here at the same step and none waits on a
+    collective the others never reach."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    from speechlm.errors import NonFiniteError
+
+    parts = f"cross-entropy {ce:.4g}" + (f", CTC {ctc:.4g}" if ctc is not None else "")
+    raise NonFiniteError(
+        f"optimizer step {step}: the loss is {loss:.4g} ({parts}) and the gradient norm {grad_norm:.4g}: "
+        "training stopped before this step changed the weights, and nothing of it is saved (metrics.jsonl "
+        "and the checkpoints hold the steps before it). A NaN from the first step points at the weights "
+        "(a damaged model.llm.pretrained / model.encoder.pretrained) or the data; a later one at divergence: "
+        f"lower optim.lr (now {cfg.optim.lr:g}) and resume from the last checkpoint (trainer.resume=auto)"
+    )
 
 
 def clip_model_gradients(model: Any, max_norm: float | None, clip_fn: Any) -> float:

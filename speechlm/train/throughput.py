@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from speechlm.flops import device_kind_of, peak_tflops
+from speechlm.flops import device_kind_of, implausible_peak, peak_tflops
 from speechlm.train.step import StepWork
 
 STEP_METRIC_KEYS = (
@@ -47,6 +47,15 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
     if device.type == "cpu":
         return peak_tflops("cpu", override=override, cpu_cores=torch.get_num_threads())
     return peak_tflops(None, override=override)
+
+
+def warn_implausible_peak(peak: float | None) -> bool:
+    """At fit start: a warning on stderr when trainer.peak_tflops cannot be a device's peak
+    (`speechlm.flops.implausible_peak`); the steps' MFU is then shown as n/a (`progress.step_fields`)."""
+    why = implausible_peak(peak)
+    if why is not None:
+        print(f"warning: {why}", file=sys.stderr, flush=True)
+    return why is not None
 
 
 def peak_rss_gib() -> float:

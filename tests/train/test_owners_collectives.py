@@ -5,7 +5,6 @@ and data-error flags) are one all-reduce before the first forward."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from parallel.collectives import Collectives
 from parallel.mesh import ParallelDims
@@ -51,20 +50,11 @@ def test_agreement_payloads_sum_counts_over_dp_and_or_the_flags():
 
 def _count_step_worker(rank: int, world: int, sigterm_rank: int) -> dict:
     import torch.distributed as dist
-    from parallel_harness import build_model, global_steps, tiny_config
+    from parallel_harness import dp_only_step
 
-    from speechlm.train.distributed import build_distributed_context
-    from speechlm.train.schedule import build_optimizer
     from speechlm.train.step import agree_step, run_optimizer_step
 
-    torch.set_num_threads(1)
-    dims = ParallelDims(world, 1, -1, 1, 1)
-    dims.build_mesh("cpu")
-    cfg = tiny_config()
-    model = build_model(cfg)
-    ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
-    opt, sched = build_optimizer(model, cfg)
-    micro = [global_steps(1, dims.dp)[0][dims.dp_rank(rank)]]
+    model, ctx, opt, sched, micro, cfg = dp_only_step(rank, world)
 
     calls: list[str] = []
     real_all_reduce, real_gather = dist.all_reduce, dist.all_gather_object
@@ -112,7 +102,7 @@ def test_one_small_all_reduce_per_optimizer_step_before_the_forward():
     for got in per_rank:
         # the agreement: target counts, clip counts, the caller's extras and flags, in one all-reduce
         assert got["before_forward"] == ["all_reduce"]
-        # after the optimizer step, one more: the step's CE/CTC sums for the log (needs the forward)
+        # after the backwards, one more: the step's CE/CTC sums (the log and the finite-loss check)
         assert got["all"] == ["all_reduce", "all_reduce"]
         assert (got["tokens"], got["clips"]) == (want_tokens, sum(len(b) for b in step))
         assert got["extra"] == [3.0] and got["flags"] == [True]

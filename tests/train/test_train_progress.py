@@ -155,3 +155,24 @@ def test_step_fields_keep_small_rates_readable_and_prefer_tokens_per_s():
     assert f == {"loss": "3.1416", "lr": "4e-05", "tok/s": "12,346", "MFU": "12.3%"}
     assert step_fields({"utt_per_s": None, "loss": float("nan")}) == {}
     assert format_step_line(5, 10, {"lr": 1e-3}, 50.0) == "step 5/10 (50%) · ETA 0:50 · lr 0.001"
+
+
+def test_an_mfu_above_100_percent_is_flagged_not_printed_as_a_figure(tmp_path, capsys):
+    """Audit PT04t: trainer.peak_tflops=1e-9 (a peak in the wrong unit) printed MFU 109185997%."""
+    from speechlm.flops import MFU_FLAG, implausible_peak
+    from speechlm.train.throughput import warn_implausible_peak
+
+    assert step_fields({"mfu": 1091859.973}) == {"MFU": "n/a: above 100%, check trainer.peak_tflops"}
+    assert step_fields({"mfu": 1.0}) == {"MFU": "100.0%"}
+    write_metrics(
+        tmp_path, [json.dumps({"kind": "train", "step": 1, "mfu": 1237666.794, "tflops_per_s": 0.01})]
+    )
+    s = run_summary(
+        tmp_path, steps=1, wall_seconds=1, train_minutes=0.0, best_metric="loss", lower_is_better=True
+    )
+    assert f"mean MFU: {MFU_FLAG} (123766679.4%) (0.01 TFLOP/s)" in s
+    # the fit-start warning: a peak no device has (given in FLOP/s or GFLOP/s), and none for real ones
+    assert warn_implausible_peak(1e-9) and "trainer.peak_tflops=1e-09 TFLOP/s" in capsys.readouterr().err
+    assert implausible_peak(2e15) is not None
+    assert not any(warn_implausible_peak(p) for p in (None, 0.096, 989.0, 2250.0))
+    assert capsys.readouterr().err == ""

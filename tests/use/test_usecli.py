@@ -190,7 +190,7 @@ def test_export_then_transcribe_gives_the_hypotheses_of_evaluate(exported, evalu
 
     files = {str(p.relative_to(exported)) for p in exported.rglob("*") if p.is_file()}
     assert {EXPORT_CONFIG, "llm/config.json", "llm/model.safetensors", "speech.safetensors"} <= files
-    assert any(f.startswith("tokenizer/") for f in files)
+    assert {"llm/sentencepiece.model", "llm/tokenizer.json"} <= files  # the tokenizer beside the LLM
     config = json.loads((exported / EXPORT_CONFIG).read_text())
     assert config["model"]["llm"]["pretrained"] == "llm" and config["source"]["step"] == RUN_STEPS
     assert {"torch", "transformers"} <= set(config["versions"])

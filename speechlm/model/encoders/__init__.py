@@ -78,6 +78,10 @@ def build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: b
             f"({enc_cfg.pretrained}): its BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
         )
     encoder = _build_encoder(enc_cfg, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
+    if enc_cfg.pretrained:  # NaN/inf weights (a file damaged in place): refused, file and tensor named
+        from speechlm.model.finite import check_loaded_weights
+
+        check_loaded_weights(encoder, enc_cfg.pretrained, "model.encoder.pretrained")
     return encoder.train(encoder.training)
 
 
