@@ -156,6 +156,23 @@ def test_joint_ctc_decoding_at_weight_one_spells_the_ctc_heads_transcript():
         assert got[b] == [LANG, *want]
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_joint_ctc_candidates_covering_the_vocabulary_give_the_whole_vocabularys_hypotheses(use_cache):
+    """`model.decode_ctc_candidates` reaches the scorer: K >= the vocabulary runs the candidates' path and
+    decodes what scoring every token (K = 0) decodes, for a batch of clips of different lengths."""
+    model = build_model()
+    audio, lens = make_audio([16000, 4000, 9000])
+    model.prompt = replace(model.prompt, stop=(VOCAB,))
+    model.decode_ctc_weight = 0.6
+    model.decode_ctc_candidates = 0
+    full = model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache)
+    model.decode_ctc_candidates = VOCAB
+    assert model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache) == full
+    model.decode_ctc_candidates = 1  # the LLM's first choice and eos only: the CTC head can only stop it
+    plain = model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache)
+    assert plain != full
+
+
 def test_decode_ctc_weight_needs_the_ctc_head():
     from speechlm.config import ConfigError
 
@@ -164,3 +181,5 @@ def test_decode_ctc_weight_needs_the_ctc_head():
         cfg.validate()
     with pytest.raises(ConfigError, match="decode_ctc_weight"):
         ModelConfig(decode_ctc_weight=1.5).validate()
+    with pytest.raises(ConfigError, match="decode_ctc_candidates"):
+        ModelConfig(decode_ctc_candidates=-1).validate()
