@@ -186,8 +186,9 @@ class JointCTCScorer:
         the LLM's logits at its last position; the rows' CTC states move on to the chosen tokens (a
         chosen eos ends the row: state unchanged).
 
-        With K candidates, the LLM's log-probabilities are taken at the candidates only (logit minus the
-        row's log-sum-exp): the ``[R, V]`` work per step is a top-K and a log-sum-exp."""
+        The LLM's log-softmax subtracts the same normaliser from every token of a row, which moves no
+        argmax, so its logits stand in for its log-probabilities: with K candidates the only ``[R, V]``
+        work per step is the top-K, as plain greedy decoding's argmax."""
         z = llm_logits_RV.float().to(self.table_NV.device)
         if not rows:
             return z.argmax(dim=-1)
@@ -203,14 +204,13 @@ class JointCTCScorer:
         z_S = z if every else z[idx]
         V = min(self.vocab_size, z.shape[1])
         w = self.weight_B[b][:, None]
-        lse = torch.logsumexp(z_S, dim=1, keepdim=True)  # the LLM's log-softmax normaliser
         cand = self._candidate_ids(z_S[:, :V], w)
         ctc = self.prefix_scores(b, cand)
         if cand is None:
             cand = torch.arange(V, device=z.device).expand(len(idx), V)
-            llm = z_S[:, :V] - lse
+            llm = z_S[:, :V]
         else:
-            llm = z_S.gather(1, cand) - lse
+            llm = z_S.gather(1, cand)
         joint = (1.0 - w) * llm + w * ctc
         # no candidate is possible under CTC (the hypothesis outran the clip's frames, and the stop
         # token is not among them): the CTC scores cannot tell the tokens apart, so the LLM picks
