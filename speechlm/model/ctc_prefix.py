@@ -141,7 +141,6 @@ class JointCTCScorer:
         probabilities (``[R, 1, T] @ [R, T, K]``)."""
         r_n, r_b = self.r_n_BT[rows], self.r_b_BT[rows]
         valid = self.valid_BT[rows]
-        R, T = r_n.shape
         last = self.last_B[rows]
         empty = last < 0  # no CTC token yet: the clip's first frame may start the prefix
         if cand_RK is None:
