@@ -342,6 +342,9 @@ class ModelConfig(Section):
     # transcripts decoded by joint CTC/attention greedy search: this weight on the CTC head's prefix
     # scores, 1 - it on the LLM's (0: the LLM alone; needs ctc_weight > 0)
     decode_ctc_weight: float = 0.0
+    # joint decoding scores the LLM's this many best tokens (and the stop token) with CTC prefix scores
+    # at each step, as ESPnet's pre-beam does; 0: every token (T x V per step: slow at 49k ids)
+    decode_ctc_candidates: int = 32
 
     def problems(self) -> list[str]:
         if self.decode_ctc_weight > 0 and self.ctc_weight == 0:
@@ -945,6 +948,12 @@ FIELDS: dict[str, Rule] = {
         "(0: the LLM alone)",
         lo=0,
         hi=1,
+    ),
+    "model.decode_ctc_candidates": Num(
+        "tokens per step that joint CTC/attention decoding scores with CTC: the LLM's this many best, and the "
+        "stop token (0: every token, exact but T x V work per step; a weight of 1 always scores every token)",
+        lo=0,
+        integer=True,
     ),
     # parallel
     "parallel.dp_replicate": Num("data-parallel replicas (HSDP outer dimension)", lo=1, integer=True),

@@ -195,6 +195,7 @@ class SpeechLLM(nn.Module):
         self.ctc_weight = model_cfg.ctc_weight
         # joint CTC/attention greedy decoding of transcripts (`_joint_ctc_pick`); transcribe/evaluate may set it
         self.decode_ctc_weight = float(model_cfg.decode_ctc_weight)
+        self.decode_ctc_candidates = int(model_cfg.decode_ctc_candidates)
         self.backend = get_backend(model_cfg.attention_backend)
         attn_implementation = ensure_registered(model_cfg.attention_backend)
 
@@ -338,13 +339,19 @@ class SpeechLLM(nn.Module):
         log-softmax run on the real frames only; a padded ``[B, U, E]`` tensor: on every frame."""
         if self.ctc_head is None:
             raise RuntimeError("this model has no CTC head (model.ctc_weight=0)")
+        log_probs = self._ctc_log_prob_rows(enc_hidden)
+        if isinstance(enc_hidden, PackedFrames):
+            return _packed_to_time_major(log_probs, enc_lens_B.to(device=log_probs.device, dtype=torch.long))
+        return log_probs.transpose(0, 1)
+
+    def _ctc_log_prob_rows(self, enc_hidden: PackedFrames | Tensor) -> Tensor:
+        """The CTC head's fp32 log-probabilities in the frames' own layout: ``[sum U_b, V]`` packed, or
+        ``[B, U, V]``."""
+        assert self.ctc_head is not None
         hidden: Tensor = enc_hidden.data_UE if isinstance(enc_hidden, PackedFrames) else enc_hidden
         logits = self.ctc_head(hidden)  # in the compute dtype (autocast / FSDP params)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            log_probs = logits.float().log_softmax(dim=-1)
-            if isinstance(enc_hidden, PackedFrames):
-                return _packed_to_time_major(log_probs, enc_lens_B.to(device=hidden.device, dtype=torch.long))
-            return log_probs.transpose(0, 1)
+            return logits.float().log_softmax(dim=-1)
 
     def ctc_targets(self, tokens_BL: Tensor, token_lens_B: Tensor) -> tuple[Tensor, Tensor]:
         """CTC targets from the collated tokens: drop the first ``ctc_skip_leading`` (the language tag)."""
@@ -810,20 +817,33 @@ class SpeechLLM(nn.Module):
         from speechlm.model.ctc_prefix import JointCTCScorer
 
         lens_C = enc.enc_lens_B.to(torch.long)
-        logp_CTV = self.ctc_log_probs(enc.enc_hidden, lens_C).transpose(0, 1)
         if clip_of_row is None:
             clip_of_row = list(range(int(lens_C.numel())))
         if not any(c is not None for c in clip_of_row):
             return None
-        take = torch.tensor([0 if c is None else c for c in clip_of_row], device=logp_CTV.device)
+        # the log-probabilities stay in the frames' layout (at a 49k vocabulary a copy costs as much as
+        # the decoding); each decoding row reads its clip's frames through a map of table rows
+        logp = self._ctc_log_prob_rows(enc.enc_hidden)
+        lens_C = lens_C.to(logp.device)
+        T = int(lens_C.max())
+        t_T = torch.arange(T, device=logp.device)
+        if isinstance(enc.enc_hidden, PackedFrames):
+            start_C = torch.cumsum(lens_C, 0) - lens_C
+        else:  # padded [C, U, V]
+            start_C = torch.arange(len(lens_C), device=logp.device) * logp.shape[1]
+            logp = logp.reshape(-1, logp.shape[-1])
+        frames_CT = start_C[:, None] + torch.minimum(t_T[None, :], lens_C[:, None] - 1)
+        take = torch.tensor([0 if c is None else c for c in clip_of_row], device=logp.device)
         weights = torch.tensor([0.0 if c is None else weight for c in clip_of_row])
         scorer = JointCTCScorer(
-            logp_CTV[take],
-            lens_C.to(take.device)[take],
+            logp,
+            lens_C[take],
+            frames_BT=frames_CT[take],
             blank=self.ctc_blank_id,
             eos=self.prompt.stop_id,
             weight=weights,
             skip=skip,
+            candidates=self.decode_ctc_candidates,
         )
         return scorer.step
 

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
+from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.speech_llm import SpeechLLM
 
 VOCAB, PAD, BOS, EOS, AUDIO, LANG = 48, 0, 2, 3, 4, 5
 
 
-def build_model(backend: str = "reference") -> SpeechLLM:
+def build_model(backend: str = "reference", encoder_packed: bool | None = None) -> SpeechLLM:
     torch.manual_seed(0)
     enc = EncoderConfig(
+        packed=encoder_packed,
         hidden_size=32,
         num_layers=1,
         num_heads=2,
@@ -156,6 +158,39 @@ def test_joint_ctc_decoding_at_weight_one_spells_the_ctc_heads_transcript():
         assert got[b] == [LANG, *want]
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_joint_ctc_candidates_covering_the_vocabulary_give_the_whole_vocabularys_hypotheses(use_cache):
+    """`model.decode_ctc_candidates` reaches the scorer: K >= the vocabulary runs the candidates' path and
+    decodes what scoring every token (K = 0) decodes, for a batch of clips of different lengths."""
+    model = build_model()
+    audio, lens = make_audio([16000, 4000, 9000])
+    model.prompt = replace(model.prompt, stop=(VOCAB,))
+    model.decode_ctc_weight = 0.6
+    model.decode_ctc_candidates = 0
+    full = model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache)
+    model.decode_ctc_candidates = VOCAB
+    assert model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache) == full
+    model.decode_ctc_candidates = 1  # the LLM's first choice and eos only: the CTC head can only stop it
+    plain = model.generate_greedy(audio, lens, max_new_tokens=10, use_cache=use_cache)
+    assert plain != full
+
+
+def test_joint_ctc_decoding_reads_packed_and_padded_encoder_frames_alike():
+    """The scorer reads the CTC log-probabilities in the encoder's own layout: packed frames
+    (``[sum U, V]``) or, for an encoder without a packed path, padded ``[B, U, V]``; the same weights
+    decode the same transcripts either way."""
+    models = [build_model(encoder_packed=packed) for packed in (True, False)]
+    audio, lens = make_audio([16000, 4000, 9000])
+    got = []
+    for model in models:
+        model.prompt = replace(model.prompt, stop=(VOCAB,))
+        model.decode_ctc_weight = 0.6
+        got.append(model.generate_greedy(audio, lens, max_new_tokens=8))
+    assert isinstance(models[0].encode_audio(audio, lens).enc_hidden, PackedFrames)
+    assert isinstance(models[1].encode_audio(audio, lens).enc_hidden, torch.Tensor)
+    assert got[0] == got[1]
+
+
 def test_decode_ctc_weight_needs_the_ctc_head():
     from speechlm.config import ConfigError
 
@@ -164,3 +199,5 @@ def test_decode_ctc_weight_needs_the_ctc_head():
         cfg.validate()
     with pytest.raises(ConfigError, match="decode_ctc_weight"):
         ModelConfig(decode_ctc_weight=1.5).validate()
+    with pytest.raises(ConfigError, match="decode_ctc_candidates"):
+        ModelConfig(decode_ctc_candidates=-1).validate()
