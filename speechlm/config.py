@@ -1319,6 +1319,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML ({e})") from None
+        if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+            raise ConfigError(
+                f"{p}: this is a data.input_cfg list (datasets with path/weight), not a config; use it as "
+                f"data.input_cfg={p} with a config, e.g. `configs/demo.yaml data.train_manifest=null "
+                f"data.input_cfg={p}`"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         cfg = _from_dict(ExperimentConfig, data, str(p))
