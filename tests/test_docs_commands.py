@@ -496,6 +496,7 @@ def test_doc_command_runs_as_written(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # every README command, the demo, torchrun and a sweep among them
 def test_the_readme_commands_run_in_order_on_a_fresh_clone(tmp_path: Path) -> None:
     """Issue 36: each command above runs in a workspace where the README's first commands have been run;
     here they run one after the other, as a new user runs them, in a checkout holding only what git
@@ -512,6 +513,7 @@ def test_the_readme_commands_run_in_order_on_a_fresh_clone(tmp_path: Path) -> No
     assert [c.line for c in readme] == sorted(c.line for c in readme) and len(readme) > 15
     for cmd in readme:
         command = command_to_run(cmd)
+        print(f"README.md:{cmd.line}: {command}", flush=True)
         done = _run(command, ws)
         where = f"README.md:{cmd.line}: {command}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
         assert done.returncode == EXIT.get(cmd.key, 0), where

@@ -7,7 +7,9 @@ Nothing a user made is replaced (`owned_outputs`): `manifest build`, `tokenizer 
 record what they wrote in the folder's ``speechlm_outputs.json`` (each file's command, size and sha256).
 A file there that speechlm did not write, or that changed since, is refused (exit 4) before any work;
 a file written by the same command with the same inputs is replaced (a re-run), one written by another
-command or with other settings only with ``--overwrite``.
+command or with other settings only with ``--overwrite``. A file is recorded after it is written, also
+when the command then fails or is interrupted with Ctrl-C; a SIGTERM or SIGKILL between the two leaves
+it unrecorded, and the next run refuses it like a file of the user's (move it away).
 """
 
 from __future__ import annotations
