@@ -223,7 +223,15 @@ ADAPT: dict[tuple[str, str], list[tuple[str, str]]] = {
     ): [("trainer.max_steps=150", "trainer.max_steps=3"), ("--kill sigterm@88", "--kill sigterm@2")],
 }
 # (doc, command) -> commands run first in its workspace (what the doc's earlier lines left there)
+SMALL_MANIFEST = "speechlm manifest build data/demo/shards --out data/small_manifest"
 SETUP: dict[tuple[str, str], list[str]] = {
+    ("README.md", "speechlm manifest stats data/small_manifest/train.parquet --plot stats.png"): [
+        SMALL_MANIFEST
+    ],
+    (
+        "README.md",
+        "speechlm tokenizer train --manifest data/small_manifest/train.parquet --out data/small_manifest/tokenizer",
+    ): [SMALL_MANIFEST],
     (  # `shards write` refuses a non-empty folder: in the README's order the tars do not exist yet
         "README.md",
         "speechlm shards write data/demo_manifest/train.parquet --out data/demo_tars --skip-bad-audio && "
