@@ -105,6 +105,11 @@ def test_the_demo_runs_again_into_its_own_output(tmp_path: Path, capsys: pytest.
     assert code == 0, err
     assert "--vocab-size 200 --overwrite" in out_text
     assert _digests(out)["tokenizer.model"] != first["tokenizer.model"]
+    # with the translation task: its manifests and mix are recorded too, and a second run replaces them
+    assert _run(capsys, [*argv, "--with-ast"])[0] == 0
+    assert json.loads((out / STAMP_NAME).read_text())["files"]["asr_ast.yaml"]["by"] == "demo --with-ast"
+    code, _, err = _run(capsys, [*argv, "--with-ast"])
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", ["manifest", "tokenizer"])
