@@ -1324,6 +1324,10 @@ def apply_override(cfg: ExperimentConfig, override: str, where: str = "command l
                 raise ConfigError(f"{where}: '{'.'.join(parts[: i + 1])}' is not a section")
 
 
+# the top-level keys of a sweep spec (speechlm.sweep.spec): such a file given as a config is named as one
+SWEEP_SPEC_KEYS = ("base", "overrides", "grid", "jobs", "gpus_per_job")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Load a YAML config (or the defaults when `path` is None), apply dotted overrides, check every value.
 
@@ -1343,8 +1347,19 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML ({e})") from None
+        if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+            raise ConfigError(
+                f"{p}: this is a data.input_cfg list (datasets with path/weight), not a config; use it as "
+                f"data.input_cfg={p} with a config, e.g. `configs/demo.yaml data.train_manifest=null "
+                f"data.input_cfg={p}`"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        if set(data) <= set(SWEEP_SPEC_KEYS) and ("grid" in data or "jobs" in data):
+            raise ConfigError(
+                f"{p}: this is a sweep spec (base, grid, jobs), not a config; `speechlm sweep init {p} --out DIR` "
+                "writes one config per job (docs/sweep.md)"
+            )
         cfg = _from_dict(ExperimentConfig, data, str(p))
         resolve_config_paths(cfg, p.resolve().parent)
         origin = {key: f"in {p}" for key in _keys_in(data)}

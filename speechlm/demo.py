@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,34 @@ def _run(argv: list[str]) -> int:
     return main(argv)
 
 
+def demo_outputs(out: Path, with_ast: bool) -> list[Path]:
+    """The files the demo writes in `--out` (manifest, tokenizer; with AST the task manifests and the mix)."""
+    names = ["train.parquet", "val.parquet", "build_report.json"]
+    names += [f"tokenizer{suffix}" for suffix in (".model", ".vocab", ".json")]
+    if with_ast:
+        from speechlm.demo_tasks import MIX_FILE
+
+        names += ["ast_train.parquet", "ast_val.parquet", "val_tasks.parquet", MIX_FILE]
+    return [out / n for n in names]
+
+
+def _write_owned(paths: list[Path], write: Callable[[], int]) -> int:
+    from speechlm.data.manifest.outputs import owned_outputs
+
+    with owned_outputs(paths, "demo --with-ast", overwrite=True):
+        return write()
+
+
 def run_demo(args: argparse.Namespace) -> int:
     corpus_only = args.overrides == ["corpus"]  # `speechlm demo corpus [--corpus ...]` (an override has "=")
     out = Path(args.out)
+    with_ast = args.with_ast and not args.asr_only
+    if not corpus_only:
+        from speechlm.data.manifest.outputs import check_replaceable
+
+        # before any work: a file of the user's in --out is never replaced; what speechlm wrote there
+        # (an earlier demo, a manifest build) is, so the sub-commands below run with --overwrite
+        check_replaceable(demo_outputs(out, with_ast), "demo", overwrite=True)
     shards = args.shards
     if shards is None or corpus_only:
         settings = demo_corpus.settings_of(args)
@@ -103,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if rc or corpus_only:
             return rc
         shards = args.corpus
-    rc = _run(["manifest", "build", shards, "--out", str(out)])
+    rc = _run(["manifest", "build", shards, "--out", str(out), "--overwrite"])
     if rc:
         return rc
     rc = _run(
@@ -116,11 +142,12 @@ def run_demo(args: argparse.Namespace) -> int:
             str(out / "tokenizer"),
             "--vocab-size",
             str(args.vocab_size),
+            "--overwrite",
         ]
     )
     if rc:
         return rc
-    if args.asr_only or not args.with_ast:
+    if not with_ast:
         data = [f"data.train_manifest={out / 'train.parquet'}", f"data.val_manifest={out / 'val.parquet'}"]
         plan_data = ["--manifest", str(out / "train.parquet")]
     else:
@@ -128,7 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
         from speechlm.demo_tasks import main as write_tasks
 
         print(f"\n$ python -m speechlm.demo_tasks {out}", flush=True)
-        rc = run_guarded(lambda: write_tasks([str(out)]))
+        rc = run_guarded(lambda: _write_owned(demo_outputs(out, True)[-4:], lambda: write_tasks([str(out)])))
         if rc:
             return rc
         # the ASR + AST mix trains; validation and the final evaluation score both tasks

@@ -29,8 +29,12 @@ keeps state from one utterance to the next inside a process, so each shard is sy
 process (two at a time). The corpus is written to ``<out>.partial`` and renamed into place, with
 ``corpus.json`` (settings, versions, counts) written last: a second run with the same settings finds
 it and synthesizes nothing; an interrupted run (SIGTERM, SIGKILL, a full disk) leaves only the
-``.partial`` folder, which the next run removes and rebuilds. A folder that is not a generated corpus
-(no ``corpus.json``) is never overwritten.
+``.partial`` folder, which the next run removes and rebuilds; a write that fails (a read-only or full
+disk) removes it and is an OutputError naming the path (exit 4). ``corpus.json`` records every file's
+size and the sha256 of the shard tables: a cached corpus with a file missing, truncated or changed is
+named and synthesized again (an audio file changed in place at the same size is not detected; the
+loader drops it as undecodable). A folder that is not a generated corpus (no ``corpus.json``) is never
+overwritten.
 """
 
 from __future__ import annotations
@@ -524,21 +528,50 @@ def stamp_key(settings: CorpusSettings, version: str) -> dict[str, Any]:
     }
 
 
+def record_files(root: Path) -> dict[str, Any]:
+    """Every file under `root` (the stamp aside) with its size, and the sha256 of the shard tables: what
+    `damage` compares a cached corpus with (a stat per file, the small tables read)."""
+    files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+    files.pop(STAMP, None)
+    tables = {
+        name: hashlib.sha256((root / name).read_bytes()).hexdigest()
+        for name in files
+        if name.endswith(".parquet")
+    }
+    return {"sizes": files, "tables_sha256": tables}
+
+
+def damage(out: Path, stamp: dict[str, Any]) -> str | None:
+    """Why the corpus in `out` is not what its stamp says was written (a file missing, truncated or
+    changed), or None when it is whole."""
+    recorded = stamp.get("files")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("sizes"), dict):
+        return f"{out / STAMP} records no file sizes (written by an older speechlm)"
+    for name, size in recorded["sizes"].items():
+        path = out / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} when it was written"
+    for name, sha in recorded.get("tables_sha256", {}).items():
+        if hashlib.sha256((out / name).read_bytes()).hexdigest() != sha:
+            return f"{out / name} changed since it was written"
+    return None
+
+
 def cached(out: Path, key: dict[str, Any]) -> dict[str, Any] | None:
-    """The stamp of a complete corpus in `out` made with `key`, else None (a shard folder or an audio file
-    missing counts as incomplete)."""
+    """The stamp of a complete, undamaged corpus in `out` made with `key`, else None (a damaged one is
+    named: it is synthesized again)."""
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    if stamp.get("key") != key:
+    if not isinstance(stamp, dict) or stamp.get("key") != key:
         return None
-    for shard in stamp.get("shards", []):
-        sdir = out / shard["name"]
-        if not (sdir / "metadata.parquet").is_file() or not (sdir / "audio_index.parquet").is_file():
-            return None
-        if len(list((sdir / "audio").iterdir())) != shard["files"]:
-            return None
+    why = damage(out, stamp)
+    if why is not None:
+        print(f"demo corpus: {out} is damaged ({why}): synthesizing it again", flush=True)
+        return None
     return stamp
 
 
@@ -563,8 +596,6 @@ def generate_corpus(
     out: str | os.PathLike[str], settings: CorpusSettings, *, workers: int = 2
 ) -> dict[str, Any]:
     """Synthesize the corpus into `out` unless an identical one is there; return its stamp (module doc)."""
-    import multiprocessing
-
     out = Path(out)
     version = espeak_version()
     key = stamp_key(settings, version)
@@ -580,6 +611,27 @@ def generate_corpus(
             "pass another --corpus folder, or remove it"
         )
     partial = out.with_name(out.name + ".partial")
+    try:
+        stamp = synthesize(out, partial, settings, key, workers)
+    except OSError as e:  # a read-only or full disk: nothing half-written is left under --corpus
+        shutil.rmtree(partial, ignore_errors=True)
+        from speechlm.errors import OutputError
+
+        raise OutputError(
+            f"cannot write the demo corpus --corpus {out} ({e.filename or partial}: {e.strerror or e}); "
+            "pass a --corpus folder on a disk you can write to, with room for it"
+        ) from None
+    print_summary(stamp)
+    return stamp
+
+
+def synthesize(
+    out: Path, partial: Path, settings: CorpusSettings, key: dict[str, Any], workers: int
+) -> dict[str, Any]:
+    """Write the corpus into `partial`, stamp it and rename it to `out` (module doc); its stamp."""
+    import multiprocessing
+
+    version = key["espeak_ng"]
     if partial.exists():
         print(f"demo corpus: removing {partial}, left by an interrupted run", flush=True)
         shutil.rmtree(partial)
@@ -618,11 +670,11 @@ def generate_corpus(
         "shards": [{k: v for k, v in s.items() if k != "words"} for s in shards],
         "seconds_to_generate": round(time.perf_counter() - start, 1),
     }
+    stamp["files"] = record_files(partial)
     (partial / STAMP).write_text(json.dumps(stamp, indent=2, ensure_ascii=False))
     if out.exists():
         shutil.rmtree(out)  # an older generated corpus (it has a stamp): replaced
     partial.rename(out)
-    print_summary(stamp)
     return stamp
 
 

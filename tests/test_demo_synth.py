@@ -218,7 +218,11 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
     assert rc == 0
     assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
     assert seen[0][2] == str(corpus)
-    assert seen[1][-2:] == ["--vocab-size", str(DEMO_VOCAB_SIZE)]  # about one piece per character
+    assert seen[1][-3:] == [
+        "--vocab-size",
+        str(DEMO_VOCAB_SIZE),
+        "--overwrite",
+    ]  # about one piece per character
     assert f"data.val_manifest={out / 'val.parquet'}" in seen[3]
     val = pq.read_table(out / "val.parquet").column("segment_id").to_pylist()
     assert len(val) == 4 * len(dc.LANG_SHARES) and all("_heldout_" in v for v in val)
@@ -308,3 +312,76 @@ def test_the_demo_learns_to_transcribe_sentences_it_never_heard(tmp_path: Path, 
     assert record["wer"] < 0.3, record
     for lang in dc.LANG_SHARES:
         assert record[f"wer_{lang}"] < 0.5, (lang, record)
+
+
+@pytest.mark.parametrize(
+    ("case", "damaged", "size"),
+    [("DMC_trunc", "en_000/audio/en_000_00000.flac", 100), ("DMC_meta", "en_000/metadata.parquet", 50)],
+)
+def test_a_truncated_file_in_the_cache_is_named_and_synthesized_again(
+    case: str, damaged: str, size: int, corpus: Path, tmp_path: Path, capsys
+) -> None:
+    """DMC_trunc, DMC_meta (audit 2026-11-28): a truncated FLAC was "up to date, nothing to synthesize" (the
+    clip then dropped at training), a truncated metadata.parquet the same, then the build's raw-shard
+    advice. The stamp records every file's size: the damaged file is named and the corpus rebuilt."""
+    copy = tmp_path / "c"
+    subprocess.run(["cp", "-r", str(corpus), str(copy)], check=True)
+    os.truncate(copy / damaged, size)
+    dc.generate_corpus(copy, SMALL)
+    printed = capsys.readouterr().out
+    assert f"{copy} is damaged ({copy / damaged} has {size} bytes" in printed, printed
+    assert "synthesizing it again" in printed and "up to date" not in printed
+    assert dc.digest(copy) == dc.digest(corpus)
+
+
+def test_a_shard_table_changed_in_place_or_a_stamp_without_sizes_is_synthesized_again(
+    corpus: Path, tmp_path: Path, capsys
+) -> None:
+    copy = tmp_path / "c"
+    subprocess.run(["cp", "-r", str(corpus), str(copy)], check=True)
+    table = copy / "hi_000" / "audio_index.parquet"
+    data = bytearray(table.read_bytes())
+    data[-5] ^= 0xFF  # the same size, one byte of the footer flipped
+    table.write_bytes(bytes(data))
+    key = json.loads((copy / dc.STAMP).read_text())["key"]
+    assert dc.cached(copy, key) is None
+    assert f"{table} changed since it was written" in capsys.readouterr().out
+    stamp = json.loads((copy / dc.STAMP).read_text())
+    del stamp["files"]  # a corpus stamped before sizes were recorded
+    (copy / dc.STAMP).write_text(json.dumps(stamp))
+    assert dc.cached(copy, key) is None
+    assert "records no file sizes" in capsys.readouterr().out
+
+
+def test_a_read_only_corpus_folder_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    """DM08: `demo --corpus` on a read-only file system was exit 70 with an OSError traceback."""
+    import errno
+
+    from speechlm.cli import main
+    from speechlm.errors import EXIT_OUTPUT
+
+    real_mkdir = Path.mkdir
+
+    def read_only(self: Path, *args, **kwargs) -> None:
+        if str(self).startswith(str(tmp_path / "rofs")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    corpus = tmp_path / "rofs" / "corpus"
+    argv = [
+        "demo",
+        "--corpus",
+        str(corpus),
+        "--utterances",
+        "40",
+        "--heldout",
+        "4",
+        "--out",
+        str(tmp_path / "m"),
+    ]
+    assert main([*argv, "--no-train"]) == EXIT_OUTPUT
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: cannot write the demo corpus")
+    assert f"--corpus {corpus} ({corpus}.partial: Read-only file system)" in err
+    assert not (tmp_path / "m").exists()

@@ -106,6 +106,20 @@ def test_unreadable_config_exits_2_naming_file_and_key(
     assert code == 2 and "model.packed_sequence" in err
 
 
+def test_an_input_cfg_list_is_named_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """README (issue 36): `speechlm validate configs/mix_example.yaml` said only "the top level must be a
+    mapping of sections"; the file is a data.input_cfg list, and the error says how to use it."""
+    mix = str(Path(__file__).resolve().parent.parent / "configs" / "mix_example.yaml")
+    code, out, err = run(capsys, mix, *FLAGS)
+    assert code == 2 and out == ""
+    assert f"{mix}: this is a data.input_cfg list" in err
+    assert f"use it as data.input_cfg={mix} with a config" in err
+    other = tmp_path / "list.yaml"
+    other.write_text("- 1\n- 2\n")  # a list, but not of datasets
+    code, _, err = run(capsys, str(other), *FLAGS)
+    assert code == 2 and "the top level must be a mapping of sections" in err
+
+
 def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write_config(tmp_path, {})
     code, _, err = run(capsys, cfg, "--device-capability", "hopper")

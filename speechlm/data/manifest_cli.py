@@ -1,14 +1,16 @@
 """`speechlm manifest ...`: build a training manifest from shards, print its statistics, convert.
 
     speechlm manifest build SHARDS_DIR --out OUT_DIR [--min-duration S] [--max-duration S]
-                            [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards]
+                            [--min-quality Q] [--val-fraction F] [--seed N] [--skip-bad-shards] [--overwrite]
     speechlm manifest stats MANIFEST [--plot FILE.png] [--json]
     speechlm manifest convert NEMO_JSONL --out FILE.parquet [--lang xx] [--format nemo|lhotse|conversations]
         [--check-audio]
 
 Each subcommand returns 0 on success, 1 with a one-paragraph error (no traceback) when the data
 is unusable (`ManifestError`), 4 when an output (`--out`, `--plot`) cannot be written (`OutputError`);
-outputs are written under a temporary name and renamed. Rows a converter drops (empty text, a tag
+outputs are written under a temporary name and renamed. `build` replaces only what it wrote itself
+with the same inputs (`speechlm.data.manifest.outputs.owned_outputs`; `--overwrite`: what any speechlm
+command wrote), never a file of yours. Rows a converter drops (empty text, a tag
 that disagrees with the language) are counted and printed. Heavy imports (pyarrow) happen inside
 the handlers.
 """
@@ -66,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="build without unusable shards (listed in the report) instead of failing",
     )
+    add_overwrite_argument(build)
     build.set_defaults(func=run_build)
 
     stats = sub.add_parser("stats", help="hours and utterances per language, duration histogram")
@@ -114,17 +117,41 @@ def _fail(error: Exception) -> int:
     return 1
 
 
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace outputs another speechlm command (or other settings) wrote there; files speechlm did not "
+        "write are never replaced",
+    )
+
+
+def command_identity(command: str, source: str | Path, options: dict[str, object]) -> str:
+    """`command` with its input resolved and its settings: what `owned_outputs` compares on a re-run."""
+    flags = [
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(options.items()) if v is not None and v is not False
+    ]
+    return " ".join([command, str(Path(source).resolve()), *flags])
+
+
 def run_build(args: argparse.Namespace) -> int:
     from speechlm.data.manifest import build_manifest
-    from speechlm.data.manifest.outputs import prepare_dir
+    from speechlm.data.manifest.outputs import owned_outputs, prepare_dir
 
     options = {k: getattr(args, k) for k in HELP_DEFAULTS if getattr(args, k) is not None}
-    prepare_dir(args.out)  # an unusable --out fails before any shard is read
-    report = build_manifest(
-        args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
-    )
-    print(report.format())
     out = Path(args.out)
+    by = command_identity(
+        "manifest build",
+        args.shards_dir,
+        {**options, "seed": args.seed, "skip_bad_shards": args.skip_bad_shards},
+    )
+    names = ("train.parquet", "val.parquet", "build_report.json")
+    with owned_outputs([out / n for n in names], by, overwrite=args.overwrite):
+        prepare_dir(args.out)  # an unusable --out fails before any shard is read
+        report = build_manifest(
+            args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
+        )
+    print(report.format())
     print(f"\nwrote {out / 'train.parquet'}, {out / 'val.parquet'}, {out / 'build_report.json'}")
     return 0
 

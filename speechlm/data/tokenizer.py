@@ -420,6 +420,9 @@ def add_parser(subparsers: Any) -> None:
     train.add_argument(
         "--character-coverage", type=float, default=1.0, help="share of characters kept (default: 1.0)"
     )
+    from speechlm.data.manifest_cli import add_overwrite_argument
+
+    add_overwrite_argument(train)
     train.set_defaults(func=run_train_command)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
@@ -473,7 +476,8 @@ def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest.outputs import prepare_parent
+    from speechlm.data.manifest.outputs import check_replaceable, owned_outputs, prepare_parent
+    from speechlm.data.manifest_cli import command_identity
 
     manifest = Path(args.manifest)
     out = args.out if args.out is not None else manifest.resolve().parent / "tokenizer"
@@ -484,18 +488,17 @@ def run_train_command(args: argparse.Namespace) -> int:
             f"--character-coverage {args.character_coverage} is outside [{MIN_CHARACTER_COVERAGE}, 1]: "
             "SentencePiece accepts no other value; use 1.0 for small alphabets or e.g. 0.9995 for large ones"
         )
-    prepare_parent(f"{_split_prefix(out)}.model", "--out")
+    prefix = _split_prefix(out)
+    settings = {k: getattr(args, k) for k in ("vocab_size", "model_type", "character_coverage")}
+    by = command_identity("tokenizer train --manifest", manifest, settings)
+    outputs = [Path(f"{prefix}{suffix}") for suffix in (".model", ".vocab", ".json")]
+    check_replaceable(outputs, by, overwrite=args.overwrite)
+    prepare_parent(f"{prefix}.model", "--out")
     texts, langs = read_manifest_text(manifest)
     if not texts:
         raise DataError(f"manifest {manifest} has no non-empty text: nothing to train a tokenizer on")
-    model_path = train_tokenizer(
-        texts,
-        out,
-        langs=langs,
-        vocab_size=args.vocab_size,
-        model_type=args.model_type,
-        character_coverage=args.character_coverage,
-    )
+    with owned_outputs(outputs, by, overwrite=args.overwrite):
+        model_path = train_tokenizer(texts, out, langs=langs, **settings)
     tok = Tokenizer(model_path)
     sample = texts[0]
     ids = tok.encode(sample)

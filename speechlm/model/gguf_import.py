@@ -129,15 +129,19 @@ def check_gguf_file(path: Path) -> str:
 
 
 def check_out_dir(out: Path) -> None:
-    """`--out` must not exist, or be an empty directory (nothing of another model is ever mixed in)."""
+    """`--out` must not exist, or be an empty directory (nothing of another model is ever mixed in); its
+    missing parent folders are created when the model is written (`llm import-gguf --out models/x`)."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: exists and is not a directory; give a new directory path")
     if out.is_dir() and any(out.iterdir()):
         raise OutputError(
             f"--out {out}: directory is not empty; give a new directory path (or delete it to import again)"
         )
-    if not out.parent.exists():
-        raise OutputError(f"--out {out}: its parent directory {out.parent} does not exist; create it first")
+    above = out.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        raise OutputError(f"--out {out}: {above} is a file, not a folder; give a directory path")
 
 
 def stale_partials(out: Path) -> list[Path]:
@@ -234,6 +238,7 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
     model = _plain_copy(gguf_model)
 
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as e:
         raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e

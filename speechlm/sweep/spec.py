@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from speechlm.config import is_override
+from speechlm.config import SWEEP_SPEC_KEYS, is_override
 
-SPEC_KEYS = ("base", "overrides", "grid", "jobs", "gpus_per_job")
+SPEC_KEYS = SWEEP_SPEC_KEYS
 JOB_KEYS = ("name", "overrides")
 # config paths that a job reads: made absolute at init so a job runs from any working directory
 PATH_KEYS = ("data.train_manifest", "data.val_manifest", "data.tokenizer")

