@@ -144,8 +144,8 @@ def load_run_tokenizer(cfg: Any, langs: Any = ()) -> Any:
 def check_llm(cfg: Any, tokenizer: Any) -> None:
     """model.llm.pretrained's files are whole, the run's tokenizer is that LLM's (a Hugging Face one; a
     SentencePiece model allowed by data.allow_sentencepiece_with_pretrained is not), and LoRA's target
-    modules name modules of the LLM (`speechlm.model.pretrained_dir.check_pretrained_llm`)."""
-    from speechlm.model.pretrained_dir import check_pretrained_llm
+    modules name modules of the LLM (`speechlm.model.llm_preflight.check_pretrained_llm`)."""
+    from speechlm.model.llm_preflight import check_pretrained_llm
 
     check_pretrained_llm(cfg, tokenizer if tokenizer_source(cfg)[1] == "hf" else None)
 

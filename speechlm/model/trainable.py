@@ -80,7 +80,7 @@ def inject_lora(llm: nn.Module, lora: LoRAConfig) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     from speechlm.errors import UsageError
-    from speechlm.model.pretrained_dir import lora_target_problem
+    from speechlm.model.llm_preflight import lora_target_problem
 
     problem = lora_target_problem(list(lora.target_modules), llm)
     if problem:  # the pre-flight refuses it first (`check_pretrained_llm`); a direct caller gets it here

@@ -246,7 +246,7 @@ def test_a_lora_target_typo_on_an_llm_built_from_the_config_is_refused(
 
 def test_good_lora_targets_pass(llm_dir: Path) -> None:
     from speechlm.config import load_config
-    from speechlm.model.pretrained_dir import check_pretrained_llm
+    from speechlm.model.llm_preflight import check_pretrained_llm
 
     cfg = load_config(SMOKE, [f"model.llm.pretrained={llm_dir}", "model.llm.train=lora"])
     check_pretrained_llm(cfg, HFTokenizer(llm_dir, langs=LANGS))  # the default targets: no error
@@ -291,7 +291,7 @@ def test_PX04_a_checkpoint_whose_base_moved_is_refused_naming_the_path_and_the_c
 def test_an_architecture_that_cannot_be_built_here_leaves_the_check_to_the_load() -> None:
     """No skeleton (a model type this transformers lacks, a quantized config): inject_lora checks later."""
     from speechlm.config import LLMConfig, LoRAConfig
-    from speechlm.model.pretrained_dir import check_lora_targets
+    from speechlm.model.llm_preflight import check_lora_targets
 
     llm_cfg = LLMConfig(pretrained="x", train="lora", lora=LoRAConfig(target_modules=["foo_proj"]))
     check_lora_targets(llm_cfg, {"model_type": "no-such-architecture"})
