@@ -53,8 +53,12 @@ def load_run_weights(model: Any, run_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench_packing import DEFAULT_DATA
+
     ap = argparse.ArgumentParser(prog="speechlm bench eval", description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="/tmp/speechlm_bench_demo", help="demo manifest/tokenizer directory")
+    ap.add_argument(
+        "--data", default=DEFAULT_DATA, help="demo manifest/tokenizer directory (one per checkout)"
+    )
     ap.add_argument("--config", default=str(REPO / "configs/demo.yaml"))
     ap.add_argument("--run", default=None, help="run directory whose latest checkpoint is decoded")
     ap.add_argument("--max-new-tokens", type=int, default=96)

@@ -35,6 +35,7 @@ Usage: ``speechlm bench packing [--durations demo|lognormal] [--config CONFIG] [
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -47,15 +48,40 @@ REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {"bshd": (False, False), "thd_padded_encoder": (True, False), "thd": (True, True)}
 
 
+# the demo manifest and tokenizer, once per checkout: the manifest holds absolute audio paths, so a folder
+# shared by two checkouts would read the other one's files (and none once it is gone)
+DEFAULT_DATA = f"/tmp/speechlm_bench_demo-{hashlib.sha1(str(REPO).encode()).hexdigest()[:8]}"
+
+
+def _reads_this_checkout(manifest: Path) -> bool:
+    """Whether `manifest` exists and its first clip is a file of this checkout's demo shards."""
+    import pyarrow.parquet as pq
+
+    if not manifest.exists():
+        return False
+    first = pq.read_table(manifest, columns=["audio_filepath"]).column(0)[0].as_py()
+    path = Path(first) if Path(first).is_absolute() else manifest.parent / first
+    return path.is_file() and path.resolve().is_relative_to(REPO / "data/demo/shards")
+
+
 def prepare_demo(out: Path) -> None:
     from speechlm.cli import main
 
-    if not (out / "train.parquet").exists():
-        main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)])
-    if not (out / "tokenizer.model").exists():
-        main(
-            ["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")]
+    if not _reads_this_checkout(out / "train.parquet"):  # missing, or built from another checkout's files
+        assert (
+            main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out), "--overwrite"]) == 0
         )
+        (out / "tokenizer.model").unlink(missing_ok=True)
+    if not (out / "tokenizer.model").exists():
+        tok = [
+            "tokenizer",
+            "train",
+            "--manifest",
+            str(out / "train.parquet"),
+            "--out",
+            str(out / "tokenizer"),
+        ]
+        assert main([*tok, "--overwrite"]) == 0
 
 
 def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:
@@ -217,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         help="lognormal only: the trainer's duration-bucketed sampler, or utterances in random order (no buckets)",
     )
     ap.add_argument("--config", default=str(REPO / "configs/demo.yaml"), help="model config (YAML)")
-    ap.add_argument("--data", default="/tmp/speechlm_bench_demo", help="demo manifest/tokenizer directory")
+    ap.add_argument(
+        "--data", default=DEFAULT_DATA, help="demo manifest/tokenizer directory (one per checkout)"
+    )
     ap.add_argument("--batches", type=positive_int, default=12, help="micro-batches timed per layout")
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed forward+backward passes per batch")
     ap.add_argument(

@@ -36,3 +36,23 @@ def test_bench_packing_reports_the_compute_bound_beside_the_speedup(tmp_path):
     assert thd["encoder_frames_ratio"] > 1 and thd["compute_bound"] > 1  # a log-normal batch has padding
     assert thd["share_of_bound"] == thd["speedup"] / thd["compute_bound"]
     assert thd["speedup"] == bshd["step_ms"] / layouts["thd"]["step_ms"]
+
+
+def test_a_data_folder_built_from_another_checkout_is_built_again(tmp_path):
+    """The bench's demo folder once was one /tmp path for every checkout: a manifest built by another
+    checkout read that checkout's audio, and none once it was removed (every row dropped, then an FFT of
+    an empty batch crashed). Such a folder is rebuilt from this checkout's shards."""
+    import shutil
+
+    from speechlm.cli import main
+
+    bench = load_benchmark("packing")
+    other = tmp_path / "other-checkout/shards"
+    shutil.copytree(bench.REPO / "data/demo/shards", other)
+    data = tmp_path / "data"
+    assert main(["manifest", "build", str(other), "--out", str(data)]) == 0
+    shutil.rmtree(other)  # that checkout is gone
+    assert not bench._reads_this_checkout(data / "train.parquet")
+    bench.prepare_demo(data)
+    assert bench._reads_this_checkout(data / "train.parquet") and (data / "tokenizer.model").exists()
+    assert bench.DEFAULT_DATA.startswith("/tmp/speechlm_bench_demo-")  # one folder per checkout
