@@ -204,10 +204,16 @@ def save_text_chars(path: Path, chars: np.ndarray) -> None:
 
 
 def plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
-    """The plan inputs of `table` (an index of any source) under `cfg` (default: the default config)."""
+    """The plan inputs of `table` (an index of any source) under `cfg` (default: the default config),
+    with each row's clips, CTC clips and answer characters when the table has conversation columns (the
+    plan's per-task figures; training's sampler never reads them, so only the plan pays for them)."""
     from speechlm.config import ExperimentConfig
+    from speechlm.data.manifest.schema import row_contents
 
-    return sampler_inputs(cfg if cfg is not None else ExperimentConfig(), table)
+    inputs = sampler_inputs(cfg if cfg is not None else ExperimentConfig(), table)
+    if not {"task", "answer", "conversation"} & set(table.column_names):
+        return inputs
+    return replace(inputs, contents=row_contents(table))
 
 
 def plan_inputs_of_input_cfg(entries: Any, cfg: Any = None) -> SamplerInputs:

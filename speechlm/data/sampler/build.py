@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from speechlm.config import ExperimentConfig, ModelConfig
+    from speechlm.data.manifest.schema import RowContents
 
 FEATURE_FRAMES_PER_SECOND = 100.0  # the 10 ms hop (160 samples at 16 kHz) of every encoder kind
 ENCODER_SUBSAMPLING = {"whisper": 2, "parakeet": 8, "nemo": 8}  # encoder frames per feature frame
@@ -103,20 +104,19 @@ class SamplerInputs:
     streaming: StreamingLayout | None = None  # the rows' places in their shards, when the run streams
     task_codes: np.ndarray | None = None  # int16 [N] into task_names; None: every row is "asr"
     task_names: list[str] = dataclasses.field(default_factory=list)
-    # clips, clips with a CTC target and answer characters per row (`manifest.schema.RowContents`), for a
-    # manifest with conversation columns (task, answer, conversation); None: one transcribed clip a row
-    contents: Any = None
+    # clips, clips with a CTC target and answer characters per row (`manifest.schema.RowContents`): filled
+    # by the plan (`plan_inputs.plan_inputs_of_table`) for a manifest with conversation columns, never by
+    # training; None: not computed, or one transcribed clip a row
+    contents: RowContents | None = None
 
 
 def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
     """The inputs of `table` (any index: `open_index`, `load_input_cfg`) under `cfg.data`."""
     from speechlm.data.manifest.load import manifest_arrays, task_codes
-    from speechlm.data.manifest.schema import row_contents
     from speechlm.data.sources.input_cfg import mix_of_table
 
     arr = manifest_arrays(table)
     tasks = task_codes(table)
-    has_conversations = {"task", "answer", "conversation"} & set(table.column_names)
     return SamplerInputs(
         durations=arr.durations,
         lang_codes=arr.lang_codes,
@@ -126,7 +126,6 @@ def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
         streaming=streaming_layout(cfg, table),
         task_codes=None if tasks is None else tasks[0],
         task_names=[] if tasks is None else tasks[1],
-        contents=row_contents(table) if has_conversations else None,
     )
 
 
