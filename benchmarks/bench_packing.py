@@ -67,21 +67,15 @@ def _reads_this_checkout(manifest: Path) -> bool:
 def prepare_demo(out: Path) -> None:
     from speechlm.cli import main
 
+    def run(args: list[str]) -> None:  # a failed step has printed its error: stop the benchmark there
+        if main([*args, "--overwrite"]) != 0:
+            raise SystemExit(f"speechlm bench: `speechlm {' '.join(args[:2])}` into {out} failed (above)")
+
     if not _reads_this_checkout(out / "train.parquet"):  # missing, or built from another checkout's files
-        assert (
-            main(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out), "--overwrite"]) == 0
-        )
+        run(["manifest", "build", str(REPO / "data/demo/shards"), "--out", str(out)])
         (out / "tokenizer.model").unlink(missing_ok=True)
     if not (out / "tokenizer.model").exists():
-        tok = [
-            "tokenizer",
-            "train",
-            "--manifest",
-            str(out / "train.parquet"),
-            "--out",
-            str(out / "tokenizer"),
-        ]
-        assert main([*tok, "--overwrite"]) == 0
+        run(["tokenizer", "train", "--manifest", str(out / "train.parquet"), "--out", str(out / "tokenizer")])
 
 
 def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:

@@ -145,8 +145,9 @@ class Conversation:
 
     def ctc_transcripts(self) -> tuple[str | None, ...]:
         """Each clip's CTC target (clip order), None for a clip that gets no CTC term: the clip's own
-        transcript (tagged with the sample's language when written untagged); else, for a one-clip sample of task ``asr`` only, its answer (cleaned and tagged
-        with the sample's language, `data.text.as_transcript`). Never a QA/AST/other answer."""
+        transcript (tagged with the sample's language when written untagged); else, for a one-clip
+        sample of task ``asr`` only, its answer (cleaned and tagged with the sample's language,
+        `data.text.as_transcript`). Never a QA/AST/other answer."""
         own = tuple(as_transcript(c.transcript, self.lang) if c.transcript else None for c in self.clips)
         if len(self.clips) == 1 and own[0] is None and self.task == "asr":
             words = split_lang_tag(self.answer)[1].strip()

@@ -15,8 +15,8 @@ today (`SpeechDataset._tokens`: not UTF-8, empty, untagged, mistagged, more than
 old manifest drops exactly the rows it dropped before and its ``tokens`` are the same ids. Otherwise the
 answer must hold words (else ``empty_text``), a clip's CTC target (`Conversation.ctc_transcripts`: its
 own transcript, or the answer of a one-clip ``asr`` sample; none for other answers) must pass
-`check_transcript` for the row's language, and ``max_tokens`` bounds the answer of a one-clip row, or the rendered prompt without
-its audio placeholders for any other conversation (``too_many_tokens``). A tag the tokenizer does not
+`check_transcript` for the row's language, and ``max_tokens`` bounds the answer of a one-clip row, or
+the rendered prompt without its audio placeholders for any other conversation (``too_many_tokens``). A tag the tokenizer does not
 know drops the row as ``tag_mismatch``, as today.
 """
 

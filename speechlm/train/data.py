@@ -16,7 +16,7 @@ saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,17 @@ _FILE_REASONS = frozenset(
 _TEXT_REASONS = frozenset({"invalid_text", "empty_text", "missing_tag", "tag_mismatch"})
 
 
+def drop_reasons(dropped: Mapping[str, int]) -> str:
+    """Drop counts by reason, as every drop message gives them: ``missing_file 3, too_many_tokens 1``."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()))
+
+
+def drop_listing(rows: Sequence[str], limit: int = 20) -> str:
+    """The first `limit` dropped rows (each with its reason and detail), one a line, and how many more."""
+    more = f"\n  ... and {len(rows) - limit} more" if len(rows) > limit else ""
+    return "\n  ".join(rows[:limit]) + more
+
+
 def drop_advice(reasons: Mapping[str, int] | Iterable[str]) -> str:
     """What to do about samples dropped for `reasons` (each line of the listing says what is wrong with
     its row): restore files only when files are the cause, fix texts or durations, or raise the token
@@ -247,12 +258,10 @@ def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: in
     total = n_dropped + len(batch)
     if n_dropped == 0 or n_dropped <= limit * total:
         return
-    files = "\n  ".join(batch.dropped_files[:20])
-    more = f"\n  ... and {len(batch.dropped_files) - 20} more" if len(batch.dropped_files) > 20 else ""
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(batch.dropped.items()))
     raise DroppedDataError(
-        f"{n_dropped} of {total} samples of micro-batch {position} (epoch {epoch}) were dropped ({reasons}), "
-        f"more than data.max_dropped_fraction={limit}:\n  {files}{more}\nTo go on: "
+        f"{n_dropped} of {total} samples of micro-batch {position} (epoch {epoch}) were dropped "
+        f"({drop_reasons(batch.dropped)}), more than data.max_dropped_fraction={limit}:\n  "
+        f"{drop_listing(batch.dropped_files)}\nTo go on: "
         f"{drop_advice(batch.dropped)}; or raise data.max_dropped_fraction"
     )
 

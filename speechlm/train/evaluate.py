@@ -66,7 +66,7 @@ from speechlm.metrics import (
     table_pairs,
     word_error_counts,
 )
-from speechlm.train.data import drop_advice
+from speechlm.train.data import drop_advice, drop_listing, drop_reasons
 
 __all__ = ["strip_lang_tag", "word_error_counts"]  # re-exported: the WER helpers' old home
 
@@ -307,8 +307,7 @@ def format_eval_table(metrics: dict[str, Any], counts: dict[str, Any] | None = N
     out = "\n\n".join(blocks)
     n_dropped = int(sum(int(v) for v in counts["dropped"].values())) if counts is not None else 0
     if counts is not None and n_dropped:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["dropped_reasons"].items()))
-        out += f"\ndropped (not scored): {n_dropped} utterances ({reasons})"
+        out += f"\ndropped (not scored): {n_dropped} utterances ({drop_reasons(counts['dropped_reasons'])})"
     return out
 
 
@@ -443,7 +442,7 @@ class Evaluator:
         self.last_tasks = [r["task"] for r in merged]
         self.last_rows = [int(r["row"]) for r in merged]  # the manifest row of each of last_decodes
         self.last_counts = self.count(merged, parts)
-        self.check_drops(len(order), parts)
+        self.check_drops(len(order), parts, self.last_counts["dropped_reasons"])
         scores = aggregate((r["task"], r["lang"], r["stats"]) for r in merged if r["stats"])
         n_tok = sum(p.n_tokens for p in parts)
         return {
@@ -575,18 +574,15 @@ class Evaluator:
             counts["empty_reference"] = empty_ref
         return counts
 
-    def check_drops(self, total: int, parts: list[SlotResult]) -> None:
-        """DataError when nothing of the split could be read, or more than data.max_dropped_fraction."""
+    def check_drops(self, total: int, parts: list[SlotResult], reasons: dict[str, int]) -> None:
+        """DataError when nothing of the split could be read, or more than data.max_dropped_fraction
+        (`reasons`: the split's drop counts by reason, as `count` summed them)."""
         limit = float(self.cfg.data.max_dropped_fraction)
         files = [f for p in parts for f in p.dropped_files]
         n_dropped = sum(len(p.dropped_rows) for p in parts)
-        listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
+        listing = drop_listing(files)
         where = f"the {self.split} split ({self.manifest_name()})"
-        reasons: dict[str, int] = {}
-        for p in parts:
-            for k, v in p.dropped_reasons.items():
-                reasons[k] = reasons.get(k, 0) + v
-        why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+        why = drop_reasons(reasons)
         if n_dropped == total:
             raise DataError(
                 f"every one of the {total} samples of {where} was dropped ({why}), so there is nothing to "

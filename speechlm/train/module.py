@@ -274,17 +274,15 @@ class SpeechLLMModule(L.LightningModule):
         """No sample of the step was read on any rank: name the rows, why each was dropped and what to
         do about those reasons (`train.data.drop_advice`)."""
         from speechlm.errors import DataError
-        from speechlm.train.data import drop_advice
+        from speechlm.train.data import drop_advice, drop_listing, drop_reasons
 
         files = [f for part in self.step_ctx.collectives.gather_objects(
             [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
-        listing = "\n  ".join(files[:20]) + (f"\n  ... and {len(files) - 20} more" if len(files) > 20 else "")
         n = sum(totals.dropped.values())
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(totals.dropped.items()))
         raise DataError(
             f"optimizer step {self.global_step + 1}: every one of its {n} samples was dropped, on every rank "
-            f"({reasons}); training on nothing is refused whatever data.max_dropped_fraction is:\n  {listing}\n"
-            f"To go on: {drop_advice(totals.dropped)}"
+            f"({drop_reasons(totals.dropped)}); training on nothing is refused whatever "
+            f"data.max_dropped_fraction is:\n  {drop_listing(files)}\nTo go on: {drop_advice(totals.dropped)}"
         )
 
     def _update_counters(self, step_batch: Any, totals: StepTotals) -> None:

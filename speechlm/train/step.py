@@ -260,9 +260,9 @@ def run_optimizer_step(
         mwork = getattr(out, "work", None)
         if mwork is not None and out.weight > 0:  # a dummy micro-batch is no model work
             works.append(mwork)
-    flops = flop_count(works, frozen) if flop_count is not None else 0.0
+    local = StepWork.of(works, flop_count(works, frozen) if flop_count is not None else 0.0, 0.0)
     ce_sum, ctc_sum, *shard_sums = ctx.collectives.sum_shards(
-        [float(ce_total), float(ctc_total), *StepWork.of(works, flops, 0.0).shard_values()]
+        [float(ce_total), float(ctc_total), *local.shard_values()]
     )  # the step's loss (every rank gets the same sums) and work, for the log and the check below
     ce = ce_sum / max(n_tok, 1)
     ctc = ctc_sum / n_ctc
@@ -276,7 +276,7 @@ def run_optimizer_step(
     opt.zero_grad(set_to_none=True)
     sched.step()
     optim_s = _synced_time(model) - t_optim
-    work = StepWork.of(works, flops, optim_s).with_totals(shard_sums)
+    work = replace(local, optim_s=optim_s).with_totals(shard_sums)
     return {
         "loss": step_loss,
         "ce": ce,

@@ -152,7 +152,8 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
         conv = conversation_columns(schema.names, str(path))
         extra = [f.name for f in LOCATOR_SCHEMA if f.name in schema.names] + list(conv.values())
         table = pq.read_table(path, columns=MANIFEST_SCHEMA.names + extra)
-        table = table.rename_columns([_canonical(n, conv) for n in table.column_names])
+        canonical = {held: name for name, held in conv.items()}  # prompt -> instruction, target -> answer
+        table = table.rename_columns([canonical.get(n, n) for n in table.column_names])
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{path} is not a readable parquet file ({e}); rebuild the manifest") from None
     table = table.set_column(
@@ -180,11 +181,6 @@ def read_parquet_manifest(path: str | os.PathLike[str]) -> pa.Table:
             columns.append(table.column(f.name).cast(f.type))
             fields.append(f)
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
-
-
-def _canonical(name: str, columns: dict[str, str]) -> str:
-    """The `CONVERSATION_SCHEMA` name of a column read under another name (`conversation_columns`)."""
-    return next((canon for canon, held in columns.items() if held == name), name)
 
 
 @dataclass(frozen=True)
