@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speechlm.io import sha256_of
+
 __all__ = [
     "BAD_ROWS",
     "VOCAB",
@@ -533,11 +535,7 @@ def record_files(root: Path) -> dict[str, Any]:
     `damage` compares a cached corpus with (a stat per file, the small tables read)."""
     files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
     files.pop(STAMP, None)
-    tables = {
-        name: hashlib.sha256((root / name).read_bytes()).hexdigest()
-        for name in files
-        if name.endswith(".parquet")
-    }
+    tables = {name: sha256_of(root / name) for name in files if name.endswith(".parquet")}
     return {"sizes": files, "tables_sha256": tables}
 
 
@@ -554,7 +552,7 @@ def damage(out: Path, stamp: dict[str, Any]) -> str | None:
         if path.stat().st_size != size:
             return f"{path} has {path.stat().st_size} bytes, {size} when it was written"
     for name, sha in recorded.get("tables_sha256", {}).items():
-        if hashlib.sha256((out / name).read_bytes()).hexdigest() != sha:
+        if sha256_of(out / name) != sha:
             return f"{out / name} changed since it was written"
     return None
 

@@ -15,7 +15,6 @@ it unrecorded, and the next run refuses it like a file of the user's (move it aw
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.errors import OutputError
+from speechlm.io import sha256_of
 
 
 def _reason(path: Path, error: OSError) -> str:
@@ -87,15 +87,6 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], None], fl
 
 # ------------------------------------------------------------------------ what a command may replace
 STAMP_NAME = "speechlm_outputs.json"
-_CHUNK = 1 << 20
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_stamp(folder: Path) -> dict[str, dict[str, Any]]:
@@ -113,7 +104,7 @@ def _recorded(path: Path, stamp: dict[str, dict[str, Any]]) -> dict[str, Any] | 
     entry = stamp.get(path.name)
     if not isinstance(entry, dict) or not path.is_file():
         return None
-    if entry.get("size") != path.stat().st_size or entry.get("sha256") != _sha256(path):
+    if entry.get("size") != path.stat().st_size or entry.get("sha256") != sha256_of(path):
         return None
     return entry
 
@@ -161,7 +152,7 @@ def record_written(paths: Sequence[str | os.PathLike[str]], by: str) -> None:
     for folder, written in by_folder.items():
         files = read_stamp(folder)
         for path in written:
-            files[path.name] = {"by": by, "size": path.stat().st_size, "sha256": _sha256(path)}
+            files[path.name] = {"by": by, "size": path.stat().st_size, "sha256": sha256_of(path)}
         text = json.dumps({"files": files}, indent=2, ensure_ascii=False, sort_keys=True) + "\n"
         write_atomic(folder / STAMP_NAME, _text_writer(text))
 
