@@ -15,11 +15,11 @@ decides it (`speechlm.train.precision`); on a CPU fp32. Layouts (`bench_packing.
 ``thd`` = packed decoder and padding-free encoder, ``bshd`` = padded decoder and padded encoder.
 
 Figures per layout (the definitions of `speechlm.train.throughput.step_metrics`, over all timed steps):
-step time, real tokens/s, audio s/s, model TFLOP/s (the analytic count of `speechlm.flops` on the real
-work; padding is not model work) and MFU against `speechlm.flops.peak_tflops` (H100/H200 989; a CPU
+step time, real tokens/s, audio s/s, model TFLOP/s (the analytic count of `speechlm.model.flops` on the real
+work; padding is not model work) and MFU against `speechlm.model.flops.peak_tflops` (H100/H200 989; a CPU
 0.096 per thread), the real share of the computed decoder tokens, peak memory (CUDA:
 ``torch.cuda.max_memory_allocated`` since the layout's optimizer was built; CPU: the process's peak RSS,
-which never goes down, so the second layout's is the larger of both), and `speechlm.estimate`'s
+which never goes down, so the second layout's is the larger of both), and `speechlm.preflight.estimate`'s
 prediction for the heaviest micro-batch the layout computed (BSHD: every clip padded to the batch's
 longest, every transcript to its longest) with its error in percent (CUDA: against the estimate without
 the CUDA context, which the allocator does not count); beside them `estimate`'s figure for the config
@@ -109,9 +109,9 @@ def build_config(size: str, device_type: str, budget: float, overrides: list[str
 
 
 def workload_of(batch: Any, *, padded: bool) -> Any:
-    """`speechlm.estimate.Workload` of a micro-batch: feature frames and transcript tokens (the language
+    """`speechlm.preflight.estimate.Workload` of a micro-batch: feature frames and transcript tokens (the language
     tag apart) of each clip; `padded`: every clip as long as the longest, every transcript too (BSHD)."""
-    from speechlm.estimate import HOP, Workload
+    from speechlm.preflight.estimate import HOP, Workload
 
     frames = [int(n) // HOP + 1 for n in batch.audio_lens.tolist()]
     text = [int(n) - 1 for n in batch.token_lens.tolist()]
@@ -121,10 +121,10 @@ def workload_of(batch: Any, *, padded: bool) -> Any:
 
 
 def analytic_flops(dims: Any, cfg: Any, w: Any, *, logits_everywhere: bool = False) -> float:
-    """Training FLOPs (`speechlm.flops.micro_flops`) of one micro-batch's workload, all of it trained;
+    """Training FLOPs (`speechlm.model.flops.micro_flops`) of one micro-batch's workload, all of it trained;
     `logits_everywhere`: the LM head runs on every position (BSHD's forward), not the labelled ones only."""
-    from speechlm.estimate import llm_seq_lens
-    from speechlm.flops import Trainable, micro_flops, record_work
+    from speechlm.model.flops import Trainable, micro_flops, record_work
+    from speechlm.preflight.estimate import llm_seq_lens
 
     seqs = llm_seq_lens(dims, w)
     work = record_work(
@@ -142,8 +142,8 @@ def analytic_flops(dims: Any, cfg: Any, w: Any, *, logits_everywhere: bool = Fal
 def heaviest_estimate(
     cfg: Any, counts: Any, dims: Any, batches: list[Any], *, padded: bool, device: str
 ) -> Any:
-    """The estimate (`speechlm.estimate.estimate`, one rank) of the batch whose estimate is largest."""
-    from speechlm.estimate import Layout, estimate
+    """The estimate (`speechlm.preflight.estimate.estimate`, one rank) of the batch whose estimate is largest."""
+    from speechlm.preflight.estimate import Layout, estimate
 
     ests = []
     for b in batches:
@@ -158,7 +158,7 @@ def run_layout(
     """Warm-up and timed optimizer steps of one layout; the step figures and the peak memory."""
     import torch
 
-    from speechlm.flops import Trainable, dims_of_model, step_flops
+    from speechlm.model.flops import Trainable, dims_of_model, step_flops
     from speechlm.train.precision import precision_policy
     from speechlm.train.schedule import build_optimizer
     from speechlm.train.step import StepContext, StepWork, run_optimizer_step
@@ -242,7 +242,7 @@ def run_layout(
 def estimate_figures(est: Any, measured_gib: float | None, *, cuda: bool) -> dict[str, float | None]:
     """The estimate beside the measurement (None: not measured): on CUDA without the runtime (the CUDA
     context is not allocated memory)."""
-    from speechlm.estimate import GIB
+    from speechlm.preflight.estimate import GIB
 
     predicted = (est.total - (est.memory["runtime"] if cuda else 0.0)) / GIB
     error = 100.0 * (predicted - measured_gib) / measured_gib if measured_gib else None
@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from speechlm.errors import UsageError
-    from speechlm.estimate import GIB, count_parameters
-    from speechlm.flops import device_kind_of
+    from speechlm.model.flops import device_kind_of
+    from speechlm.preflight.estimate import GIB, count_parameters
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -412,7 +412,7 @@ def bound_figures(
 
 def config_estimate(cfg: Any, counts: Any, dims: Any, device: str) -> Any:
     """What `speechlm estimate` says of the config without a manifest (its worst-case micro-batch)."""
-    from speechlm.estimate import Layout, config_workloads, estimate
+    from speechlm.preflight.estimate import Layout, config_workloads, estimate
 
     heavy, mean = config_workloads(cfg)
     return estimate(cfg, counts, dims, heavy, mean, Layout(1), device=device)

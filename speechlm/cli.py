@@ -57,13 +57,13 @@ SUBCOMMAND_MODULES = (
     "speechlm.data.plan",  # plan
     "speechlm.train.entry",  # train
     "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)
-    "speechlm.validate",  # validate
-    "speechlm.estimate",  # estimate (per-rank memory and step time of a layout)
+    "speechlm.preflight.validate",  # validate
+    "speechlm.preflight.estimate",  # estimate (per-rank memory and step time of a layout)
     "speechlm.use.evaluate_cli",  # evaluate (a checkpoint on a manifest)
     "speechlm.use.transcribe",  # transcribe (audio files or a manifest)
     "speechlm.use.export_cli",  # export (a self-contained model directory)
-    "speechlm.demo",  # demo (the Quick start's main job)
-    "speechlm.bench",  # bench sampler | packing | ...
+    "speechlm.demo.run",  # demo (the Quick start's main job)
+    "speechlm.preflight.bench",  # bench sampler | packing | ...
     "speechlm.sweep.cli",  # sweep init | run | status | requeue | report | slurm
 )
 

@@ -127,7 +127,7 @@ class DataConfig(Section):
     num_workers: int = 0
     instruction: str = ""  # optional instruction placed after the audio in the prompt
     # the assistant turns a conversation is trained on: "all" of them, or only the "last" (the others
-    # are context); a one-turn transcript has one either way (speechlm.prompt.ConversationRenderer)
+    # are context); a one-turn transcript has one either way (speechlm.packing.prompt.ConversationRenderer)
     loss_turns: LossTurns = "all"
     # the rule answers and transcripts go through before they are encoded (training) and scored (refs
     # and hyps): speechlm.data.text.normalize_target; the pre-flight refuses characters the tokenizer lacks
@@ -433,7 +433,7 @@ class TrainerConfig(Section):
     eval_normalize: dict[str, list[str]] = field(default_factory=dict)
     eval_cer_langs: list[str] = field(default_factory=list)
     # peak dense TFLOP/s of one device, the figure MFU is measured against (None: from the table of
-    # speechlm/flops.py by the device: h100, h200, a100, cpu; another GPU then logs no MFU)
+    # speechlm/model/flops.py by the device: h100, h200, a100, cpu; another GPU then logs no MFU)
     peak_tflops: float | None = None
     # a new run in a run_dir that holds another run moves that run to RUN_DIR.old-<UTC time> (never deleted)
     overwrite: bool = False
@@ -988,7 +988,7 @@ FIELDS: dict[str, Rule] = {
         "peak dense TFLOP/s of one device, what MFU is measured against",
         lo=0,
         lo_open=True,
-        null="from the device table (speechlm/flops.py)",
+        null="from the device table (speechlm/model/flops.py)",
     ),
     "trainer.precision": OneOf(
         "'auto': bf16 where supported (CUDA), else fp32; '32': fp32; 'bf16': bf16 compute (FSDP2 mixed precision when the model is sharded, autocast otherwise; never both)",

@@ -130,7 +130,7 @@ def train_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
 
 def record_demo_commands(monkeypatch: Any, argv: list[str]) -> tuple[int, list[list[str]]]:
     """`speechlm demo ARGV` with its `speechlm` steps recorded: build/tokenizer/plan run, train does not."""
-    import speechlm.demo as demo
+    import speechlm.demo.run as demo
     from speechlm.cli import main
 
     seen: list[list[str]] = []

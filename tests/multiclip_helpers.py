@@ -16,7 +16,7 @@ import torch
 
 from speechlm.data.conversation import AudioRef, Clip, Conversation, Turn
 from speechlm.data.dataset import Batch
-from speechlm.prompt import ConversationRenderer
+from speechlm.packing.prompt import ConversationRenderer
 
 PAD, BOS, EOS, AUDIO = 0, 2, 3, 4
 

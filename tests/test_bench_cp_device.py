@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speechlm.bench import load_benchmark
+from speechlm.preflight.bench import load_benchmark
 
 
 def test_cuda_needs_a_gpu_per_cp_rank(monkeypatch, capsys):

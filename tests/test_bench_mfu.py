@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from speechlm.bench import load_benchmark
 from speechlm.cli import main as cli_main
+from speechlm.preflight.bench import load_benchmark
 
 
 def test_bench_mfu_tiny_runs_thd_and_bshd_with_consistent_figures(tmp_path):
@@ -94,7 +94,7 @@ def test_bench_mfu_reports_a_layout_that_ran_out_of_memory_and_still_runs_the_ot
 
 def test_bench_mfu_compares_cuda_allocated_memory_with_the_estimate_without_the_cuda_context():
     from speechlm.config import load_config
-    from speechlm.estimate import GIB, Layout, Workload, count_parameters, estimate, llm_seq_lens
+    from speechlm.preflight.estimate import GIB, Layout, Workload, count_parameters, estimate, llm_seq_lens
 
     bench = load_benchmark("mfu")
     cfg = load_config(None, bench.PRESETS["tiny"][0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from speechlm.bench import load_benchmark
+from speechlm.preflight.bench import load_benchmark
 
 
 def test_bench_packing_runs_one_batch(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from speechlm.bench import load_benchmark
+from speechlm.preflight.bench import load_benchmark
 
 
 def _rows(n: int) -> list[dict]:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from speechlm.bench import load_benchmark
+from speechlm.preflight.bench import load_benchmark
 
 
 def test_bench_sampler_side_by_side_with_lhotse(tmp_path):

@@ -1,12 +1,12 @@
 """The conversation model (speechlm.data.conversation) and its rendering to prompt ids
-(speechlm.prompt.ConversationRenderer): which ids are placeholders, which are targets."""
+(speechlm.packing.prompt.ConversationRenderer): which ids are placeholders, which are targets."""
 
 from __future__ import annotations
 
 import pytest
 
 from speechlm.data.conversation import AudioRef, Clip, Conversation, ConversationError, Turn
-from speechlm.prompt import ConversationRenderer, PromptFormat, build_prompt_format
+from speechlm.packing.prompt import ConversationRenderer, PromptFormat, build_prompt_format
 
 BOS, EOS, AUDIO = 1, 2, 3
 

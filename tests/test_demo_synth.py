@@ -1,4 +1,4 @@
-"""The demo corpus synthesized at demo time (speechlm/demo_corpus.py): deterministic, cached, with the bad
+"""The demo corpus synthesized at demo time (speechlm/demo/corpus.py): deterministic, cached, with the bad
 rows the build and the loader drop, and a held-out split sharing no sentence and no word pair with training."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import record_demo_commands
 
-from speechlm import demo_corpus as dc
 from speechlm.data.manifest.build import build_manifest
 from speechlm.data.text import clean_text, split_lang_tag
-from speechlm.demo import DEMO_VOCAB_SIZE
+from speechlm.demo import corpus as dc
+from speechlm.demo.run import DEMO_VOCAB_SIZE
 from speechlm.errors import UsageError
 
 pytest.importorskip("espeakng_loader", reason="the corpus is synthesized with espeakng-loader (a dependency)")
@@ -159,7 +159,7 @@ def test_a_killed_run_leaves_only_partial_and_the_next_run_completes(corpus: Pat
     cmd = [
         sys.executable,
         "-m",
-        "speechlm.demo_corpus",
+        "speechlm.demo.corpus",
         "--corpus",
         str(out),
         "--utterances",

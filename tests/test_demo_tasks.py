@@ -1,4 +1,4 @@
-"""The demo's translation task (speechlm.demo_tasks) and its wiring into `speechlm demo`."""
+"""The demo's translation task (speechlm.demo.tasks) and its wiring into `speechlm demo`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from helpers import record_demo_commands
 
 from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError
-from speechlm.demo_tasks import (
+from speechlm.demo.tasks import (
     AST_INSTRUCTION,
     GLOSSARY,
     MIX_FILE,
@@ -170,7 +170,7 @@ def test_generation_is_deterministic_and_replaces_its_outputs(manifest_dir: Path
 def test_an_interrupted_generation_leaves_no_partial_file(manifest_dir: Path, monkeypatch) -> None:
     """SIGTERM/Ctrl-C while a file is written: the file is absent (or the previous one), no temp file is
     left behind, and the next run writes everything."""
-    import speechlm.demo_tasks as demo_tasks
+    import speechlm.demo.tasks as demo_tasks
 
     real_write = pq.write_table
     calls = []
@@ -242,7 +242,7 @@ def test_demo_trains_the_asr_ast_mix_and_validates_both_tasks(tmp_path: Path, mo
     assert f"data.val_manifest={out / 'val_tasks.parquet'}" in train
     assert train[-1] == "trainer.max_steps=3"  # the user's overrides come last, so they win
     printed = capsys.readouterr().out
-    assert f"$ python -m speechlm.demo_tasks {out}" in printed
+    assert f"$ python -m speechlm.demo.tasks {out}" in printed
     assert "ast " in printed and "asr " in printed  # the plan's per-dataset table
 
 

@@ -10,7 +10,7 @@ from helpers import read_train_metrics, run_train
 
 from speechlm.cli import main
 from speechlm.config import load_config
-from speechlm.estimate import (
+from speechlm.preflight.estimate import (
     GIB,
     Layout,
     ParamCounts,

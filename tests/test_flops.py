@@ -1,4 +1,4 @@
-"""The analytic FLOP count (`speechlm.flops`), what the model's forward records for it, and the step's
+"""The analytic FLOP count (`speechlm.model.flops`), what the model's forward records for it, and the step's
 throughput figures (`speechlm.train.throughput`); the end-to-end figures of a run are in
 tests/train/test_step_metrics.py."""
 
@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parallel.cp_layout import NullCPLayout
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig
-from speechlm.flops import (
+from speechlm.model.flops import (
     EncoderDims,
     LLMDims,
     ModelDims,
@@ -74,7 +74,7 @@ def test_limited_context_counts_attention_per_window_and_slices_add_up():
     counts whole; and the count is read from a built encoder's att_context."""
     from dataclasses import replace
 
-    from speechlm.flops import conformer_layer_flops
+    from speechlm.model.flops import conformer_layer_flops
 
     full = TINY.encoder
     win = replace(full, window=5)
@@ -228,7 +228,7 @@ def _totals_worker(rank: int, world: int, cp: int) -> dict:
     from parallel_harness import build_model, global_steps, tiny_config
 
     from parallel.mesh import ParallelDims
-    from speechlm.flops import dims_of_model, step_flops
+    from speechlm.model.flops import dims_of_model, step_flops
     from speechlm.train.distributed import build_distributed_context
     from speechlm.train.schedule import build_optimizer
     from speechlm.train.step import run_optimizer_step
@@ -257,7 +257,7 @@ def test_step_totals_sum_the_ranks_and_cp_shares_add_up(cp):
     from parallel_harness import build_model, global_steps, tiny_config
 
     from parallel.testing import run_distributed
-    from speechlm.flops import dims_of_model, micro_flops
+    from speechlm.model.flops import dims_of_model, micro_flops
 
     per_rank = run_distributed(_totals_worker, 2, "gloo", cp, timeout_s=240)
     model = build_model(tiny_config())

@@ -1,4 +1,4 @@
-"""Tests for speechlm.packing: rounding, label shift, THD plan, splicing, THD vs BSHD equivalence."""
+"""Tests for speechlm.packing.thd: rounding, label shift, THD plan, splicing, THD vs BSHD equivalence."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speechlm.packing import (
+from speechlm.packing.prompt import build_prompt
+from speechlm.packing.thd import (
     IGNORE_INDEX,
     PackedBatch,
     pack_bshd,
@@ -21,7 +22,6 @@ from speechlm.packing import (
     supervised_pairs_bshd,
     supervised_pairs_thd,
 )
-from speechlm.prompt import build_prompt
 
 BOS, EOS, AUDIO = 1, 2, 3
 VOCAB, HIDDEN = 32, 4
@@ -361,7 +361,7 @@ def test_supervised_pairs_every_rounding_fixed_batch(cp, tp):
 
 
 def test_pad_to_multiple_replaces_the_automatic_unit_and_must_be_compatible():
-    from speechlm.packing import round_lengths, rounding_unit
+    from speechlm.packing.thd import round_lengths, rounding_unit
 
     assert rounding_unit(2, 8) == 16 and rounding_unit(1, 3) == 3 and rounding_unit(4, 1) == 8
     out = round_lengths([5, 9, 3], cp=2, tp=2, total_multiple=64)

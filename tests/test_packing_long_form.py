@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from speechlm.data.sampler.cost import TokenCostModel
-from speechlm.packing import IGNORE_INDEX, pack_thd
-from speechlm.prompt import build_prompt
+from speechlm.packing.prompt import build_prompt
+from speechlm.packing.thd import IGNORE_INDEX, pack_thd
 
 BOS, EOS, AUDIO = 1, 2, 0
 

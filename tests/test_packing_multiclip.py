@@ -8,7 +8,8 @@ import torch
 from multiclip_helpers import AUDIO, BOS, EOS, random_conversation, renderer
 
 from speechlm.data.conversation import AudioRef, Clip, Conversation, Turn
-from speechlm.packing import (
+from speechlm.packing.prompt import build_prompt
+from speechlm.packing.thd import (
     IGNORE_INDEX,
     pack_bshd,
     pack_thd,
@@ -16,7 +17,6 @@ from speechlm.packing import (
     supervised_pairs_bshd,
     supervised_pairs_thd,
 )
-from speechlm.prompt import build_prompt
 
 H = 6
 

@@ -1,12 +1,13 @@
-"""Tests for speechlm.prompt: prompt layout, target mask, batch helper."""
+"""Tests for speechlm.packing.prompt: prompt layout, target mask, batch helper."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speechlm import packing, prompt
-from speechlm.prompt import IGNORE_INDEX, build_prompt, build_prompts
+from speechlm.packing import prompt
+from speechlm.packing import thd as packing
+from speechlm.packing.prompt import IGNORE_INDEX, build_prompt, build_prompts
 
 BOS, EOS, AUDIO = 1, 2, 3
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from parallel.validator import ValidationError
-from speechlm import validate as cli
 from speechlm.config import load_config
+from speechlm.preflight import validate as cli
 
 # a 64-GPU layout: 2 replicas x 4 shards x cp 2 x tp 4
 LAYOUT_64: dict[str, Any] = {

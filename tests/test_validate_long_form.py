@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from speechlm import preflight
 from speechlm.config import load_config
-from speechlm.validate_rules import validate
+from speechlm.preflight import checks as preflight
+from speechlm.preflight.rules import validate
 
 INSTALLED = {"torch": "2.13.0"}
 

@@ -16,7 +16,7 @@ One concern per module:
 - `engine`: `evaluate`, `validate`, `has_errors`, `check_or_raise`;
 - `report`: `Finding`, `ValidationError`, `format_findings`.
 
-`speechlm.validate_rules.RULES` is `PARALLEL_RULES` followed by the training rules (sampler budget,
+`speechlm.preflight.rules.RULES` is `PARALLEL_RULES` followed by the training rules (sampler budget,
 encoder packing, gradient accumulation); `speechlm validate` and the trainer run that full table.
 
 The config is duck-typed (the attributes of `speechlm.config.ExperimentConfig`); fields that the

@@ -1,6 +1,6 @@
 """Running a rule table: `evaluate` a context, `validate` a config, `has_errors`, and `check_or_raise`.
 
-The default table is `PARALLEL_RULES`; `speechlm.validate_rules.RULES` adds the training rules and is
+The default table is `PARALLEL_RULES`; `speechlm.preflight.rules.RULES` adds the training rules and is
 what `speechlm validate` and the trainer pass.
 """
 

@@ -11,7 +11,7 @@ checked by the config's sections (`speechlm.config`), before any rule runs. The 
 size and mesh, head counts under TP, the rounding unit, attention backends
 against the layout, CP, the environment, the GPU and the installed packages, and fp32 into
 half-precision kernels. Rules about training rather than parallelism (the sampler's budget, the
-encoder's packed path, gradient accumulation) live in `speechlm.validate_rules`.
+encoder's packed path, gradient accumulation) live in `speechlm.preflight.rules`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The single-transcript row of today is the special case `Conversation.transcripti
 ``user: [clip 0] + instruction, assistant: "<|lang|> transcript"``.
 
 Answer and transcript are different things. The assistant turns are the LLM's targets
-(`speechlm.prompt.render_conversation`; ``data.loss_turns`` chooses all of them or only the last one).
+(`speechlm.packing.prompt.render_conversation`; ``data.loss_turns`` chooses all of them or only the last one).
 A clip's CTC target is its own transcript (`Clip.transcript`), given per clip by the data; the one
 declared exception is `ctc_transcripts`' rule: a one-clip sample of task ``asr`` whose clip has no
 transcript of its own uses its answer, cleaned and tagged, since that answer *is* the clip's

@@ -56,7 +56,7 @@ from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
 from speechlm.errors import UsageError
 
 if TYPE_CHECKING:
-    from speechlm.prompt import ConversationRenderer
+    from speechlm.packing.prompt import ConversationRenderer
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class SpeechDataset(Dataset):
     metadata). A decoded clip whose length differs from the row's ``duration`` by more than
     ``max(duration_tolerance, 10% of it)`` seconds is dropped as ``duration_mismatch``.
 
-    ``renderer`` (a `speechlm.prompt.ConversationRenderer`; training passes the run's): each row is read as
+    ``renderer`` (a `speechlm.packing.prompt.ConversationRenderer`; training passes the run's): each row is read as
     a conversation (`conversation`), every clip decoded and the whole rendered (`conversation_samples`);
     ``instruction`` is the instruction of rows that give none (data.instruction). Without one, today's
     Samples.

@@ -9,7 +9,7 @@ dataset mix and, when ``data.read_mode`` streams, the streaming plan) and prints
 - per duration bucket: utterances, micro-batches, hours;
 - the padding efficiency (real tokens / computed tokens) of a padded BSHD batch, which computes
   B * max_len per micro-batch, and of a packed THD batch, which computes the sum of the lengths
-  plus the CP/TP rounding of `speechlm.packing.round_lengths`. Token counts per utterance follow
+  plus the CP/TP rounding of `speechlm.packing.thd.round_lengths`. Token counts per utterance follow
   the sampler's token cost model (audio + prompt) plus its estimate of the text tokens,
   ceil(characters / CHARS_PER_TOKEN), when the manifest has a `text` column.
 
@@ -63,7 +63,7 @@ def cp_padding(
     lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int, threshold: int | str, pair_cost: float
 ) -> dict[str, Any]:
     """THD figures of every micro-batch under the CP placement of `parallel.cp_placement` (threshold 0:
-    every sequence split, the `speechlm.packing.round_lengths` rule): computed tokens with this
+    every sequence split, the `speechlm.packing.thd.round_lengths` rule): computed tokens with this
     threshold and with 0, the busiest rank's modelled cost over the mean (summed over micro-batches,
     so it is the step-time overhead of imbalance), and the tokens whose K/V travel on the ring.
 
@@ -100,7 +100,7 @@ def cp_padding(
 
 def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
     """Tokens THD computes over all micro-batches when every sequence is rounded by
-    `speechlm.packing.round_lengths` (each to a multiple of `sequence_multiple(cp)`, each micro-batch's
+    `speechlm.packing.thd.round_lengths` (each to a multiple of `sequence_multiple(cp)`, each micro-batch's
     total to a multiple of `rounding_unit(cp, tp)`): at cp = 1, the real tokens plus the tp padding."""
     offsets = np.asarray(batch_offsets, np.int64)
     starts = offsets[:-1][offsets[1:] > offsets[:-1]]  # empty micro-batches compute nothing

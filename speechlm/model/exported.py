@@ -136,7 +136,7 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
     model_cfg = _from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
     kwargs = dict(speech_llm)
     if isinstance(kwargs.get("prompt"), dict):  # TokenizerInfo's PromptFormat, saved as a JSON object
-        from speechlm.prompt import PromptFormat
+        from speechlm.packing.prompt import PromptFormat
 
         fields: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()

@@ -72,7 +72,7 @@ def check_lora_targets(llm_cfg: Any, config: dict[str, Any] | None) -> None:
 
 # --- what train and validate run ------------------------------------------------------------------
 def check_pretrained_llm(cfg: Any, tokenizer: Any = None) -> None:
-    """The pre-flight of the LLM (`speechlm.preflight`): model.llm.pretrained's files are whole, `tokenizer`
+    """The pre-flight of the LLM (`speechlm.preflight.checks`): model.llm.pretrained's files are whole, `tokenizer`
     (the run's Hugging Face tokenizer; None: not checked) is that LLM's, and with model.llm.train=lora
     every target module names a module of the LLM. Nothing is loaded but config.json and the headers."""
     llm_cfg = cfg.model.llm

@@ -59,7 +59,6 @@ from torch import Tensor, nn
 from parallel.clip_placement import ClipSharding
 from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, dummy_clip, plan_for_clips
 from speechlm.config import ModelConfig
-from speechlm.flops import MicroWork, record_work
 from speechlm.model.attention import ensure_registered, get_backend
 from speechlm.model.conversation_inputs import (
     batch_field,
@@ -72,12 +71,13 @@ from speechlm.model.conversation_inputs import (
 )
 from speechlm.model.encoders import build_encoder
 from speechlm.model.features import LogMelFeatures
+from speechlm.model.flops import MicroWork, record_work
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector, compute_stacked_lengths
 from speechlm.model.sharded_encoder import ClipSlice
-from speechlm.packing import IGNORE_INDEX, PackedBatch, clip_offsets
-from speechlm.prompt import PromptFormat
+from speechlm.packing.prompt import PromptFormat
+from speechlm.packing.thd import IGNORE_INDEX, PackedBatch, clip_offsets
 
 
 @dataclass
@@ -89,7 +89,7 @@ class MicroLosses:
     ctc_sum: Tensor | None  # summed CTC of the clips this rank encoded (None: CTC off)
     n_clips: int
     weight: float = 1.0  # 0 for the training layer's dummy micro-batch
-    work: MicroWork | None = None  # what this rank computed, for the FLOP count (`speechlm.flops`)
+    work: MicroWork | None = None  # what this rank computed, for the FLOP count (`speechlm.model.flops`)
 
 
 @dataclass
@@ -418,7 +418,7 @@ class SpeechLLM(nn.Module):
 
     def build_prompts(self, tokens_BL: Tensor, token_lens_B: Tensor) -> list[tuple[Tensor, Tensor]]:
         """``[(ids_L, target_mask_L)]`` per utterance, in the run's `PromptFormat` (``self.prompt``)."""
-        from speechlm.prompt import build_prompts
+        from speechlm.packing.prompt import build_prompts
 
         return build_prompts(tokens_BL, token_lens_B, prompt=self.prompt)
 
@@ -664,7 +664,7 @@ class SpeechLLM(nn.Module):
             n_labelled = sum(int(mask.sum()) for _, mask in prompts)  # the whole micro-batch's
             local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
         else:
-            from speechlm.packing import pack_bshd
+            from speechlm.packing.thd import pack_bshd
 
             padded = pack_bshd(
                 prompts,
@@ -707,7 +707,7 @@ class SpeechLLM(nn.Module):
     ) -> PackedBatch:
         """This rank's THD stream: its sequences of ``plan`` packed to their padded lengths, then its
         share of them (`CPLayout.shard`). ``clip_counts``: clips per sequence (None: one each)."""
-        from speechlm.packing import pack_thd
+        from speechlm.packing.thd import pack_thd
 
         local = plan.indices
         local_counts = None

@@ -235,15 +235,15 @@ class RunInputs:
 
 
 def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInputs:
-    """Open and check everything the run reads, before the model is built (speechlm/preflight.py).
+    """Open and check everything the run reads, before the model is built (speechlm/preflight/checks.py).
 
     `speechlm validate` runs the same checks that need only files (`preflight.check_inputs`,
     `preflight.summarize` and the validator's rules), so it refuses what this refuses."""
     from parallel.mesh import ParallelDims
-    from speechlm import preflight
     from speechlm.config import require_inputs
-    from speechlm.validate import validate_at_fit_start
-    from speechlm.validate_rules import EPOCH_PLAN_RULE
+    from speechlm.preflight import checks as preflight
+    from speechlm.preflight.rules import EPOCH_PLAN_RULE
+    from speechlm.preflight.validate import validate_at_fit_start
 
     require_inputs(cfg)  # training data and tokenizer have no defaults: name the key to set
     run_dir = Path(cfg.trainer.run_dir)
@@ -295,7 +295,7 @@ def prepare_inputs(cfg: ExperimentConfig, rank: int, world_size: int) -> RunInpu
 def tokenizer_info(cfg: ExperimentConfig, tokenizer: Any, prompt: Any = None) -> TokenizerInfo:
     """What the model needs from the tokenizer (ids, CTC blank, added rows and the prompt format, built
     from the config when `prompt` is None): training, evaluate and export."""
-    from speechlm import preflight
+    from speechlm.preflight import checks as preflight
     from speechlm.train.module import TokenizerInfo
 
     if prompt is None:
@@ -352,7 +352,7 @@ def save_run_tokenizer(tokenizer: Any, run_dir: Path, rank: int) -> None:
 def build_step_loader(cfg: ExperimentConfig, inputs: RunInputs) -> Any:
     import torch
 
-    from speechlm.preflight import run_dataset
+    from speechlm.preflight.checks import run_dataset
     from speechlm.train.data import StepLoader
 
     t = cfg.trainer

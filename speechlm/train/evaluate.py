@@ -418,7 +418,7 @@ class Evaluator:
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
-        from speechlm.preflight import run_dataset
+        from speechlm.preflight.checks import run_dataset
 
         ds = run_dataset(self.cfg, self.table, self.tokenizer)  # the run's renderer, as training reads
         batches = self.plan()

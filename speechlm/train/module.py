@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 from speechlm.config import ExperimentConfig
-from speechlm.prompt import PromptFormat
+from speechlm.packing.prompt import PromptFormat
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
@@ -96,7 +96,7 @@ class SpeechLLMModule(L.LightningModule):
         from speechlm.model.trainable import apply_train_modes
 
         apply_train_modes(self.model, cfg.model)  # what trains: full, frozen or LoRA (before parallelism)
-        from speechlm.flops import dims_of_model
+        from speechlm.model.flops import dims_of_model
 
         self.flop_dims = dims_of_model(self.model)  # sizes for the FLOP count, read before parallelism
         self.peak_tflops: float | None = None  # the device's peak (0: unknown), read at the first step
@@ -201,8 +201,8 @@ class SpeechLLMModule(L.LightningModule):
         return torch.tensor(res["loss"])
 
     def _count_flops(self, works: list[Any], encoder_frozen: bool) -> float:
-        """Training FLOPs of this rank's micro-batches (`speechlm.flops`; what trains decides the factors)."""
-        from speechlm.flops import Trainable, step_flops
+        """Training FLOPs of this rank's micro-batches (`speechlm.model.flops`; what trains decides the factors)."""
+        from speechlm.model.flops import Trainable, step_flops
 
         trainable = Trainable(encoder=not encoder_frozen, llm=self.cfg.model.llm.train == "full")
         return step_flops(self.flop_dims, works, trainable)

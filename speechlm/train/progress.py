@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 
-from speechlm.flops import MFU_FLAG
+from speechlm.model.flops import MFU_FLAG
 from speechlm.progress import Progress, format_duration, is_terminal, progress_enabled
 
 LINES_PER_RUN = 10  # plain lines a run without a terminal prints (plus the last step's)

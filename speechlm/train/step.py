@@ -34,7 +34,7 @@ import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
-from speechlm.flops import MicroWork
+from speechlm.model.flops import MicroWork
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
@@ -73,7 +73,7 @@ class StepWork:
     """What this rank computed in one optimizer step (its share under CP), and the sums over dp x cp
     (`Collectives.sum_shards`, in the step's one all-reduce after the optimizer step): real tokens (audio
     embeddings and prompt tokens), tokens the LLM computed (after padding and CP rounding), training
-    FLOPs (`speechlm.flops`); and the seconds this rank spent in clipping and the optimizer step."""
+    FLOPs (`speechlm.model.flops`); and the seconds this rank spent in clipping and the optimizer step."""
 
     real_tokens: float = 0.0
     computed_tokens: float = 0.0
@@ -235,7 +235,7 @@ def run_optimizer_step(
     Shared by the Lightning `training_step`, the multi-process equivalence tests and the benchmarks.
     `counts`: the step's agreed normalisers (`agree_step`, which the Lightning module runs with its own
     counts and flags); None: agreed here. `flop_count`: (this rank's micro-batch work, encoder frozen)
-    -> training FLOPs (`speechlm.flops.step_flops`); None: FLOPs are not counted (0).
+    -> training FLOPs (`speechlm.model.flops.step_flops`); None: FLOPs are not counted (0).
     """
     backward = backward or (lambda loss: loss.backward())
     frozen = encoder_runs_frozen(step, cfg)

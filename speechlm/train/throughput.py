@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from speechlm.flops import device_kind_of, implausible_peak, peak_tflops
+from speechlm.model.flops import device_kind_of, implausible_peak, peak_tflops
 from speechlm.train.step import StepWork
 
 STEP_METRIC_KEYS = (
@@ -40,7 +40,7 @@ GIB = 2.0**30
 
 
 def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak TFLOP/s of one device of the run (`speechlm.flops.PEAK_TFLOPS`; a CPU: per core times the
+    """Peak TFLOP/s of one device of the run (`speechlm.model.flops.PEAK_TFLOPS`; a CPU: per core times the
     process's torch threads); `override` (trainer.peak_tflops) wins; None for a GPU not in the table."""
     if device.type == "cuda":
         return peak_tflops(device_kind_of(torch.cuda.get_device_name(device)), override=override)
@@ -51,7 +51,7 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
 
 def warn_implausible_peak(peak: float | None) -> bool:
     """At fit start: a warning on stderr when trainer.peak_tflops cannot be a device's peak
-    (`speechlm.flops.implausible_peak`); the steps' MFU is then shown as n/a (`progress.step_fields`)."""
+    (`speechlm.model.flops.implausible_peak`); the steps' MFU is then shown as n/a (`progress.step_fields`)."""
     why = implausible_peak(peak)
     if why is not None:
         print(f"warning: {why}", file=sys.stderr, flush=True)

@@ -149,8 +149,8 @@ def check_pretrained_parts(cfg: ExperimentConfig, ckpt: Path) -> None:
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
-    from speechlm import preflight
     from speechlm.data.tokenizer import load_text_tokenizer
+    from speechlm.preflight import checks as preflight
     from speechlm.train.entry import RUN_TOKENIZER_DIR
 
     run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR

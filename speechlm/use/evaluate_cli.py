@@ -171,8 +171,8 @@ def evaluate_checkpoint(
 
     With `world_size` > 1 the default process group must be initialised (torchrun, or a test harness)."""
     from parallel.collectives import Collectives
-    from speechlm import preflight
     from speechlm.data.sources.mmap_cache import open_index
+    from speechlm.preflight import checks as preflight
     from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
     from speechlm.train.step import StepContext
     from speechlm.use.checkpoint import load_checkpoint
@@ -231,7 +231,7 @@ def warn_uncovered(table: Any, name: str, tokenizer: Any, rule: str) -> None:
     """A warning when references hold characters the checkpoint's tokenizer cannot encode under its
     data.text_normalize rule: the model cannot write them, so they are scored as errors (never as the
     tokenizer's round trip of the text)."""
-    from speechlm.preflight import uncovered_targets
+    from speechlm.preflight.checks import uncovered_targets
 
     found = uncovered_targets(table, tokenizer, rule)
     if found is not None:

@@ -57,7 +57,7 @@ def test_the_renderer_applies_the_rule_to_every_assistant_turn(demo_data: dict[s
     from speechlm.data.conversation import AudioRef, Clip, Conversation, Turn
     from speechlm.data.text import normalize_target
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.prompt import ConversationRenderer
+    from speechlm.packing.prompt import ConversationRenderer
 
     tok = Tokenizer(demo_data["tok"])
     conv = Conversation(

@@ -82,7 +82,7 @@ def test_demo_refuses_a_folder_holding_the_users_manifest_and_tokenizer(
     user = _user_folder(tmp_path, built)
     before = _digests(user)
     called: list[list[str]] = []
-    monkeypatch.setattr("speechlm.demo._run", lambda argv: called.append(argv) or 0)
+    monkeypatch.setattr("speechlm.demo.run._run", lambda argv: called.append(argv) or 0)
     code, _, err = _run(capsys, ["demo", "--shards", str(DEMO), "--out", str(user), "--no-train"])
     assert code == EXIT_OUTPUT
     _one_error(err)

@@ -14,7 +14,7 @@ from speechlm.data.dataset import Collator, DroppedSample, SpeechDataset
 from speechlm.data.manifest import ManifestError
 from speechlm.data.sources.detect import load_source
 from speechlm.data.tokenizer import Tokenizer
-from speechlm.prompt import ConversationRenderer
+from speechlm.packing.prompt import ConversationRenderer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from speechlm.data.dataset import Collator, DroppedSample, Sample, SpeechDataset
 from speechlm.data.sources.detect import load_source
 from speechlm.data.sources.input_cfg import load_input_cfg
 from speechlm.data.tokenizer import Tokenizer
-from speechlm.prompt import ConversationRenderer, build_prompt_format
+from speechlm.packing.prompt import ConversationRenderer, build_prompt_format
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_invalid_utf8_text_is_dropped_with_a_renderer_as_without(demo_data, tok)
 
 
 def test_preflight_names_an_unknown_tag_in_an_answer_column(demo_data, tok):
-    from speechlm.preflight import check_table
+    from speechlm.preflight.checks import check_table
 
     table = load_source(demo_data["val"])
     answers = [None] * len(table)

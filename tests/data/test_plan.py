@@ -141,7 +141,7 @@ def test_plan_with_text_estimates_tokens_and_thd_rounding(tmp_path, capsys):
 
 
 def test_thd_rounding_matches_the_packing_module():
-    packing = pytest.importorskip("speechlm.packing")
+    packing = pytest.importorskip("speechlm.packing.thd")
     lengths = np.array([5, 9, 1, 12, 7, 3])
     offsets = np.array([0, 2, 6])
     for cp, tp in [(1, 1), (1, 4), (2, 1), (2, 2), (4, 2)]:
@@ -224,7 +224,7 @@ def test_plan_reads_shards_and_an_input_cfg_with_dataset_shares(demo_data, tmp_p
 def test_cp_padding_matches_the_per_micro_batch_placement(cp, tp, threshold):
     """The vectorised summary equals `place_sequences` run on every micro-batch (the summary before it),
     empty micro-batches included; at cp = 1 and at threshold 0 it never calls `place_sequences`."""
-    from speechlm.bench import load_benchmark
+    from speechlm.preflight.bench import load_benchmark
 
     reference = load_benchmark("plan-memory").per_batch_cp_padding
     rng = np.random.default_rng(cp * 10 + tp)
@@ -242,7 +242,7 @@ def test_cp_padding_matches_the_per_micro_batch_placement(cp, tp, threshold):
 def test_plan_prints_what_the_per_micro_batch_summary_printed(manifest, tmp_path, capsys, monkeypatch):
     """`speechlm plan`'s printed figures are unchanged by the vectorised padding summary (cp 1 and 2)."""
     import speechlm.data.plan as plan_module
-    from speechlm.bench import load_benchmark
+    from speechlm.preflight.bench import load_benchmark
 
     reference = load_benchmark("plan-memory").per_batch_cp_padding
     path = tmp_path / "text.parquet"

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speechlm.bench import load_benchmark
 from speechlm.data.sampler import (
     DEFAULT_BUCKET_BOUNDARIES,
     DurationBucketBatchSampler,
@@ -22,6 +21,7 @@ from speechlm.data.sampler import (
     check_arrays,
     ordering,
 )
+from speechlm.preflight.bench import load_benchmark
 
 bench = load_benchmark("sampler")
 

@@ -11,8 +11,8 @@ from helpers import SMOKE
 from pretrained_helpers import IM_END, make_tiny_pretrained
 
 from speechlm.config import LLMConfig, ModelConfig, load_config
-from speechlm.packing import IGNORE_INDEX, plan_thd
-from speechlm.prompt import PromptFormat, build_prompt, build_prompt_format, build_prompts
+from speechlm.packing.prompt import PromptFormat, build_prompt, build_prompt_format, build_prompts
+from speechlm.packing.thd import IGNORE_INDEX, plan_thd
 
 INSTRUCTION, SYSTEM = "Transcribe the audio.", "You write down speech."
 TEXTS = ["<|en|> moon blue sun", "<|hi|> माँ पानी", "<|en|> river"]

@@ -12,7 +12,7 @@ from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 
 from parallel.cp_layout import NullCPLayout
 from speechlm.model.conversation_inputs import last_target_start
-from speechlm.packing import pack_thd
+from speechlm.packing.thd import pack_thd
 from speechlm.train.step import count_ctc_clips, count_targets
 
 

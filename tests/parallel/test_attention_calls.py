@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parallel.testing import run_distributed
-from speechlm.bench import load_benchmark
+from speechlm.preflight.bench import load_benchmark
 
 bench = load_benchmark("attention-calls")
 

@@ -1,5 +1,5 @@
 """The hand-over of a sharded clip's rows from the encoder's slices to the LLM's CP layout (issue 25 item 4):
-`parallel.clip_handover` (pure) against `parallel.cp_shard`'s chunks and `speechlm.packing`'s layout, and
+`parallel.clip_handover` (pure) against `parallel.cp_shard`'s chunks and `speechlm.packing.thd`'s layout, and
 `parallel.sharded_clip`'s exchanges (forward and backward) on gloo ranks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from parallel.clip_placement import shard_bounds
 from parallel.cp_shard import cp_shard_indices_thd
 from parallel.sharded_clip import gather_slices, hand_over
 from parallel.testing import run_distributed
-from speechlm.packing import clip_offsets, plan_thd
+from speechlm.packing.thd import clip_offsets, plan_thd
 
 
 def _rows(intervals):

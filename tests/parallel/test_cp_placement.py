@@ -10,7 +10,7 @@ import torch
 from parallel.cp_placement import place_auto, place_sequences, sequence_cost
 from parallel.cp_shard import shard_placed_thd, shard_thd
 from parallel.rounding import rounding_unit
-from speechlm.packing import round_lengths
+from speechlm.packing.thd import round_lengths
 
 
 def lognormal_lengths(n: int, seed: int = 0, hi_s: float = 20.0) -> list[int]:

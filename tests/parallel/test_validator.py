@@ -34,7 +34,7 @@ from parallel.validator import (
     try_parse_version,
 )
 from speechlm.config import ConfigError, ExperimentConfig, apply_override
-from speechlm.validate_rules import RULES, TRAINING_RULES, validate
+from speechlm.preflight.rules import RULES, TRAINING_RULES, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = {"torch": "2.13.0", "transformer-engine": "2.5.0", "flash-attn": "2.8.3", "cudnn": "9.10.0"}
@@ -761,7 +761,7 @@ def test_format_findings_shows_level_id_reason_and_fix() -> None:
 
 def test_validator_and_cli_module_do_not_import_torch() -> None:
     code = (
-        "import sys, parallel.validator, speechlm.validate_rules, speechlm.validate; "
+        "import sys, parallel.validator, speechlm.preflight.rules, speechlm.preflight.validate; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -278,10 +278,10 @@ def test_val_max_batches_cuts_the_val_split_not_the_training_subset(demo_data, t
 
 
 def test_best_metric_may_name_a_train_key_kept_in_its_direction(demo_data):
-    from speechlm import preflight
     from speechlm.config import ConfigError, load_config
     from speechlm.data.sources.mmap_cache import open_index
     from speechlm.errors import UsageError
+    from speechlm.preflight import checks as preflight
     from speechlm.train.callbacks import ValidationCallback
 
     assert ValidationCallback(None, None, ".", every=1, best_metric="train_wer").lower_is_better

@@ -165,8 +165,8 @@ def test_fit_start_refuses_a_best_metric_the_validation_does_not_produce(demo_da
     assert "trainer.best_metric='ast/bleu'" in r.stderr and "asr/wer" in r.stderr and "wer_hi" in r.stderr
     assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
     # the same name is fine once the split has AST rows
-    from speechlm import preflight
     from speechlm.data.sources.mmap_cache import open_index
+    from speechlm.preflight import checks as preflight
 
     mixed = with_tasks(open_index(demo_data["val"]), lambda i: "ast" if i % 2 else "asr")
     cfg = smoke_cfg(demo_data, "trainer.val_every=1", "trainer.best_metric=ast/bleu")

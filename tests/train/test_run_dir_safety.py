@@ -196,7 +196,7 @@ def test_a_run_dir_or_checkpoints_that_is_a_file_is_refused_before_the_model(
         bad.write_text("")
     r = train_in_process(base(demo_data, run_dir, "trainer.ckpt_every=3"), capsys)
     assert r.returncode == 3, r.stderr[-3000:]
-    # the pre-flight (speechlm/preflight.py) finds it first, before any manifest is opened
+    # the pre-flight (speechlm/preflight/checks.py) finds it first, before any manifest is opened
     assert f"{bad} exists and is not a directory" in r.stderr and "model:" not in r.stdout
 
 

@@ -159,7 +159,7 @@ def test_step_fields_keep_small_rates_readable_and_prefer_tokens_per_s():
 
 def test_an_mfu_above_100_percent_is_flagged_not_printed_as_a_figure(tmp_path, capsys):
     """Audit PT04t: trainer.peak_tflops=1e-9 (a peak in the wrong unit) printed MFU 109185997%."""
-    from speechlm.flops import MFU_FLAG, implausible_peak
+    from speechlm.model.flops import MFU_FLAG, implausible_peak
     from speechlm.train.throughput import warn_implausible_peak
 
     assert step_fields({"mfu": 1091859.973}) == {"MFU": "n/a: above 100%, check trainer.peak_tflops"}

@@ -24,8 +24,8 @@ def write_test_export(out: Path, overrides: list[str]) -> Path:
     """`write_export` of a freshly built module of SMOKE + `overrides` into `out` (created)."""
     import torch
 
-    from speechlm import preflight
     from speechlm.config import load_config
+    from speechlm.preflight import checks as preflight
     from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
     from speechlm.use.checkpoint import LoadedCheckpoint

@@ -316,7 +316,7 @@ def test_export_refuses_a_non_empty_out_and_an_interrupted_one_leaves_nothing(
 def test_checkpoint_weights_must_cover_every_trainable_tensor(trained_run):
     """A checkpoint of another model config is refused naming a tensor it lacks (the frozen base a frozen
     or LoRA run leaves out is checked by fingerprint: tests/train/test_trainmodes_checkpoints.py)."""
-    from speechlm import preflight
+    from speechlm.preflight import checks as preflight
     from speechlm.train.checkpoint import CheckpointError
     from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
@@ -337,7 +337,7 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
 
     import yaml
 
-    from speechlm import preflight
+    from speechlm.preflight import checks as preflight
     from speechlm.use.checkpoint import load_checkpoint
 
     run = tmp_path / "run"

@@ -1,6 +1,6 @@
 """The one sampler builder: experiment config + training index -> one data-parallel rank's sampler.
 
-`speechlm train` (through `speechlm.preflight.summarize_plan`) and `speechlm plan` both build their
+`speechlm train` (through `speechlm.preflight.checks.summarize_plan`) and `speechlm plan` both build their
 sampler here, so the plan printed is the plan trained on, streaming read mode included. The steps,
 each a function of its own:
 

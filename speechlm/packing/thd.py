@@ -4,9 +4,9 @@ Letters: N utterances, L one prompt's length (before audio expansion), A one cli
 T packed tokens (all utterances, padding included), B batch rows, S padded row length, H hidden,
 M supervised positions.
 
-A prompt is ``ids_L`` plus ``target_mask_L`` (see ``speechlm.prompt``) and holds one ``audio_id``
+A prompt is ``ids_L`` plus ``target_mask_L`` (see ``speechlm.packing.prompt``) and holds one ``audio_id``
 placeholder per audio clip: exactly one (a transcription prompt, the default), or ``clip_counts[i]``
-for a conversation (`speechlm.prompt.ConversationRenderer`: several clips, several turns). Packing
+for a conversation (`speechlm.packing.prompt.ConversationRenderer`: several clips, several turns). Packing
 replaces each placeholder by its clip's ``A_c`` audio slots, in place, so an utterance with ``k``
 clips has ``seq_len = L - k + sum_c A_c`` positions. Audio lengths and embeddings are per clip,
 flattened in prompt order: prompt 0's clips in the order of its placeholders, then prompt 1's, ...
@@ -149,11 +149,11 @@ def _raise_placeholder_error(i: int, count: int, audio_id: int, expected: int = 
     if expected == 1:
         raise ValueError(
             f"utterance {i}: prompt holds {count} audio placeholders (audio_id={audio_id}), expected exactly "
-            "one; build prompts with speechlm.prompt.build_prompt and keep audio_id out of the text vocabulary"
+            "one; build prompts with speechlm.packing.prompt.build_prompt and keep audio_id out of the text vocabulary"
         )
     raise ValueError(
         f"utterance {i}: prompt holds {count} audio placeholders (audio_id={audio_id}) but the sample has "
-        f"{expected} clip(s); render it with speechlm.prompt.ConversationRenderer (one placeholder per clip "
+        f"{expected} clip(s); render it with speechlm.packing.prompt.ConversationRenderer (one placeholder per clip "
         "reference) and keep audio_id out of the text vocabulary"
     )
 

@@ -178,9 +178,9 @@ def _run_template(cfg: Any) -> str:
 
 
 def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
-    """The run's `speechlm.prompt.PromptFormat` (data.chat_template, data.instruction, data.system_prompt)."""
+    """The run's `speechlm.packing.prompt.PromptFormat` (data.chat_template, data.instruction, data.system_prompt)."""
     from speechlm.data.tokenizer import AUDIO
-    from speechlm.prompt import build_prompt_format
+    from speechlm.packing.prompt import build_prompt_format
 
     template = _run_template(cfg)
     try:
@@ -198,13 +198,13 @@ def build_run_prompt(cfg: Any, tokenizer: Any) -> Any:
 
 
 def build_run_renderer(cfg: Any, tokenizer: Any) -> Any:
-    """The run's `speechlm.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
+    """The run's `speechlm.packing.prompt.ConversationRenderer` (data.chat_template, data.system_prompt,
     data.loss_turns, data.text_normalize), which every dataset of training and evaluation renders its
     rows with; its one-turn prompts are `build_run_prompt`'s (data.instruction is the datasets' default
     instruction)."""
     from speechlm.data.text import normalize_target
     from speechlm.data.tokenizer import AUDIO
-    from speechlm.prompt import ConversationRenderer
+    from speechlm.packing.prompt import ConversationRenderer
 
     return ConversationRenderer(
         tokenizer,

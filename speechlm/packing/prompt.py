@@ -6,7 +6,7 @@ Letters: B batch rows, L prompt length (here: one utterance, audio still a singl
     ids_L          *prefix  <audio>  *middle  *target  *stop  *trailing
     target_mask_L     0        0        0        1       1        0
 
-``ids_L`` holds one ``audio_id`` placeholder that packing (``speechlm.packing``) replaces by the
+``ids_L`` holds one ``audio_id`` placeholder that packing (``speechlm.packing.thd``) replaces by the
 clip's audio embeddings. ``target_mask_L`` is True on the transcript tokens (which begin with the
 language tag when there is one, so the language is supervised) and on the stop tokens; everything
 else is context only.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speechlm.packing import IGNORE_INDEX
+from speechlm.packing.thd import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PromptFormat", "build_prompt", "build_prompt_format", "build_prompts"]
 

@@ -14,7 +14,7 @@ Memory per rank (bytes; docs/training.md, "Estimating a layout"; the calibration
   the backward, one at a time).
 - runtime: what the process holds before any model (`RUNTIME_GIB`: Python, torch, transformers and
   Lightning on a CPU; the CUDA context on a GPU).
-Step time: the step's training FLOPs on one rank (`speechlm.flops`) / (device peak x `--mfu`).
+Step time: the step's training FLOPs on one rank (`speechlm.model.flops`) / (device peak x `--mfu`).
 
 The heaviest micro-batch is the config's budget (sampler.max_batch_duration seconds) filled with the
 longest utterances of the manifest (`--manifest`, or data.train_manifest when it exists), each with its
@@ -33,7 +33,7 @@ from typing import Any
 
 from speechlm.config import ExperimentConfig
 from speechlm.errors import UsageError, UserError
-from speechlm.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
+from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
 
 GIB = 2.0**30
 DEVICE_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.1}  # what torch reports usable; cpu: this machine's RAM
@@ -97,8 +97,8 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
     import torch
     from torch import nn
 
-    from speechlm.flops import dims_of_model
     from speechlm.model.encoders import build_encoder
+    from speechlm.model.flops import dims_of_model
     from speechlm.model.llm import build_llm
     from speechlm.model.projector import FrameStackProjector
 
@@ -137,7 +137,7 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
 
 def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
     """Sequence lengths in the LLM: the clip's audio embeddings and its prompt (tag, transcript, eos)."""
-    from speechlm.flops import encoder_frames
+    from speechlm.model.flops import encoder_frames
 
     return [
         -(-encoder_frames(dims.encoder, t) // dims.stack) + k + 2
@@ -147,7 +147,7 @@ def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
 
 def encoder_clip_elements(dims: ModelDims, t: int) -> float:
     """Activation elements the encoder, projector and CTC head keep for one clip of `t` feature frames."""
-    from speechlm.flops import encoder_frames
+    from speechlm.model.flops import encoder_frames
 
     e = dims.encoder
     u = encoder_frames(e, t)
@@ -172,7 +172,7 @@ def activation_bytes(
     cfg: ExperimentConfig, dims: ModelDims, w: Workload, layout: Layout, *, checkpointing: bool
 ) -> dict[str, float]:
     """Activation bytes of micro-batch `w` on one rank: {"encoder", "llm", "total"} (module docstring)."""
-    from speechlm.flops import encoder_frames
+    from speechlm.model.flops import encoder_frames
 
     act = 2 if cfg.trainer.precision == "bf16" else 4
     d = dims.llm
@@ -484,7 +484,7 @@ def format_estimate(
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `estimate` to the `speechlm` subcommands (sets `func`)."""
-    from speechlm.validate import _TrailingOverrides
+    from speechlm.preflight.validate import _TrailingOverrides
 
     p = subparsers.add_parser(
         "estimate",

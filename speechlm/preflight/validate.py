@@ -2,12 +2,12 @@
 
 It runs every rule train runs before its first step: the layout rules, and, with the training data
 (`--manifest M`, else the config's data.input_cfg / data.train_manifest when it exists), train's file
-checks (`speechlm.preflight`: manifests and tokenizer open, languages and tags known to the tokenizer,
+checks (`speechlm.preflight.checks`: manifests and tokenizer open, languages and tags known to the tokenizer,
 no null values) and the data-side rules (grad-accum-exceeds-batches, epoch-plan-too-short,
 budget-below-longest-utterance). What it could not check (no manifest or tokenizer at the configured
 path) it says on stderr. Only the run dir and `trainer.resume` checks are train's alone.
 
-The rules live in `parallel.validator` (the parallelism rules) and `speechlm.validate_rules` (the
+The rules live in `parallel.validator` (the parallelism rules) and `speechlm.preflight.rules` (the
 training rules, and `RULES`, the full table run here). This module gathers what the rules need from
 the machine, or from flags when validating for another machine:
 
@@ -54,7 +54,7 @@ from parallel.validator import (
 )
 from speechlm import errors
 from speechlm.config import ExperimentConfig, is_override, split_override
-from speechlm.validate_rules import RULES
+from speechlm.preflight.rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
 PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -296,7 +296,7 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
     )
     world_size, source = _resolve_world_size(args, env, config)
     # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
-    from speechlm.preflight import summarize_plan, validate_data
+    from speechlm.preflight.checks import summarize_plan, validate_data
 
     summary, checked, table, notes = validate_data(config, args.manifest)
     for note in notes:
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m speechlm.validate CONFIG ...`: the same as `speechlm validate CONFIG ...`."""
+    """`python -m speechlm.preflight.validate CONFIG ...`: the same as `speechlm validate CONFIG ...`."""
     parser = argparse.ArgumentParser(prog="speechlm")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["validate", *(sys.argv[1:] if argv is None else argv)])

@@ -35,7 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "mfu": "benchmarks/bench_mfu.py",  # ~1B speech LLM step: MFU THD vs BSHD, estimate vs peak memory
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark(name: str) -> ModuleType:

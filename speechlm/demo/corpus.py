@@ -293,7 +293,7 @@ def espeak_version() -> str:
     """The libespeak-ng version the loader ships, read in a throwaway process (this one stays clean)."""
     import subprocess
 
-    code = "from speechlm.demo_corpus import Espeak; print(Espeak().version)"
+    code = "from speechlm.demo.corpus import Espeak; print(Espeak().version)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "espeak failed")

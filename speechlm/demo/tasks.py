@@ -34,7 +34,7 @@ the same bytes. A row whose language is not in `GLOSSARY` stays ASR only; a word
 that has no gloss is a ManifestError naming the manifest, the row and the word (the generator is
 for the demo corpus' vocabulary only).
 
-Run by `speechlm demo`, or by hand: ``python -m speechlm.demo_tasks data/demo_manifest``.
+Run by `speechlm demo`, or by hand: ``python -m speechlm.demo.tasks data/demo_manifest``.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def translate_transcript(text: str, lang: str, *, where: str = "transcript") -> 
     missing = [w for w in words if w not in glossary]
     if missing:
         raise ManifestError(
-            f"{where}: word {missing[0]!r} ({lang}) has no English gloss in speechlm.demo_tasks.GLOSSARY; "
+            f"{where}: word {missing[0]!r} ({lang}) has no English gloss in speechlm.demo.tasks.GLOSSARY; "
             "the translation task is generated for the demo corpus' vocabulary only "
             "(scripts/make_demo_corpus.py): use the bundled corpus, or add the word to the glossary"
         )
@@ -230,7 +230,7 @@ def write_demo_tasks(manifest_dir: str | Path) -> dict[str, Path]:
         {"path": "ast_train.parquet", "name": "ast", "weight": MIX_WEIGHTS["ast"]},
     ]
     text = (
-        "# The demo's training mix (written by speechlm.demo_tasks): ASR on every clip, AST (speech to\n"
+        "# The demo's training mix (written by speechlm.demo.tasks): ASR on every clip, AST (speech to\n"
         "# English gloss) on the hi/bn/ta/te clips; each row carries its task, instruction and answer.\n"
         + yaml.safe_dump(mix, sort_keys=False, allow_unicode=True)
     )
@@ -240,7 +240,7 @@ def write_demo_tasks(manifest_dir: str | Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m speechlm.demo_tasks", description=__doc__.split("\n\n")[0] if __doc__ else None
+        prog="python -m speechlm.demo.tasks", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     ap.add_argument("manifest_dir", help="folder holding the demo's train.parquet and val.parquet")
     args = ap.parse_args(argv)

@@ -398,7 +398,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
 
 
 RULES: tuple[Rule, ...] = (*PARALLEL_RULES, *TRAINING_RULES)
-# the rule that needs the epoch plan, which is built only once the others pass (speechlm.preflight)
+# the rule that needs the epoch plan, which is built only once the others pass (speechlm.preflight.checks)
 EPOCH_PLAN_RULE: Rule = next(r for r in TRAINING_RULES if r.id == "epoch-plan-too-short")
 
 # `parallel.validator.validate` over the full table: validate(config, world_size, env, device_capability,

@@ -1,11 +1,11 @@
 """`speechlm demo`: the Quick start's main job on a demo corpus synthesized here.
 
 synthesize the corpus (thousands of utterances in five languages with a held-out split whose sentences
-never occur in training, `speechlm.demo_corpus`; cached, so a second run reuses it) → build the manifest
+never occur in training, `speechlm.demo.corpus`; cached, so a second run reuses it) → build the manifest
 → train the tokenizer → print the epoch plan → train `configs/demo.yaml` on transcription → print the
 held-out and the training-split WER per language (eval.json and learning_curve.png in the run directory).
 `--with-ast` adds the translation task (speech to English gloss on the hi/bn/ta/te clips,
-`speechlm.demo_tasks`) and trains the ASR + AST mix, printing BLEU/chrF beside WER.
+`speechlm.demo.tasks`) and trains the ASR + AST mix, printing BLEU/chrF beside WER.
 Each step is the same command a user would run by hand; they are printed before they run.
 
 `speechlm demo corpus [--corpus DIR] [--utterances N] [--heldout N] [--seed S]` only synthesizes the corpus.
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from speechlm import demo_corpus
+from speechlm.demo import corpus as demo_corpus
 from speechlm.errors import run_guarded
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO_VOCAB_SIZE = 300  # docs/training.md, the demo: what the tokenizer's size does to 10 CPU minutes
 
 
@@ -94,7 +94,7 @@ def demo_outputs(out: Path, with_ast: bool) -> list[Path]:
     names = ["train.parquet", "val.parquet", "build_report.json"]
     names += [f"tokenizer{suffix}" for suffix in (".model", ".vocab", ".json")]
     if with_ast:
-        from speechlm.demo_tasks import MIX_FILE
+        from speechlm.demo.tasks import MIX_FILE
 
         names += ["ast_train.parquet", "ast_val.parquet", "val_tasks.parquet", MIX_FILE]
     return [out / n for n in names]
@@ -151,10 +151,10 @@ def run_demo(args: argparse.Namespace) -> int:
         data = [f"data.train_manifest={out / 'train.parquet'}", f"data.val_manifest={out / 'val.parquet'}"]
         plan_data = ["--manifest", str(out / "train.parquet")]
     else:
-        from speechlm.demo_tasks import MIX_FILE
-        from speechlm.demo_tasks import main as write_tasks
+        from speechlm.demo.tasks import MIX_FILE
+        from speechlm.demo.tasks import main as write_tasks
 
-        print(f"\n$ python -m speechlm.demo_tasks {out}", flush=True)
+        print(f"\n$ python -m speechlm.demo.tasks {out}", flush=True)
         rc = run_guarded(lambda: _write_owned(demo_outputs(out, True)[-4:], lambda: write_tasks([str(out)])))
         if rc:
             return rc
