@@ -2,10 +2,12 @@
 
 parallel/      torch, the standard library and parallel/ itself (plus `packaging` in the validator);
                never speechlm.
-speechlm/data  never the model, the trainer, Lightning, transformers or torch.distributed.
-speechlm/model never torch.distributed (the training layer binds collectives to the model), the
-               trainer, Lightning or the data layer.
-packing/prompt torch and parallel.rounding only.
+speechlm/      each layer of DESIGN.md's table only the layers below it (`LAYERS` here): the ground
+               floor (errors, io, progress, metrics) nothing above it; config the standard library and
+               yaml; packing torch and parallel.rounding; data never the model, the trainer, Lightning,
+               transformers or torch.distributed; model never torch.distributed (the training layer
+               binds collectives to the model), the trainer, Lightning or the data layer; preflight and
+               use never the trainer; train everything but the demo, the sweep and the CLI.
 Only speechlm/train (and the CLI-level modules) import Lightning.
 """
 
@@ -27,6 +29,8 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("speechlm", "parallel"):
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]  # `from speechlm import errors`
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
     return out
@@ -57,27 +61,110 @@ def test_parallel_imports_only_torch():
     assert violations("parallel", allowed) == []
 
 
-DATA_FORBIDDEN = ("speechlm.model", "speechlm.train", "lightning", "transformers", "torch.distributed")
-MODEL_FORBIDDEN = ("torch.distributed", "speechlm.train", "speechlm.data", "lightning")
-
-
-@pytest.mark.parametrize(
-    ("folder", "forbidden"),
-    [("speechlm/data", DATA_FORBIDDEN), ("speechlm/model", MODEL_FORBIDDEN)],
+# The layers table of DESIGN.md: the project modules each layer may import (a prefix matches the module
+# and everything below it). The ground floor (errors, io, progress, metrics) may be imported by all.
+GROUND = ("speechlm.errors", "speechlm.io", "speechlm.progress", "speechlm.metrics", "speechlm.__version__")
+BELOW_TRAIN = (
+    *GROUND,
+    "speechlm.config",
+    "speechlm.data",
+    "speechlm.packing",
+    "speechlm.model",
+    "speechlm.preflight",
+    "speechlm.use",
+    "parallel",
 )
-def test_data_and_model_do_not_import_upward(folder, forbidden):
-    bad = [
-        f"{f.relative_to(REPO)}:{line} imports {mod}"
-        for f in files(folder)
-        for line, mod in imports_of(f)
-        if any(mod == x or mod.startswith(x + ".") for x in forbidden)
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # layer folder or file: (project modules it may import, third-party modules it must not import)
+    "speechlm/errors.py": (GROUND, ()),
+    "speechlm/io.py": (GROUND, ()),
+    "speechlm/progress.py": (GROUND, ()),
+    "speechlm/metrics.py": (GROUND, ()),
+    "speechlm/config": (("speechlm.config", *GROUND, "parallel.backend_caps"), ("torch",)),
+    "speechlm/packing": (("speechlm.packing", "parallel.rounding"), ()),
+    "speechlm/data": (
+        ("speechlm.data", "speechlm.config", "speechlm.packing", *GROUND, "parallel"),
+        ("lightning", "transformers", "torch.distributed"),
+    ),
+    "speechlm/model": (
+        ("speechlm.model", "speechlm.config", "speechlm.packing", *GROUND, "parallel"),
+        ("lightning", "torch.distributed"),
+    ),
+    "speechlm/preflight": (
+        (
+            "speechlm.preflight",
+            "speechlm.config",
+            "speechlm.data",
+            "speechlm.packing",
+            "speechlm.model",
+            *GROUND,
+            "parallel",
+        ),
+        ("lightning",),
+    ),
+    "speechlm/use": (
+        (
+            "speechlm.use",
+            "speechlm.config",
+            "speechlm.data",
+            "speechlm.packing",
+            "speechlm.model",
+            *GROUND,
+            "parallel",
+        ),
+        ("lightning",),
+    ),
+    "speechlm/train": (("speechlm.train", *BELOW_TRAIN), ()),
+}
+
+
+def project_imports(f: Path) -> list[tuple[int, str]]:
+    return [(line, mod) for line, mod in imports_of(f) if mod.split(".")[0] in ("speechlm", "parallel")]
+
+
+def layer_violations(rel: str, allowed: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    def under(mod: str, prefixes: tuple[str, ...]) -> bool:
+        return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+    bad = []
+    for f in files(rel):
+        for line, mod in imports_of(f):
+            internal = mod.split(".")[0] in ("speechlm", "parallel")
+            if (internal and not under(mod, allowed)) or under(mod, forbidden):
+                bad.append(f"{f.relative_to(REPO)}:{line} imports {mod}")
+    return bad
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_each_layer_imports_only_what_the_layers_table_allows(layer):
+    """An arrow that runs back up (a lower layer importing a higher one) fails here, naming the line."""
+    allowed, forbidden = LAYERS[layer]
+    assert layer_violations(layer, allowed, forbidden) == []
+
+
+def test_the_layers_table_covers_every_folder():
+    """A new folder under speechlm/ gets a row in the table (or is one of the top floors that may
+    import everything: demo, sweep)."""
+    top_floors = {"demo", "sweep"}
+    folders = {p.name for p in (REPO / "speechlm").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - top_floors == {rel.split("/")[1] for rel in LAYERS if "." not in rel.split("/")[1]}
+
+
+def test_the_layer_checker_sees_an_arrow_back_up(tmp_path, monkeypatch):
+    bad = tmp_path / "speechlm" / "use" / "x.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(
+        "import os\nfrom speechlm.model import llm\n\ndef f():\n    from speechlm.train import step\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert layer_violations("speechlm/use", *LAYERS["speechlm/use"]) == [
+        "speechlm/use/x.py:5 imports speechlm.train"
     ]
-    assert bad == []
 
 
 @pytest.mark.parametrize("module", ["speechlm/packing/thd.py", "speechlm/packing/prompt.py"])
 def test_packing_and_prompts_import_only_torch(module):
-    assert violations(module, lambda f: ["torch", "parallel.rounding", "speechlm.packing.thd"]) == []
+    assert violations(module, lambda f: ["torch", "parallel.rounding", "speechlm.packing"]) == []
 
 
 def test_only_the_training_layer_imports_lightning():
