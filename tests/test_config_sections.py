@@ -1,4 +1,4 @@
-"""Issue 21, config: choice fields typed as Literal (parsing refuses bad values with the FIELDS message), a
+"""Issue 21, config: choice fields typed as Literal (parsing refuses bad values with the key's message), a
 `validate()` per section, one dotted-override parser, and the removed `model.encoder.tensor_parallel`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from parallel.backend_caps import BACKENDS
 from speechlm.config import (
-    FIELDS,
+    KEYS,
     AttentionBackend,
     ConfigError,
     DataConfig,
@@ -71,7 +71,7 @@ def _choice_fields() -> dict[str, tuple[object, ...]]:
 
 def test_every_choice_field_is_a_literal_and_its_rule_reads_the_type() -> None:
     choices = _choice_fields()
-    one_of = {k: r for k, r in FIELDS.items() if isinstance(r, OneOf)}
+    one_of = {k: s.rule for k, s in KEYS.items() if isinstance(s.rule, OneOf)}
     assert set(one_of) <= set(choices), sorted(set(one_of) - set(choices))
     for key, rule in one_of.items():
         assert rule.choices == choices[key], key
