@@ -164,3 +164,28 @@ def test_one_override_parser_for_config_sweep_and_validate() -> None:
     # the origin of a key set with spaces around it is the command line
     with pytest.raises(ConfigError, match=r"optim\.lr=-1.0 \(set on the command line\)"):
         load_config(None, [" optim.lr =-1"])
+
+
+def test_one_command_line_parser_takes_overrides_after_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`parse_command_line` is what `speechlm`, `python -m speechlm.train` and `python -m
+    speechlm.preflight.validate` call: overrides after the flags join `overrides`, in order; other leftover
+    words are an argument error that names only them; a command without overrides takes none."""
+    import argparse
+
+    from speechlm.config import parse_command_line
+
+    parser = argparse.ArgumentParser(prog="cmd")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--json", action="store_true")
+    args = parse_command_line(parser, ["c.yaml", "a.b=1", "--json", "c.d=2", "e.f=3"])
+    assert (args.config, args.overrides, args.json) == ("c.yaml", ["a.b=1", "c.d=2", "e.f=3"], True)
+    assert parse_command_line(parser, ["c.yaml"]).overrides == []
+    with pytest.raises(SystemExit) as e:
+        parse_command_line(parser, ["c.yaml", "--json", "c.d=2", "--bogus"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith("error: unrecognized arguments: --bogus\n")
+    plain = argparse.ArgumentParser(prog="cmd")
+    plain.add_argument("config")
+    with pytest.raises(SystemExit):
+        parse_command_line(plain, ["c.yaml", "a.b=1"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: a.b=1\n")

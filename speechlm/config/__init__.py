@@ -16,7 +16,7 @@ parallel layout live in the validator (parallel/validator/).
     model.py       EncoderConfig, LoRAConfig, LLMConfig, ModelConfig
     run.py         ParallelConfig, OptimConfig, TrainerConfig
     experiment.py  ExperimentConfig, KEYS (every key by dotted name), require_inputs, derived settings
-    overrides.py   dotted overrides: is_override, split_override
+    overrides.py   dotted overrides: split_override, parse_command_line
     load.py        load_config: YAML, overrides, type conversion, input paths; to_dict
     docs.py        docs/config.md
 """
@@ -71,7 +71,7 @@ from speechlm.config.load import (
     to_dict,
 )
 from speechlm.config.model import LORA_TARGETS_DEFAULT, EncoderConfig, LLMConfig, LoRAConfig, ModelConfig
-from speechlm.config.overrides import is_override, split_override
+from speechlm.config.overrides import is_override, parse_command_line, split_override
 from speechlm.config.rules import (
     SEED_MAX,
     TRAIN_PREFIX,
@@ -156,6 +156,7 @@ __all__ = [
     "key",
     "leaf_keys",
     "load_config",
+    "parse_command_line",
     "require_inputs",
     "resolve_config_paths",
     "resolve_path_value",
