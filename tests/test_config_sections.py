@@ -189,3 +189,40 @@ def test_one_command_line_parser_takes_overrides_after_the_flags(capsys: pytest.
     with pytest.raises(SystemExit):
         parse_command_line(plain, ["c.yaml", "a.b=1"])
     assert capsys.readouterr().err.endswith("error: unrecognized arguments: a.b=1\n")
+
+
+# --- each key declared once: key(default, doc, rule) on the field -------------------------------------
+
+
+def test_a_key_states_its_rule_or_takes_it_from_its_type() -> None:
+    """`key()` is the one declaration of a key: a Literal field's rule lists the Literal's values (also when
+    the rule gives only advice), a bool field's is Flag(); any other field without a rule is refused."""
+    from dataclasses import dataclass
+
+    from speechlm.config import Flag, Num, Section, key
+    from speechlm.config.keys import field_specs
+
+    @dataclass
+    class Demo(Section):
+        KEY: typing.ClassVar[str] = "demo"
+        mode: typing.Literal["a", "b"] = key("a", "a mode")
+        near: typing.Literal["x", "y"] = key("x", "advised", OneOf(advice=(("z", "z: use x"),)))
+        on: bool = key(True, "a switch")
+        n: int = key(1, "a count", Num(lo=1, integer=True))
+        names: list[str] = key(["p"], "a list", Num())
+
+    specs = field_specs(Demo)
+    assert [specs[k].rule for k in ("mode", "on")] == [OneOf(("a", "b")), Flag()]
+    assert specs["n"].rule == Num(lo=1, integer=True)
+    assert specs["near"].rule == OneOf(("x", "y"), advice=(("z", "z: use x"),))
+    assert specs["n"].advice() == "use integer >= 1 (a count)"
+    assert Demo().names == ["p"] and Demo().names is not Demo().names  # a list default is copied
+    with pytest.raises(ConfigError, match=r"^demo.near='z' \(the default\): not a valid choice \(z: use x"):
+        Demo(near="z").validate({})
+
+    @dataclass
+    class NoRule(Section):
+        count: int = key(1, "a count")
+
+    with pytest.raises(TypeError, match="NoRule.count: give key"):
+        field_specs(NoRule)
