@@ -10,16 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from speechlm.config import is_override
+from speechlm.config import parse_command_line
 from speechlm.errors import EXIT_CODES, run_guarded
 
 EXIT_CODES_HELP = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in EXIT_CODES.items())
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("speechlm")
     except PackageNotFoundError:
@@ -98,13 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, also after the subcommand
     argv = [a for a in argv if a != "--debug"]
-    args, extras = parser.parse_known_args(argv)
-    if extras:
-        # dotted overrides may come after options (`train CONFIG --cp-size 2 trainer.max_steps=3`)
-        if hasattr(args, "overrides") and all(is_override(e) for e in extras):
-            args.overrides = [*(args.overrides or []), *extras]
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    # dotted overrides may come after options (`train CONFIG --cp-size 2 trainer.max_steps=3`)
+    args = parse_command_line(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,4 +1,4 @@
-"""Issue 21, config: choice fields typed as Literal (parsing refuses bad values with the FIELDS message), a
+"""Issue 21, config: choice fields typed as Literal (parsing refuses bad values with the key's message), a
 `validate()` per section, one dotted-override parser, and the removed `model.encoder.tensor_parallel`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from parallel.backend_caps import BACKENDS
 from speechlm.config import (
-    FIELDS,
+    KEYS,
     AttentionBackend,
     ConfigError,
     DataConfig,
@@ -71,7 +71,7 @@ def _choice_fields() -> dict[str, tuple[object, ...]]:
 
 def test_every_choice_field_is_a_literal_and_its_rule_reads_the_type() -> None:
     choices = _choice_fields()
-    one_of = {k: r for k, r in FIELDS.items() if isinstance(r, OneOf)}
+    one_of = {k: s.rule for k, s in KEYS.items() if isinstance(s.rule, OneOf)}
     assert set(one_of) <= set(choices), sorted(set(one_of) - set(choices))
     for key, rule in one_of.items():
         assert rule.choices == choices[key], key
@@ -164,3 +164,65 @@ def test_one_override_parser_for_config_sweep_and_validate() -> None:
     # the origin of a key set with spaces around it is the command line
     with pytest.raises(ConfigError, match=r"optim\.lr=-1.0 \(set on the command line\)"):
         load_config(None, [" optim.lr =-1"])
+
+
+def test_one_command_line_parser_takes_overrides_after_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`parse_command_line` is what `speechlm`, `python -m speechlm.train` and `python -m
+    speechlm.preflight.validate` call: overrides after the flags join `overrides`, in order; other leftover
+    words are an argument error that names only them; a command without overrides takes none."""
+    import argparse
+
+    from speechlm.config import parse_command_line
+
+    parser = argparse.ArgumentParser(prog="cmd")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--json", action="store_true")
+    args = parse_command_line(parser, ["c.yaml", "a.b=1", "--json", "c.d=2", "e.f=3"])
+    assert (args.config, args.overrides, args.json) == ("c.yaml", ["a.b=1", "c.d=2", "e.f=3"], True)
+    assert parse_command_line(parser, ["c.yaml"]).overrides == []
+    with pytest.raises(SystemExit) as e:
+        parse_command_line(parser, ["c.yaml", "--json", "c.d=2", "--bogus"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith("error: unrecognized arguments: --bogus\n")
+    plain = argparse.ArgumentParser(prog="cmd")
+    plain.add_argument("config")
+    with pytest.raises(SystemExit):
+        parse_command_line(plain, ["c.yaml", "a.b=1"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: a.b=1\n")
+
+
+# --- each key declared once: key(default, doc, rule) on the field -------------------------------------
+
+
+def test_a_key_states_its_rule_or_takes_it_from_its_type() -> None:
+    """`key()` is the one declaration of a key: a Literal field's rule lists the Literal's values (also when
+    the rule gives only advice), a bool field's is Flag(); any other field without a rule is refused."""
+    from dataclasses import dataclass
+
+    from speechlm.config import Flag, Num, Section, key
+    from speechlm.config.keys import field_specs
+
+    @dataclass
+    class Demo(Section):
+        KEY: typing.ClassVar[str] = "demo"
+        mode: typing.Literal["a", "b"] = key("a", "a mode")
+        near: typing.Literal["x", "y"] = key("x", "advised", OneOf(advice=(("z", "z: use x"),)))
+        on: bool = key(True, "a switch")
+        n: int = key(1, "a count", Num(lo=1, integer=True))
+        names: list[str] = key(["p"], "a list", Num())
+
+    specs = field_specs(Demo)
+    assert [specs[k].rule for k in ("mode", "on")] == [OneOf(("a", "b")), Flag()]
+    assert specs["n"].rule == Num(lo=1, integer=True)
+    assert specs["near"].rule == OneOf(("x", "y"), advice=(("z", "z: use x"),))
+    assert specs["n"].advice() == "use integer >= 1 (a count)"
+    assert Demo().names == ["p"] and Demo().names is not Demo().names  # a list default is copied
+    with pytest.raises(ConfigError, match=r"^demo.near='z' \(the default\): not a valid choice \(z: use x"):
+        Demo(near="z").validate({})
+
+    @dataclass
+    class NoRule(Section):
+        count: int = key(1, "a count")
+
+    with pytest.raises(TypeError, match="NoRule.count: give key"):
+        field_specs(NoRule)

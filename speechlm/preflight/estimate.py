@@ -484,8 +484,6 @@ def format_estimate(
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `estimate` to the `speechlm` subcommands (sets `func`)."""
-    from speechlm.preflight.validate import _TrailingOverrides
-
     p = subparsers.add_parser(
         "estimate",
         help="per-rank memory and step time of a layout before a run; exit 1 when it does not fit",
@@ -496,7 +494,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "does not fit the device (docs/training.md, 'Estimating a layout')."
         ),
     )
-    p.__class__ = type("EstimateParser", (_TrailingOverrides, type(p)), {})
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="dotted config overrides")
     p.add_argument("--world-size", type=int, required=True, help="processes in the job")

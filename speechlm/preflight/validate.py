@@ -53,7 +53,7 @@ from parallel.validator import (
     parse_capability,
 )
 from speechlm import errors
-from speechlm.config import ExperimentConfig, is_override, split_override
+from speechlm.config import ExperimentConfig, parse_command_line, split_override
 from speechlm.preflight.rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
@@ -153,23 +153,6 @@ def validate_at_fit_start(
 # --------------------------------------------------------------------------------------------
 
 
-class _TrailingOverrides:
-    """Parser mixin: dotted overrides may also follow the flags (`CONFIG --json model.x=1`).
-
-    argparse fills the `overrides` positional at its first chance (right after CONFIG), so later
-    `key=value` words would be rejected as unrecognized; this moves them into `overrides` instead.
-    """
-
-    def parse_known_args(
-        self, args: Any = None, namespace: Any = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        ns, extras = super().parse_known_args(args, namespace)  # type: ignore[misc]
-        moved = [a for a in extras if is_override(a)]
-        if moved:
-            ns.overrides = [*(getattr(ns, "overrides", None) or []), *moved]
-        return ns, [a for a in extras if a not in moved]
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `validate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
@@ -185,7 +168,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "flags to validate for another machine."
         ),
     )
-    p.__class__ = type("ValidateParser", (_TrailingOverrides, type(p)), {})
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="dotted config overrides")
     p.add_argument(
@@ -349,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m speechlm.preflight.validate CONFIG ...`: the same as `speechlm validate CONFIG ...`."""
     parser = argparse.ArgumentParser(prog="speechlm")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["validate", *(sys.argv[1:] if argv is None else argv)])
+    args = parse_command_line(parser, ["validate", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))
 
 

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from speechlm.config import parse_command_line
 from speechlm.errors import run_guarded
 from speechlm.train.entry import OVERRIDES_HELP, add_train_arguments, run_train_command
 
@@ -15,11 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_train_arguments(p)
     p.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
-    args, extras = p.parse_known_args(argv)
-    if extras:  # dotted overrides may come after options
-        if not all("=" in e and not e.startswith("-") for e in extras):
-            p.error(f"unrecognized arguments: {' '.join(extras)}")
-        args.overrides = [*args.overrides, *extras]
+    args = parse_command_line(p, argv)  # dotted overrides may come after options
     return run_guarded(lambda: run_train_command(args), debug=args.debug)
 
 

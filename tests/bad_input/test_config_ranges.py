@@ -1,5 +1,5 @@
-"""Issue 20, config values and paths: every key has a declared range or choice set (one table,
-`speechlm.config.FIELDS`), checked by `load_config` for `speechlm validate` and `speechlm train` alike;
+"""Issue 20, config values and paths: every key has a declared range or choice set (declared on its field,
+`speechlm.config.KEYS`), checked by `load_config` for `speechlm validate` and `speechlm train` alike;
 the data paths have no demo defaults; paths in a config file resolve against the file's folder."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from helpers import train_in_process
 
 from speechlm.cli import main as cli_main
 from speechlm.config import (
-    FIELDS,
+    KEYS,
     ConfigError,
     ExperimentConfig,
     final_eval_split,
@@ -47,15 +47,15 @@ def _dataclass_leaves(cls: type, prefix: str = "") -> list[str]:
 
 def test_every_config_field_has_a_declared_range_or_choice_set():
     keys = _dataclass_leaves(ExperimentConfig)
-    missing = [k for k in keys if k not in FIELDS]
-    stale = [k for k in FIELDS if k not in keys]
-    assert not missing, f"fields without a declared range/choice in speechlm.config.FIELDS: {missing}"
-    assert not stale, f"FIELDS entries for keys that do not exist: {stale}"
+    missing = [k for k in keys if k not in KEYS]
+    stale = [k for k in KEYS if k not in keys]
+    assert not missing, f"fields without a declared range/choice in speechlm.config.KEYS: {missing}"
+    assert not stale, f"KEYS entries for keys that do not exist: {stale}"
     assert sorted(leaf_keys()) == sorted(keys)
-    for key, rule in FIELDS.items():
-        assert rule.doc and rule.describe(), key
+    for key, spec in KEYS.items():
+        assert spec.doc and spec.rule.describe(), key
         default = _default(key)
-        assert rule.check(default) is None, f"the default {key}={default!r} is outside its own range"
+        assert spec.rule.check(default) is None, f"the default {key}={default!r} is outside its own range"
 
 
 def _default(key: str):
@@ -416,8 +416,8 @@ def test_config_reference_is_generated_and_current():
                        capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     text = (REPO / "docs/config.md").read_text()
-    for key, rule in FIELDS.items():
-        assert f"`{key.rsplit('.', 1)[1]}`" in text and rule.describe().replace("|", "\\|") in text, key
+    for key, spec in KEYS.items():
+        assert f"`{key.rsplit('.', 1)[1]}`" in text and spec.rule.describe().replace("|", "\\|") in text, key
     assert "against the folder of the config file" in text
 
 
