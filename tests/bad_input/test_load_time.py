@@ -393,7 +393,7 @@ def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_pat
 
 
 def test_null_text_names_the_row_in_plan_and_train(audio: Path, tmp_path: Path) -> None:
-    from speechlm.data.plan_inputs import read_plan_inputs
+    from speechlm.data.plan.inputs import read_plan_inputs
     from speechlm.data.sources.mmap_cache import open_index
 
     table = manifest(audio, [{"path": str(audio / "one.wav")}] * 6)

@@ -1,32 +1,14 @@
-"""`speechlm plan`: show one epoch's plan before training on it.
-
-Builds the sampler training builds (`speechlm.data.sampler.build`: the same settings, token cost model,
-dataset mix and, when ``data.read_mode`` streams, the streaming plan) and prints its epoch:
-
-- micro-batches per dp rank and optimizer steps per epoch (micro-batches / grad_accum);
-- audio hours per optimizer step, summed over all dp ranks;
-- the language mix of the plan (utterances and hours) next to the natural and the target shares;
-- per duration bucket: utterances, micro-batches, hours;
-- the padding efficiency (real tokens / computed tokens) of a padded BSHD batch, which computes
-  B * max_len per micro-batch, and of a packed THD batch, which computes the sum of the lengths
-  plus the CP/TP rounding of `speechlm.packing.thd.round_lengths`. Token counts per utterance follow
-  the sampler's token cost model (audio + prompt) plus its estimate of the text tokens,
-  ceil(characters / CHARS_PER_TOKEN), when the manifest has a `text` column.
-
-`--json FILE` writes the summary plus `ranks`: one list per dp rank of micro-batches, each a list
-of manifest row indices, in consumption order.
+"""The figures of `speechlm plan` (`speechlm.data.plan`): what one epoch's plan holds, per dp rank, language,
+task, dataset and duration bucket, and its padding under BSHD and THD (with the CP placement), as a
+JSON-ready dict. Everything here is vectorised over the planned rows, a million at a time (`CHUNK`), so a
+10M-row plan stays in memory.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -34,16 +16,42 @@ import numpy as np
 from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
-from speechlm.data.plan_inputs import plan_inputs_of_input_cfg, plan_inputs_of_table, read_plan_columns
+from speechlm.data.plan.inputs import plan_inputs_of_input_cfg, plan_inputs_of_table, read_plan_columns
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
-from speechlm.data.sampler.build import (
-    CHARS_PER_TOKEN,
-    SamplerInputs,
-    make_sampler,
-    sampler_settings,
-    text_tokens_of,
-)
-from speechlm.progress import Progress
+from speechlm.data.sampler.build import CHARS_PER_TOKEN, SamplerInputs, text_tokens_of
+from speechlm.data.sampler.mix import mix_groups
+from speechlm.data.sources.mmap_cache import open_index
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What `speechlm plan` plans: the sampler settings, and the manifest, epoch and cp/tp around them."""
+
+    settings: SamplerSettings
+    manifest: Any
+    epoch: int
+    cp_size: int
+    tp_size: int
+    cp_split_threshold: int | str = 0  # tokens, or "auto"
+    pair_cost: float = 0.0  # attention pair cost in token units: 1 / (6 * LLM hidden size)
+    input_cfg: Any = None  # data.input_cfg entries (or a YAML file of them) instead of one manifest
+    cfg: Any = None  # the speechlm.config.ExperimentConfig: data.read_mode, data.max_tokens, ...
+
+    def as_json(self) -> dict[str, Any]:
+        """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
+        values = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}
+        values["bucket_boundaries"] = list(self.settings.boundaries)
+        del values["token_cost"]  # its projector_stack comes last, as a flag of its own
+        return {
+            "manifest": self.manifest,
+            **values,
+            "epoch": self.epoch,
+            "cp_size": self.cp_size,
+            "tp_size": self.tp_size,
+            "cp_split_threshold": self.cp_split_threshold,
+            "projector_stack": self.settings.token_cost.projector_stack,
+            "encoder_subsampling": self.settings.token_cost.encoder_subsampling,
+        }
 
 
 def plan_inputs(req: PlanRequest) -> tuple[SamplerInputs, Callable[[], np.ndarray] | None]:
@@ -53,8 +61,6 @@ def plan_inputs(req: PlanRequest) -> tuple[SamplerInputs, Callable[[], np.ndarra
     if req.input_cfg is not None:
         return plan_inputs_of_input_cfg(req.input_cfg, req.cfg), None
     if req.cfg is not None and req.cfg.data.read_mode == "streaming":
-        from speechlm.data.sources.mmap_cache import open_index
-
         return plan_inputs_of_table(open_index(req.manifest), req.cfg), None
     return read_plan_columns(req.manifest)
 
@@ -280,8 +286,6 @@ def mix_figures(
     targets = compute_language_targets(natural, temperature)
     datasets = []
     if inputs.mix is not None:  # the targets are per (dataset, language) cell: add them up both ways
-        from speechlm.data.sampler.mix import mix_groups
-
         _, _, cells = mix_groups(inputs.lang_codes, n_langs, inputs.mix, temperature)
         targets = cells.reshape(len(inputs.mix.names), n_langs).sum(axis=0)
         datasets = dataset_figures(used, inputs.mix)
@@ -458,389 +462,3 @@ def padding_figures(
         "text_tokens_estimated": text_estimated,
         "chars_per_token": CHARS_PER_TOKEN,
     }
-
-
-def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
-    lines = [
-        f"manifest {manifest}: {s['manifest_rows']:,} utterances; mode {s['mode']}, epoch {s['epoch']}, "
-        f"seed {s['seed']}, budget {budget}",
-        f"dp ranks {s['dp_size']}, grad_accum {s['grad_accum']}: {s['micro_batches_per_rank']:,} micro-batches per "
-        f"rank, {s['optimizer_steps_per_epoch']:,} optimizer steps per epoch",
-        f"planned {s['planned_utterances']:,} utterances, {s['planned_hours']:.2f} h "
-        f"({s['dropped_utterances']:,} dropped by the lockstep trims); "
-        f"{s['audio_hours_per_step']:.4f} h of audio per optimizer step (all dp ranks)",
-        "",
-        f"{'lang':<10}{'natural':>9}{'target':>9}{'planned':>9}{'utterances':>12}{'hours %':>9}{'hours':>10}",
-    ]
-    for r in s["languages"]:
-        lines.append(
-            f"{r['lang']:<10}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
-            f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}"
-            f"{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
-        )
-    tasks = s.get("tasks") or []
-    contents = bool(tasks) and "planned_clips" in tasks[0]
-    if tasks and ([r["task"] for r in tasks] != ["asr"] or contents):  # a plain ASR plan prints as before
-        more = f"{'clips':>10}{'w/ transcript':>15}{'answer tok~':>13}" if contents else ""
-        lines += [
-            "",
-            f"{'task':<10}{'natural':>9}{'planned':>9}{'samples':>12}{'hours %':>9}{'hours':>10}{more}",
-        ]
-        for r in tasks:
-            extra = (
-                f"{r['planned_clips']:>10,}{r['planned_clips_with_transcript']:>15,}"
-                f"{r['planned_answer_tokens_est']:>13,}"
-                if contents
-                else ""
-            )
-            lines.append(
-                f"{r['task']:<10}{100 * r['natural_share']:>8.2f}%{100 * r['planned_share']:>8.2f}%"
-                f"{r['planned_utterances']:>12,}{100 * r['planned_hours_share']:>8.2f}%{r['planned_hours']:>10.2f}"
-                f"{extra}"
-            )
-        if contents:
-            lines.append(
-                "  (w/ transcript: clips with a CTC target; answer tok~: answer characters / CHARS_PER_TOKEN)"
-            )
-    if s.get("datasets"):
-        lines += [
-            "",
-            f"{'dataset':<24}{'rows':>10}{'natural':>9}{'target':>9}{'planned':>9}{'utterances':>12}{'hours':>10}",
-        ]
-        for r in s["datasets"]:
-            lines.append(
-                f"{r['dataset'][-24:]:<24}{r['rows']:>10,}{100 * r['natural_share']:>8.2f}%{100 * r['target_share']:>8.2f}%"
-                f"{100 * r['planned_share']:>8.2f}%{r['planned_utterances']:>12,}{r['planned_hours']:>10.2f}"
-            )
-    over, shard = s.get("over_budget") or {}, s.get("encoder_sharding") or {}
-    long_form = [  # long-form audio (issue 25): each line only when its count is not 0
-        over.get("micro_batches")
-        and (
-            f"long utterances: {over['micro_batches']:,} micro-batches hold one utterance over the budget "
-            f"({over['hours']:.2f} h, the longest {over['longest_s']:g} s); each is a micro-batch of its own, "
-            "given to the whole CP group"
-        ),
-        shard.get("clips")
-        and (
-            f"encoder sharding (cp {shard['cp_size']}): {shard['clips']:,} clip{'s' if shard['clips'] != 1 else ''} "
-            f"({shard['hours']:.2f} h) longer than "
-            f"{shard['min_frames']} encoder frames and than their micro-batch's encoder frames / cp: "
-            + (
-                "the encoder shards each over the CP group (a contiguous slice of its frames per rank)"
-                if shard.get("sharded_in_training")
-                else "the encoder has full context (model.encoder.att_context_size unset), so each is encoded "
-                "whole on one rank; set model.encoder.att_context_size (e.g. [128,128]) to shard them over "
-                "the CP group"
-            )
-        ),
-        s.get("too_long_utterances")
-        and (
-            f"left out: {s['too_long_utterances']:,} utterances longer than data.max_duration="
-            f"{s['max_duration']:g} s"
-        ),
-    ]
-    lines += [line for line in long_form if line]
-    lines += [""]
-    if s.get("bucket_source"):
-        lines.append(f"{len(s['buckets'])} duration buckets: {s['bucket_source']}")
-    lines.append(f"{'bucket':<16}{'utterances':>12}{'micro-batches':>15}{'hours':>10}")
-    for b in s["buckets"]:
-        span = f"{b['from_s']:g}-{b['to_s']:g} s" if b["to_s"] is not None else f">= {b['from_s']:g} s"
-        lines.append(f"{span:<16}{b['utterances']:>12,}{b['micro_batches']:>15,}{b['hours']:>10.2f}")
-    p = s["padding"]
-    text = (
-        f"text ~ chars/{p['chars_per_token']:g}"
-        if p["text_tokens_estimated"]
-        else "no text column: audio+prompt"
-    )
-    lines += [
-        "",
-        f"padding efficiency (real / computed tokens; {text}; cp {p['cp_size']}, tp {p['tp_size']}):",
-        f"  BSHD (B x max_len): {100 * p['bshd_efficiency']:.1f}%   THD (packed): {100 * p['thd_efficiency']:.1f}%",
-        f"  padded audio (B x longest clip, real seconds / padded seconds): {100 * p['bshd_audio_efficiency']:.1f}%",
-    ]
-    if p["cp_size"] > 1:
-        lines += [
-            f"  CP placement (cp_split_threshold={p['cp_split_threshold']}): busiest rank / mean "
-            f"{p['cp_max_over_mean']:.3f}; {100 * p['cp_ring_token_share']:.1f}% of the tokens on the ring; "
-            f"splitting every utterance: THD {100 * p['thd_efficiency_split_all']:.1f}%",
-        ]
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What `speechlm plan` plans: the sampler settings, and the manifest, epoch and cp/tp around them."""
-
-    settings: SamplerSettings
-    manifest: Any
-    epoch: int
-    cp_size: int
-    tp_size: int
-    cp_split_threshold: int | str = 0  # tokens, or "auto"
-    pair_cost: float = 0.0  # attention pair cost in token units: 1 / (6 * LLM hidden size)
-    input_cfg: Any = None  # data.input_cfg entries (or a YAML file of them) instead of one manifest
-    cfg: Any = None  # the speechlm.config.ExperimentConfig: data.read_mode, data.max_tokens, ...
-
-    def as_json(self) -> dict[str, Any]:
-        """The `settings` entry of the JSON plan: every value above, flat, lists for tuples."""
-        values = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}
-        values["bucket_boundaries"] = list(self.settings.boundaries)
-        del values["token_cost"]  # its projector_stack comes last, as a flag of its own
-        return {
-            "manifest": self.manifest,
-            **values,
-            "epoch": self.epoch,
-            "cp_size": self.cp_size,
-            "tp_size": self.tp_size,
-            "cp_split_threshold": self.cp_split_threshold,
-            "projector_stack": self.settings.token_cost.projector_stack,
-            "encoder_subsampling": self.settings.token_cost.encoder_subsampling,
-        }
-
-
-def resolve_request(args: argparse.Namespace) -> PlanRequest:
-    """Defaults, then the config file (if any), then the flags."""
-    from speechlm.config import load_config
-
-    cfg = load_config(args.config)
-    dp = cfg.parallel.dp_replicate * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
-    settings = sampler_settings(cfg, dp_size=dp)
-    flags = {
-        key: getattr(args, key)
-        for key in ("dp_size", "grad_accum", "mode", "temperature", "seed", "epoch_size")
-        if getattr(args, key) is not None
-    }
-    if args.max_duration is not None:
-        flags["max_duration"] = args.max_duration
-    if args.max_batch_tokens is not None:
-        flags["max_batch_tokens"] = args.max_batch_tokens
-    elif args.max_batch_duration is not None:
-        flags["max_batch_duration"], flags["max_batch_tokens"] = args.max_batch_duration, None
-    settings = replace(settings, **flags)
-    cp = args.cp_size if args.cp_size is not None else cfg.parallel.cp_size
-    threshold = (
-        args.cp_split_threshold if args.cp_split_threshold is not None else cfg.parallel.cp_split_threshold
-    )
-    manifest = args.manifest if args.manifest is not None else cfg.data.train_manifest
-    input_cfg = (
-        args.input_cfg if args.input_cfg is not None else (None if args.manifest else cfg.data.input_cfg)
-    )
-    if manifest is None and input_cfg is None:  # no default data (the config's paths are optional)
-        from speechlm.config import ConfigError
-
-        raise ConfigError(
-            "no training data to plan: pass --manifest PATH (or --input-cfg), or set data.train_manifest in "
-            f"{args.config or 'the --config file'}"
-        )
-    return PlanRequest(
-        settings=settings,
-        manifest=manifest,
-        epoch=args.epoch if args.epoch is not None else 0,
-        cp_size=cp,
-        tp_size=args.tp_size if args.tp_size is not None else cfg.parallel.tp_size,
-        cp_split_threshold=threshold,
-        pair_cost=1.0 / (6 * cfg.model.llm.hidden_size),
-        input_cfg=input_cfg,
-        cfg=cfg,
-    )
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    try:
-        req = resolve_request(args)
-    except ValueError as e:  # ConfigError is a ValueError
-        print(f"speechlm plan: {e}", file=sys.stderr)
-        return 1
-    # the phases, on a terminal only (speechlm.progress): reading 10M rows and planning take seconds
-    bar = Progress(4 if args.json else 3, "plan", "phases", leave=False)
-    with bar, bar.heartbeat():
-        return plan_and_report(args, req, bar)
-
-
-def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -> int:
-    """`speechlm plan` after its arguments are resolved: read, plan, summarize, print (and --json)."""
-    bar.phase("reading the manifest")
-    settings = req.settings
-    try:
-        inputs, read_text = plan_inputs(req)
-        if read_text is not None and settings.max_batch_tokens is not None:  # the plan needs them
-            inputs, read_text = replace(inputs, text_chars=read_text()), None
-    except (OSError, ValueError) as e:
-        bar.close()
-        print(f"speechlm plan: {e}", file=sys.stderr)
-        return 1
-    bar.phase(f"planning {len(inputs.durations):,} utterances")
-    # a budget of seconds plans without the text lengths: a second thread reads them meanwhile (decoding
-    # the texts and building the plan both run mostly outside the GIL, in Arrow and numpy)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-texts") as pool:
-        text_chars = pool.submit(read_text) if read_text is not None else None
-        try:  # the sampler training builds (rank 0's; the plan covers every dp rank)
-            sampler = make_sampler(
-                settings, inputs, dp_rank=0, epoch=req.epoch, max_text_tokens=req.cfg.data.max_tokens
-            )
-            plan = sampler.plan
-            if text_chars is not None:
-                inputs = replace(inputs, text_chars=text_chars.result())
-        except (OSError, ValueError) as e:
-            bar.close()
-            print(f"speechlm plan: {e}", file=sys.stderr)
-            return 1
-    estimated = settings.bucket_boundaries is None  # sampler.bucket_boundaries=null: the sampler's estimate
-    settings = replace(settings, bucket_boundaries=sampler.settings.bucket_boundaries)
-    req = replace(req, settings=settings)
-    bar.phase("summarizing")
-    summary = summarize_plan(
-        plan,
-        inputs,
-        settings,
-        cp_size=req.cp_size,
-        tp_size=req.tp_size,
-        cp_split_threshold=req.cp_split_threshold,
-        pair_cost=req.pair_cost,
-        max_text_tokens=req.cfg.data.max_tokens,
-        shard_min_slice=req.cfg.model.encoder.shard_min_slice(req.cfg.model.projector_stack),
-    )
-    summary["bucket_source"] = (
-        f"estimated from the data (sampler.num_buckets={settings.num_buckets}, equal total duration each)"
-        if estimated
-        else "sampler.bucket_boundaries"
-    )
-    budget = (
-        f"{settings.max_batch_tokens} tokens (length penalty {settings.length_penalty:g})"
-        if settings.max_batch_tokens is not None
-        else f"{settings.max_batch_duration:g} s"
-    )
-    source = "data.input_cfg" if req.input_cfg is not None else str(req.manifest)
-    if args.json:
-        bar.phase(f"writing {args.json}")
-        summary["manifest"] = source
-        summary["settings"] = req.as_json()
-        summary["ranks"] = [
-            [b.tolist() for b in _split_batches(*plan.rank_rows(r))] for r in range(plan.dp_size)
-        ]
-    bar.close()  # the display's line is erased before the report
-    print(format_summary(summary, source, budget))
-    warning = trim_warning(plan, settings.grad_accum)
-    summary["warnings"] = [warning] if warning else []
-    if warning:
-        print(f"\n{warning}", file=sys.stderr)
-    if args.json:
-        try:
-            write_whole(Path(args.json), summary)
-        except OSError as e:
-            print(f"speechlm plan: cannot write {args.json}: {e}", file=sys.stderr)
-            return 1
-        print(f"\nwrote {args.json}")
-    return 0
-
-
-def write_whole(path: Path, data: Any) -> None:
-    """Write `data` as JSON to a temporary file beside `path`, then move it over `path`: a plan stopped
-    mid-write (SIGTERM, SIGKILL, a full disk) leaves the previous file, or none, never half a plan."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-TRIM_WARN_SHARE = 0.05  # `plan` warns when the lockstep trims drop more than this share of the epoch
-
-
-def trim_warning(plan: EpochPlan, grad_accum: int, fixes: str = "plan") -> str | None:
-    """A warning naming the count and the fixes when the lockstep trims drop more than `TRIM_WARN_SHARE`
-    of the utterances the epoch drew (every dp rank gets the same number of micro-batches, a multiple of
-    grad_accum: the rest of the packed micro-batches is left out); None below it. `fixes`: "plan" names
-    `speechlm plan`'s flags, "train" the config keys."""
-    drawn = len(plan.rows)
-    used = plan.rank_batches.reshape(-1)
-    kept = int((plan.batch_offsets[used + 1] - plan.batch_offsets[used]).sum())
-    dropped = drawn - kept
-    if not drawn or dropped / drawn <= TRIM_WARN_SHARE:
-        return None
-    packed, dp, per_rank = len(plan.batch_offsets) - 1, plan.dp_size, plan.batches_per_rank
-    names = (
-        ("--dp-size", "--grad-accum", "--max-batch-duration / --max-batch-tokens")
-        if fixes == "plan"
-        else (
-            "parallel.dp_shard x dp_replicate",
-            "trainer.grad_accum",
-            "sampler.max_batch_duration / max_batch_tokens",
-        )
-    )
-    return (
-        f"WARNING: the lockstep trims drop {dropped:,} of the epoch's {drawn:,} utterances "
-        f"({100 * dropped / drawn:.0f}%, more than {100 * TRIM_WARN_SHARE:g}%): the epoch packs "
-        f"{packed:,} micro-batches, and each of the {dp} dp ranks gets the same number, a "
-        f"multiple of grad_accum={grad_accum} ({per_rank:,} each), so {packed - dp * per_rank:,} are "
-        f"left out every epoch. To train on them: use fewer dp ranks ({names[0]}) or a smaller grad_accum "
-        f"({names[1]}), or a smaller micro-batch budget ({names[2]}: more, smaller micro-batches), or "
-        "more data."
-    )
-
-
-def _threshold(text: str) -> int | str:
-    if text == "auto":
-        return text
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: use auto, 0 or a number of tokens")
-    return value
-
-
-def _split_batches(rows: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    return np.split(rows, offsets[1:-1])
-
-
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="print an epoch plan: batches, steps, language mix, padding",
-        description=__doc__.split("\n")[0],
-    )
-    p.add_argument(
-        "--config", help="experiment YAML; its data/sampler/trainer/parallel fields are the defaults"
-    )
-    p.add_argument(
-        "--manifest",
-        help="training data of any kind: manifest, shard folder, ... (default: data.train_manifest)",
-    )
-    p.add_argument(
-        "--input-cfg", metavar="FILE.yaml", help="a data.input_cfg list of weighted datasets instead"
-    )
-    p.add_argument(
-        "--dp-size", type=int, help="data-parallel ranks (default: parallel.dp_replicate * dp_shard)"
-    )
-    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument(
-        "--max-batch-duration", type=float, metavar="S", help="seconds of audio per micro-batch"
-    )
-    budget.add_argument("--max-batch-tokens", type=int, metavar="N", help="tokens per micro-batch instead")
-    p.add_argument(
-        "--max-duration",
-        type=float,
-        metavar="S",
-        help="leave rows longer than S seconds out of the plan (default data.max_duration: no limit)",
-    )
-    p.add_argument("--mode", choices=("temperature", "exhaustive"))
-    p.add_argument("--temperature", type=float, help="language temperature T (<= 0: uniform)")
-    p.add_argument("--epoch-size", type=int, help="utterances per epoch in temperature mode")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--epoch", type=int)
-    p.add_argument("--cp-size", type=int, help="context-parallel degree for the THD rounding")
-    p.add_argument("--tp-size", type=int, help="tensor-parallel degree for the THD rounding")
-    p.add_argument(
-        "--cp-split-threshold",
-        type=_threshold,
-        metavar="auto|N",
-        help="dynamic CP: split utterances longer than N tokens (0: all; default parallel.cp_split_threshold)",
-    )
-    p.add_argument("--json", metavar="FILE", help="write the summary and every rank's micro-batches")
-    p.set_defaults(func=run_plan)
