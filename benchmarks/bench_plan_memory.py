@@ -100,10 +100,11 @@ MODES = ("now", "per-batch-cp", "columns")
 
 def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
     import speechlm.data.plan.figures as plan
+    import speechlm.data.plan.inputs as plan_inputs
     from speechlm.cli import main
 
     if mode == "columns":
-        plan.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
+        plan_inputs.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
     elif mode == "per-batch-cp":
         plan.cp_padding = per_batch_cp_padding  # type: ignore[assignment]
     # what `plan` imports lazily, imported before the clock starts (imports are not the plan's time)

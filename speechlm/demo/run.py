@@ -20,7 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from speechlm.cli import main as speechlm_main
 from speechlm.demo import corpus as demo_corpus
+from speechlm.demo.vocabulary import CorpusSettings
 from speechlm.errors import run_guarded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,10 +85,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(argv: list[str]) -> int:
-    from speechlm.cli import main
-
     print("\n$ speechlm " + " ".join(argv), flush=True)
-    return main(argv)
+    return speechlm_main(argv)
 
 
 def demo_outputs(out: Path, with_ast: bool) -> list[Path]:
@@ -94,14 +94,16 @@ def demo_outputs(out: Path, with_ast: bool) -> list[Path]:
     names = ["train.parquet", "val.parquet", "build_report.json"]
     names += [f"tokenizer{suffix}" for suffix in (".model", ".vocab", ".json")]
     if with_ast:
-        from speechlm.demo.tasks import MIX_FILE
+        from speechlm.demo.tasks import MIX_FILE  # lazy: pyarrow (CLI start-up)
 
         names += ["ast_train.parquet", "ast_val.parquet", "val_tasks.parquet", MIX_FILE]
     return [out / n for n in names]
 
 
 def _write_owned(paths: list[Path], write: Callable[[], int]) -> int:
-    from speechlm.data.manifest.outputs import owned_outputs
+    from speechlm.data.manifest.outputs import (
+        owned_outputs,  # lazy: pyarrow, via data.manifest (CLI start-up)
+    )
 
     with owned_outputs(paths, "demo --with-ast", overwrite=True):
         return write()
@@ -112,7 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with_ast = args.with_ast and not args.asr_only
     if not corpus_only:
-        from speechlm.data.manifest.outputs import check_replaceable
+        from speechlm.data.manifest.outputs import check_replaceable  # lazy: as in _write_owned
 
         # before any work: a file of the user's in --out is never replaced; what speechlm wrote there
         # (an earlier demo, a manifest build) is, so the sub-commands below run with --overwrite
@@ -125,7 +127,9 @@ def run_demo(args: argparse.Namespace) -> int:
             f"--heldout {settings.heldout} --seed {settings.seed}",
             flush=True,
         )
-        rc = run_guarded(lambda: demo_corpus.generate_corpus(args.corpus, settings) is None)
+        from speechlm.demo.writing import generate_corpus  # lazy: soundfile, soxr, pyarrow (CLI start-up)
+
+        rc = run_guarded(lambda: generate_corpus(args.corpus, settings) is None)
         if rc or corpus_only:
             return rc
         shards = args.corpus
@@ -151,7 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
         data = [f"data.train_manifest={out / 'train.parquet'}", f"data.val_manifest={out / 'val.parquet'}"]
         plan_data = ["--manifest", str(out / "train.parquet")]
     else:
-        from speechlm.demo.tasks import MIX_FILE
+        from speechlm.demo.tasks import MIX_FILE  # lazy: pyarrow (CLI start-up)
         from speechlm.demo.tasks import main as write_tasks
 
         print(f"\n$ python -m speechlm.demo.tasks {out}", flush=True)
@@ -184,10 +188,10 @@ if __name__ == "__main__":
             argparse.Namespace(
                 shards=None,
                 corpus="data/demo_corpus",
-                utterances=demo_corpus.CorpusSettings().utterances,
-                heldout=demo_corpus.CorpusSettings().heldout,
-                seed=demo_corpus.CorpusSettings().seed,
-                sentences=demo_corpus.CorpusSettings().sentences,
+                utterances=CorpusSettings().utterances,
+                heldout=CorpusSettings().heldout,
+                seed=CorpusSettings().seed,
+                sentences=CorpusSettings().sentences,
                 out="data/demo_manifest",
                 vocab_size=DEMO_VOCAB_SIZE,
                 config=str(REPO / "configs/demo.yaml"),

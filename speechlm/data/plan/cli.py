@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from speechlm.config import ConfigError, load_config
-from speechlm.data.plan.figures import PlanRequest, plan_inputs, summarize_plan
+from speechlm.data.plan.figures import PlanRequest, summarize_plan
 from speechlm.data.plan.report import format_summary, trim_warning
 from speechlm.data.sampler.build import make_sampler, sampler_settings
 from speechlm.io import atomic_write_json
@@ -80,6 +80,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -> int:
     """`speechlm plan` after its arguments are resolved: read, plan, summarize, print (and --json)."""
+    from speechlm.data.plan.inputs import plan_inputs  # lazy: pyarrow (CLI start-up)
+
     bar.phase("reading the manifest")
     settings = req.settings
     try:

@@ -7,7 +7,6 @@ JSON-ready dict. Everything here is vectorised over the planned rows, a million 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -16,11 +15,9 @@ import numpy as np
 from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
-from speechlm.data.plan.inputs import plan_inputs_of_input_cfg, plan_inputs_of_table, read_plan_columns
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
 from speechlm.data.sampler.build import CHARS_PER_TOKEN, SamplerInputs, text_tokens_of
 from speechlm.data.sampler.mix import mix_groups
-from speechlm.data.sources.mmap_cache import open_index
 
 
 @dataclass(frozen=True)
@@ -52,17 +49,6 @@ class PlanRequest:
             "projector_stack": self.settings.token_cost.projector_stack,
             "encoder_subsampling": self.settings.token_cost.encoder_subsampling,
         }
-
-
-def plan_inputs(req: PlanRequest) -> tuple[SamplerInputs, Callable[[], np.ndarray] | None]:
-    """The inputs `req` plans: its data.input_cfg, or its manifest (read as training reads it when the
-    run streams: the streaming plan needs every row's tar and offset from the index). With the function
-    that reads their text lengths when those are still to read (`read_plan_columns`)."""
-    if req.input_cfg is not None:
-        return plan_inputs_of_input_cfg(req.input_cfg, req.cfg), None
-    if req.cfg is not None and req.cfg.data.read_mode == "streaming":
-        return plan_inputs_of_table(open_index(req.manifest), req.cfg), None
-    return read_plan_columns(req.manifest)
 
 
 def cp_padding(
