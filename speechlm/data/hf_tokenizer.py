@@ -54,6 +54,7 @@ from speechlm.data.special_tokens import (
     encode_with_tags,
     format_lang_tag,
 )
+from speechlm.io import atomic_path
 
 SIDECAR = "speechlm_tokenizer.json"
 LANG_TAG_MODES = ("special", "none")
@@ -332,9 +333,8 @@ class HFTokenizer:
         out.mkdir(parents=True, exist_ok=True)
 
         def put(name: str, write: Any) -> None:
-            tmp = out / f".{name}.tmp"
-            write(tmp)
-            tmp.replace(out / name)
+            with atomic_path(out / name) as tmp:
+                write(tmp)
 
         for name in _COPIED:
             src = self.path / name

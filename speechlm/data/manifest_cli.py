@@ -170,7 +170,8 @@ def run_stats(args: argparse.Namespace) -> int:
         else f"{args.manifest}\n{format_stats(stats)}"
     )
     if args.plot:
-        write_atomic(args.plot, lambda tmp: plot_stats(stats, tmp), "--plot")
+        fmt = Path(args.plot).suffix[1:] or "png"  # the temporary name has another suffix
+        write_atomic(args.plot, lambda tmp: plot_stats(stats, tmp, fmt), "--plot")
         print(f"\nwrote {args.plot}")
     return 0
 

@@ -44,6 +44,7 @@ from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names
     format_lang_tag,
 )
 from speechlm.errors import DataError, UsageError
+from speechlm.io import atomic_path
 from speechlm.progress import Progress
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
@@ -298,8 +299,8 @@ class Tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         for src, name in ((self.path, f"{SP_SAVED}.model"), (self._sidecar_path, f"{SP_SAVED}.json")):
             if src.resolve() != (out / name).resolve():
-                shutil.copyfile(src, out / f".{name}.tmp")
-                (out / f".{name}.tmp").replace(out / name)
+                with atomic_path(out / name) as tmp:
+                    shutil.copyfile(src, tmp)
         return out / f"{SP_SAVED}.model"
 
     def piece_table(self) -> list[tuple[str, float, bool]]:

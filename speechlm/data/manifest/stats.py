@@ -157,8 +157,9 @@ def _format_coverage(c: dict[str, Any]) -> str:
     )
 
 
-def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Save a PNG: hours per language (bars) and the duration histogram stacked by language."""
+def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str], fmt: str | None = None) -> None:
+    """Save a PNG (or `fmt`, e.g. "svg"; None: from `path`'s suffix): hours per language (bars) and the
+    duration histogram stacked by language."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib is slow to import
     from matplotlib.figure import Figure
 
@@ -190,4 +191,4 @@ def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:
     if names:
         ax_hist.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=110)
+    fig.savefig(os.fspath(path), dpi=110, format=fmt)

@@ -58,6 +58,7 @@ from speechlm.data.manifest.schema import (
     conversation_columns,
     llm_text_chars,
 )
+from speechlm.io import atomic_path, temp_glob
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +89,11 @@ TEXT_CHARS = "text_chars"  # int32 characters of `text`, stored so the sampler n
 
 
 def _write_ipc(target: Path, batches: object, schema: pa.Schema) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     schema = schema.append(pa.field(TEXT_CHARS, pa.int32(), nullable=False))
-    try:
-        with ipc.new_file(tmp, schema) as writer:
-            for batch in batches:  # type: ignore[attr-defined]
-                chars = llm_text_chars(batch)
-                writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, chars], schema=schema))
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as tmp, ipc.new_file(tmp, schema) as writer:
+        for batch in batches:  # type: ignore[attr-defined]
+            chars = llm_text_chars(batch)
+            writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, chars], schema=schema))
 
 
 def _parquet_batches(path: Path, schema: pa.Schema) -> object:
@@ -249,7 +244,7 @@ def _open_cached(target: Path, path: Path) -> pa.Table | None:
 def _build(target: Path, path: Path, kind: str, default_lang: str | None) -> pa.Table:
     from speechlm.data.sources.detect import load_source
 
-    for leftover in target.parent.glob(f".{target.name}.*.tmp"):  # a killed builder's (we hold the lock)
+    for leftover in target.parent.glob(temp_glob(target.name)):  # a killed builder's (we hold the lock)
         leftover.unlink(missing_ok=True)
     t0 = time.monotonic()
     print(f"indexing {path} ({kind}) into {target} (once; later runs map it)", file=sys.stderr, flush=True)
