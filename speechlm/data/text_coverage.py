@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 
 from speechlm.data.special_tokens import _TAG_RE, AUDIO, TAG_CLOSE, TAG_OPEN, format_lang_tag
 from speechlm.data.text import _ANGLE_TAG, _APOSTROPHES, _SQUARE_TAG, TEXT_NORMALIZE, normalize_piece
+from speechlm.data.tokenizer import Tokenizer
 
 SCAN_ROWS = 1 << 18  # rows per slice (bounds the temporary strings and code points)
 SHOW = 3  # rows quoted per manifest
@@ -338,8 +339,6 @@ def _rows_holding(
 
 def _fix(cov: Coverage, chars: list[str], pairs: list[str], rule: str) -> str:
     """The advice: a rule under which every character is covered, else retrain or fix the rows."""
-    from speechlm.data.tokenizer import Tokenizer
-
     for other in ("lower", "clean", "clean_lower"):
         if other != rule and not cov.uncovered(chars, pairs, other):
             return (

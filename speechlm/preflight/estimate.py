@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.config import ExperimentConfig
-from speechlm.data.sampler.build import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
+from speechlm.data.sampler.cost import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
 from speechlm.errors import UsageError, UserError
 from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
 

@@ -104,9 +104,10 @@ def test_whisper_settings_are_what_the_sampler_saves() -> None:
 
 
 def test_the_text_token_estimate_has_one_owner():
-    """CHARS_PER_TOKEN is the sampler's (`speechlm.data.sampler.build`); `speechlm estimate` uses that one."""
-    from speechlm.data.sampler import build
+    """CHARS_PER_TOKEN is the sampler's token cost model's (`speechlm.data.sampler.cost`); `speechlm estimate`
+    uses that one."""
+    from speechlm.data.sampler import cost
     from speechlm.preflight import estimate
 
-    assert estimate.CHARS_PER_TOKEN is build.CHARS_PER_TOKEN == 3.0
-    assert build.text_tokens_of(np.array([0, 1, 3, 4]), None).tolist() == [0, 1, 1, 2]
+    assert estimate.CHARS_PER_TOKEN is cost.CHARS_PER_TOKEN == 3.0
+    assert cost.text_tokens_of(np.array([0, 1, 3, 4]), None).tolist() == [0, 1, 1, 2]

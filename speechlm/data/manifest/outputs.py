@@ -85,6 +85,14 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], None], fl
 STAMP_NAME = "speechlm_outputs.json"
 
 
+def command_identity(command: str, source: str | Path, options: dict[str, object]) -> str:
+    """`command` with its input resolved and its settings: what `owned_outputs` compares on a re-run."""
+    flags = [
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(options.items()) if v is not None and v is not False
+    ]
+    return " ".join([command, str(Path(source).resolve()), *flags])
+
+
 def read_stamp(folder: Path) -> dict[str, dict[str, Any]]:
     """``{file name: {"by", "size", "sha256"}}`` of the files speechlm wrote in `folder` ({} if none)."""
     try:

@@ -18,13 +18,14 @@ import numpy as np
 from speechlm.config import ConfigError, load_config
 from speechlm.data.plan.figures import PlanRequest, summarize_plan
 from speechlm.data.plan.report import format_summary, trim_warning
-from speechlm.data.sampler.build import make_sampler, sampler_settings
 from speechlm.io import atomic_write_json
 from speechlm.progress import Progress
 
 
 def resolve_request(args: argparse.Namespace) -> PlanRequest:
     """Defaults, then the config file (if any), then the flags."""
+    from speechlm.data.sampler.build import sampler_settings  # lazy: pyarrow (CLI start-up)
+
     cfg = load_config(args.config)
     dp = cfg.parallel.dp_replicate * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
     settings = sampler_settings(cfg, dp_size=dp)
@@ -81,6 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def plan_and_report(args: argparse.Namespace, req: PlanRequest, bar: Progress) -> int:
     """`speechlm plan` after its arguments are resolved: read, plan, summarize, print (and --json)."""
     from speechlm.data.plan.inputs import plan_inputs  # lazy: pyarrow (CLI start-up)
+    from speechlm.data.sampler.build import make_sampler  # lazy: pyarrow (CLI start-up)
 
     bar.phase("reading the manifest")
     settings = req.settings

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,8 +16,11 @@ from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames
 from parallel.cp_placement import place_sequences  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
-from speechlm.data.sampler.build import CHARS_PER_TOKEN, SamplerInputs, text_tokens_of
+from speechlm.data.sampler.cost import CHARS_PER_TOKEN, text_tokens_of
 from speechlm.data.sampler.mix import mix_groups
+
+if TYPE_CHECKING:  # pyarrow, at run time imported only once a plan runs
+    from speechlm.data.sampler.build import SamplerInputs
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import soundfile as sf
 
 from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.outputs import prepare_dir
@@ -99,8 +100,6 @@ def plan_audio(
     shard) or the header's duration is far from the manifest's (`duration_mismatch`). Two rows with
     the same member name are an error. The real durations are returned for the index.
     """
-    import soundfile as sf
-
     if "tar_path" in table.column_names:
         raise ManifestError("the manifest already points into tar shards; pass an extracted-file manifest")
     check_durations(table, where)
