@@ -52,7 +52,7 @@ def write_manifest(path: Path, rows: int, max_seconds: float, seed: int = 0) -> 
 
 
 class PlacementTimer:
-    """Wraps `speechlm.data.plan.place_sequences` (the function training's `DynamicCPLayout.place`
+    """Wraps `speechlm.data.plan.figures.place_sequences` (the function training's `DynamicCPLayout.place`
     calls) while a plan runs: calls, their total wall time, and the longest micro-batch placed."""
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class PlacementTimer:
         self.most_sequences = 0
 
     def __enter__(self) -> PlacementTimer:
-        import speechlm.data.plan as plan_module
+        import speechlm.data.plan.figures as plan_module
 
         self._module, self._original = plan_module, plan_module.place_sequences
 

@@ -10,14 +10,14 @@ What it does:
    - `per-batch-cp`: today's reader, but the padding summary places every micro-batch's sequences
      with `place_sequences` one micro-batch at a time, even at cp = 1 (`per_batch_cp_padding`, the
      summary before 2026-11-27, patched in for the run);
-   - `now`: today's reader (`speechlm.data.plan_inputs`: row groups in batches, only each text's length
+   - `now`: today's reader (`speechlm.data.plan.inputs`: row groups in batches, only each text's length
      kept, read on a second thread while the epoch plan is built) and the vectorised `cp_padding`.
    Arrow uses its default memory pool, as in a user's run. Each mode's wall time is that of
    `speechlm.cli.main(["plan", ...])` inside the child (imports excluded), with its CPU time (all
    threads: `speechlm plan` reads the texts on a second one). Each child starts with an
    empty cache folder (`SPEECHLM_CACHE`), so its first plan reads the texts ("cold"); with
    ``--repeats`` > 1 the best of the later plans, which read the text lengths `speechlm plan` kept
-   (`speechlm.data.plan_inputs.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
+   (`speechlm.data.plan.inputs.text_chars_cache`), is reported as "warm" (the `columns` reader keeps none).
 3. Prints time and peak RSS per mode, the ratios against `now`, and whether `now` met ``--budget-s``
    (a stated target, not a test: timings depend on the machine's load).
 
@@ -70,7 +70,7 @@ def per_batch_cp_padding(
 ) -> dict[str, Any]:
     """The padding summary before 2026-11-27: `place_sequences` on every micro-batch, at every cp (twice
     at cp > 1: with the threshold and with 0). Kept as the baseline, and as the oracle of
-    tests/data/test_plan.py for the vectorised `speechlm.data.plan.cp_padding`."""
+    tests/data/test_plan.py for the vectorised `speechlm.data.plan.figures.cp_padding`."""
     from parallel.cp_placement import place_sequences
 
     computed = computed_all = ring = 0
@@ -99,11 +99,12 @@ MODES = ("now", "per-batch-cp", "columns")
 
 
 def child(mode: str, path: str, repeats: int = 1) -> dict[str, float]:
-    import speechlm.data.plan as plan
+    import speechlm.data.plan.figures as plan
+    import speechlm.data.plan.inputs as plan_inputs
     from speechlm.cli import main
 
     if mode == "columns":
-        plan.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
+        plan_inputs.read_plan_columns = lambda path: (_columns_reader(path), None)  # type: ignore[assignment]
     elif mode == "per-batch-cp":
         plan.cp_padding = per_batch_cp_padding  # type: ignore[assignment]
     # what `plan` imports lazily, imported before the clock starts (imports are not the plan's time)

@@ -76,8 +76,8 @@ def padded_efficiency(batches: list[np.ndarray]) -> float:
 
 def run_ours(parquet: str, buckets: str) -> dict[str, Any]:
     from speechlm.config import load_config
-    from speechlm.data.plan import summarize_plan
-    from speechlm.data.plan_inputs import read_plan_inputs
+    from speechlm.data.plan.figures import summarize_plan
+    from speechlm.data.plan.inputs import read_plan_inputs
     from speechlm.data.sampler.build import make_sampler, sampler_settings
 
     overrides = ["sampler.max_batch_duration=90"]

@@ -40,7 +40,8 @@ import numpy as np
 import soundfile as sf
 
 # the vocabularies, the sentence generator and the bad rows are the synthesized corpus' too
-from speechlm.demo.corpus import BAD_ROWS, VOCAB, BadRow, make_sentence, write_shard_tables
+from speechlm.demo.vocabulary import BAD_ROWS, VOCAB, BadRow, make_sentence
+from speechlm.demo.writing import write_shard_tables
 
 __all__ = ["BAD_ROWS", "VOCAB", "build", "make_sentence"]
 

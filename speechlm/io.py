@@ -66,6 +66,12 @@ def temp_sibling(path: Path, tag: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{tag}-{socket.gethostname()}-{os.getpid()}")
 
 
+def temp_glob(name: str) -> str:
+    """The glob of the temporary siblings `atomic_path` writes for a file named `name` (itself may be a
+    glob): what a writer killed midway leaves, for a later writer to recognise and remove."""
+    return f".{name}.tmp-*"
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a rename inside `folder` durable (a no-op where directories cannot be opened)."""
     try:

@@ -1,4 +1,4 @@
-"""The demo corpus synthesized at demo time (speechlm/demo/corpus.py): deterministic, cached, with the bad
+"""The demo corpus synthesized at demo time (speechlm/demo/: corpus, vocabulary, synthesis, writing): deterministic, cached, with the bad
 rows the build and the loader drop, and a held-out split sharing no sentence and no word pair with training."""
 
 from __future__ import annotations
@@ -18,18 +18,21 @@ from helpers import record_demo_commands
 from speechlm.data.manifest.build import build_manifest
 from speechlm.data.text import clean_text, split_lang_tag
 from speechlm.demo import corpus as dc
+from speechlm.demo import synthesis as synth
+from speechlm.demo import vocabulary as vocab
+from speechlm.demo import writing
 from speechlm.demo.run import DEMO_VOCAB_SIZE
 from speechlm.errors import UsageError
 
 pytest.importorskip("espeakng_loader", reason="the corpus is synthesized with espeakng-loader (a dependency)")
 
-SMALL = dc.CorpusSettings(utterances=40, heldout=4, seed=7)
+SMALL = vocab.CorpusSettings(utterances=40, heldout=4, seed=7)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "corpus"
-    dc.generate_corpus(out, SMALL)
+    writing.generate_corpus(out, SMALL)
     return out
 
 
@@ -46,24 +49,24 @@ def _words(text: str) -> list[str]:
 
 def test_same_seed_same_bytes_other_seed_other_bytes(corpus: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
-    dc.generate_corpus(again, SMALL)
-    assert dc.digest(again) == dc.digest(corpus)
+    writing.generate_corpus(again, SMALL)
+    assert writing.digest(again) == writing.digest(corpus)
     other = tmp_path / "other"
-    dc.generate_corpus(other, dc.CorpusSettings(utterances=40, heldout=4, seed=8))
-    assert dc.digest(other) != dc.digest(corpus)
+    writing.generate_corpus(other, vocab.CorpusSettings(utterances=40, heldout=4, seed=8))
+    assert writing.digest(other) != writing.digest(corpus)
 
 
 def test_sizes_languages_and_stamp(corpus: Path) -> None:
-    stamp = json.loads((corpus / dc.STAMP).read_text())
+    stamp = json.loads((corpus / writing.STAMP).read_text())
     assert stamp["key"]["espeak_ng"].startswith("1.52")
     assert stamp["summary"]["train_utterances"] == SMALL.utterances
-    assert stamp["summary"]["heldout_utterances"] == SMALL.heldout * len(dc.LANG_SHARES)
+    assert stamp["summary"]["heldout_utterances"] == SMALL.heldout * len(vocab.LANG_SHARES)
     rows = _rows(corpus)
     per_lang: dict[str, int] = {}
     for r in rows:
         if r["split"] == "train" and r["segment_id"].split("_")[1] != "heldout":
             per_lang[r["segment_id"].split("_")[0]] = per_lang.get(r["segment_id"].split("_")[0], 0) + 1
-    assert set(per_lang) == set(dc.LANG_SHARES)
+    assert set(per_lang) == set(vocab.LANG_SHARES)
     assert per_lang["en"] > per_lang["te"]  # skewed, so that language balancing has work
 
 
@@ -74,7 +77,7 @@ def test_heldout_shares_no_sentence_and_no_word_pair_with_training(corpus: Path)
         words = _words(r["transcription_native"])
         if words:
             by_split[r["split"]].setdefault(r["segment_id"].split("_")[0], []).append(words)
-    assert set(by_split["val"]) == set(dc.LANG_SHARES)
+    assert set(by_split["val"]) == set(vocab.LANG_SHARES)
     for lang, held in by_split["val"].items():
         train = by_split["train"][lang]
         train_pairs = {p for s in train for p in zip(s, s[1:])}
@@ -83,10 +86,10 @@ def test_heldout_shares_no_sentence_and_no_word_pair_with_training(corpus: Path)
             assert " ".join(s) not in train_sentences
             assert not set(zip(s, s[1:])) & train_pairs, (lang, s)
     # the construction, at the size the demo uses: the pair sets are disjoint by definition
-    graphs = dc.pair_graphs("hi", SMALL.seed)
-    for a in dc.VOCAB["hi"]:
+    graphs = vocab.pair_graphs("hi", SMALL.seed)
+    for a in vocab.VOCAB["hi"]:
         assert not set(graphs["train"][a]) & set(graphs["val"][a])
-        assert set(graphs["train"][a]) | set(graphs["val"][a]) == set(dc.VOCAB["hi"])
+        assert set(graphs["train"][a]) | set(graphs["val"][a]) == set(vocab.VOCAB["hi"])
 
 
 def test_the_build_drops_the_bad_rows_and_puts_exactly_the_heldout_rows_in_val(
@@ -94,7 +97,7 @@ def test_the_build_drops_the_bad_rows_and_puts_exactly_the_heldout_rows_in_val(
 ) -> None:
     build_manifest(corpus, tmp_path / "m")
     report = json.loads((tmp_path / "m" / "build_report.json").read_text())
-    assert report["total_dropped"] == dc.N_DROPPED_BY_BUILD == 12
+    assert report["total_dropped"] == vocab.N_DROPPED_BY_BUILD == 12
     expected: dict[str, dict[str, int]] = {}
     reason_of = {
         "short": "too_short",
@@ -106,7 +109,7 @@ def test_the_build_drops_the_bad_rows_and_puts_exactly_the_heldout_rows_in_val(
         "duplicate": "duplicate",
         "no_audio_index": "no_audio_index",
     }
-    for b in dc.BAD_ROWS:
+    for b in vocab.BAD_ROWS:
         if b.kind in reason_of:
             lang = b.shard.split("_")[0]
             expected.setdefault(reason_of[b.kind], {}).setdefault(lang, 0)
@@ -115,7 +118,7 @@ def test_the_build_drops_the_bad_rows_and_puts_exactly_the_heldout_rows_in_val(
     val = pq.read_table(tmp_path / "m" / "val.parquet").column("segment_id").to_pylist()
     train = pq.read_table(tmp_path / "m" / "train.parquet").column("segment_id").to_pylist()
     assert sorted(val) == sorted(
-        f"{lang}_heldout_{i:05d}" for lang in dc.LANG_SHARES for i in range(SMALL.heldout)
+        f"{lang}_heldout_{i:05d}" for lang in vocab.LANG_SHARES for i in range(SMALL.heldout)
     )
     # every valid training utterance is kept, plus the two undecodable files the dataset drops and counts
     assert len(train) == SMALL.utterances + 2
@@ -128,8 +131,8 @@ def test_a_second_run_synthesizes_nothing(corpus: Path, capsys, monkeypatch) -> 
     def no_pool(*a, **k):
         raise AssertionError("synthesized again")
 
-    monkeypatch.setattr(dc, "write_shard", no_pool)
-    dc.generate_corpus(corpus, SMALL)
+    monkeypatch.setattr(writing, "write_shard", no_pool)
+    writing.generate_corpus(corpus, SMALL)
     assert "up to date" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in corpus.rglob("*")} == before
 
@@ -141,15 +144,15 @@ def test_a_missing_file_or_other_settings_rebuild_and_a_foreign_folder_is_never_
     subprocess.run(["cp", "-r", str(corpus), str(copy)], check=True)
     victim = next((copy / "te_000" / "audio").iterdir())
     victim.unlink()
-    assert dc.cached(copy, json.loads((copy / dc.STAMP).read_text())["key"]) is None
-    dc.generate_corpus(copy, SMALL)
-    assert victim.is_file() and dc.digest(copy) == dc.digest(corpus)
+    assert writing.cached(copy, json.loads((copy / writing.STAMP).read_text())["key"]) is None
+    writing.generate_corpus(copy, SMALL)
+    assert victim.is_file() and writing.digest(copy) == writing.digest(corpus)
 
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(UsageError, match="not a generated demo corpus"):
-        dc.generate_corpus(foreign, SMALL)
+        writing.generate_corpus(foreign, SMALL)
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
@@ -177,15 +180,15 @@ def test_a_killed_run_leaves_only_partial_and_the_next_run_completes(corpus: Pat
     os.killpg(proc.pid, signal.SIGKILL)  # the pool's workers too
     proc.wait()
     assert partial.is_dir() and not out.exists()
-    dc.generate_corpus(out, SMALL)
+    writing.generate_corpus(out, SMALL)
     assert not partial.exists()
-    assert dc.digest(out) == dc.digest(corpus)
+    assert writing.digest(out) == writing.digest(corpus)
 
 
 def test_without_espeakng_loader_the_error_says_what_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "espeakng_loader", None)
-    with pytest.raises(UsageError, match=f"pip install espeakng-loader=={dc.ESPEAKNG_LOADER_VERSION}"):
-        dc.Espeak()
+    with pytest.raises(UsageError, match=f"pip install espeakng-loader=={synth.ESPEAKNG_LOADER_VERSION}"):
+        synth.Espeak()
 
 
 def test_settings_are_checked() -> None:
@@ -225,7 +228,7 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
     ]  # about one piece per character
     assert f"data.val_manifest={out / 'val.parquet'}" in seen[3]
     val = pq.read_table(out / "val.parquet").column("segment_id").to_pylist()
-    assert len(val) == 4 * len(dc.LANG_SHARES) and all("_heldout_" in v for v in val)
+    assert len(val) == 4 * len(vocab.LANG_SHARES) and all("_heldout_" in v for v in val)
     printed = capsys.readouterr().out
     assert "held-out word coverage" in printed
     # a second demo finds the corpus and synthesizes nothing; `speechlm demo corpus` is the first step alone
@@ -243,11 +246,13 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
 def test_a_sentence_pool_repeats_training_sentences_in_other_voices_and_keeps_heldout_apart(
     tmp_path: Path,
 ) -> None:
-    settings = dc.CorpusSettings(utterances=60, heldout=3, seed=7, sentences=10)
-    dc.generate_corpus(tmp_path / "p", settings)
+    settings = vocab.CorpusSettings(utterances=60, heldout=3, seed=7, sentences=10)
+    writing.generate_corpus(tmp_path / "p", settings)
     rows = _rows(tmp_path / "p")
     train = [r for r in rows if r["split"] == "train" and r["segment_id"].split("_")[1] != "heldout"]
-    n_valid = {j.name: j.valid for j in dc.shard_jobs(settings)}  # bad rows are numbered after the valid ones
+    n_valid = {
+        j.name: j.valid for j in writing.shard_jobs(settings)
+    }  # bad rows are numbered after the valid ones
     valid = [
         r
         for r in train
@@ -258,7 +263,7 @@ def test_a_sentence_pool_repeats_training_sentences_in_other_voices_and_keeps_he
         by_lang.setdefault(r["segment_id"].split("_")[0], set()).add(
             " ".join(_words(r["transcription_native"]))
         )
-    pools = {j.lang: j.pool for j in dc.shard_jobs(settings) if j.split == "train"}
+    pools = {j.lang: j.pool for j in writing.shard_jobs(settings) if j.split == "train"}
     for lang, sentences in by_lang.items():
         assert 1 <= len(sentences) <= pools[lang]
     held = [_words(r["transcription_native"]) for r in rows if r["split"] == "val"]
@@ -281,13 +286,13 @@ def test_the_demo_reports_heldout_and_training_wer_side_by_side(tmp_path: Path, 
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "runs/demo/eval.json").read_text())
     assert record["split"] == "val" and record["train"]["split"] == "train"
-    for lang in dc.LANG_SHARES:
+    for lang in vocab.LANG_SHARES:
         assert f"wer_{lang}" in record and f"wer_{lang}" in record["train"]
         assert any(line.split()[:2] == [lang, "val"] for line in out.splitlines()), out[-2000:]
     decodes = [json.loads(line) for line in (tmp_path / "runs/demo/eval_decodes.jsonl").open()]
     held = [d["ref"] for d in decodes if d["split"] == "val"]
     train_refs = {d["ref"] for d in decodes if d["split"] == "train"}
-    assert len(held) == 4 * len(dc.LANG_SHARES) and not set(held) & train_refs
+    assert len(held) == 4 * len(vocab.LANG_SHARES) and not set(held) & train_refs
     assert len(train_refs) > 0
     val_records = [json.loads(line) for line in (tmp_path / "runs/demo/metrics.jsonl").open()]
     val_records = [r for r in val_records if r.get("kind") == "val"]
@@ -310,7 +315,7 @@ def test_the_demo_learns_to_transcribe_sentences_it_never_heard(tmp_path: Path, 
     record = json.loads((tmp_path / "runs/demo/eval.json").read_text())
     assert record["split"] == "val"
     assert record["wer"] < 0.3, record
-    for lang in dc.LANG_SHARES:
+    for lang in vocab.LANG_SHARES:
         assert record[f"wer_{lang}"] < 0.5, (lang, record)
 
 
@@ -327,11 +332,11 @@ def test_a_truncated_file_in_the_cache_is_named_and_synthesized_again(
     copy = tmp_path / "c"
     subprocess.run(["cp", "-r", str(corpus), str(copy)], check=True)
     os.truncate(copy / damaged, size)
-    dc.generate_corpus(copy, SMALL)
+    writing.generate_corpus(copy, SMALL)
     printed = capsys.readouterr().out
     assert f"{copy} is damaged ({copy / damaged} has {size} bytes" in printed, printed
     assert "synthesizing it again" in printed and "up to date" not in printed
-    assert dc.digest(copy) == dc.digest(corpus)
+    assert writing.digest(copy) == writing.digest(corpus)
 
 
 def test_a_shard_table_changed_in_place_or_a_stamp_without_sizes_is_synthesized_again(
@@ -343,13 +348,13 @@ def test_a_shard_table_changed_in_place_or_a_stamp_without_sizes_is_synthesized_
     data = bytearray(table.read_bytes())
     data[-5] ^= 0xFF  # the same size, one byte of the footer flipped
     table.write_bytes(bytes(data))
-    key = json.loads((copy / dc.STAMP).read_text())["key"]
-    assert dc.cached(copy, key) is None
+    key = json.loads((copy / writing.STAMP).read_text())["key"]
+    assert writing.cached(copy, key) is None
     assert f"{table} changed since it was written" in capsys.readouterr().out
-    stamp = json.loads((copy / dc.STAMP).read_text())
+    stamp = json.loads((copy / writing.STAMP).read_text())
     del stamp["files"]  # a corpus stamped before sizes were recorded
-    (copy / dc.STAMP).write_text(json.dumps(stamp))
-    assert dc.cached(copy, key) is None
+    (copy / writing.STAMP).write_text(json.dumps(stamp))
+    assert writing.cached(copy, key) is None
     assert "records no file sizes" in capsys.readouterr().out
 
 

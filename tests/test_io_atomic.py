@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from speechlm.io import atomic_path, atomic_write_json, atomic_write_text, temp_sibling
+from speechlm.io import atomic_path, atomic_write_json, atomic_write_text, temp_glob, temp_sibling
 
 
 def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
@@ -43,4 +43,16 @@ def test_a_writer_killed_midway_leaves_the_previous_file(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], check=False)
     assert proc.returncode == -signal.SIGKILL
-    assert json.loads(target.read_text()) == {"v": 1}  # the killed writer's temporary may remain; the file is whole
+    assert json.loads(target.read_text()) == {
+        "v": 1
+    }  # the killed writer's temporary may remain; the file is whole
+
+
+def test_temp_glob_matches_the_temporary_atomic_path_writes_and_nothing_else(tmp_path):
+    """What a killed writer leaves is found by `temp_glob` (shard folders, the index cache clean up by it)."""
+    target = tmp_path / "shard-000001.tar"
+    left = temp_sibling(target)
+    left.write_bytes(b"half a tar")
+    (tmp_path / "shard-000001.tar").write_bytes(b"whole")
+    (tmp_path / "shard-000001.tar.lock").write_bytes(b"")
+    assert list(tmp_path.glob(temp_glob("shard-*.tar"))) == [left]

@@ -29,6 +29,7 @@ import torch
 
 from speechlm.data.conversation import Conversation
 from speechlm.data.samples import DroppedSample, Sample
+from speechlm.data.special_tokens import format_lang_tag
 from speechlm.data.text import check_transcript
 
 # `ds` below is the `speechlm.data.dataset.SpeechDataset` that calls in (typed Any: the dataset imports
@@ -65,7 +66,7 @@ def _texts(
                 i,
                 reason,
                 f"clip {k} ({clip.path}): transcript {transcript[:60]!r} fails the check {reason} for "
-                f"language {conv.lang!r}; fix the clip's transcript (tag <|{conv.lang}|> first)",
+                f"language {conv.lang!r}; fix the clip's transcript (tag {format_lang_tag(conv.lang)} first)",
             )
         got = _encode(ds, i, transcript, f"clip {k} ({clip.path})'s transcript")
         if not isinstance(got, list):

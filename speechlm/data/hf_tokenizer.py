@@ -38,11 +38,18 @@ the languages when none are given.
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
 
 from speechlm.data.special_tokens import (
     AUDIO,
@@ -54,6 +61,7 @@ from speechlm.data.special_tokens import (
     encode_with_tags,
     format_lang_tag,
 )
+from speechlm.io import atomic_path
 
 SIDECAR = "speechlm_tokenizer.json"
 LANG_TAG_MODES = ("special", "none")
@@ -105,12 +113,6 @@ def render_chat_template(template: str, messages: list[dict[str, str]], **variab
     """`template` applied to `messages` the way transformers' ``apply_chat_template`` renders text:
     jinja2's immutable sandbox, trim_blocks/lstrip_blocks, loop controls, its ``tojson`` filter and
     ``raise_exception``/``strftime_now`` globals; ``{% generation %}`` blocks render their body."""
-    import datetime
-
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -156,8 +158,6 @@ class HFTokenizer:
         self._load(langs, lang_tags)
 
     def _load(self, langs: Sequence[str] | None, lang_tags: str | None) -> None:
-        from tokenizers import AddedToken, Tokenizer
-
         meta = _read_json(self.path / SIDECAR)
         self.lang_tags = lang_tags or meta.get("lang_tags", "special")
         if self.lang_tags not in LANG_TAG_MODES:
@@ -332,9 +332,8 @@ class HFTokenizer:
         out.mkdir(parents=True, exist_ok=True)
 
         def put(name: str, write: Any) -> None:
-            tmp = out / f".{name}.tmp"
-            write(tmp)
-            tmp.replace(out / name)
+            with atomic_path(out / name) as tmp:
+                write(tmp)
 
         for name in _COPIED:
             src = self.path / name

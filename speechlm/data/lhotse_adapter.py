@@ -43,19 +43,21 @@ from speechlm.data.lang_names import checked_language_code
 from speechlm.data.lhotse_span import Coverage, SupervisedSpan, supervised_span
 from speechlm.data.manifest import LOCATOR_SCHEMA, ManifestError, build_manifest_table
 from speechlm.data.manifest.nemo import count_drop, warn_dropped
+from speechlm.data.sources.conversations import ClipSource, RowsBuilder, conversation_of_record
 from speechlm.data.text import check_transcript, clean_text, tag_text
 
 _TOLERANCE_S = 1e-3  # a cut "covers" its recording if start and end match within a millisecond
 
 
-def _import_cutset() -> Any:
+def _lhotse() -> Any:
+    """The lhotse package, imported on first use: an optional dependency (``speechlm[lhotse]``)."""
     try:
-        from lhotse import CutSet
+        import lhotse  # lazy: an optional dependency (ImportError naming the extra without it)
     except ImportError:
         raise ImportError(
             "reading Lhotse cuts needs the lhotse package: pip install 'speechlm[lhotse]'"
         ) from None
-    return CutSet
+    return lhotse
 
 
 @dataclass(frozen=True)
@@ -140,10 +142,8 @@ _NOT_CUTS = "make cuts with CutSet.from_manifests(recordings=..., supervisions=.
 
 def _manifest_kind(path: Path) -> str | None:
     """The Lhotse manifest class of file `path` when it is one (RecordingSet, SupervisionSet, ...), else None."""
-    from lhotse import load_manifest
-
     try:
-        return type(load_manifest(path)).__name__
+        return type(_lhotse().load_manifest(path)).__name__
     except Exception:  # noqa: BLE001 - only asked to name the file in an error; any failure means "not one"
         return None
 
@@ -153,7 +153,7 @@ def load_cuts(path: Path) -> Any:
     is not a Lhotse cuts file: not gzip, not JSON, records that are not cuts, another Lhotse manifest)."""
     if not path.is_file():
         raise ManifestError(f"Lhotse cuts file {path} does not exist")
-    cutset = _import_cutset()
+    cutset = _lhotse().CutSet
     try:
         cuts = list(cutset.from_file(path))
     except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -167,10 +167,9 @@ def load_cuts(path: Path) -> Any:
             "CutSet.to_file() writes: a JSON array (.json) or JSON lines (.jsonl), optionally gzipped "
             "(.gz); for a NeMo manifest use --format nemo"
         ) from None
-    from lhotse.cut import Cut
-
+    cut_type = _lhotse().cut.Cut
     for k, cut in enumerate(cuts):
-        if not isinstance(cut, Cut):  # Lhotse reads JSON lines of recordings or supervisions as a CutSet
+        if not isinstance(cut, cut_type):  # Lhotse reads JSON lines of recordings or supervisions as a CutSet
             raise ManifestError(
                 f"{path}: record {k} is a Lhotse {type(cut).__name__}, not a cut (the file is not a "
                 f"CutSet); {_NOT_CUTS}"
@@ -197,7 +196,7 @@ def cuts_to_manifest(
         path = Path(cuts_or_path)
         cuts, shard_id = load_cuts(path), path.name
     else:
-        _import_cutset()
+        _lhotse()  # an in-memory CutSet: the package is there; the same error otherwise
         cuts, shard_id = cuts_or_path, "cutset"
 
     if any(_prompt_fields(cut) for cut in cuts):
@@ -247,8 +246,6 @@ def _prompt_fields(cut: Any) -> dict[str, Any]:
 
 def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: dict[str, int]) -> pa.Table:
     """Cuts with prompts/targets as manifest rows (`speechlm.data.sources.conversations.RowsBuilder`)."""
-    from speechlm.data.sources.conversations import ClipSource, RowsBuilder, conversation_of_record
-
     rows = RowsBuilder.new()
     coverage = Coverage()
     for cut in cuts:
@@ -303,9 +300,7 @@ def _conversation_cuts(cuts: Any, shard_id: str, default: str | None, dropped: d
 
 def _with_dummy_supervision(cut: Any, lang: str | None) -> Any:
     """`cut` with one empty supervision in `lang`, so that `check_cut`'s audio checks apply to it."""
-    from lhotse import SupervisionSegment
-    from lhotse.utils import fastcopy
-
-    sup = SupervisionSegment(id=f"{cut.id}-prompt", recording_id=cut.recording.id, start=0.0,
+    lhotse = _lhotse()
+    sup = lhotse.SupervisionSegment(id=f"{cut.id}-prompt", recording_id=cut.recording.id, start=0.0,
                              duration=cut.duration, language=lang)  # fmt: skip
-    return fastcopy(cut, supervisions=[sup])
+    return lhotse.utils.fastcopy(cut, supervisions=[sup])

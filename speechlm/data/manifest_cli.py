@@ -11,16 +11,14 @@ is unusable (`ManifestError`), 4 when an output (`--out`, `--plot`) cannot be wr
 outputs are written under a temporary name and renamed. `build` replaces only what it wrote itself
 with the same inputs (`speechlm.data.manifest.outputs.owned_outputs`; `--overwrite`: what any speechlm
 command wrote), never a file of yours. Rows a converter drops (empty text, a tag
-that disagrees with the language) are counted and printed. Heavy imports (pyarrow) happen inside
-the handlers.
+that disagrees with the language) are counted and printed. The work is in
+`speechlm.data.manifest.commands`, imported when a command runs (pyarrow stays out of `speechlm --help`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 # shown in --help without importing pyarrow; tests check them against speechlm.data.manifest.DEFAULT_*
 HELP_DEFAULTS = {"min_duration": 0.5, "max_duration": 20.0, "min_quality": 0.5, "val_fraction": 0.05}
@@ -126,96 +124,21 @@ def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def command_identity(command: str, source: str | Path, options: dict[str, object]) -> str:
-    """`command` with its input resolved and its settings: what `owned_outputs` compares on a re-run."""
-    flags = [
-        f"--{k.replace('_', '-')} {v}" for k, v in sorted(options.items()) if v is not None and v is not False
-    ]
-    return " ".join([command, str(Path(source).resolve()), *flags])
-
-
 def run_build(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest import build_manifest
-    from speechlm.data.manifest.outputs import owned_outputs, prepare_dir
+    from speechlm.data.manifest import commands  # lazy: pyarrow (CLI start-up)
 
-    options = {k: getattr(args, k) for k in HELP_DEFAULTS if getattr(args, k) is not None}
-    out = Path(args.out)
-    by = command_identity(
-        "manifest build",
-        args.shards_dir,
-        {**options, "seed": args.seed, "skip_bad_shards": args.skip_bad_shards},
+    return commands.run_build(
+        args, {k: getattr(args, k) for k in HELP_DEFAULTS if getattr(args, k) is not None}
     )
-    names = ("train.parquet", "val.parquet", "build_report.json")
-    with owned_outputs([out / n for n in names], by, overwrite=args.overwrite):
-        prepare_dir(args.out)  # an unusable --out fails before any shard is read
-        report = build_manifest(
-            args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
-        )
-    print(report.format())
-    print(f"\nwrote {out / 'train.parquet'}, {out / 'val.parquet'}, {out / 'build_report.json'}")
-    return 0
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest import format_stats, manifest_stats, plot_stats
-    from speechlm.data.manifest.outputs import prepare_parent, write_atomic
-    from speechlm.data.sources.detect import load_source
+    from speechlm.data.manifest import commands  # lazy: pyarrow (CLI start-up)
 
-    if args.plot:
-        prepare_parent(args.plot, "--plot")
-    stats = manifest_stats(load_source(args.manifest, default_lang=args.lang), where=str(args.manifest))
-    print(
-        json.dumps(stats, indent=2, ensure_ascii=False)
-        if args.json
-        else f"{args.manifest}\n{format_stats(stats)}"
-    )
-    if args.plot:
-        write_atomic(args.plot, lambda tmp: plot_stats(stats, tmp), "--plot")
-        print(f"\nwrote {args.plot}")
-    return 0
+    return commands.run_stats(args)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
+    from speechlm.data.manifest import commands  # lazy: pyarrow (CLI start-up)
 
-    from speechlm.data.manifest import ManifestError, read_nemo_manifest
-    from speechlm.data.manifest.outputs import prepare_parent, write_atomic
-
-    prepare_parent(args.out)
-    dropped: dict[str, int] = {}
-    try:
-        if args.format == "lhotse":
-            from speechlm.data.lhotse_adapter import cuts_to_manifest
-
-            table = cuts_to_manifest(args.source, default_lang=args.lang, dropped=dropped)
-        elif args.format == "conversations":
-            from speechlm.data.sources.conversations import read_conversations
-            from speechlm.data.sources.report import SourceReport
-
-            table = read_conversations(args.source, report=SourceReport(), default_lang=args.lang)
-        else:
-            table = read_nemo_manifest(args.source, default_lang=args.lang, dropped=dropped)
-    except ImportError as e:
-        return _fail(e)
-    if not len(table):
-        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
-        raise ManifestError(
-            f"{args.source}: no row is left to write (dropped: {detail or 'none'}); fix the transcripts "
-            "(every row needs text after cleaning, and a <|xx|> tag, if any, equal to its language)"
-        )
-    if args.check_audio:
-        from speechlm.data.sources.shards import plan_audio
-
-        if "conversation" in table.column_names and table.column("conversation").null_count < len(table):
-            raise ManifestError(
-                f"{args.source}: --check-audio checks one file per row, but some rows are conversations "
-                "whose clips were each found (and their durations read) while converting: leave it out"
-            )
-        plan_audio(table, None, where=str(args.source))
-    write_atomic(args.out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
-    hours = float(sum(table.column("duration").to_numpy())) / 3600
-    print(f"wrote {args.out}: {len(table)} rows, {hours:.2f} h")
-    if dropped:
-        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
-        print(f"dropped {sum(dropped.values())} rows ({detail})")
-    return 0
+    return commands.run_convert(args)

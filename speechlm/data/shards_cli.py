@@ -11,6 +11,7 @@ header's); 4 when --out is a file, holds a finished shard set or other files (ne
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,13 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_write(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from speechlm.data.sources import detect, nemo_tarred, shards  # lazy: pyarrow, soundfile (CLI start-up)
 
-    from speechlm.data.sources.detect import load_source
-
-    table = load_source(args.manifest)
-    from speechlm.data.sources.shards import format_skipped
-
+    table = detect.load_source(args.manifest)
     base = Path(args.manifest).resolve().parent
     skipped: list[tuple[int, str, str, str]] = []
     options = {
@@ -55,15 +52,11 @@ def run_write(args: argparse.Namespace) -> int:
         "where": str(args.manifest),
     }
     if args.format == "nemo":
-        from speechlm.data.sources.nemo_tarred import write_nemo_tarred
-
-        where = write_nemo_tarred(table, args.out, skipped=skipped, **options)
+        where = nemo_tarred.write_nemo_tarred(table, args.out, skipped=skipped, **options)
     else:
-        from speechlm.data.sources.shards import write_shards
-
-        where = write_shards(table, args.out, skipped=skipped, **options)
+        where = shards.write_shards(table, args.out, skipped=skipped, **options)
     if skipped:
-        print(format_skipped(skipped))
+        print(shards.format_skipped(skipped))
     print(
         f"wrote {len(table) - len(skipped)} utterances to {args.out} ({where.name}); train from it with data.train_manifest={args.out}"
     )

@@ -12,9 +12,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from speechlm.errors import DataError
 
-AUDIO = "<|audio|>"
+TAG_OPEN, TAG_CLOSE = "<|", "|>"  # the tag syntax of both tokenizers, written by `format_lang_tag` only
 
-_TAG_RE = re.compile(r"<\|([^|<>\s]+)\|>")
+
+def format_lang_tag(name: str) -> str:
+    """Return the tag token of a language code: "hi" -> "<|hi|>" (the one place the syntax is written;
+    the audio placeholder `AUDIO` is the tag of "audio")."""
+    return f"{TAG_OPEN}{name}{TAG_CLOSE}"
+
+
+AUDIO = format_lang_tag("audio")
+
+_TAG_RE = re.compile(re.escape(TAG_OPEN) + r"([^|<>\s]+)" + re.escape(TAG_CLOSE))
 _LANG_RE = re.compile(r"[A-Za-z0-9_\-]+")
 
 
@@ -31,11 +40,6 @@ class UnknownLanguageError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
-
-
-def format_lang_tag(lang: str) -> str:
-    """Return the tag token of a language code: "hi" -> "<|hi|>"."""
-    return f"<|{lang}|>"
 
 
 def _check_langs(langs: Sequence[str]) -> list[str]:

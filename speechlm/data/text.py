@@ -50,7 +50,7 @@ import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
-from speechlm.data.special_tokens import _TAG_RE
+from speechlm.data.special_tokens import _TAG_RE, TAG_CLOSE, TAG_OPEN, format_lang_tag
 
 ZWNJ = "\u200c"
 ZWJ = "\u200d"
@@ -69,7 +69,9 @@ def _keep_inner_apostrophe(m: re.Match[str]) -> str:
 
 
 _SPACES = re.compile(r" {2,}")
-_LANG_TAG = re.compile(r"^\s*<\|([A-Za-z][A-Za-z0-9_-]*)\|>\s*")
+_LANG_TAG = re.compile(
+    r"^\s*" + re.escape(TAG_OPEN) + r"([A-Za-z][A-Za-z0-9_-]*)" + re.escape(TAG_CLOSE) + r"\s*"
+)
 _LANG_CODE = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
@@ -171,7 +173,7 @@ def lang_tag(lang: str) -> str:
             f"language code {lang!r} cannot be made into a tag: use a code that starts with a letter "
             "and holds only letters, digits, '_' or '-' (for example 'hi', 'en', 'zh-cn')"
         )
-    return f"<|{code}|>"
+    return format_lang_tag(code)
 
 
 def tag_text(text: str, lang: str) -> str:
@@ -220,8 +222,8 @@ def check_transcript(text: str, lang: str) -> str | None:
 def strip_lang_tag(text: str) -> str:
     """`text` without a leading ``<|xx|>`` tag, spaces collapsed (a reference or hypothesis for WER)."""
     text = text.strip()
-    if text.startswith("<|") and "|>" in text:
-        text = text[text.index("|>") + 2 :]
+    if text.startswith(TAG_OPEN) and TAG_CLOSE in text:
+        text = text[text.index(TAG_CLOSE) + len(TAG_CLOSE) :]
     return " ".join(text.split())
 
 

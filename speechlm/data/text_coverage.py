@@ -50,8 +50,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from speechlm.data.special_tokens import _TAG_RE, AUDIO, format_lang_tag
+from speechlm.data.special_tokens import _TAG_RE, AUDIO, TAG_CLOSE, TAG_OPEN, format_lang_tag
 from speechlm.data.text import _ANGLE_TAG, _APOSTROPHES, _SQUARE_TAG, TEXT_NORMALIZE, normalize_piece
+from speechlm.data.tokenizer import Tokenizer
 
 SCAN_ROWS = 1 << 18  # rows per slice (bounds the temporary strings and code points)
 SHOW = 3  # rows quoted per manifest
@@ -93,7 +94,7 @@ def _utf8(texts: Any) -> bytes:
     return bytes(memoryview(data)[int(offsets[0]) : int(offsets[-1])])
 
 
-_TAG_SYNTAX = "<|>"
+_TAG_SYNTAX = TAG_OPEN + TAG_CLOSE
 
 
 class CharScan:
@@ -116,7 +117,7 @@ class CharScan:
 
     def add(self, data: bytes) -> None:
         """Mark the characters of one slice's UTF-8 data (`_utf8`)."""
-        opened, closed = data.count(b"<|"), data.count(b"|>")
+        opened, closed = data.count(TAG_OPEN.encode()), data.count(TAG_CLOSE.encode())
         annotated = self.rule in _CLEAN_RULES and (b"[" in data or data.count(b"<") > opened)
         text = data.decode("utf-8", "ignore")  # text that is not UTF-8 is dropped elsewhere
         if self.always_regex or annotated:
@@ -338,8 +339,6 @@ def _rows_holding(
 
 def _fix(cov: Coverage, chars: list[str], pairs: list[str], rule: str) -> str:
     """The advice: a rule under which every character is covered, else retrain or fix the rows."""
-    from speechlm.data.tokenizer import Tokenizer
-
     for other in ("lower", "clean", "clean_lower"):
         if other != rule and not cov.uncovered(chars, pairs, other):
             return (

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 
+from speechlm.data.manifest_cli import add_overwrite_argument
 from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names' historical home)
     _LANG_RE,
     _TAG_RE,
@@ -44,6 +46,7 @@ from speechlm.data.special_tokens import (  # noqa: F401 (re-exported: the names
     format_lang_tag,
 )
 from speechlm.errors import DataError, UsageError
+from speechlm.io import atomic_path
 from speechlm.progress import Progress
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
@@ -292,14 +295,12 @@ class Tokenizer:
         """Copy the model and its sidecar into `directory` (as sentencepiece.model / sentencepiece.json,
         names no Hugging Face file has); returns the copied .model path. `load_text_tokenizer` loads
         the directory or that path."""
-        import shutil
-
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for src, name in ((self.path, f"{SP_SAVED}.model"), (self._sidecar_path, f"{SP_SAVED}.json")):
             if src.resolve() != (out / name).resolve():
-                shutil.copyfile(src, out / f".{name}.tmp")
-                (out / f".{name}.tmp").replace(out / name)
+                with atomic_path(out / name) as tmp:
+                    shutil.copyfile(src, tmp)
         return out / f"{SP_SAVED}.model"
 
     def piece_table(self) -> list[tuple[str, float, bool]]:
@@ -373,7 +374,7 @@ def load_text_tokenizer(
     Hugging Face tokenizer directory -> `speechlm.data.hf_tokenizer.HFTokenizer` (`langs`, `lang_tags`:
     the languages to add tags for, beyond those its ``speechlm_tokenizer.json`` names, and the tag mode).
     A SentencePiece model takes neither: its languages and tags are fixed at training."""
-    from speechlm.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir
+    from speechlm.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer_dir  # lazy: tokenizers, jinja2 (CLI)
 
     p = Path(path)
     if p.is_dir():
@@ -420,64 +421,14 @@ def add_parser(subparsers: Any) -> None:
     train.add_argument(
         "--character-coverage", type=float, default=1.0, help="share of characters kept (default: 1.0)"
     )
-    from speechlm.data.manifest_cli import add_overwrite_argument
 
     add_overwrite_argument(train)
     train.set_defaults(func=run_train_command)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
-def read_manifest_text(path: Path) -> tuple[list[str], list[str]]:
-    """Return (texts, sorted languages) from the `text` and `lang` columns of a manifest.
-
-    A ``.parquet`` file needs only those two columns; any other manifest the project reads (NeMo
-    JSON, Lhotse cuts, a shard folder, ...) goes through the index (`sources.mmap_cache.open_index`).
-    A missing or unreadable manifest, a missing column, a null ``lang`` or text that is not UTF-8
-    is a ManifestError naming the file (and the row).
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.data.manifest import ManifestError
-    from speechlm.data.manifest.checks import check_utf8
-
-    if not path.exists():
-        raise ManifestError(
-            f"manifest {path} does not exist: pass the train manifest of `speechlm manifest build` "
-            "(e.g. OUT/train.parquet) or a NeMo .json / Lhotse cuts file"
-        )
-    if path.is_file() and path.suffix.lower() == ".parquet":
-        try:
-            names = pq.read_schema(path).names
-            missing = [c for c in ("text", "lang") if c not in names]
-            if missing:
-                raise ManifestError(
-                    f"manifest {path} lacks column(s) {missing} (has {names}): rebuild the manifest"
-                )
-            table = pq.read_table(path, columns=["text", "lang"])
-        except (pa.ArrowException, OSError) as e:
-            raise ManifestError(
-                f"{path} is not a readable parquet file ({e}); rebuild the manifest"
-            ) from None
-    else:
-        from speechlm.data.sources.mmap_cache import open_index
-
-        table = open_index(path)
-    lang_col = table.column("lang")
-    if lang_col.null_count:
-        raise ManifestError(
-            f"manifest {path}: {lang_col.null_count} row(s) have no lang; fix or rebuild the manifest"
-        )
-    check_utf8(table.column("text"), f"manifest {path}", "text")
-    langs = sorted(str(x) for x in pc.unique(lang_col.cast("string")).to_pylist())
-    texts = [t for t in table.column("text").to_pylist() if t]
-    return texts, langs
-
-
 def run_train_command(args: argparse.Namespace) -> int:
-    from speechlm.data.manifest.outputs import check_replaceable, owned_outputs, prepare_parent
-    from speechlm.data.manifest_cli import command_identity
+    from speechlm.data.manifest import commands, outputs  # lazy: pyarrow (CLI start-up)
 
     manifest = Path(args.manifest)
     out = args.out if args.out is not None else manifest.resolve().parent / "tokenizer"
@@ -490,14 +441,14 @@ def run_train_command(args: argparse.Namespace) -> int:
         )
     prefix = _split_prefix(out)
     settings = {k: getattr(args, k) for k in ("vocab_size", "model_type", "character_coverage")}
-    by = command_identity("tokenizer train --manifest", manifest, settings)
-    outputs = [Path(f"{prefix}{suffix}") for suffix in (".model", ".vocab", ".json")]
-    check_replaceable(outputs, by, overwrite=args.overwrite)
-    prepare_parent(f"{prefix}.model", "--out")
-    texts, langs = read_manifest_text(manifest)
+    by = outputs.command_identity("tokenizer train --manifest", manifest, settings)
+    written = [Path(f"{prefix}{suffix}") for suffix in (".model", ".vocab", ".json")]
+    outputs.check_replaceable(written, by, overwrite=args.overwrite)
+    outputs.prepare_parent(f"{prefix}.model", "--out")
+    texts, langs = commands.read_manifest_text(manifest)
     if not texts:
         raise DataError(f"manifest {manifest} has no non-empty text: nothing to train a tokenizer on")
-    with owned_outputs(outputs, by, overwrite=args.overwrite):
+    with outputs.owned_outputs(written, by, overwrite=args.overwrite):
         model_path = train_tokenizer(texts, out, langs=langs, **settings)
     tok = Tokenizer(model_path)
     sample = texts[0]

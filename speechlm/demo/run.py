@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from speechlm.cli import main as speechlm_main
 from speechlm.demo import corpus as demo_corpus
+from speechlm.demo.vocabulary import CorpusSettings
 from speechlm.errors import run_guarded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,40 +84,32 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(argv: list[str]) -> int:
-    from speechlm.cli import main
-
     print("\n$ speechlm " + " ".join(argv), flush=True)
-    return main(argv)
+    return speechlm_main(argv)
 
 
-def demo_outputs(out: Path, with_ast: bool) -> list[Path]:
-    """The files the demo writes in `--out` (manifest, tokenizer; with AST the task manifests and the mix)."""
+def demo_outputs(out: Path, mix_file: str | None) -> list[Path]:
+    """The files the demo writes in `--out` (manifest, tokenizer; with AST, `mix_file` given, the task
+    manifests and the mix)."""
     names = ["train.parquet", "val.parquet", "build_report.json"]
     names += [f"tokenizer{suffix}" for suffix in (".model", ".vocab", ".json")]
-    if with_ast:
-        from speechlm.demo.tasks import MIX_FILE
-
-        names += ["ast_train.parquet", "ast_val.parquet", "val_tasks.parquet", MIX_FILE]
+    if mix_file is not None:
+        names += ["ast_train.parquet", "ast_val.parquet", "val_tasks.parquet", mix_file]
     return [out / n for n in names]
 
 
-def _write_owned(paths: list[Path], write: Callable[[], int]) -> int:
-    from speechlm.data.manifest.outputs import owned_outputs
-
-    with owned_outputs(paths, "demo --with-ast", overwrite=True):
-        return write()
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    from speechlm.data.manifest.outputs import check_replaceable, owned_outputs  # lazy: pyarrow (CLI)
+    from speechlm.demo import tasks, writing  # lazy: pyarrow, soundfile, soxr (CLI start-up)
+
     corpus_only = args.overrides == ["corpus"]  # `speechlm demo corpus [--corpus ...]` (an override has "=")
     out = Path(args.out)
     with_ast = args.with_ast and not args.asr_only
+    outputs = demo_outputs(out, tasks.MIX_FILE if with_ast else None)
     if not corpus_only:
-        from speechlm.data.manifest.outputs import check_replaceable
-
         # before any work: a file of the user's in --out is never replaced; what speechlm wrote there
         # (an earlier demo, a manifest build) is, so the sub-commands below run with --overwrite
-        check_replaceable(demo_outputs(out, with_ast), "demo", overwrite=True)
+        check_replaceable(outputs, "demo", overwrite=True)
     shards = args.shards
     if shards is None or corpus_only:
         settings = demo_corpus.settings_of(args)
@@ -125,7 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"--heldout {settings.heldout} --seed {settings.seed}",
             flush=True,
         )
-        rc = run_guarded(lambda: demo_corpus.generate_corpus(args.corpus, settings) is None)
+        rc = run_guarded(lambda: writing.generate_corpus(args.corpus, settings) is None)
         if rc or corpus_only:
             return rc
         shards = args.corpus
@@ -151,20 +144,22 @@ def run_demo(args: argparse.Namespace) -> int:
         data = [f"data.train_manifest={out / 'train.parquet'}", f"data.val_manifest={out / 'val.parquet'}"]
         plan_data = ["--manifest", str(out / "train.parquet")]
     else:
-        from speechlm.demo.tasks import MIX_FILE
-        from speechlm.demo.tasks import main as write_tasks
+
+        def write_tasks() -> int:
+            with owned_outputs(outputs[-4:], "demo --with-ast", overwrite=True):
+                return tasks.main([str(out)])
 
         print(f"\n$ python -m speechlm.demo.tasks {out}", flush=True)
-        rc = run_guarded(lambda: _write_owned(demo_outputs(out, True)[-4:], lambda: write_tasks([str(out)])))
+        rc = run_guarded(write_tasks)
         if rc:
             return rc
         # the ASR + AST mix trains; validation and the final evaluation score both tasks
         data = [
             "data.train_manifest=null",
-            f"data.input_cfg={out / MIX_FILE}",
+            f"data.input_cfg={out / tasks.MIX_FILE}",
             f"data.val_manifest={out / 'val_tasks.parquet'}",
         ]
-        plan_data = ["--input-cfg", str(out / MIX_FILE)]
+        plan_data = ["--input-cfg", str(out / tasks.MIX_FILE)]
     rc = _run(["plan", "--config", args.config, *plan_data])
     if rc or args.no_train:
         return rc
@@ -184,10 +179,10 @@ if __name__ == "__main__":
             argparse.Namespace(
                 shards=None,
                 corpus="data/demo_corpus",
-                utterances=demo_corpus.CorpusSettings().utterances,
-                heldout=demo_corpus.CorpusSettings().heldout,
-                seed=demo_corpus.CorpusSettings().seed,
-                sentences=demo_corpus.CorpusSettings().sentences,
+                utterances=CorpusSettings().utterances,
+                heldout=CorpusSettings().heldout,
+                seed=CorpusSettings().seed,
+                sentences=CorpusSettings().sentences,
                 out="data/demo_manifest",
                 vocab_size=DEMO_VOCAB_SIZE,
                 config=str(REPO / "configs/demo.yaml"),

@@ -50,6 +50,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
+from speechlm.data.manifest.load import read_parquet_manifest
 from speechlm.data.manifest.outputs import write_atomic
 from speechlm.data.manifest.schema import ManifestError
 from speechlm.data.text import clean_text, split_lang_tag
@@ -185,8 +186,6 @@ def _with_task_columns(
 
 def _read_manifest(path: Path) -> pa.Table:
     """An ASR manifest of `speechlm manifest build` (its schema's columns; other columns are not read)."""
-    from speechlm.data.manifest.load import read_parquet_manifest
-
     if not path.is_file():
         raise ManifestError(
             f"{path} does not exist: build the demo manifest first "

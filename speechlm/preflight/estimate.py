@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.config import ExperimentConfig
+from speechlm.data.sampler.cost import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
 from speechlm.errors import UsageError, UserError
 from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
 
@@ -42,7 +43,6 @@ DEFAULT_MFU = {"h100": 0.40, "h200": 0.40, "a100": 0.45, "cpu": 0.25}
 FIT_MARGIN = 0.90  # a layout fits when its estimate is at most this share of the device (fragmentation)
 QUADRATIC_BACKENDS = ("reference", "sdpa")  # materialise the attention scores (flash, te, flex do not)
 SAMPLE_RATE, HOP = 16000, 160
-CHARS_PER_TOKEN = 3.0  # transcript characters per token when no tokenizer is at hand
 
 
 class LayoutDoesNotFitError(UserError):

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from speechlm.sweep.dispatch import Dispatcher, parse_only
+from speechlm.sweep.spec import SpecError, load_spec, read_matrix, write_sweep
+from speechlm.sweep.store import StatusError, StatusStore, mark_stale, requeue
+from speechlm.sweep.view import collect_status, format_report, format_status, plot_report
 
 
 def add_parser(sub: Any) -> None:
@@ -80,8 +87,6 @@ def _fail(message: str) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from speechlm.sweep.spec import SpecError, load_spec, write_sweep
-
     try:
         matrix = write_sweep(load_spec(args.spec), Path(args.out))
     except SpecError as e:
@@ -93,10 +98,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from speechlm.sweep.dispatch import Dispatcher, parse_only
-    from speechlm.sweep.spec import SpecError
-    from speechlm.sweep.store import StatusError
-
     try:
         d = Dispatcher(
             args.sweep_dir, [s.strip() for s in args.slots.split(",") if s.strip()],
@@ -109,10 +110,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from speechlm.sweep.spec import SpecError
-    from speechlm.sweep.store import StatusError
-    from speechlm.sweep.view import collect_status, format_status
-
     try:
         rows = collect_status(Path(args.sweep_dir), stale_after=args.stale_after)
     except (SpecError, StatusError) as e:
@@ -122,11 +119,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    import socket
-    import time
-
-    from speechlm.sweep.store import StatusError, StatusStore, mark_stale, requeue
-
     if not (args.job_ids or args.failed or args.stale):
         return _fail("name job ids, or --failed, or --stale")
     try:
@@ -140,10 +132,6 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from speechlm.sweep.spec import SpecError
-    from speechlm.sweep.store import StatusError
-    from speechlm.sweep.view import collect_status, format_report, plot_report
-
     try:
         rows = collect_status(Path(args.sweep_dir))
     except (SpecError, StatusError) as e:
@@ -190,8 +178,6 @@ def slurm_script(sweep_dir: Path, *, nodes: int, gpus_per_node: int, partition: 
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from speechlm.sweep.spec import SpecError, read_matrix
-
     sweep_dir = Path(args.sweep_dir).resolve()
     try:
         read_matrix(sweep_dir)

@@ -20,6 +20,7 @@ a requeued copy of the job then shares.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -70,8 +71,6 @@ def job_command(job: dict[str, Any], config: Path, *, template: str | None = Non
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()
     if sys.platform.startswith("linux"):
-        import ctypes
-
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 

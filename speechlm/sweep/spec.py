@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from speechlm.config import SWEEP_SPEC_KEYS, is_override
+from speechlm.config import SWEEP_SPEC_KEYS, ConfigError, is_override, load_config, to_dict
+from speechlm.sweep.store import StatusStore, write_json_atomic
 
 SPEC_KEYS = SWEEP_SPEC_KEYS
 JOB_KEYS = ("name", "overrides")
@@ -147,8 +148,6 @@ def load_spec(path: str | Path) -> Spec:
 
 def resolve_job_config(spec: Spec, job: Job, run_dir: Path) -> dict[str, Any]:
     """The job's whole config as `speechlm train` would build it, with its run dir and resume=auto."""
-    from speechlm.config import ConfigError, load_config, to_dict
-
     overrides = [*spec.overrides, *job.overrides, f"trainer.run_dir={run_dir}", "trainer.resume=auto"]
     try:
         cfg = load_config(spec.base, overrides)
@@ -168,8 +167,6 @@ def write_sweep(spec: Spec, sweep_dir: Path) -> dict[str, Any]:
 
     Jobs already in an existing matrix keep their entry; their config is rewritten only if it changed
     (a changed config of a job that already ran is refused: give the new variant its own name)."""
-    from speechlm.sweep.store import StatusStore, write_json_atomic
-
     sweep_dir.mkdir(parents=True, exist_ok=True)
     matrix_path = sweep_dir / "matrix.json"
     old: dict[str, Any] = {}

@@ -3,9 +3,9 @@
 Every dispatcher (one per machine, or several on one) reads, changes and writes `status.json` inside
 `locked()`: a POSIX record lock (`fcntl.lockf`) on `SWEEP_DIR/status.lock`, which NFSv4 and Lustre
 (mounted with `flock`) honour across machines. The new state is written to a temporary file in the
-same directory, flushed to disk and moved over `status.json` with `os.replace`, so a reader sees the
-old file or the new one, never half of one; a process killed mid-write leaves only a stray temporary
-file behind.
+same directory, flushed to disk and moved over `status.json` (`speechlm.io.atomic_path`, durable), so a
+reader sees the old file or the new one, never half of one; a process killed mid-write leaves only a
+stray temporary file behind.
 
 Job states::
 
@@ -23,11 +23,12 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from speechlm.io import atomic_path
 
 STATES = ("queued", "running", "done", "failed", "stale")
 
@@ -37,25 +38,11 @@ class StatusError(RuntimeError):
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, fsync it, then `os.replace` it over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """The sweep's JSON (indent 1, sorted keys, a final newline) written durably (`speechlm.io.atomic_path`
+    with ``durable=True``: file and folder fsynced), so a crash never rolls the state back."""
+    with atomic_path(path, durable=True) as tmp, open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
 
 
 def pid_alive(pid: int) -> bool:

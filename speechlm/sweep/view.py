@@ -9,6 +9,7 @@ A job's score is its final WER where it has one, else its best validation WER.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,6 @@ def collect_status(sweep_dir: Path, *, stale_after: float | None = None) -> list
     """One record per job: id, state, host, slots, step, wer, best_wer, elapsed_s, log, axes.
 
     With `stale_after`, running jobs of dispatchers that stopped are first marked stale (under the lock)."""
-    import socket
-
     store = StatusStore(sweep_dir)
     if stale_after is not None:
         with store.locked() as state:
@@ -170,10 +169,10 @@ def format_report(rows: list[dict[str, Any]]) -> str:
 def plot_report(rows: list[dict[str, Any]], out: Path) -> Path:
     """Each job's score (`score`: final WER, else best validation WER), and per value of every grid axis
     the best job with that value."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (slow to import; only `sweep report --plot`)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as above, after the Agg backend is chosen
 
     scores = {r["id"]: s for r in rows if (s := score(r)) is not None}
     scored = [r for r in rows if r["id"] in scores]

@@ -355,7 +355,7 @@ def test_two_processes_building_at_once_build_once(audio: Path, tmp_path: Path) 
         out = result.get(timeout=60)
     assert sorted(out) == ["7 0", "7 1"]  # both mapped the 7 rows; one of them indexed
     entries = [p.name for p in (tmp_path / "cache").iterdir() if p.suffix == ".arrow"]
-    assert len(entries) == 1 and not any(p.name.endswith(".tmp") for p in (tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and not any(".tmp" in p.name for p in (tmp_path / "cache").iterdir())
 
 
 # ----------------------------------------------- 5. the input_cfg mix cannot vanish with metadata
@@ -393,7 +393,7 @@ def test_mix_without_its_metadata_is_refused_not_unweighted(audio: Path, tmp_pat
 
 
 def test_null_text_names_the_row_in_plan_and_train(audio: Path, tmp_path: Path) -> None:
-    from speechlm.data.plan_inputs import read_plan_inputs
+    from speechlm.data.plan.inputs import read_plan_inputs
     from speechlm.data.sources.mmap_cache import open_index
 
     table = manifest(audio, [{"path": str(audio / "one.wav")}] * 6)
@@ -449,7 +449,9 @@ def test_a_killed_builders_leftovers_are_not_an_entry_and_are_cleaned(audio: Pat
     cache = tmp_path / "cache"
     cache.mkdir()
     entry = f"m.parquet.{source_fingerprint(tmp_path / 'm.parquet')}.arrow"
-    (cache / f".{entry}.999999.tmp").write_bytes(b"half a file")  # SIGKILL mid-write
+    (cache / f".{entry}.tmp-otherhost-999999").write_bytes(
+        b"half a file"
+    )  # SIGKILL mid-write (atomic_path's name)
     (cache / f"{entry}.lock").touch()  # the lock file stays; its flock died with the process
     assert len(open_index(tmp_path / "m.parquet", cache_dir=cache)) == 2
     assert sorted(p.name for p in cache.iterdir()) == sorted([entry, f"{entry}.lock"])

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from speechlm.cli import main
-from speechlm.data.plan import cp_padding
-from speechlm.data.plan_inputs import read_plan_inputs
+from speechlm.data.plan.figures import cp_padding
+from speechlm.data.plan.inputs import read_plan_inputs
 from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings, build_epoch_plan
 
 NAMES = ["sw", "en", "de"]  # deliberately unsorted: the plan codes languages by sorted name
@@ -241,7 +241,7 @@ def test_cp_padding_matches_the_per_micro_batch_placement(cp, tp, threshold):
 
 def test_plan_prints_what_the_per_micro_batch_summary_printed(manifest, tmp_path, capsys, monkeypatch):
     """`speechlm plan`'s printed figures are unchanged by the vectorised padding summary (cp 1 and 2)."""
-    import speechlm.data.plan as plan_module
+    import speechlm.data.plan.figures as plan_module
     from speechlm.preflight.bench import load_benchmark
 
     reference = load_benchmark("plan-memory").per_batch_cp_padding
@@ -260,7 +260,7 @@ def test_plan_prints_what_the_per_micro_batch_summary_printed(manifest, tmp_path
 
 
 def test_plan_at_cp_1_places_no_micro_batch(manifest, monkeypatch):
-    import speechlm.data.plan as plan_module
+    import speechlm.data.plan.figures as plan_module
 
     def refuse(*a, **k):
         raise AssertionError("cp = 1 has nothing to place")
@@ -289,8 +289,6 @@ def test_plan_warns_when_the_lockstep_trims_drop_much(demo_data, tmp_path, capsy
 def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatch, capsys):
     """A write that fails half-way (a full disk; SIGKILL is the same to the file) leaves the previous plan
     and no partial file."""
-    import speechlm.data.plan as plan_module
-
     out = tmp_path / "plan.json"
     out.write_text('{"previous": true}')
 
@@ -298,7 +296,7 @@ def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatc
         f.write('{"ranks": [[1, 2')
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(plan_module.json, "dump", dump_half)
+    monkeypatch.setattr(json, "dump", dump_half)
     assert main(["plan", "--manifest", str(manifest[0]), "--json", str(out)]) == 1
     assert "cannot write" in capsys.readouterr().err
     assert json.loads(out.read_text()) == {"previous": True}
@@ -306,7 +304,7 @@ def test_plan_json_is_written_whole_or_not_at_all(manifest, tmp_path, monkeypatc
 
 
 def test_plan_keeps_the_text_lengths_and_reads_no_text_the_next_time(tmp_path, monkeypatch, capsys):
-    import speechlm.data.plan_inputs as plan_module
+    import speechlm.data.plan.inputs as plan_module
 
     path = tmp_path / "t.parquet"
     n = 2000

@@ -1,4 +1,4 @@
-"""`speechlm.data.plan_inputs`: the text lengths counted from the Arrow column (offsets when ASCII), and
+"""`speechlm.data.plan.inputs`: the text lengths counted from the Arrow column (offsets when ASCII), and
 `speechlm plan` reading them on a second thread while it builds a plan whose budget is seconds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-import speechlm.data.plan_inputs as plan_inputs
+import speechlm.data.plan.inputs as plan_inputs
 from speechlm.cli import main
 from speechlm.errors import DataError
 

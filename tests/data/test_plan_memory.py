@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import speechlm.data.plan as plan_module
+import speechlm.data.plan.figures as plan_module
 from speechlm.data.sampler import SamplerSettings, build_epoch_plan
 from speechlm.data.sampler.batching import pack_greedy
 from speechlm.data.sampler.build import SamplerInputs

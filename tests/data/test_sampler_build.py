@@ -101,3 +101,13 @@ def test_whisper_settings_are_what_the_sampler_saves() -> None:
     sampler = build_sampler(cfg, _table([3.0] * 8, ["a b"] * 8), dp_rank=0, dp_size=1)
     saved = sampler.state_dict()["params"]["token_cost"]
     assert saved == dataclasses.asdict(sampler.settings.token_cost) and saved["encoder_subsampling"] == 2
+
+
+def test_the_text_token_estimate_has_one_owner():
+    """CHARS_PER_TOKEN is the sampler's token cost model's (`speechlm.data.sampler.cost`); `speechlm estimate`
+    uses that one."""
+    from speechlm.data.sampler import cost
+    from speechlm.preflight import estimate
+
+    assert estimate.CHARS_PER_TOKEN is cost.CHARS_PER_TOKEN == 3.0
+    assert cost.text_tokens_of(np.array([0, 1, 3, 4]), None).tolist() == [0, 1, 1, 2]

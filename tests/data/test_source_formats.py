@@ -217,7 +217,7 @@ def test_nemo_tarred_layout_options_and_braces(formats, demo_data):
     assert sorted(p.name for p in (nemo / "sharded_manifests").iterdir()) == [
         f"manifest_{k}.json" for k in range(4)
     ]
-    assert not list(nemo.glob(".*.tmp"))
+    assert not list(nemo.glob(".*.tmp*"))
     folder = load_source(nemo)
     by_options = load_source(
         nemo / "sharded_manifests/manifest__OP_0..3_CL_.json",

@@ -315,4 +315,38 @@ def test_index_cache_follows_a_changed_manifest_and_survives_a_full_disk(demo_da
     pq.write_table(table.slice(0, 50), src)
     os.utime(src, ns=(2, 2))
     assert len(mmap_cache.open_index(src, cache_dir=cache)) == 50  # from memory, with a warning
-    assert not list(cache.glob(".*.tmp"))
+    assert not list(cache.glob(".*.tmp*"))
+
+
+@pytest.mark.parametrize("kind", ["speechlm", "nemo"])
+def test_both_tar_set_writers_share_one_skeleton_that_cleans_up_a_failed_tar(demo_data, tmp_path, kind):
+    """`write_shards` and `write_nemo_tarred` go through `speechlm.data.sources.shards`' skeleton: a tar
+    whose write fails (a full disk mid-tar) leaves no temporary, the set has no final file, the error is a
+    ShardWriteError naming the tar, and a rerun completes the set."""
+    import speechlm.io as io_module
+    from speechlm.data.sources import shards
+    from speechlm.data.sources.nemo_tarred import MANIFEST_NAME, write_nemo_tarred
+
+    write, final = (
+        (write_shards, shards.INDEX_NAME) if kind == "speechlm" else (write_nemo_tarred, MANIFEST_NAME)
+    )
+    out = tmp_path / kind
+    calls = {"n": 0}
+    real_replace = io_module.os.replace
+
+    def full_at_second_tar(src, dst):
+        if str(dst).endswith(".tar"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    table = load_source(demo_data["train"])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(io_module.os, "replace", full_at_second_tar)
+        with pytest.raises(shards.ShardWriteError, match=r"cannot write \S*[-_]0*1\.tar: No space"):
+            write(table, out, shard_size=60, skip_bad_audio=True)
+    assert not (out / final).exists()
+    assert not [p.name for p in out.rglob(".*")]  # no temporary left, under any name
+    write(table, out, shard_size=60, skip_bad_audio=True)  # a rerun completes the set
+    assert (out / final).is_file() and len(load_source(out)) == 220

@@ -113,3 +113,15 @@ def test_apostrophe_kept_only_between_letters_not_other_numbers():
     assert clean_text("A´²") == "A ²"
     assert clean_text("x'2") == "x 2"
     assert clean_text("l´homme") == "l'homme"
+
+
+def test_the_tag_syntax_is_written_by_one_function():
+    """`format_lang_tag` writes every tag (languages, the audio placeholder); the readers parse what it writes."""
+    from speechlm.data.special_tokens import _TAG_RE, AUDIO, format_lang_tag
+    from speechlm.data.text import strip_lang_tag
+
+    assert format_lang_tag("hi") == "<|hi|>" == lang_tag("HI")
+    assert AUDIO == format_lang_tag("audio") == "<|audio|>"
+    assert split_lang_tag(tag_text("namaste", "hi")) == ("hi", "namaste")
+    assert _TAG_RE.fullmatch(format_lang_tag("zh-cn")).group(1) == "zh-cn"
+    assert strip_lang_tag(f"{format_lang_tag('en')}  good   day") == "good day"

@@ -14,7 +14,7 @@ from parallel.backend_caps import BACKENDS
 from parallel.rounding import rounding_unit, sequence_multiple
 from parallel.validator import build_context
 from speechlm.config import ATTENTION_BACKENDS, load_config
-from speechlm.data.plan import cp_padding
+from speechlm.data.plan.figures import cp_padding
 from speechlm.packing.thd import round_lengths
 
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (2, 8)]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.errors import OutputError
-from speechlm.io import sha256_of
+from speechlm.io import atomic_path, sha256_of
 
 
 def _reason(path: Path, error: OSError) -> str:
@@ -67,26 +67,30 @@ def prepare_parent(path: str | os.PathLike[str], flag: str = "--out") -> Path:
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], None], flag: str = "--out") -> Path:
-    """Call ``write(tmp)`` on a hidden sibling of `path`, then rename it to `path` (parents created).
+    """Call ``write(tmp)`` on a hidden sibling of `path` (`speechlm.io.atomic_path`: its name does not end
+    in `path`'s suffix), then rename it to `path` (parents created).
 
     An OSError while writing removes the temporary file and becomes an OutputError naming `path`.
     """
     p = prepare_parent(path, flag)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}{p.suffix}")
     try:
-        write(tmp)
-        os.replace(tmp, p)
+        with atomic_path(p) as tmp:
+            write(tmp)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise output_error(p, flag, e) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return p
 
 
 # ------------------------------------------------------------------------ what a command may replace
 STAMP_NAME = "speechlm_outputs.json"
+
+
+def command_identity(command: str, source: str | Path, options: dict[str, object]) -> str:
+    """`command` with its input resolved and its settings: what `owned_outputs` compares on a re-run."""
+    flags = [
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(options.items()) if v is not None and v is not False
+    ]
+    return " ".join([command, str(Path(source).resolve()), *flags])
 
 
 def read_stamp(folder: Path) -> dict[str, dict[str, Any]]:

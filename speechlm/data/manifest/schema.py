@@ -11,6 +11,7 @@ cost about the size of their strings, with no Python object per row (see docs/da
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from speechlm.data.conversation import Conversation, ConversationError
 from speechlm.errors import DataError
 
 MANIFEST_SCHEMA = pa.schema(
@@ -189,8 +191,6 @@ def llm_text_chars(columns: pa.Table | pa.RecordBatch) -> pa.Array:
     if "instruction" in names:
         chars = chars + length("instruction")
     if "conversation" in names and columns.column("conversation").null_count < len(columns):
-        import json
-
         docs = columns.column("conversation").to_pylist()
         for i, doc in enumerate(docs):
             if doc is not None:
@@ -237,8 +237,6 @@ def row_contents(columns: pa.Table | pa.RecordBatch) -> RowContents:
     ctc = ((text_chars > 0) | (is_asr & (answer_chars > 0))).astype(np.int32)
     clips = np.ones(n, np.int32)
     if "conversation" in names and columns.column("conversation").null_count < n:
-        from speechlm.data.conversation import Conversation
-
         docs = columns.column("conversation").to_pylist()
         tasks = task.to_pylist() if task is not None else [None] * n
         for i, doc in enumerate(docs):
@@ -260,7 +258,6 @@ def check_conversations(columns: pa.Table | pa.RecordBatch, where: str, first_ro
         columns
     ):
         return
-    from speechlm.data.conversation import Conversation, ConversationError
 
     for k, doc in enumerate(columns.column("conversation").to_pylist()):
         if doc is not None:

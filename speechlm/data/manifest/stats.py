@@ -20,7 +20,7 @@ from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.load import manifest_arrays, task_codes
 from speechlm.data.manifest.report import _format_table
 from speechlm.data.manifest.schema import row_contents
-from speechlm.data.sampler.build import CHARS_PER_TOKEN
+from speechlm.data.sampler.cost import CHARS_PER_TOKEN
 
 COVERAGE_KEY = b"speechlm.lhotse_coverage"
 
@@ -157,10 +157,11 @@ def _format_coverage(c: dict[str, Any]) -> str:
     )
 
 
-def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Save a PNG: hours per language (bars) and the duration histogram stacked by language."""
+def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str], fmt: str | None = None) -> None:
+    """Save a PNG (or `fmt`, e.g. "svg"; None: from `path`'s suffix): hours per language (bars) and the
+    duration histogram stacked by language."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib is slow to import
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: as above
 
     fig = Figure(figsize=(11, 4.2))
     FigureCanvasAgg(fig)
@@ -190,4 +191,4 @@ def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> None:
     if names:
         ax_hist.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=110)
+    fig.savefig(os.fspath(path), dpi=110, format=fmt)

@@ -30,21 +30,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from speechlm.data.sampler.cost import TokenCostModel
+from speechlm.data.manifest.load import manifest_arrays, task_codes
+from speechlm.data.sampler.cost import TokenCostModel, text_tokens_of
 from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.settings import SamplerSettings
 from speechlm.data.sampler.stateful import DurationBucketBatchSampler, StreamingLayout
+from speechlm.data.sources.input_cfg import mix_of_table, read_modes_of_table
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from speechlm.config import ExperimentConfig, ModelConfig
     from speechlm.data.manifest.schema import RowContents
 
 FEATURE_FRAMES_PER_SECOND = 100.0  # the 10 ms hop (160 samples at 16 kHz) of every encoder kind
 ENCODER_SUBSAMPLING = {"whisper": 2, "parakeet": 8, "nemo": 8}  # encoder frames per feature frame
-CHARS_PER_TOKEN = 3.0  # text characters per token (a small SentencePiece vocab)
 
 
 # --- 1. settings --------------------------------------------------------------------------------
@@ -85,12 +86,6 @@ def sampler_settings(cfg: ExperimentConfig, *, dp_size: int) -> SamplerSettings:
     return dataclasses.replace(settings, max_duration=cfg.data.max_duration)
 
 
-def text_tokens_of(text_chars: np.ndarray, max_tokens: int | None = None) -> np.ndarray:
-    """Estimated text tokens per row (int64): ceil(chars / CHARS_PER_TOKEN), at most `max_tokens`."""
-    tokens = np.ceil(np.asarray(text_chars, dtype=np.float64) / CHARS_PER_TOKEN).astype(np.int64)
-    return np.minimum(tokens, max_tokens) if max_tokens is not None else tokens
-
-
 # --- 2. inputs ----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class SamplerInputs:
@@ -112,9 +107,6 @@ class SamplerInputs:
 
 def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
     """The inputs of `table` (any index: `open_index`, `load_input_cfg`) under `cfg.data`."""
-    from speechlm.data.manifest.load import manifest_arrays, task_codes
-    from speechlm.data.sources.input_cfg import mix_of_table
-
     arr = manifest_arrays(table)
     tasks = task_codes(table)
     return SamplerInputs(
@@ -131,8 +123,6 @@ def sampler_inputs(cfg: ExperimentConfig, table: pa.Table) -> SamplerInputs:
 
 def streams(cfg: ExperimentConfig, table: pa.Table) -> bool:
     """Whether the run's or any ``data.input_cfg`` dataset's read mode is streaming."""
-    from speechlm.data.sources.input_cfg import read_modes_of_table
-
     d = cfg.data
     if d.read_mode not in ("indexed", "streaming"):
         raise ValueError(f"data.read_mode={d.read_mode!r}: use 'indexed' (default) or 'streaming'")
@@ -148,11 +138,6 @@ def streaming_layout(cfg: ExperimentConfig, table: pa.Table) -> StreamingLayout 
     their own (-1), so they are spread like indexed-mode reads. The streaming plan is used when the
     run's or any dataset's read mode is streaming.
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from speechlm.data.sources.input_cfg import mix_of_table, read_modes_of_table
-
     if not streams(cfg, table):
         return None
     d = cfg.data
@@ -219,8 +204,6 @@ def build_sampler(
 def longest_row_tokens(cfg: ExperimentConfig, table: pa.Table) -> int:
     """The most tokens (audio + text + prompt) one row of `table` costs under `cfg`'s token cost model:
     the figure the validator's token rule compares with ``sampler.max_batch_tokens``."""
-    from speechlm.data.manifest.load import manifest_arrays
-
     if not len(table):
         return 0
     arr = manifest_arrays(table)

@@ -5,7 +5,9 @@ audio tokens = ceil(ceil(d * fps / subsampling) / projector_stack), plus text to
 `prompt_tokens`; cost = tokens + length_penalty * tokens^2 (the quadratic term charges long rows
 for attention, whose work grows with length squared). The packer compares integers: costs in
 microseconds or thousandths of a token, rounded up, against the budget rounded down.
-`build.token_cost_of` fills the model in from the encoder (its subsampling) and the projector.
+`build.token_cost_of` fills the model in from the encoder (its subsampling) and the projector. Text tokens
+are estimated from characters (`text_tokens_of`: ceil(chars / `CHARS_PER_TOKEN`)) where no tokenizer runs:
+the sampler, `speechlm plan`, `manifest stats` and `speechlm estimate`.
 """
 
 from __future__ import annotations
@@ -72,3 +74,12 @@ def quantize_costs(
         scaled *= units
         costs[lo : lo + piece_rows] = np.ceil(scaled, out=scaled)
     return costs, int(math.floor(budget * units))
+
+
+CHARS_PER_TOKEN = 3.0  # text characters per token (a small SentencePiece vocab)
+
+
+def text_tokens_of(text_chars: np.ndarray, max_tokens: int | None = None) -> np.ndarray:
+    """Estimated text tokens per row (int64): ceil(chars / CHARS_PER_TOKEN), at most `max_tokens`."""
+    tokens = np.ceil(np.asarray(text_chars, dtype=np.float64) / CHARS_PER_TOKEN).astype(np.int64)
+    return np.minimum(tokens, max_tokens) if max_tokens is not None else tokens

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import soundfile as sf
 
 from speechlm.data.conversation import AudioRef, Clip, Conversation, ConversationError, Turn
@@ -432,8 +433,6 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
     """("PATH:LINE", record) of a JSON-lines file (gzip allowed), ("PATH[i]", record) of a JSON list, or
     ("PATH, row i", record) of a parquet manifest with a ``conversations``/``messages`` column."""
     if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             rows = pq.read_table(path).to_pylist()
         except (pa.ArrowException, OSError) as e:

@@ -27,6 +27,7 @@ the result; this module imports the manifest readers and nothing imports it back
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import json
 import logging
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from speechlm.data.manifest.load import read_parquet_manifest
 from speechlm.data.manifest.nemo import read_nemo_manifest
@@ -146,8 +148,6 @@ def _is_lhotse_record(record: dict[str, Any] | None) -> bool:
 
 
 def _has_conversations_column(path: Path) -> bool:
-    import pyarrow.parquet as pq
-
     try:
         names = pq.read_schema(path).names
     except (pa.ArrowException, OSError):
@@ -245,8 +245,6 @@ def load_source(
 
 def _import_readers() -> None:
     """Import the reader modules so that they register (each imports its optional dependency lazily)."""
-    import importlib
-
     for module in ("nemo_tarred", "lhotse_shar", "wenet", "lhotse_cuts", "conversations"):
         try:
             importlib.import_module(f"speechlm.data.sources.{module}")

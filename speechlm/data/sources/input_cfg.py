@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import yaml
 
+from speechlm.data.manifest.load import dictionary_codes
 from speechlm.data.manifest.schema import (
     CONVERSATION_SCHEMA,
     LOCATOR_SCHEMA,
@@ -57,7 +58,9 @@ from speechlm.data.manifest.schema import (
     ManifestError,
     llm_text_chars,
 )
+from speechlm.data.sampler import DatasetMix
 from speechlm.data.sources.detect import SOURCE_TYPES
+from speechlm.data.sources.mmap_cache import open_index
 
 MIX_KEY = b"speechlm.input_cfg"
 LEAF_KEYS = {"path", "type", "weight", "lang", "name", "tags", "read_mode", "task", "prompt"}
@@ -284,8 +287,6 @@ def _with_columns(
 
 def load_input_cfg(entries: Any, *, cache_dir: str | os.PathLike[str] | None = None) -> pa.Table:
     """One training table over every dataset of `entries`, with the mix in its metadata."""
-    from speechlm.data.sources.mmap_cache import open_index
-
     tree = parse_input_cfg(entries)
     items = leaves(tree)
     names = [leaf.name for leaf in items]
@@ -337,9 +338,6 @@ def read_modes_of_table(table: pa.Table) -> list[str | None] | None:
 
 def mix_of_table(table: pa.Table) -> Any:
     """The `DatasetMix` recorded by `load_input_cfg` (None for a table of one dataset)."""
-    from speechlm.data.manifest.load import dictionary_codes
-    from speechlm.data.sampler import DatasetMix
-
     info = _mix_meta(table)
     if info is None:
         return None

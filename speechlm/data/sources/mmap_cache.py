@@ -49,6 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from speechlm.data.manifest.load import check_durations, resolve_audio_paths
 from speechlm.data.manifest.schema import (
     CONVERSATION_SCHEMA,
     LOCATOR_SCHEMA,
@@ -58,6 +59,8 @@ from speechlm.data.manifest.schema import (
     conversation_columns,
     llm_text_chars,
 )
+from speechlm.data.sources.detect import detect_source_type, load_source
+from speechlm.io import atomic_path, temp_glob
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +91,16 @@ TEXT_CHARS = "text_chars"  # int32 characters of `text`, stored so the sampler n
 
 
 def _write_ipc(target: Path, batches: object, schema: pa.Schema) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     schema = schema.append(pa.field(TEXT_CHARS, pa.int32(), nullable=False))
-    try:
-        with ipc.new_file(tmp, schema) as writer:
-            for batch in batches:  # type: ignore[attr-defined]
-                chars = llm_text_chars(batch)
-                writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, chars], schema=schema))
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as tmp, ipc.new_file(tmp, schema) as writer:
+        for batch in batches:  # type: ignore[attr-defined]
+            chars = llm_text_chars(batch)
+            writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, chars], schema=schema))
 
 
 def _parquet_batches(path: Path, schema: pa.Schema) -> object:
     """The manifest's batches, each cast to `schema` and checked for nulls (the row is named), with
     relative audio paths resolved against the manifest's folder."""
-    from speechlm.data.manifest.load import resolve_audio_paths
-
     f = pq.ParquetFile(path)
     held = conversation_columns(f.schema_arrow.names, str(path))  # prompt/target: other names
     row = 0
@@ -200,9 +195,6 @@ def open_index(
 ) -> pa.Table:
     """The manifest table of any source at `path`, memory-mapped from the index cache (see the module
     docstring: built once under a lock, rebuilt when a file it indexed changed; durations checked)."""
-    from speechlm.data.manifest.load import check_durations
-    from speechlm.data.sources.detect import detect_source_type
-
     path = Path(path)
     kind = kind or detect_source_type(path)
     if not path.exists():
@@ -247,9 +239,7 @@ def _open_cached(target: Path, path: Path) -> pa.Table | None:
 
 
 def _build(target: Path, path: Path, kind: str, default_lang: str | None) -> pa.Table:
-    from speechlm.data.sources.detect import load_source
-
-    for leftover in target.parent.glob(f".{target.name}.*.tmp"):  # a killed builder's (we hold the lock)
+    for leftover in target.parent.glob(temp_glob(target.name)):  # a killed builder's (we hold the lock)
         leftover.unlink(missing_ok=True)
     t0 = time.monotonic()
     print(f"indexing {path} ({kind}) into {target} (once; later runs map it)", file=sys.stderr, flush=True)

@@ -34,14 +34,9 @@ from speechlm.data.manifest.nemo import iter_nemo_lines
 from speechlm.data.manifest.schema import ManifestError, build_manifest_table
 from speechlm.data.sources.detect import register_source
 from speechlm.data.sources.join import locate_members, with_tar_locators
-from speechlm.data.sources.shards import (
-    ShardProgress,
-    SourceReport,
-    check_out_dir,
-    plan_audio,
-    write_one_tar,
-)
+from speechlm.data.sources.shards import SourceReport, finish_tar_set, start_tar_set, write_tars
 from speechlm.data.text import split_lang_tag
+from speechlm.io import atomic_path, temp_glob
 
 MANIFEST_NAME = "tarred_audio_manifest.json"
 SHARDED_DIR = "sharded_manifests"
@@ -77,11 +72,14 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def _write_json_lines(path: Path, lines: Sequence[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp:
+        _write_json_lines_to(tmp, lines)
+
+
+def _write_json_lines_to(path: Path, lines: Sequence[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
         for line in lines:
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def write_nemo_tarred(
@@ -96,34 +94,33 @@ def write_nemo_tarred(
 ) -> Path:
     """Write manifest `table` as a NeMo tarred dataset under `out_dir`; returns the manifest path.
 
-    Each tar and each manifest is written to a temporary name and renamed when whole; the combined
-    manifest is written last, so a folder that has it is complete.
+    The skeleton of `speechlm.data.sources.shards` (`start_tar_set`, `write_tars`, `finish_tar_set`): each
+    tar and each manifest is written to a temporary name and renamed when whole; the combined manifest is
+    written last, so a folder that has it is complete.
     """
-    if shard_size < 1:
-        raise ManifestError(f"--shard-size {shard_size} must be at least 1")
     out = Path(out_dir)
     # issue 20 (convert): never write into a finished set or a foreign folder; check every row first
-    check_out_dir(
-        out, MANIFEST_NAME, ("audio_*.tar", ".audio_*.tar.tmp", SHARDED_DIR, f".{MANIFEST_NAME}.tmp")
+    start = start_tar_set(
+        table,
+        out,
+        complete=MANIFEST_NAME,
+        partial=("audio_*.tar", temp_glob("audio_*.tar"), SHARDED_DIR, temp_glob(MANIFEST_NAME)),
+        shard_size=shard_size,
+        base_dir=base_dir,
+        skip_bad_audio=skip_bad_audio,
+        skipped=skipped,
+        where=where,
     )
-    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
-    if skipped is not None:
-        skipped.extend(plan.skipped)
-    if not plan.rows.size:
-        raise ManifestError("no row of the manifest has readable audio (see --skip-bad-audio)")
-    table = table.take(pa.array(plan.rows))
-    names, resolved = plan.names, plan.resolved
+    table, plan = start.table, start.plan
+    names = plan.names
     (out / SHARDED_DIR).mkdir(parents=True, exist_ok=True)
     durations = plan.durations.astype(np.float32).tolist()  # the audio headers', not the claims
     texts = [split_lang_tag(t)[1] for t in table.column("text").to_pylist()]
     langs = table.column("lang").cast(pa.string()).to_pylist()
-    n = len(names)
-    n_shards = (n + shard_size - 1) // shard_size
     every: list[dict[str, Any]] = []
-    progress = ShardProgress(n_shards, n)
-    for k, lo in enumerate(range(0, n, shard_size)):
-        hi = min(n, lo + shard_size)
-        write_one_tar(out / f"audio_{k}.tar", list(zip(names[lo:hi], resolved[lo:hi])))
+    written: set[str] = set()
+    for k, lo, hi, _ in write_tars(out, plan, shard_size, _tar_name, MANIFEST_NAME):
+        written.add(_tar_name(k))
         lines = [
             {
                 "audio_filepath": names[i],
@@ -136,10 +133,11 @@ def write_nemo_tarred(
         ]
         _write_json_lines(out / SHARDED_DIR / f"manifest_{k}.json", lines)
         every.extend(lines)
-        progress.written(k, hi)
-    progress.close()
-    _write_json_lines(out / MANIFEST_NAME, every)
-    return out / MANIFEST_NAME
+    return finish_tar_set(out, MANIFEST_NAME, lambda tmp: _write_json_lines_to(tmp, every), start, written)
+
+
+def _tar_name(k: int) -> str:
+    return f"audio_{k}.tar"
 
 
 def _manifests_of(folder: Path) -> list[Path]:

@@ -30,6 +30,7 @@ import os
 import sys
 import tarfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import soundfile as sf
 
 from speechlm.data.manifest.checks import check_durations
 from speechlm.data.manifest.outputs import prepare_dir
@@ -44,10 +46,11 @@ from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError, durati
 from speechlm.data.sources.join import locate_members, with_tar_locators
 from speechlm.data.sources.report import SourceReport
 from speechlm.errors import OutputError
+from speechlm.io import atomic_path, temp_glob
 from speechlm.progress import Progress
 
 INDEX_NAME = "index.parquet"
-PARTIAL_PATTERNS = ("shard-*.tar", ".shard-*.tar.tmp", f".{INDEX_NAME}.tmp")
+PARTIAL_PATTERNS = ("shard-*.tar", temp_glob("shard-*.tar"), temp_glob(INDEX_NAME))
 SHARDS_KEY = b"speechlm.shards"
 FORMAT_VERSION = 1
 
@@ -97,8 +100,6 @@ def plan_audio(
     shard) or the header's duration is far from the manifest's (`duration_mismatch`). Two rows with
     the same member name are an error. The real durations are returned for the index.
     """
-    import soundfile as sf
-
     if "tar_path" in table.column_names:
         raise ManifestError("the manifest already points into tar shards; pass an extracted-file manifest")
     check_durations(table, where)
@@ -221,10 +222,10 @@ def _tar_name(i: int) -> str:
 
 
 def write_one_tar(path: Path, members: list[tuple[str, str]]) -> list[tuple[int, int, int]]:
-    """Write (member name, source file) pairs to `path` atomically; (offset, nbytes, header_bytes) each."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write (member name, source file) pairs to `path` atomically (`speechlm.io.atomic_path`: a failed
+    write leaves no temporary); (offset, nbytes, header_bytes) each."""
     out: list[tuple[int, int, int]] = []
-    with tarfile.open(tmp, mode="w", format=tarfile.PAX_FORMAT) as tf:
+    with atomic_path(path) as tmp, tarfile.open(tmp, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for name, source in members:
             with open(source, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -238,8 +239,92 @@ def write_one_tar(path: Path, members: list[tuple[str, str]]) -> list[tuple[int,
             # beyond the data, which is padded to whole 512-byte blocks
             header = tf.offset - start - -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
             out.append((start + header, info.size, header))
-    os.replace(tmp, path)
     return out
+
+
+@dataclass(frozen=True)
+class TarSetStart:
+    """A tar-set write about to begin (`start_tar_set`): the rows packed and what an interrupted write left."""
+
+    table: pa.Table  # the manifest's rows that are packed (bad audio skipped when asked)
+    plan: AudioPlan
+    leftovers: list[
+        Path
+    ]  # an interrupted write's files (`check_out_dir`): a finished write removes the unused
+
+
+def start_tar_set(
+    table: pa.Table,
+    out: Path,
+    *,
+    complete: str,
+    partial: tuple[str, ...],
+    shard_size: int,
+    base_dir: Path | None,
+    skip_bad_audio: bool,
+    skipped: list[tuple[int, str, str, str]] | None,
+    where: str,
+) -> TarSetStart:
+    """The checks every tar-set writer (`write_shards`, NeMo's `write_nemo_tarred`) makes before its first
+    byte: the shard size, the output folder (`check_out_dir`: `complete` is the file a finished set ends
+    with, `partial` what an interrupted one leaves), every row's audio (`plan_audio`; skipped rows are
+    appended to `skipped`); then the folder is created."""
+    if shard_size < 1:
+        raise ManifestError(f"--shard-size {shard_size} must be at least 1")
+    leftovers = check_out_dir(out, complete, partial)
+    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
+    if skipped is not None:
+        skipped.extend(plan.skipped)
+    if not plan.rows.size:
+        raise ManifestError(f"no row of {where} has readable audio: {format_skipped(plan.skipped)}")
+    prepare_dir(out)
+    return TarSetStart(table.take(pa.array(plan.rows)), plan, leftovers)
+
+
+def write_tars(
+    out: Path, plan: AudioPlan, shard_size: int, tar_name: Callable[[int], str], complete: str
+) -> Iterator[tuple[int, int, int, list[tuple[int, int, int]]]]:
+    """Write the planned rows into tars of `shard_size` members (`tar_name(k)` each), showing progress;
+    yield (k, lo, hi, placements) after each tar, rows lo..hi. A tar that cannot be written leaves no
+    temporary and is a `ShardWriteError` saying the folder is an interrupted write (no `complete` file)."""
+    names, resolved = plan.names, plan.resolved
+    n = len(names)
+    n_shards = (n + shard_size - 1) // shard_size
+    progress = ShardProgress(n_shards, n)
+    for k, lo in enumerate(range(0, n, shard_size)):
+        hi = min(n, lo + shard_size)
+        tar = out / tar_name(k)
+        try:
+            placed = write_one_tar(tar, list(zip(names[lo:hi], resolved[lo:hi])))
+        except OSError as e:
+            progress.close()  # end the display line before the error
+            raise ShardWriteError(
+                f"cannot write {tar}: {e.strerror or e}; {out} now holds an interrupted write "
+                f"(no {complete}, refused by readers): free space or fix the folder, then run the "
+                "same `speechlm shards write` again"
+            ) from e
+        yield k, lo, hi, placed
+        progress.written(k, hi)
+    progress.close()
+
+
+def finish_tar_set(
+    out: Path, complete: str, write: Callable[[Path], None], start: TarSetStart, kept: set[str]
+) -> Path:
+    """Write the file that makes the set complete (`write(tmp)`, atomically: it is written last), then
+    remove the interrupted write's leftovers whose names are not in `kept`; the file's path."""
+    try:
+        with atomic_path(out / complete) as tmp:
+            write(tmp)
+    except OSError as e:
+        raise ShardWriteError(
+            f"cannot write {out / complete}: {e.strerror or e}; every tar is written but the set has no "
+            "index yet: free space, then run the same `speechlm shards write` again"
+        ) from e
+    for stale in start.leftovers:  # an interrupted write's tars that this set does not use
+        if stale.name not in kept and not stale.is_dir():
+            stale.unlink(missing_ok=True)
+    return out / complete
 
 
 def write_shards(
@@ -261,18 +346,20 @@ def write_shards(
     written again. With `skip_bad_audio`, rows whose file is not audio or whose duration is far
     off are left out and appended to `skipped` (the caller prints them).
     """
-    if shard_size < 1:
-        raise ManifestError(f"--shard-size {shard_size} must be at least 1")
     out = Path(out_dir)
-    leftovers = check_out_dir(out, INDEX_NAME, PARTIAL_PATTERNS)
-    plan = plan_audio(table, base_dir, skip_bad_audio=skip_bad_audio, where=where)
-    if skipped is not None:
-        skipped.extend(plan.skipped)
-    if not plan.rows.size:
-        raise ManifestError(f"no row of {where} has readable audio: {format_skipped(plan.skipped)}")
-    table = table.take(pa.array(plan.rows))
-    prepare_dir(out)
-    names, resolved = plan.names, plan.resolved
+    start = start_tar_set(
+        table,
+        out,
+        complete=INDEX_NAME,
+        partial=PARTIAL_PATTERNS,
+        shard_size=shard_size,
+        base_dir=base_dir,
+        skip_bad_audio=skip_bad_audio,
+        skipped=skipped,
+        where=where,
+    )
+    table, plan = start.table, start.plan
+    names = plan.names
     n = len(names)
     offsets = np.zeros(n, np.int64)
     sizes = np.zeros(n, np.int64)
@@ -280,28 +367,13 @@ def write_shards(
     tars: list[str] = []
     tar_of_row = np.zeros(n, np.int32)
     shard_sizes: dict[str, int] = {}
-    n_shards = (n + shard_size - 1) // shard_size
-    progress = ShardProgress(n_shards, n)
-    for k, lo in enumerate(range(0, n, shard_size)):
-        hi = min(n, lo + shard_size)
+    for k, lo, hi, placed in write_tars(out, plan, shard_size, _tar_name, INDEX_NAME):
         tar = _tar_name(k)
-        try:
-            placed = write_one_tar(out / tar, list(zip(names[lo:hi], resolved[lo:hi])))
-        except OSError as e:
-            (out / f".{tar}.tmp").unlink(missing_ok=True)
-            progress.close()  # end the display line before the error
-            raise ShardWriteError(
-                f"cannot write {out / tar}: {e.strerror or e}; {out} now holds an interrupted write "
-                "(no index.parquet, refused by readers): free space or fix the folder, then run the "
-                "same `speechlm shards write` again"
-            ) from e
         for j, (off, size, hdr) in enumerate(placed):
             offsets[lo + j], sizes[lo + j], headers[lo + j] = off, size, hdr
         tars.append(tar)
         tar_of_row[lo:hi] = k
         shard_sizes[tar] = (out / tar).stat().st_size
-        progress.written(k, hi)
-    progress.close()
     columns = {f.name: table.column(f.name) for f in MANIFEST_SCHEMA}
     columns["audio_filepath"] = pa.chunked_array([pa.array(names, pa.string())])
     columns["duration"] = pa.chunked_array([pa.array(plan.durations.astype(np.float32), pa.float32())])
@@ -318,20 +390,13 @@ def write_shards(
     ).replace_schema_metadata(
         {SHARDS_KEY: json.dumps({"format_version": FORMAT_VERSION, "tar_sizes": shard_sizes})}
     )
-    tmp = out / f".{INDEX_NAME}.tmp"
-    try:
-        pq.write_table(index, tmp, row_group_size=64 * 1024)
-        os.replace(tmp, out / INDEX_NAME)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ShardWriteError(
-            f"cannot write {out / INDEX_NAME}: {e.strerror or e}; every tar is written but the set has no "
-            "index yet: free space, then run the same `speechlm shards write` again"
-        ) from e
-    for stale in leftovers:  # an interrupted write's tars that this set does not use
-        if stale.name not in shard_sizes:
-            stale.unlink(missing_ok=True)
-    return out / INDEX_NAME
+    return finish_tar_set(
+        out,
+        INDEX_NAME,
+        lambda tmp: pq.write_table(index, tmp, row_group_size=64 * 1024),
+        start,
+        set(shard_sizes),
+    )
 
 
 def is_shard_dir(path: Path) -> bool:

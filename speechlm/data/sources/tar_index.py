@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speechlm.errors import DataError
+from speechlm.io import atomic_path
 
 INDEX_SUFFIX = ".idx.parquet"
 FINGERPRINT_KEY = b"speechlm.tar_fingerprint"
@@ -173,14 +174,12 @@ def _write_cache(path: Path, scan: TarScan, fingerprint: TarFingerprint) -> bool
 
 def write_parquet_atomic(path: Path, table: pa.Table) -> bool:
     """Write `table` to `path` via a temporary file and a rename; False (nothing left) when that fails."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)  # atomic: a reader sees the old cache or the new one, never half
+        with atomic_path(path) as tmp:  # a reader sees the old cache or the new one, never half
+            pq.write_table(table, tmp)
         return True
     except OSError:
-        tmp.unlink(missing_ok=True)
         return False
 
 

@@ -19,15 +19,24 @@ cache, which stores the text lengths; a YAML file is read as a `data.input_cfg` 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from speechlm.config import ExperimentConfig
+from speechlm.data.manifest.schema import COLUMN_ALIASES, CONVERSATION_SCHEMA, ManifestError, row_contents
+from speechlm.data.plan.figures import PlanRequest
 from speechlm.data.sampler.build import SamplerInputs, sampler_inputs
+from speechlm.data.sources.detect import detect_source_type
+from speechlm.data.sources.input_cfg import load_input_cfg
+from speechlm.data.sources.mmap_cache import default_cache_dir, open_index, source_fingerprint
+from speechlm.io import atomic_path
 
 TEXT_PIECE_ROWS = 1 << 16  # texts decoded at a time: ~8 MB of a 10M-row manifest's 1.2 GB
 
@@ -44,12 +53,6 @@ def read_plan_columns(path: str | Path) -> tuple[SamplerInputs, Callable[[], np.
     `text` column and `text_chars_cache` holds none for it), the function that reads them (int32, one
     per row; it raises `ManifestError` naming the row of a null text, and keeps what it read in the
     cache). Otherwise the function is None and `text_chars` is filled in, or None without a text."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.data.manifest.schema import COLUMN_ALIASES, CONVERSATION_SCHEMA, ManifestError
-    from speechlm.data.sources.detect import detect_source_type
 
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
@@ -62,8 +65,6 @@ def read_plan_columns(path: str | Path) -> tuple[SamplerInputs, Callable[[], np.
         or set(pq.read_schema(path).names)
         & {*CONVERSATION_SCHEMA.names, *COLUMN_ALIASES.values()}  # tasks, prompts: the index
     ):
-        from speechlm.data.sources.mmap_cache import open_index
-
         return plan_inputs_of_table(open_index(path)), None
     try:
         f = pq.ParquetFile(path)
@@ -120,12 +121,6 @@ def read_text_chars(path: Path, rows: int) -> np.ndarray:
     """The characters of the `text` of each of the `rows` rows of parquet manifest `path` (int32), read
     in pieces of `TEXT_PIECE_ROWS` (a row group's texts are never held whole) and kept for the next
     plan (`save_text_chars`). A null text raises `ManifestError` naming its row."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.data.manifest.schema import ManifestError
-
     chars = np.empty(rows, np.int32)
     at = 0
     try:
@@ -156,9 +151,6 @@ def text_lengths(texts: Any) -> np.ndarray:
     A string or large_string array whose bytes are all ASCII (one byte, one character) takes its
     lengths from the offsets, without reading a string; otherwise `pyarrow.compute.utf8_length`
     counts in C++ the bytes that do not continue a UTF-8 sequence. No Python string is made."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     width = {pa.string(): np.int32, pa.large_string(): np.int64}.get(texts.type)
     if width is not None and texts.null_count == 0:
         _, offsets_buf, data_buf = texts.buffers()
@@ -173,8 +165,6 @@ def text_lengths(texts: Any) -> np.ndarray:
 def text_chars_cache(path: Path) -> Path:
     """Where `speechlm plan` keeps the text lengths of parquet manifest `path`: beside the index cache,
     named by the digest of its path, size and mtime (`source_fingerprint`), so an edited file misses."""
-    from speechlm.data.sources.mmap_cache import default_cache_dir, source_fingerprint
-
     return default_cache_dir().parent / "plan" / f"{path.name}.{source_fingerprint(path)}.text_chars.npy"
 
 
@@ -193,23 +183,18 @@ def save_text_chars(path: Path, chars: np.ndarray) -> None:
     Written to a temporary file and renamed, so a plan killed mid-write leaves no partial cache; a cache
     that cannot be written (read-only, full disk) only costs the next plan the time to read the texts."""
     target = text_chars_cache(path)
-    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_path(target) as tmp, open(tmp, "wb") as f:
             np.save(f, chars, allow_pickle=False)
-        os.replace(tmp, target)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
     """The plan inputs of `table` (an index of any source) under `cfg` (default: the default config),
     with each row's clips, CTC clips and answer characters when the table has conversation columns (the
     plan's per-task figures; training's sampler never reads them, so only the plan pays for them)."""
-    from speechlm.config import ExperimentConfig
-    from speechlm.data.manifest.schema import row_contents
-
     inputs = sampler_inputs(cfg if cfg is not None else ExperimentConfig(), table)
     if not {"task", "answer", "conversation"} & set(table.column_names):
         return inputs
@@ -218,6 +203,15 @@ def plan_inputs_of_table(table: Any, cfg: Any = None) -> SamplerInputs:
 
 def plan_inputs_of_input_cfg(entries: Any, cfg: Any = None) -> SamplerInputs:
     """The plan inputs of a `data.input_cfg` (a list of entries or a YAML file of one)."""
-    from speechlm.data.sources.input_cfg import load_input_cfg
-
     return plan_inputs_of_table(load_input_cfg(entries), cfg)
+
+
+def plan_inputs(req: PlanRequest) -> tuple[SamplerInputs, Callable[[], np.ndarray] | None]:
+    """The inputs `req` plans: its data.input_cfg, or its manifest (read as training reads it when the
+    run streams: the streaming plan needs every row's tar and offset from the index). With the function
+    that reads their text lengths when those are still to read (`read_plan_columns`)."""
+    if req.input_cfg is not None:
+        return plan_inputs_of_input_cfg(req.input_cfg, req.cfg), None
+    if req.cfg is not None and req.cfg.data.read_mode == "streaming":
+        return plan_inputs_of_table(open_index(req.manifest), req.cfg), None
+    return read_plan_columns(req.manifest)
