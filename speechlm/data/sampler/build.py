@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from parallel.frames import ENCODER_SUBSAMPLING, FEATURE_FRAMES_PER_SECOND
 from speechlm.data.sampler.cost import TokenCostModel
 from speechlm.data.sampler.mix import DatasetMix
 from speechlm.data.sampler.settings import SamplerSettings
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
     from speechlm.config import ExperimentConfig, ModelConfig
     from speechlm.data.manifest.schema import RowContents
 
-FEATURE_FRAMES_PER_SECOND = 100.0  # the 10 ms hop (160 samples at 16 kHz) of every encoder kind
-ENCODER_SUBSAMPLING = {"whisper": 2, "parakeet": 8, "nemo": 8}  # encoder frames per feature frame
 CHARS_PER_TOKEN = 3.0  # text characters per token (a small SentencePiece vocab)
 
 
@@ -68,7 +67,7 @@ def encoder_subsampling(kind: str, pretrained: str | None = None, factor: int | 
 def token_cost_of(model: ModelConfig) -> TokenCostModel:
     """The tokens an utterance puts into the LLM under `model` (its encoder and projector)."""
     return TokenCostModel(
-        audio_frames_per_second=FEATURE_FRAMES_PER_SECOND,
+        audio_frames_per_second=float(FEATURE_FRAMES_PER_SECOND),
         encoder_subsampling=encoder_subsampling(
             model.encoder.kind, model.encoder.pretrained, model.encoder.subsampling_factor
         ),
