@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from speechlm.config import ModelConfig
+    from speechlm.model.ctc import ctc_log_prob_rows
 
     k = ModelConfig().decode_ctc_candidates if args.candidates is None else args.candidates
     model = build_model(args.vocab, args.ctc_weight, args.llm)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             enc = model.encode_audio(audio, lens)
             seconds["audio side"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()  # joint decoding's fixed cost: the CTC head's posteriors, once
-            model._ctc_log_prob_rows(enc.enc_hidden)
+            ctc_log_prob_rows(model, enc.enc_hidden)
             seconds["ctc head"].append(time.perf_counter() - t0)
     results = {name: {"seconds": min(seconds[name])} for name in modes}
     encode = min(seconds["audio side"])

@@ -164,9 +164,9 @@ def transcript_tokens(minutes: float) -> int:
 
 def encoder_frames_of(minutes: float) -> int:
     """Encoder frames of a clip of `minutes` (10 ms feature hop, `ENCODER`'s subsampling)."""
-    from parallel.clip_placement import encoder_frames
+    from parallel.frames import planned_encoder_frames
 
-    return encoder_frames(minutes * 60, int(ENCODER["subsampling_factor"]))  # type: ignore[call-overload]
+    return planned_encoder_frames(minutes * 60, int(ENCODER["subsampling_factor"]))  # type: ignore[call-overload]
 
 
 def warmup_minutes(minutes: float, cp: int) -> float:

@@ -111,9 +111,10 @@ def build_config(size: str, device_type: str, budget: float, overrides: list[str
 def workload_of(batch: Any, *, padded: bool) -> Any:
     """`speechlm.preflight.estimate.Workload` of a micro-batch: feature frames and transcript tokens (the language
     tag apart) of each clip; `padded`: every clip as long as the longest, every transcript too (BSHD)."""
-    from speechlm.preflight.estimate import HOP, Workload
+    from parallel.frames import HOP_SAMPLES
+    from speechlm.preflight.estimate import Workload
 
-    frames = [int(n) // HOP + 1 for n in batch.audio_lens.tolist()]
+    frames = [int(n) // HOP_SAMPLES + 1 for n in batch.audio_lens.tolist()]
     text = [int(n) - 1 for n in batch.token_lens.tolist()]
     if padded:
         frames, text = [max(frames)] * len(frames), [max(text)] * len(text)

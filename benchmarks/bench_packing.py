@@ -168,6 +168,7 @@ def count_frames(
     import torch
 
     from speechlm.model.packed_encoder import plan_subsampling_segments
+    from speechlm.packing.prompt import build_prompts
 
     with torch.no_grad():
         feat_lens = model.features(batch.audio, batch.audio_lens)[1]
@@ -184,7 +185,7 @@ def count_frames(
         sub = enc = len(batch) * int(enc_lens.max())
     lens = [
         int(p[0].shape[0]) - 1 + a
-        for p, a in zip(model.build_prompts(batch.tokens, batch.token_lens), proj_lens)
+        for p, a in zip(build_prompts(batch.tokens, batch.token_lens, prompt=model.prompt), proj_lens)
     ]
     dec = sum(lens) if packed_decoder else len(lens) * max(lens)
     return {"enc_real": real_enc, "enc": enc, "sub": sub, "dec_real": sum(lens), "dec": dec}

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from parallel.collectives import all_gather_into as _all_gather
 from parallel.collectives import reduce_scatter_into as _reduce_scatter
-from parallel.cp_shard import cp_all_rank_indices_thd, inverse_permutation
+from parallel.cp_shard import cp_all_rank_indices_thd, cp_shard_indices_thd, inverse_permutation
 from parallel.ring_attention import check_cp_inputs
 from parallel.ring_step import (
     RingStepPlan,
@@ -228,8 +228,6 @@ def simulate_allgather_attention(
     global boundaries, each length a multiple of 2*cp. Returns the output and, with ``dout_THD``, the
     gradients (dq, dk, dv), in global order: what the ranks would hold after the backward's
     reduce-scatter, put back together. Used by the CPU tests and the one-GPU kit."""
-    from parallel.cp_shard import cp_shard_indices_thd
-
     cu_t = torch.tensor(list(cu_seqlens), dtype=torch.long)
     local_cu = [c // cp_size for c in cu_seqlens]
     out = torch.zeros(q_THD.shape, dtype=torch.float32, device=q_THD.device)

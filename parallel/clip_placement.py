@@ -20,42 +20,45 @@ the cuts fall on multiples of the projector's stack). Contiguous
 slices (not the LLM's load-balanced chunk pairs) because the encoder is bidirectional and local:
 convolutions and limited-context attention need only the edge frames of the neighbours (a halo).
 
-Who uses it: `SpeechLLM.clip_sharding` in training (through the CP layout, where the encoder can shard a
-clip: limited context), which then encodes each sharded clip with `speechlm.model.sharded_encoder` and
+Who uses it: `speechlm.model.cp_audio.clip_sharding` in training (through the CP layout, where the encoder
+can shard a clip: limited context), which then encodes each sharded clip with `speechlm.model.sharded_encoder` and
 hands its rows to the LLM (`parallel.clip_handover`); `speechlm plan`'s report; the validator's rules.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from parallel.frames import FEATURE_FRAMES_PER_SECOND, planned_encoder_frames
 
 __all__ = [
     "FEATURE_FRAMES_PER_SECOND",
     "SHORT_CLIP_SECONDS",
     "ClipSharding",
-    "encoder_frames",
     "place_clips",
     "shard_bounds",
     "short_clip_frames",
+    "slice_halo",
 ]
 
-FEATURE_FRAMES_PER_SECOND = 100  # the 10 ms hop of every encoder kind's front end
 SHORT_CLIP_SECONDS = (
     30.0  # clips up to this long are never sharded (Whisper's window; seconds of activations)
 )
 
 
-def encoder_frames(seconds: float, subsampling: int) -> int:
-    """Encoder frames of a clip of `seconds`: ceil(ceil(seconds * 100) / subsampling), as the sampler's
-    token cost model counts them."""
-    return math.ceil(math.ceil(seconds * FEATURE_FRAMES_PER_SECOND) / subsampling)
+def slice_halo(window: tuple[int, int], conv_kernel: int) -> int:
+    """The fewest encoder frames a slice of a sharded clip may hold: the widest halo it sends, the
+    limited-context attention window's sides or the depthwise convolution's half-width (`conv_kernel`).
+    `place_clips`' ``min_slice`` is this plus the projector's stack (the cut's alignment); the model
+    (`ParakeetAudioEncoder.slice_halo`) and the config (`EncoderConfig.shard_min_slice`, kernel 9 of an
+    encoder built from sizes) compute it alike."""
+    return max(*window, (conv_kernel - 1) // 2)
 
 
 def short_clip_frames(subsampling: int) -> int:
     """`min_frames` of the rule for an encoder of `subsampling`: the frames of a 30 s clip."""
-    return encoder_frames(SHORT_CLIP_SECONDS, subsampling)
+    return int(planned_encoder_frames(SHORT_CLIP_SECONDS, subsampling))
 
 
 def shard_bounds(length: int, cp: int, align: int = 1) -> list[tuple[int, int]]:

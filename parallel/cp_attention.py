@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel.allgather_attention import allgather_attention_thd, plan_allgather
+from parallel.ring_attention import plan_ring, ring_attention_thd
 from parallel.varlen import varlen_attention
 from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
@@ -65,9 +67,6 @@ class CPAttention:
     """Ring or all-gather-KV attention over one CP group; `for_split_prefix` places it on a stream."""
 
     def __init__(self, group: Any, cp_size: int, cp_rank: int, kind: str):
-        from parallel.allgather_attention import allgather_attention_thd
-        from parallel.ring_attention import ring_attention_thd
-
         self.fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
         self.kind = kind
         self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
@@ -81,11 +80,7 @@ class CPAttention:
         """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
         the ring's step plans, or the all-gather's calls and permutation. No device sync in any layer."""
         if self.kind == "ring":
-            from parallel.ring_attention import plan_ring
-
             return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
-        from parallel.allgather_attention import plan_allgather
-
         return {"plan": plan_allgather(host_cu, self.cp_size, self.cp_rank, True, device)}
 
     def attention(

@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
 
+from parallel import sharded_clip
 from parallel.clip_handover import Handover
 from parallel.clip_placement import ClipSharding, place_clips
 from parallel.cp_attention import CPAttention, CPAttentionContext
@@ -353,24 +354,16 @@ class DynamicCPLayout:
         return HaloExchange(self.group)
 
     def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
-        from parallel.sharded_clip import hand_over
-
-        return hand_over(x_PH, handover, self.cp_rank, self.group)
+        return sharded_clip.hand_over(x_PH, handover, self.cp_rank, self.group)
 
     def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
-        from parallel.sharded_clip import gather_slices
-
-        return gather_slices(x_UE, counts, self.cp_rank, self.group)
+        return sharded_clip.gather_slices(x_UE, counts, self.cp_rank, self.group)
 
     def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        from parallel.sharded_clip import tie
-
-        return tie(tensors)
+        return sharded_clip.tie(tensors)
 
     def reduce_sum(self, x: Tensor) -> Tensor:
-        from parallel.sharded_clip import reduce_sum
-
-        return reduce_sum(x, self.group)
+        return sharded_clip.reduce_sum(x, self.group)
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

@@ -47,6 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from parallel.collectives import gather_head_dim0
+from parallel.frames import DUMMY_CLIP_SAMPLES
+
 __all__ = ["EncodeFn", "PlacedEncoding", "dummy_clip", "encode_placed"]
 
 E = TypeVar("E")
@@ -66,7 +69,9 @@ class PlacedEncoding(Generic[E]):
     unused: list[Tensor] = field(default_factory=list)
 
 
-def dummy_clip(audio_BN: Tensor, audio_lens_B: Tensor, dummy_len: int = 1600) -> tuple[Tensor, Tensor]:
+def dummy_clip(
+    audio_BN: Tensor, audio_lens_B: Tensor, dummy_len: int = DUMMY_CLIP_SAMPLES
+) -> tuple[Tensor, Tensor]:
     """``(audio [1, dummy_len], lens [1])`` of silence: what a rank with no clip of its own encodes, so
     that the encoder's collectives (FSDP) run the same number of times on every rank."""
     audio = audio_BN.new_zeros((1, dummy_len))
@@ -93,7 +98,7 @@ def encode_placed(
     group: Any,
     cp_rank: int,
     cp_size: int,
-    dummy_len: int = 1600,
+    dummy_len: int = DUMMY_CLIP_SAMPLES,
     skip: Sequence[bool] = (),
 ) -> PlacedEncoding[E]:
     """Encode the clips this rank owns, in one ``encode_fn`` call, and all-gather only the ``gathered``
@@ -110,8 +115,6 @@ def encode_placed(
     backward reaches the encoder at the same point on every rank; the dummy's rows are unused there
     and receive a zero gradient, which keeps the encoder in that rank's backward.
     """
-    from parallel.collectives import gather_head_dim0
-
     num_clips = audio_BN.shape[0]
     if len(owners) != num_clips or len(gathered) != num_clips:
         raise ValueError(f"owners/gathered have {len(owners)}/{len(gathered)} entries for {num_clips} clips")

@@ -121,7 +121,7 @@ class ParallelDims:
     def collectives(self, rank: int, device: Any = "cpu") -> Any:
         """Rank `rank`'s `parallel.collectives.Collectives`: the step's, evaluation's and the counts'
         collectives, with the roles this layout gives the rank (no process group is needed to build it)."""
-        from parallel.collectives import Collectives
+        from parallel.collectives import Collectives  # lazy: torch (CLI start-up reads ParallelDims)
 
         c = self.coords(rank)
         return Collectives(
@@ -136,7 +136,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> Any:
         """Create the 4-D DeviceMesh with named axes and the flattened `dp`, `dp_shard_cp`, `dp_cp`."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: torch (CLI start-up)
 
         mesh = init_device_mesh(
             device_type,

@@ -52,7 +52,7 @@ SUBCOMMAND_MODULES = (
     "speechlm.data.manifest_cli",  # manifest build | stats
     "speechlm.data.shards_cli",  # shards write
     "speechlm.data.tokenizer",  # tokenizer train
-    "speechlm.model.gguf_import",  # llm import-gguf
+    "speechlm.model.gguf_cli",  # llm import-gguf
     "speechlm.data.plan",  # plan
     "speechlm.train.entry",  # train
     "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)

@@ -26,7 +26,9 @@ from speechlm.model.flops import (
     peak_tflops,
     projector_flops,
     record_work,
+    work_of,
 )
+from speechlm.packing.prompt import build_prompts
 from speechlm.train.step import StepWork
 from speechlm.train.throughput import step_metrics
 
@@ -161,13 +163,13 @@ def test_forward_records_real_and_computed_tokens():
         audio=audio, audio_lens=torch.tensor(audio_lens), tokens=tokens, token_lens=torch.tensor([5, 2, 3])
     )
     embeds = model.audio_embed_lengths(torch.tensor(audio_lens))
-    prompts = model.build_prompts(tokens, torch.tensor([5, 2, 3]))
+    prompts = build_prompts(tokens, torch.tensor([5, 2, 3]), prompt=model.prompt)
     real = sum(int(ids.shape[0]) - 1 + a for (ids, _), a in zip(prompts, embeds))
 
     def work(packed: bool, cp: int = 1):
         model.cfg.packed_sequences = packed
         model.set_cp_layout(NullCPLayout(round_cp=cp))
-        return model(batch).work
+        return work_of(model(batch).placed)
 
     thd, thd_cp4, bshd = work(True), work(True, cp=4), work(False)
     assert thd.real_tokens == thd_cp4.real_tokens == bshd.real_tokens == real
@@ -263,7 +265,7 @@ def test_step_totals_sum_the_ranks_and_cp_shares_add_up(cp):
     model = build_model(tiny_config())
     dims = dims_of_model(model)
     batches = global_steps(1, 2 // cp)[0]
-    alone = [model(b).work for b in batches]  # one process, no CP: every sequence whole
+    alone = [work_of(model(b).placed) for b in batches]  # one process, no CP: every sequence whole
     want_tokens = sum(w.real_tokens for w in alone)
     want_flops = sum(micro_flops(dims, w, Trainable()) for w in alone)
     for got in per_rank:

@@ -1,6 +1,12 @@
-"""The model's view of a conversation batch (`speechlm.data.dataset.Batch` with ``prompt_ids`` set):
+"""The model's view of a batch, one shape: a conversation batch (`speechlm.data.dataset.Batch` with ``prompt_ids`` set):
 its prompts, which clips belong to which row, the packed length of each row, where its last answer
 starts, and its per-clip CTC targets. Pure functions of the batch's tensors; `SpeechLLM` uses them.
+
+A batch of transcription rows (``audio``, ``tokens``/``token_lens`` only: the form tests, benchmarks and
+`speechlm transcribe` build) is the one-turn case: `as_conversation` renders each row's prompt in the
+run's `PromptFormat` (``[*prefix, <audio>, *middle, *transcript, *stop, *trailing]``), one clip per row,
+its transcript the clip's CTC target. Every consumer (the model, the step's counts, generation) reads
+that one shape.
 
 Letters: B rows, P padded prompt length, C clips, K CTC tokens, L one prompt's length.
 
@@ -11,18 +17,24 @@ Letters: B rows, P padded prompt length, C clips, K CTC tokens, L one prompt's l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from speechlm.packing.prompt import PromptFormat, build_prompts
+
 __all__ = [
+    "as_conversation",
     "batch_field",
     "clips_per_sample",
     "conversation_ctc_targets",
     "conversation_prompts",
     "conversation_seq_lens",
+    "ctc_target_lens",
     "last_answer_start",
     "last_target_start",
     "optional_field",
@@ -39,9 +51,48 @@ def optional_field(batch: Any, name: str) -> Any:
     return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
 
 
+def as_conversation(batch: Any, prompt: PromptFormat) -> Any:
+    """``batch`` in the one shape: itself when it is a conversation batch (``prompt_ids`` set), else its
+    transcription rows as one-turn conversations (module docstring): ``prompt_ids``/``prompt_mask``/
+    ``prompt_lens`` rendered by ``prompt``, ``clip_sample`` one clip per row, ``ctc_tokens`` the
+    transcripts. A mapping stays a mapping, a dataclass (`speechlm.data.dataset.Batch`) its own type."""
+    if optional_field(batch, "prompt_ids") is not None:
+        return batch
+    tokens_BL, token_lens_B = batch_field(batch, "tokens"), batch_field(batch, "token_lens")
+    prompts = build_prompts(tokens_BL, token_lens_B, prompt=prompt)
+    lens = [int(ids.shape[0]) for ids, _ in prompts]
+    ids_BP = torch.full((len(prompts), max(lens, default=0)), prompt.audio_id, dtype=torch.long)
+    mask_BP = torch.zeros(ids_BP.shape, dtype=torch.bool)
+    for b, (ids, mask) in enumerate(prompts):
+        ids_BP[b, : lens[b]], mask_BP[b, : lens[b]] = ids, mask
+    fields = dict(
+        prompt_ids=ids_BP,
+        prompt_mask=mask_BP,
+        prompt_lens=torch.tensor(lens, dtype=torch.long),
+        clip_sample=torch.arange(len(prompts)),
+        ctc_tokens=tokens_BL,
+        ctc_token_lens=token_lens_B,
+    )
+    if isinstance(batch, Mapping):
+        return {**batch, **fields}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **fields)
+    return SimpleNamespace(**{**vars(batch), **fields})
+
+
+def ctc_target_lens(batch: Any) -> Tensor | None:
+    """Each clip's CTC target length as collated (language tag included; 0: no transcript), None when the
+    batch has none: a conversation batch's ``ctc_token_lens``, a transcription row's ``token_lens`` (its
+    transcript is its one clip's, `as_conversation`)."""
+    if optional_field(batch, "prompt_ids") is not None:
+        return optional_field(batch, "ctc_token_lens")
+    return batch_field(batch, "token_lens")
+
+
 def conversation_prompts(batch: Any, audio_id: int) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
-    """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch (see
-    `SpeechLLM.conversation_prompts`); a batch whose fields disagree is a ValueError naming them."""
+    """``([(ids_L, target_mask_L)] per row, clip_sample)`` of a conversation batch: each row's rendered prompt
+    (``prompt_ids``/``prompt_mask`` cut to ``prompt_lens``) and the row of each clip; a batch whose fields
+    disagree is a ValueError naming them."""
     ids_BP, mask_BP = batch_field(batch, "prompt_ids"), optional_field(batch, "prompt_mask")
     lens_B, clip_sample_C = optional_field(batch, "prompt_lens"), optional_field(batch, "clip_sample")
     if mask_BP is None or lens_B is None or clip_sample_C is None:

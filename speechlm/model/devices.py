@@ -17,7 +17,7 @@ KINDS = ("cpu", "cuda", "mps")
 
 def available_devices() -> list[str]:
     """The device names this machine has: cpu, then cuda:0..N-1, then mps where present."""
-    import torch
+    import torch  # lazy: torch (CLI start-up: --device is checked while the command line is read)
 
     names = ["cpu"]
     if torch.cuda.is_available():
@@ -31,7 +31,7 @@ def available_devices() -> list[str]:
 def check_device(name: str, *, flag: str = "--device", here_only: bool = True) -> str:
     """`name` when this machine can run on it (``here_only=False``: when it is a cpu/cuda/mps device at
     all, for a plan made for another machine); a UsageError naming the value and the devices there are."""
-    import torch
+    import torch  # lazy: torch (CLI start-up: --device is checked while the command line is read)
 
     here = available_devices()
     fix = f"use one of: {', '.join(here)} (or leave {flag} out)"

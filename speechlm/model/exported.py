@@ -38,9 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
+from speechlm.config import ModelConfig, _from_dict
 from speechlm.errors import RunDirError
 from speechlm.io import sha256_of
+from speechlm.model.speech_llm import SpeechLLM
+from speechlm.packing.prompt import PromptFormat
 
 EXPORT_CONFIG = "speechlm_export.json"
 EXPORT_FORMAT = 1
@@ -126,9 +130,6 @@ def read_export_config(path: Path) -> dict[str, Any]:
 
 def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], root: Path) -> Any:
     """The SpeechLLM an export describes, its LLM loaded from ``root/llm`` (other weights: random)."""
-    from speechlm.config import ModelConfig, _from_dict
-    from speechlm.model.speech_llm import SpeechLLM
-
     section = json.loads(json.dumps(model_section))
     section["llm"]["pretrained"] = str(root / LLM_DIR)
     enc = section["encoder"]
@@ -136,8 +137,6 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
     model_cfg = _from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
     kwargs = dict(speech_llm)
     if isinstance(kwargs.get("prompt"), dict):  # TokenizerInfo's PromptFormat, saved as a JSON object
-        from speechlm.packing.prompt import PromptFormat
-
         fields: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) else v for k, v in kwargs["prompt"].items()
         }
@@ -149,8 +148,6 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
 
 def load_exported(path: str | Path, *, device: str | torch.device = "cpu") -> ExportedModel:
     """Build the model of export `path` and load its weights (eval mode, on `device`)."""
-    from safetensors.torch import load_file
-
     root = Path(path)
     config = read_export_config(root)
     before = os.environ.get("HF_HUB_OFFLINE")

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from parallel.frames import HOP_SAMPLES, SAMPLE_RATE
 from speechlm.model.packed_encoder import segment_rows
 
 LN_LOG_GUARD = 2.0**-24
@@ -49,10 +50,10 @@ class FeatureSettings:
     """Everything that defines the front end; an encoder carries the settings it was trained with."""
 
     n_mels: int = 80
-    sample_rate: int = 16000
+    sample_rate: int = SAMPLE_RATE
     n_fft: int = 512
     win_length: int = 400
-    hop_length: int = 160
+    hop_length: int = HOP_SAMPLES
     preemphasis: float = 0.97  # 0 disables it
     log_style: str = "ln"  # "ln" (Parakeet/NeMo, per-feature normalised) or "whisper"
     normalize: bool = True  # per-utterance, per-bin normalisation (ln style only)

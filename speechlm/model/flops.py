@@ -41,6 +41,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from parallel import frames
+from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES
+
 # Peak dense FLOP/s per device in TFLOP/s, the figure MFU is measured against (`peak_tflops`):
 # GPUs: the vendor's dense bf16 tensor-core figure (SXM parts; no 2:4 sparsity). CPU: a nominal,
 # measure-free figure per core used by the process: 3.0 GHz x 32 fp32 FLOPs per cycle (two 8-wide FMA
@@ -58,7 +61,7 @@ class EncoderDims:
     ffn: int = 704  # I
     conv_channels: int = 64  # C
     n_mels: int = 80  # F
-    subsampling: int = 8
+    subsampling: int = ENCODER_SUBSAMPLING["parakeet"]
     conv_kernel: int = 9  # K
     params: int = 0  # kinds other than parakeet: 2 * params FLOPs per encoder frame
     window: int = 0  # limited-context attention: left + 1 + right frames per query (0: full context)
@@ -81,7 +84,7 @@ class ModelDims:
     stack: int = 2
     proj_hidden: int = 512  # P
     ctc_vocab: int = 0  # 0: no CTC head
-    hop: int = 160  # audio samples per feature frame
+    hop: int = HOP_SAMPLES  # audio samples per feature frame
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,10 @@ def _halve(n: int) -> int:
 
 
 def encoder_frames(dims: EncoderDims, feat_frames: int) -> int:
-    """U: encoder frames of a clip of `feat_frames` feature frames (stride-2 convs, or the factor)."""
-    if dims.kind != "parakeet":
-        return max(1, -(-feat_frames // dims.subsampling))
-    u = feat_frames
-    for _ in range(int(math.log2(dims.subsampling))):
-        u = _halve(u)
-    return u
+    """U: encoder frames of a clip of `feat_frames` feature frames (`parallel.frames.encoder_frames`); at
+    least one for a kind counted by its parameters (its cost per frame)."""
+    u = frames.encoder_frames(feat_frames, dims.subsampling)
+    return u if dims.kind == "parakeet" else max(1, u)
 
 
 def subsampling_flops(d: EncoderDims, feat_frames: int) -> float:
@@ -170,7 +170,7 @@ def llm_flops(
 @dataclass
 class MicroWork:
     """What one micro-batch put through the model on this rank (its share under CP): host integers,
-    recorded by the model's forward (`speechlm.model.speech_llm.SpeechLLM.forward`)."""
+    from what the model's forward placed (`work_of`)."""
 
     clip_frames: list[int]  # feature frames of each clip this rank encoded
     seq_lens: list[int]  # real length of each sequence in this rank's stream (audio + prompt tokens)
@@ -202,6 +202,33 @@ def record_work(
         seq_shares=shares,
         labelled=sum(labelled[i] * s for i, s in zip(local, shares)),
         computed_tokens=computed_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the model's forward placed on this rank for one micro-batch (`SpeechLLM.forward` returns it in
+    `MicroLosses.placed`): the inputs of `record_work`, from which the training layer counts the FLOPs."""
+
+    seq_lens: list[int]  # real length of every sequence of the micro-batch (audio + prompt tokens)
+    labelled: list[int]  # labelled tokens of every sequence
+    local: list[int]  # the sequences this rank runs, in stream order
+    n_split: int  # the first n_split of them are split over the cp ranks
+    cp: int
+    clip_frames: list[int]  # feature frames of each clip (or sharded clip's slice) this rank encoded
+    computed_tokens: int  # rows of the stream the LLM ran (THD after rounding and CP sharding; BSHD B*S)
+
+
+def work_of(placed: Placement) -> MicroWork:
+    """The `MicroWork` of a micro-batch from what its forward placed on this rank (`record_work`)."""
+    return record_work(
+        placed.seq_lens,
+        placed.labelled,
+        placed.local,
+        placed.n_split,
+        placed.cp,
+        clip_frames=list(placed.clip_frames),
+        computed_tokens=placed.computed_tokens,
     )
 
 
@@ -262,7 +289,7 @@ def dims_of_model(model: object) -> ModelDims:
     m: Any = model
     enc = m.encoder
     inner = getattr(getattr(enc, "model", None), "config", None)
-    if type(enc).__name__ == "ParakeetAudioEncoder" and inner is not None:
+    if enc.kind == "parakeet" and inner is not None:
         edims = EncoderDims(
             kind="parakeet",
             hidden=int(inner.hidden_size),
@@ -277,7 +304,7 @@ def dims_of_model(model: object) -> ModelDims:
         )
     else:
         edims = EncoderDims(
-            kind=type(enc).__name__,
+            kind=str(enc.kind),
             hidden=int(enc.output_dim),
             subsampling=int(enc.subsampling),
             params=sum(int(p.numel()) for p in enc.parameters()),

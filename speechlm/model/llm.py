@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from speechlm.config import LLMConfig
+from speechlm.model.finite import check_loaded_weights
 from speechlm.model.pretrained_dir import read_llm_dir
 
 LLM_FAMILIES = ("llama", "qwen2")
@@ -36,8 +38,6 @@ def build_llm_config(
     llm_cfg: LLMConfig, *, vocab_size: int, pad_id: int, bos_id: int | None, eos_id: int, dropout: float
 ) -> Any:
     """The transformers config of a from-scratch LLM."""
-    from transformers import LlamaConfig, Qwen2Config
-
     if llm_cfg.num_heads % llm_cfg.num_kv_heads:
         raise ValueError(
             f"llm.num_heads={llm_cfg.num_heads} is not a multiple of llm.num_kv_heads={llm_cfg.num_kv_heads}"
@@ -88,8 +88,6 @@ def build_llm(
     added rows may lie past the model's vocabulary: the pre-flight refuses a tokenizer whose own tokens
     do not fit (`speechlm.model.pretrained_dir.check_tokenizer_fits_llm`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if llm_cfg.pretrained:
         path = Path(llm_cfg.pretrained)
         read_llm_dir(path)  # a missing dir, config.json or weights, a truncated safetensors: clear errors
@@ -99,7 +97,6 @@ def build_llm(
         model = AutoModelForCausalLM.from_pretrained(
             path, config=cfg, attn_implementation=attn_implementation, dtype=torch.float32
         )
-        from speechlm.model.finite import check_loaded_weights
 
         check_loaded_weights(model, path, "model.llm.pretrained")  # NaN/inf weights: refused, file named
         embeddings: Any = model.get_input_embeddings()

@@ -9,6 +9,10 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from speechlm.errors import UsageError
 from speechlm.model.llm import build_llm_config
 from speechlm.model.pretrained_dir import check_tokenizer_fits_llm, read_llm_dir
@@ -17,8 +21,6 @@ from speechlm.model.pretrained_dir import check_tokenizer_fits_llm, read_llm_dir
 # --- LoRA target modules -------------------------------------------------------------------------
 def module_names(llm: Any) -> tuple[set[str], list[str]]:
     """(the last part of every module name of `llm`, the sorted names of its linear layers)."""
-    from torch import nn
-
     names = {name.rsplit(".", 1)[-1] for name, _ in llm.named_modules()}
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in llm.named_modules() if isinstance(m, nn.Linear)})
     return names, linear
@@ -40,9 +42,6 @@ def lora_target_problem(targets: Sequence[str], llm: Any) -> str | None:
 def skeleton_llm(llm_cfg: Any, config: dict[str, Any] | None) -> Any:
     """The LLM built on the meta device with one decoder layer (module names only, no memory): from the
     pretrained directory's config.json, else from the sizes in `llm_cfg`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if config is not None:
         hf_cfg = AutoConfig.for_model(**copy.deepcopy(config))
     else:

@@ -49,6 +49,8 @@ import torch
 from torch import nn
 
 from speechlm.config import LoRAConfig, ModelConfig
+from speechlm.errors import UsageError
+from speechlm.model.llm_preflight import lora_target_problem
 
 LORA_MARK = "lora_"  # peft's adapter parameters: lora_A / lora_B (and lora_embedding_* for embeddings)
 BASE_LAYER = ".base_layer"  # peft's wrapped module inside each adapted layer
@@ -77,10 +79,7 @@ def train_modes_of(model: Any) -> TrainModes:
 
 def inject_lora(llm: nn.Module, lora: LoRAConfig) -> None:
     """Inject LoRA adapters in place (peft, no wrapper); a target that matches no module is an error."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    from speechlm.errors import UsageError
-    from speechlm.model.llm_preflight import lora_target_problem
+    from peft import LoraConfig, inject_adapter_in_model  # lazy: peft (optional, speechlm[pretrained])
 
     problem = lora_target_problem(list(lora.target_modules), llm)
     if problem:  # the pre-flight refuses it first (`check_pretrained_llm`); a direct caller gets it here
@@ -220,7 +219,7 @@ def merge_lora(llm: nn.Module, *, inplace: bool = False) -> Any:
     """The LLM with every LoRA adapter merged into its base weight and peft's wrappers removed: a plain
     transformers model (``save_pretrained`` writes the base architecture's keys). Works on an unsharded
     model; ``inplace=False`` leaves ``llm`` as it is."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (optional)
 
     out = llm if inplace else copy.deepcopy(llm)
     for name, module in list(out.named_modules()):

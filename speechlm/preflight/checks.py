@@ -533,7 +533,7 @@ def summarize(table: Any, cfg: Any) -> dict[str, Any]:
     budget, max_tokens (the longest row's audio + text + prompt tokens, as the sampler counts them)."""
     import numpy as np
 
-    from parallel.clip_placement import encoder_frames
+    from parallel.frames import planned_encoder_frames
     from speechlm.data.sampler.build import token_cost_of
 
     durations = table.column("duration").to_numpy()
@@ -550,7 +550,7 @@ def summarize(table: Any, cfg: Any) -> dict[str, Any]:
         "n_rows": len(table),
         "max_duration": longest,
         "median_duration": float(np.median(durations)) if len(durations) else 0.0,
-        "max_encoder_frames": encoder_frames(longest, subsampling),
+        "max_encoder_frames": planned_encoder_frames(longest, subsampling),
     }
     if cfg.sampler.max_batch_tokens is not None:
         from speechlm.data.sampler.build import longest_row_tokens

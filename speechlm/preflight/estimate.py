@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parallel.frames import HOP_SAMPLES, SAMPLE_RATE, feature_frames_of_seconds
 from speechlm.config import ExperimentConfig
 from speechlm.data.sampler.cost import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
 from speechlm.errors import UsageError, UserError
-from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
+from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, encoder_frames, record_work, step_flops
 
 GIB = 2.0**30
 DEVICE_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.1}  # what torch reports usable; cpu: this machine's RAM
@@ -42,7 +43,6 @@ RUNTIME_GIB = {"cpu": 0.60, "cuda": 0.50}  # before any model: CPU process RSS; 
 DEFAULT_MFU = {"h100": 0.40, "h200": 0.40, "a100": 0.45, "cpu": 0.25}
 FIT_MARGIN = 0.90  # a layout fits when its estimate is at most this share of the device (fragmentation)
 QUADRATIC_BACKENDS = ("reference", "sdpa")  # materialise the attention scores (flash, te, flex do not)
-SAMPLE_RATE, HOP = 16000, 160
 
 
 class LayoutDoesNotFitError(UserError):
@@ -75,7 +75,7 @@ class Workload:
 
     @property
     def audio_seconds(self) -> float:
-        return sum(self.clip_frames) * HOP / SAMPLE_RATE
+        return sum(self.clip_frames) * HOP_SAMPLES / SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,6 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
 
 def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
     """Sequence lengths in the LLM: the clip's audio embeddings and its prompt (tag, transcript, eos)."""
-    from speechlm.model.flops import encoder_frames
-
     return [
         -(-encoder_frames(dims.encoder, t) // dims.stack) + k + 2
         for t, k in zip(w.clip_frames, w.text_tokens)
@@ -147,8 +145,6 @@ def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
 
 def encoder_clip_elements(dims: ModelDims, t: int) -> float:
     """Activation elements the encoder, projector and CTC head keep for one clip of `t` feature frames."""
-    from speechlm.model.flops import encoder_frames
-
     e = dims.encoder
     u = encoder_frames(e, t)
     n = int(math.log2(e.subsampling))
@@ -172,8 +168,6 @@ def activation_bytes(
     cfg: ExperimentConfig, dims: ModelDims, w: Workload, layout: Layout, *, checkpointing: bool
 ) -> dict[str, float]:
     """Activation bytes of micro-batch `w` on one rank: {"encoder", "llm", "total"} (module docstring)."""
-    from speechlm.model.flops import encoder_frames
-
     act = 2 if cfg.trainer.precision == "bf16" else 4
     d = dims.llm
     g = d.hidden // d.heads * d.kv_heads
@@ -292,10 +286,6 @@ def cpu_threads(world: int) -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // max(world, 1))
 
 
-def _frames(seconds: float) -> int:
-    return int(seconds * SAMPLE_RATE) // HOP
-
-
 def config_workloads(cfg: ExperimentConfig) -> tuple[Workload, Workload]:
     """(heaviest, mean) micro-batch without a manifest: the budget filled with clips of the longest bucket
     (or 20 s), each with data.max_tokens tokens (a worst case; the mean is the same)."""
@@ -303,7 +293,7 @@ def config_workloads(cfg: ExperimentConfig) -> tuple[Workload, Workload]:
     bounds = cfg.sampler.bucket_boundaries
     clip = min(budget, max(bounds) if bounds else 20.0)
     n = max(1, int(budget // clip))
-    w = Workload([_frames(clip)] * n, [cfg.data.max_tokens] * n)
+    w = Workload([feature_frames_of_seconds(clip)] * n, [cfg.data.max_tokens] * n)
     return w, w
 
 
@@ -349,10 +339,10 @@ def manifest_workloads(
             break
         picked.append(int(i))
         total += dur[i]
-    heavy = Workload([_frames(dur[i]) for i in picked], [int(toks[i]) for i in picked])
+    heavy = Workload([feature_frames_of_seconds(dur[i]) for i in picked], [int(toks[i]) for i in picked])
     mean_d, mean_t = float(dur.mean()), float(toks.mean())
     n = max(1, int(budget // mean_d))
-    return heavy, Workload([_frames(mean_d)] * n, [int(round(mean_t))] * n)
+    return heavy, Workload([feature_frames_of_seconds(mean_d)] * n, [int(round(mean_t))] * n)
 
 
 def tokenizer_facts(cfg: ExperimentConfig, texts: list[str]) -> tuple[int, float, str]:

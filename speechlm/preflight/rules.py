@@ -15,11 +15,12 @@ import functools
 import math
 
 from parallel.clip_placement import SHORT_CLIP_SECONDS
+from parallel.frames import PADDING_FREE_KINDS
 from parallel.validator import ERROR, PARALLEL_RULES, WARNING, Rule, ValidationContext
 from parallel.validator import validate as _validate_with_rules
 
 # encoder kinds with a padding-free (packed) path; the others compute their padding frames
-PACKED_ENCODER_KINDS: frozenset[str] = frozenset({"parakeet"})
+PACKED_ENCODER_KINDS: frozenset[str] = PADDING_FREE_KINDS
 
 
 def _budget_problems(ctx: ValidationContext) -> list[str]:

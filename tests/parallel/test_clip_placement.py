@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from parallel.clip_placement import encoder_frames, place_clips, shard_bounds, short_clip_frames
+from parallel.clip_placement import place_clips, shard_bounds, short_clip_frames
+from parallel.frames import planned_encoder_frames as encoder_frames
 from speechlm.cli import main
 
 

@@ -16,6 +16,7 @@ from test_parallel_equivalence import assert_matches
 
 from parallel.cp_layout import DynamicCPLayout
 from parallel.testing import run_distributed
+from speechlm.model.flops import work_of
 
 WINDOW = ("model.encoder.att_context_size=[6,4]",)
 N_STEPS = 3
@@ -57,7 +58,7 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
         "ctc": float(ctc),
         "grads": grads,
         "calls": calls,
-        "clip_frames": out.work.clip_frames,
+        "clip_frames": work_of(out.placed).clip_frames,
     }
 
 

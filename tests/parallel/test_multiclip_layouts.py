@@ -30,7 +30,7 @@ from test_parallel_equivalence import assert_matches
 from parallel.cp_layout import NullCPLayout, WholePlan, plan_for_clips
 from parallel.cp_placement import place_sequences
 from parallel.testing import run_distributed
-from speechlm.model.conversation_inputs import clips_per_sample, conversation_seq_lens
+from speechlm.model.conversation_inputs import clips_per_sample, conversation_prompts, conversation_seq_lens
 
 N_STEPS = 3
 THRESHOLD = 14  # the conversation samples are 8-20 tokens: whole and split ones in one micro-batch
@@ -70,7 +70,7 @@ def _sample_lengths(batches: str = "conversations") -> list[tuple[list[int], lis
     out = []
     for step in global_steps(N_STEPS, 2, batches=batches):
         for b in step:
-            prompts, clip_sample = model.conversation_prompts(b)
+            prompts, clip_sample = conversation_prompts(b, model.audio_id)
             counts = clips_per_sample(clip_sample, len(prompts))
             frames = model.audio_embed_lengths(b.audio_lens)
             out.append((conversation_seq_lens(prompts, counts, frames), clip_sample, frames))

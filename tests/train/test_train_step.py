@@ -109,11 +109,12 @@ def test_training_and_decoding_prompts_share_the_instruction():
     import torch
     from parallel_harness import VOCAB
 
+    from speechlm.packing.prompt import build_prompts
     from speechlm.train.module import SpeechLLMModule, TokenizerInfo
 
     tok = TokenizerInfo(vocab_size=VOCAB, pad_id=0, bos_id=2, eos_id=3, audio_id=4, instruction_ids=(9, 10))
     model = SpeechLLMModule(tiny_config(), tok).model
-    ids, _ = model.build_prompts(torch.tensor([[5, 6]]), torch.tensor([2]))[0]
+    ids, _ = build_prompts(torch.tensor([[5, 6]]), torch.tensor([2]), prompt=model.prompt)[0]
     assert ids.tolist() == [2, 4, 9, 10, 5, 6, 3]  # bos, <audio>, instruction, target, eos
     embedded: list[list[int]] = []
     embed = model.embed_tokens

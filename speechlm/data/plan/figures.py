@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parallel.clip_placement import FEATURE_FRAMES_PER_SECOND, short_clip_frames  # stdlib only
+from parallel.clip_placement import short_clip_frames  # stdlib only
 from parallel.cp_placement import place_sequences  # stdlib only
+from parallel.frames import planned_encoder_frames  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
 from speechlm.data.sampler.cost import CHARS_PER_TOKEN, text_tokens_of
@@ -251,7 +252,7 @@ def encoder_sharding_figures(
     for b0, b1 in batch_pieces(used.offsets) if cp > 1 else ():
         lo, hi = int(used.offsets[b0]), int(used.offsets[b1])
         durations = used.durations[lo:hi]
-        frames = np.ceil(np.ceil(durations.astype(np.float64) * FEATURE_FRAMES_PER_SECOND) / subsampling)
+        frames = planned_encoder_frames(durations.astype(np.float64), subsampling, ceil=np.ceil)
         totals = np.add.reduceat(frames, used.offsets[b0:b1] - lo)  # whole numbers: exact in float64
         sharded = (frames > min_frames) & (frames * cp > np.repeat(totals, used.lengths[b0:b1]))
         sharded &= np.floor(frames / cp) >= (min_slice or 0)

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from parallel.frames import ENCODER_SUBSAMPLING, FEATURE_FRAMES_PER_SECOND
 from speechlm.data.manifest.load import manifest_arrays, task_codes
 from speechlm.data.sampler.cost import TokenCostModel, text_tokens_of
 from speechlm.data.sampler.mix import DatasetMix
@@ -43,9 +44,6 @@ from speechlm.data.sources.input_cfg import mix_of_table, read_modes_of_table
 if TYPE_CHECKING:
     from speechlm.config import ExperimentConfig, ModelConfig
     from speechlm.data.manifest.schema import RowContents
-
-FEATURE_FRAMES_PER_SECOND = 100.0  # the 10 ms hop (160 samples at 16 kHz) of every encoder kind
-ENCODER_SUBSAMPLING = {"whisper": 2, "parakeet": 8, "nemo": 8}  # encoder frames per feature frame
 
 
 # --- 1. settings --------------------------------------------------------------------------------
@@ -69,7 +67,7 @@ def encoder_subsampling(kind: str, pretrained: str | None = None, factor: int | 
 def token_cost_of(model: ModelConfig) -> TokenCostModel:
     """The tokens an utterance puts into the LLM under `model` (its encoder and projector)."""
     return TokenCostModel(
-        audio_frames_per_second=FEATURE_FRAMES_PER_SECOND,
+        audio_frames_per_second=float(FEATURE_FRAMES_PER_SECOND),
         encoder_subsampling=encoder_subsampling(
             model.encoder.kind, model.encoder.pretrained, model.encoder.subsampling_factor
         ),

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from parallel.frames import FEATURE_FRAMES_PER_SECOND, planned_encoder_frames
+
 SECOND_UNITS = 1_000_000  # duration costs are integer microseconds
 TOKEN_UNITS = 1_000  # token costs are integer thousandths of a token
 PIECE_ROWS = 1 << 20  # rows per piece where a pass over all of them would need 10M-row temporaries
@@ -26,15 +28,19 @@ PIECE_ROWS = 1 << 20  # rows per piece where a pass over all of them would need 
 class TokenCostModel:
     """Tokens one utterance puts into the LLM: audio after encoder + projector, text, prompt."""
 
-    audio_frames_per_second: float = 100.0
+    audio_frames_per_second: float = float(FEATURE_FRAMES_PER_SECOND)
     encoder_subsampling: int = 8
     projector_stack: int = 2
     prompt_tokens: int = 4
 
     def count_tokens(self, durations: np.ndarray, text_tokens: np.ndarray | None = None) -> np.ndarray:
         """Tokens per row (int64): ceil(ceil(d * fps / subsampling) / stack) + text + prompt."""
-        frames = np.ceil(np.asarray(durations, dtype=np.float64) * self.audio_frames_per_second)
-        encoded = np.ceil(frames / self.encoder_subsampling)
+        encoded = planned_encoder_frames(
+            np.asarray(durations, dtype=np.float64),
+            self.encoder_subsampling,
+            ceil=np.ceil,
+            frames_per_second=self.audio_frames_per_second,
+        )
         tokens = np.ceil(encoded / self.projector_stack).astype(np.int64)
         tokens += self.prompt_tokens
         if text_tokens is not None:

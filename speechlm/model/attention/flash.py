@@ -20,7 +20,7 @@ from speechlm.model.attention.registry import BackendUnavailableError, attention
 
 def _import_flash_attn() -> Any:
     try:
-        import flash_attn  # type: ignore[import-not-found]
+        import flash_attn  # type: ignore[import-not-found]  # lazy: flash-attn (optional)
     except ImportError as e:
         raise BackendUnavailableError(
             f"attention backend 'flash' needs flash-attn, which is not installed ({e}): "

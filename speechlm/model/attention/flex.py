@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from speechlm.model.attention.layouts import read_varlen_args
 from speechlm.model.attention.registry import attention_backend
@@ -35,8 +36,6 @@ _COMPILED: dict[str, Any] = {}
 
 def build_document_block_mask(cu_seqlens: Tensor, total: int, device: torch.device) -> Any:
     """Block mask for causal attention inside each ``[cu[i], cu[i+1])`` of a ``total``-token stream."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     doc_T = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu[1:] - cu[:-1])
 
@@ -62,7 +61,6 @@ def get_document_block_mask(cu_seqlens: Tensor, total: int, device: torch.device
 
 
 def build_padding_block_mask(padding_mask_BS: Tensor) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
 
     valid_BS = padding_mask_BS.to(torch.bool)
     B, S = valid_BS.shape
@@ -89,7 +87,6 @@ def get_padding_block_mask(padding_mask_BS: Tensor) -> Any:
 
 
 def _flex_fn(device: torch.device) -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention

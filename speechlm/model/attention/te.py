@@ -36,7 +36,7 @@ TE_CP_COMM_TYPES = {"ring": "p2p"}
 
 def _import_te() -> Any:
     try:
-        import transformer_engine.pytorch as te  # type: ignore[import-not-found]
+        import transformer_engine.pytorch as te  # type: ignore[import-not-found]  # lazy: optional
     except ImportError as e:
         raise BackendUnavailableError(
             f"attention backend 'te' needs transformer-engine, which is not installed ({e}): "

@@ -26,7 +26,7 @@ from speechlm.model.attention.registry import BackendUnavailableError, attention
 
 def _import_varlen_attn() -> Any:
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # lazy: torch >= 2.9 only
     except ImportError as e:
         raise BackendUnavailableError(
             f"attention backend 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9): {e}"

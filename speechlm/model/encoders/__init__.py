@@ -28,7 +28,7 @@ over dp ranks, would change the gradients.
 
 from __future__ import annotations
 
-from speechlm.config import EncoderConfig
+from speechlm.config import EncoderConfig, ModelConfig
 from speechlm.model.encoders.base import AudioEncoder, ChannelLayerNorm, replace_conv_batchnorm
 from speechlm.model.encoders.nemo import (
     NemoAudioEncoder,
@@ -44,6 +44,7 @@ from speechlm.model.encoders.parakeet import (
     load_parakeet_encoder,
 )
 from speechlm.model.encoders.whisper import WhisperAudioEncoder, build_whisper_encoder, load_whisper_encoder
+from speechlm.model.finite import check_loaded_weights
 
 __all__ = [
     "AudioEncoder",
@@ -52,6 +53,7 @@ __all__ = [
     "ParakeetAudioEncoder",
     "WhisperAudioEncoder",
     "build_encoder",
+    "resolve_encoder_packed",
     "build_parakeet_config",
     "build_parakeet_encoder",
     "build_whisper_encoder",
@@ -79,8 +81,6 @@ def build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: b
         )
     encoder = _build_encoder(enc_cfg, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
     if enc_cfg.pretrained:  # NaN/inf weights (a file damaged in place): refused, file and tensor named
-        from speechlm.model.finite import check_loaded_weights
-
         check_loaded_weights(encoder, enc_cfg.pretrained, "model.encoder.pretrained")
     return encoder.train(encoder.training)
 
@@ -100,3 +100,17 @@ def _build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: 
             raise ValueError("encoder.kind='nemo' needs encoder.pretrained=<path to a .nemo file>")
         return load_nemo_encoder(enc_cfg.pretrained, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
     raise ValueError(f"encoder.kind={kind!r} is not known; use 'parakeet', 'whisper' or 'nemo'")
+
+
+def resolve_encoder_packed(model_cfg: ModelConfig, supports_packed: bool) -> bool:
+    """``model.encoder.packed``: None means on where the encoder supports it; true where it does not
+    is an error (the validator reports it before a run starts)."""
+    want = model_cfg.encoder.packed
+    if want is None:
+        return supports_packed
+    if want and not supports_packed:
+        raise ValueError(
+            f"model.encoder.packed=true but encoder.kind={model_cfg.encoder.kind!r} has no padding-free "
+            "path; set model.encoder.packed=false (or leave it unset)"
+        )
+    return bool(want)

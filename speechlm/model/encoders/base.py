@@ -19,7 +19,8 @@ from speechlm.model.features import FeatureSettings
 
 
 def stride2_conv_lengths(lens_B: Tensor, n_convs: int) -> Tensor:
-    """Output length of ``n_convs`` convolutions with kernel 3, stride 2, padding 1."""
+    """Output length of ``n_convs`` convolutions with kernel 3, stride 2, padding 1: per clip what
+    `parallel.frames.encoder_frames` computes for ``2 ** n_convs`` (tests/test_frames.py holds them equal)."""
     out = lens_B.to(torch.long)
     for _ in range(n_convs):
         out = torch.div(out - 1, 2, rounding_mode="floor") + 1
@@ -35,7 +36,8 @@ class AudioEncoder(nn.Module, abc.ABC):
 
     Subclasses (Parakeet, Whisper, NeMo) implement `output_lengths` and `forward`."""
 
-    supports_packed: bool = False
+    kind: str = "custom"  # the EncoderConfig.kind it implements (`parallel.frames` keeps each kind's facts)
+    supports_packed: bool = False  # a padding-free path (`parallel.frames.PADDING_FREE_KINDS`)
     output_dim: int
     subsampling: int
     feature_settings: FeatureSettings

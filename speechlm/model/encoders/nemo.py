@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from parallel.frames import ENCODER_SUBSAMPLING, SAMPLE_RATE
 from speechlm.model.encoders.base import AudioEncoder, lengths_to_mask, stride2_conv_lengths
 from speechlm.model.features import FeatureSettings
 
@@ -20,6 +21,8 @@ NEMO_INSTALL_HINT = "pip install speechlm[nemo]"
 
 class NemoAudioEncoder(AudioEncoder):
     """A NeMo ``ConformerEncoder``-like module: ``encoder(audio_signal=[B, F, T], length=[B]) -> ([B, E, U], [B])``."""
+
+    kind = "nemo"
 
     def __init__(
         self,
@@ -60,7 +63,7 @@ class NemoAudioEncoder(AudioEncoder):
 
 def import_nemo_asr() -> Any:
     try:
-        import nemo.collections.asr as nemo_asr  # type: ignore[import-not-found]
+        import nemo.collections.asr as nemo_asr  # type: ignore[import-not-found]  # lazy: nemo (optional)
     except ImportError as e:
         raise ImportError(
             f"encoder.kind='nemo' needs the NeMo toolkit, which is not installed ({e}); run "
@@ -98,7 +101,7 @@ def nemo_feature_settings(pre: Any) -> FeatureSettings:
         value = pre[key] if key in pre else None
         return default if value is None else value
 
-    sr = int(get("sample_rate", 16000))
+    sr = int(get("sample_rate", SAMPLE_RATE))
     win = int(get("n_window_size", round(float(get("window_size", 0.02)) * sr)))
     hop = int(get("n_window_stride", round(float(get("window_stride", 0.01)) * sr)))
     n_fft = int(get("n_fft", 1 << (win - 1).bit_length()))
@@ -145,7 +148,8 @@ def load_nemo_encoder(path: str | Path, *, dropout: float, freeze_batchnorm: boo
     )
     enc_cfg = cfg["encoder"]
     output_dim = int(enc_cfg["d_model"])
-    subsampling = int(enc_cfg["subsampling_factor"]) if "subsampling_factor" in enc_cfg else 8
+    default = ENCODER_SUBSAMPLING["nemo"]
+    subsampling = int(enc_cfg["subsampling_factor"]) if "subsampling_factor" in enc_cfg else default
     return NemoAudioEncoder(
         asr.encoder,
         nemo_feature_settings(cfg["preprocessor"]),

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import AutoConfig, ParakeetEncoder, ParakeetEncoderConfig, ParakeetForCTC
 
+from parallel.clip_placement import slice_halo
+from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES, PADDING_FREE_KINDS, SAMPLE_RATE
 from speechlm.config import EncoderConfig
 from speechlm.model.encoders.base import (
     AudioEncoder,
@@ -24,12 +27,17 @@ from speechlm.model.encoders.base import (
     stride2_conv_lengths,
 )
 from speechlm.model.features import FeatureSettings
+from speechlm.model.packed_encoder import forward_packed_parakeet
+from speechlm.model.sharded_encoder import forward_sharded_parakeet
 
-DEFAULT_SUBSAMPLING = 8  # FastConformer's 80 ms frames (model.encoder.subsampling_factor: null)
+DEFAULT_SUBSAMPLING = ENCODER_SUBSAMPLING[
+    "parakeet"
+]  # FastConformer's 80 ms (encoder.subsampling_factor: null)
 
 
 class ParakeetAudioEncoder(AudioEncoder):
-    supports_packed = True
+    kind = "parakeet"
+    supports_packed = "parakeet" in PADDING_FREE_KINDS
 
     def __init__(self, model: nn.Module, feature_settings: FeatureSettings, *, freeze_batchnorm: bool = True):
         cfg: Any = model.config
@@ -66,8 +74,7 @@ class ParakeetAudioEncoder(AudioEncoder):
         if self.att_context is None:
             return None
         cfg: Any = self.model.config
-        half_kernel = (int(cfg.conv_kernel_size) - 1) // 2
-        return max(*self.att_context, half_kernel)
+        return slice_halo(self.att_context, int(cfg.conv_kernel_size))
 
     def forward_slice(
         self,
@@ -83,8 +90,6 @@ class ParakeetAudioEncoder(AudioEncoder):
         bringing the neighbouring slices' halos (`speechlm.model.sharded_encoder`). Training calls it through
         `forward_with_slices` (one encoder call per micro-batch); called alone it needs the parameters
         gathered (no FSDP, or inside another entry)."""
-        from speechlm.model.sharded_encoder import forward_sharded_parakeet
-
         return forward_sharded_parakeet(
             self.model,
             feats_TF,
@@ -118,8 +123,6 @@ class ParakeetAudioEncoder(AudioEncoder):
         self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
     ) -> tuple[Tensor, Tensor]:
         if packed:
-            from speechlm.model.packed_encoder import forward_packed_parakeet
-
             feats_TF = feats_BTF
             if feats_TF.dim() != 2 or feats_TF.shape[0] != int(feat_lens_B.sum()):
                 raise ValueError(
@@ -149,7 +152,6 @@ def _set_parakeet_dropout(cfg: Any, dropout: float) -> None:
 
 
 def build_parakeet_config(enc_cfg: EncoderConfig, *, dropout: float) -> Any:
-    from transformers import ParakeetEncoderConfig
 
     cfg = ParakeetEncoderConfig(
         hidden_size=enc_cfg.hidden_size,
@@ -167,10 +169,10 @@ def build_parakeet_config(enc_cfg: EncoderConfig, *, dropout: float) -> Any:
 def _parakeet_feature_settings(n_mels: int, pre: dict[str, Any]) -> FeatureSettings:
     return FeatureSettings(
         n_mels=int(pre.get("feature_size", n_mels)),
-        sample_rate=int(pre.get("sampling_rate", 16000)),
+        sample_rate=int(pre.get("sampling_rate", SAMPLE_RATE)),
         n_fft=int(pre.get("n_fft", 512)),
         win_length=int(pre.get("win_length", 400)),
-        hop_length=int(pre.get("hop_length", 160)),
+        hop_length=int(pre.get("hop_length", HOP_SAMPLES)),
         preemphasis=float(pre.get("preemphasis", 0.97) or 0.0),
         log_style="ln",
     )
@@ -180,8 +182,6 @@ def load_parakeet_encoder(
     path: str | Path, *, dropout: float, freeze_batchnorm: bool = True
 ) -> ParakeetAudioEncoder:
     """Load a saved ``ParakeetEncoder`` (or the encoder of a ``ParakeetForCTC``) from a local directory."""
-    from transformers import AutoConfig, ParakeetEncoder, ParakeetForCTC
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -227,7 +227,6 @@ def build_parakeet_encoder(
         )
         encoder.att_context = enc_cfg.limited_context()
         return encoder
-    from transformers import ParakeetEncoder
 
     cfg = build_parakeet_config(enc_cfg, dropout=dropout)
     model = ParakeetEncoder._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32)

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import AutoConfig, WhisperConfig, WhisperModel
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
+from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES, SAMPLE_RATE
 from speechlm.config import EncoderConfig
 from speechlm.model.encoders.base import (
     AudioEncoder,
@@ -26,11 +29,13 @@ from speechlm.model.features import FeatureSettings
 
 
 class WhisperAudioEncoder(AudioEncoder):
+    kind = "whisper"
+
     def __init__(self, model: nn.Module, feature_settings: FeatureSettings):
         cfg: Any = model.config
         super().__init__(
             output_dim=int(cfg.d_model),
-            subsampling=2,
+            subsampling=ENCODER_SUBSAMPLING["whisper"],
             feature_settings=feature_settings,
             freeze_batchnorm=False,
         )
@@ -75,10 +80,10 @@ def _set_whisper_dropout(cfg: Any, dropout: float) -> None:
 def _whisper_feature_settings(n_mels: int, pre: dict[str, Any]) -> FeatureSettings:
     return FeatureSettings(
         n_mels=int(pre.get("feature_size", n_mels)),
-        sample_rate=int(pre.get("sampling_rate", 16000)),
+        sample_rate=int(pre.get("sampling_rate", SAMPLE_RATE)),
         n_fft=int(pre.get("n_fft", 400)),
         win_length=int(pre.get("n_fft", 400)),
-        hop_length=int(pre.get("hop_length", 160)),
+        hop_length=int(pre.get("hop_length", HOP_SAMPLES)),
         preemphasis=0.0,
         log_style="whisper",
         normalize=False,
@@ -89,8 +94,6 @@ def _whisper_feature_settings(n_mels: int, pre: dict[str, Any]) -> FeatureSettin
 def build_whisper_encoder(
     enc_cfg: EncoderConfig, *, dropout: float, max_source_positions: int = 1500
 ) -> WhisperAudioEncoder:
-    from transformers import WhisperConfig
-    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     cfg = WhisperConfig(
         d_model=enc_cfg.hidden_size,
@@ -107,9 +110,6 @@ def build_whisper_encoder(
 
 def load_whisper_encoder(path: str | Path, *, dropout: float) -> WhisperAudioEncoder:
     """Load the encoder of a local Whisper directory (a saved ``WhisperEncoder`` or a full Whisper model)."""
-    from transformers import AutoConfig, WhisperModel
-    from transformers.models.whisper.modeling_whisper import WhisperEncoder
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(

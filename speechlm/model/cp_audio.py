@@ -1,0 +1,254 @@
+"""A micro-batch's audio side through the CP layout: place, encode, hand over, tie, pack, shard.
+
+Letters: B clips, N audio samples, U encoder frames, E encoder width, H LLM hidden, P projected rows.
+
+Functions of (model, layout): ``model`` is the `SpeechLLM` (its features, encoder, projector and CTC head),
+``layout`` its `parallel.cp_layout.CPLayout` (``NullCPLayout`` with one CP rank). `SpeechLLM.forward` calls
+them in this order, once per micro-batch:
+
+    clip_sharding(model, layout, frames)           which clips the encoder shards over the CP group
+    prepare_slices(model, layout, audio, sharding)  this rank's slice of each (features of its span)
+    encode_for_layout(model, layout, ..., plan)    this rank's clips (split sequences' gathered) and slices,
+                                                   one encoder call and one projector call
+    finish_sharded(model, layout, enc, ...)        the slices' projected rows handed to the ranks whose
+                                                   stream holds them, their frames gathered for CTC, and
+                                                   every output tied in one autograd node (`tie_audio_side`)
+    pack_for_layout(model, layout, prompts, enc, plan)  pack_thd to the plan's rounded lengths, then this
+                                                   rank's share (`CPLayout.shard`)
+
+A sharded clip (`parallel.clip_placement`): a long clip of a padding-free encoder with limited context is
+cut into ``cp`` contiguous slices of encoder frames (cut on the projector's stack); rank r encodes slice r
+from the feature frames its subsampling reads (`sharded_encoder.feature_span`), with the clip's
+normalisation statistics summed over the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from parallel.clip_handover import Handover, clip_needs
+from parallel.clip_placement import ClipSharding, shard_bounds, short_clip_frames
+from parallel.cp_layout import CPLayout, CPPlan
+from speechlm.model.ctc import CTCModel
+from speechlm.model.encoder_output import EncoderOutput
+from speechlm.model.encoders.base import AudioEncoder
+from speechlm.model.features import LogMelFeatures, compute_feature_lengths
+from speechlm.model.packed_encoder import PackedFrames
+from speechlm.model.projector import FrameStackProjector, compute_stacked_lengths
+from speechlm.model.sharded_encoder import ClipSlice, feature_span
+from speechlm.packing.thd import PackedBatch, pack_thd
+
+
+class AudioModel(CTCModel, Protocol):
+    """What the audio side reads of the model (`SpeechLLM` has it)."""
+
+    @property
+    def encoder(self) -> AudioEncoder: ...
+    @property
+    def projector(self) -> FrameStackProjector: ...
+    @property
+    def features(self) -> LogMelFeatures: ...
+    @property
+    def encoder_packed(self) -> bool: ...
+    def encode_audio(
+        self,
+        audio_BN: Tensor,
+        audio_lens_B: Tensor,
+        *,
+        freeze_encoder: bool = False,
+        slices: Sequence[ClipSlice] = (),
+    ) -> EncoderOutput: ...
+
+
+@dataclass(frozen=True)
+class AudioLengths:
+    """A micro-batch's clip lengths as host integers, read once per micro-batch (`audio_lengths`)."""
+
+    samples: list[int]  # audio samples per clip
+    features: list[int]  # feature frames (`features.compute_feature_lengths`)
+    encoder: list[int]  # encoder frames (`AudioEncoder.output_lengths`)
+    embeds: list[int]  # projected rows, what each clip takes in the LLM's stream
+
+
+def audio_lengths(model: AudioModel, audio_lens_B: Tensor) -> AudioLengths:
+    """Every length of the audio side from the sample counts alone (one copy to the host): what the
+    encoder and projector will return, known before they run (dynamic CP places sequences with it)."""
+    samples_B = audio_lens_B.cpu()
+    feat_B = compute_feature_lengths(samples_B, model.encoder.feature_settings.hop_length)
+    enc_B = model.encoder.output_lengths(feat_B)
+    rows_B = compute_stacked_lengths(enc_B, model.projector.stack)
+    return AudioLengths(*([int(n) for n in t.tolist()] for t in (samples_B, feat_B, enc_B, rows_B)))
+
+
+def encode_for_layout(
+    model: AudioModel,
+    layout: CPLayout,
+    audio_BN: Tensor,
+    audio_lens_B: Tensor,
+    plan: CPPlan,
+    *,
+    freeze_encoder: bool = False,
+    skip: Sequence[bool] = (),
+    slices: Sequence[ClipSlice] = (),
+) -> EncoderOutput:
+    """`SpeechLLM.encode_audio` through the CP layout: this rank's clips, the split sequences' clips
+    gathered; ``skip``: the clips sharded over the CP group, left None here; ``slices``: this rank's slices
+    of them (`prepare_slices`), encoded and projected in the same encoder and projector calls as its whole
+    clips (one call each per micro-batch on every rank, whatever the micro-batch holds, so FSDP's
+    collectives of those units stay in step across data-parallel ranks); their outputs come back in
+    ``EncoderOutput.slices`` for `finish_sharded`."""
+
+    def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], Any]:
+        out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder, slices=slices)
+        return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B, out.slices)
+
+    res = layout.encode(encode_fn, audio_BN, audio_lens_B, plan, skip)
+    enc_hidden, enc_lens_B, slice_outs = res.extra
+    enc = EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
+    enc.slices = list(slice_outs)
+    return enc
+
+
+def clip_sharding(model: AudioModel, layout: CPLayout, enc_frames: Sequence[int]) -> ClipSharding | None:
+    """Which clips of a micro-batch (``enc_frames``: encoder frames per clip) the encoder shards over the
+    CP group (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP
+    rank, an encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""
+    halo = model.encoder.slice_halo
+    if layout.cp_size == 1 or halo is None or not model.encoder_packed:
+        return None
+    sharding = layout.clip_sharding(
+        list(enc_frames),
+        min_frames=short_clip_frames(model.encoder.subsampling),
+        min_slice=halo + model.projector.stack,  # a slice's halo, after the cut's stack alignment
+    )
+    return sharding if sharding.sharded_indices else None
+
+
+def prepare_slices(
+    model: AudioModel,
+    layout: CPLayout,
+    audio_BN: Tensor,
+    lens: AudioLengths,
+    sharding: ClipSharding,
+) -> list[ClipSlice]:
+    """This rank's slice of every clip ``sharding`` shards over the CP group, ready for the encoder: its
+    contiguous encoder frames (`parallel.clip_placement.shard_bounds`, cut on the projector's stack) and the
+    feature frames its subsampling reads (`LogMelFeatures.frames_of_clip`, the clip's normalisation
+    statistics summed over the group; no gradient: features have no parameters)."""
+    stack, sub = model.projector.stack, model.encoder.subsampling
+    out = []
+    for c in sharding.sharded_indices:
+        n, total = lens.samples[c], lens.features[c]  # the clip's samples and feature frames
+        lo, hi = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)[layout.cp_rank]
+        span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
+        own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
+        with torch.no_grad():
+            feats = model.features.frames_of_clip(audio_BN[c], n, span, own, layout.reduce_sum)
+        out.append(ClipSlice(feats, (lo, hi), layout.halo(), span[0], total))
+    return out
+
+
+def finish_sharded(
+    model: AudioModel,
+    layout: CPLayout,
+    enc: EncoderOutput,
+    sharding: ClipSharding,
+    plan: CPPlan,
+    *,
+    seq_of_clip: Sequence[int],
+    offsets: Sequence[int],
+) -> None:
+    """The sharded clips' side of ``enc`` once the encoder and projector ran on this rank's slices (in the
+    same calls as its whole clips: `encode_for_layout`, ``enc.slices``): the layout hands each clip's
+    projected rows to the ranks whose LLM stream holds them (`parallel.clip_handover`) and, with a CTC head,
+    gathers the slices' encoder frames for the rank that scores the clip's CTC (its owner in ``plan``).
+    ``seq_of_clip[c]``: the sequence of clip c; ``offsets[c]``: the row of that sequence where the clip's
+    first frame sits. Finally every output of the audio side passes through one autograd node
+    (`tie_audio_side`), which keeps the CP collectives of the backward in one order on every rank
+    (docs/parallelism.md)."""
+    stack, cp, rank = model.projector.stack, layout.cp_size, layout.cp_rank
+    padded = dict(zip(plan.indices, plan.padded_lengths))
+    gathered, owners = plan.gathered, plan.clip_owners
+    for c, (hidden_UE, proj_PH) in zip(sharding.sharded_indices, enc.slices, strict=True):
+        bounds = shard_bounds(sharding.frames[c], cp, align=stack)
+        rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
+        have = [(a // stack, -(-b // stack)) for a, b in bounds]
+        need = clip_needs(
+            rows,
+            int(offsets[c]),
+            cp,
+            split=bool(gathered[c]),
+            padded_len=padded[seq_of_clip[c]] if gathered[c] else 0,
+            owner=int(owners[c]),
+        )
+        enc.embeds[c] = layout.hand_over(proj_PH, Handover.build(rows, have, need))
+        if model.ctc_head is not None:
+            full_UE = layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+            if owners[c] == rank:
+                enc.ctc_extra.append((c, full_UE))
+            else:
+                enc.unused.append(full_UE)
+        lo, hi = bounds[rank]
+        enc.slice_feature_frames.append((hi - lo) * model.encoder.subsampling)
+    enc.slices = []
+    tie_audio_side(layout, enc)
+
+
+def tie_audio_side(layout: CPLayout, enc: EncoderOutput) -> None:
+    """Pass every tensor of ``enc`` that reaches the loss through `CPLayout.tie` (one autograd node), and
+    keep one of them in the loss with weight 0 so that the node runs on every rank."""
+    hidden = enc.enc_hidden
+    data = hidden.data_UE if isinstance(hidden, PackedFrames) else hidden
+    present = [(i, e) for i, e in enumerate(enc.embeds) if e is not None]
+    slots = [i for i, _ in present]
+    tensors = [data, *(e for _, e in present), *(h for _, h in enc.ctc_extra), *enc.unused]
+    tied = iter(layout.tie(tensors))
+    data = next(tied)
+    enc.enc_hidden = PackedFrames(data, hidden.lens_B) if isinstance(hidden, PackedFrames) else data
+    for i in slots:
+        enc.embeds[i] = next(tied)
+    enc.ctc_extra = [(c, next(tied)) for c, _ in enc.ctc_extra]
+    enc.unused = [next(tied) for _ in enc.unused] + [data]
+
+
+def pack_for_layout(
+    layout: CPLayout,
+    prompts: list[tuple[Tensor, Tensor]],
+    enc: EncoderOutput,
+    plan: CPPlan,
+    embed_tokens: Callable[[Tensor], Tensor],
+    *,
+    audio_id: int,
+    clip_counts: Sequence[int],
+    device: torch.device,
+) -> PackedBatch:
+    """This rank's THD stream: its sequences of ``plan`` packed to their padded lengths, then its share of
+    them (`CPLayout.shard`). ``clip_counts``: clips per sequence."""
+    local = plan.indices
+    starts = [0]
+    for k in clip_counts:
+        starts.append(starts[-1] + k)
+    clips = [c for i in local for c in range(starts[i], starts[i + 1])]
+    packed = pack_thd(
+        [prompts[i] for i in local],
+        enc.embeds_of(clips),
+        embed_tokens,
+        audio_id=audio_id,
+        padded_lengths=plan.padded_lengths,
+        clip_counts=[clip_counts[i] for i in local],
+        device=device,
+    )
+    parts, cu, max_len = layout.shard(
+        {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},
+        packed.cu_seqlens,
+        packed.max_seqlen,
+        plan,
+    )
+    return PackedBatch(
+        parts["x"], parts["labels"], parts["pos"], cu, max_len, packed.seq_lens, cp_split_seqs=plan.n_split
+    )
