@@ -54,6 +54,7 @@ import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import TRAIN_PREFIX, ExperimentConfig
+from speechlm.data.run_inputs import run_dataset
 from speechlm.data.text import decode_hypothesis, normalize_target, strip_lang_tag
 from speechlm.errors import DataError
 from speechlm.metrics import (
@@ -354,8 +355,10 @@ class Evaluator:
         max_new_tokens: int = 96,
         max_utterances: int | None = None,
         rows: list[int] | None = None,
+        template: str | None = None,
     ):
         self.cfg, self.tokenizer, self.table, self.rank = cfg, tokenizer, table, rank
+        self.template = template  # data.chat_template's text as the run read it (None: read it here)
         self.rows = rows  # the manifest rows to score (`choose_train_rows`); None: every row
         self.max_new_tokens, self.max_utterances = max_new_tokens, max_utterances
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
@@ -418,9 +421,8 @@ class Evaluator:
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
-        from speechlm.preflight.checks import run_dataset
-
-        ds = run_dataset(self.cfg, self.table, self.tokenizer)  # the run's renderer, as training reads
+        # the run's renderer, as training reads
+        ds = run_dataset(self.cfg, self.table, self.tokenizer, template=self.template)
         batches = self.plan()
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
         comm = module.step_ctx.collectives  # the run's one collectives object (ParallelDims.collectives)
@@ -657,12 +659,22 @@ def final_evaluation(
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
     first = "val" if split == "both" else split
-    evaluators = [Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=first)]
+    template = inputs.chat_template
+    evaluators = [
+        Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=first, template=template)
+    ]
     if split == "both":
         rows = train_eval_rows(cfg, inputs.train_table, table)
         evaluators.append(
             Evaluator(
-                cfg, inputs.tokenizer, inputs.train_table, rank, max_batches=None, split="train", rows=rows
+                cfg,
+                inputs.tokenizer,
+                inputs.train_table,
+                rank,
+                max_batches=None,
+                split="train",
+                rows=rows,
+                template=template,
             )
         )
     scores = [ev(module, stop=lambda: SIGTERM_FLAG.requested, progress=True) for ev in evaluators]

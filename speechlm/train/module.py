@@ -24,30 +24,11 @@ import lightning as L
 import torch
 
 from speechlm.config import ExperimentConfig
-from speechlm.packing.prompt import PromptFormat
+from speechlm.data.run_inputs import TokenizerInfo
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
 from speechlm.train.throughput import STEP_METRIC_KEYS
-
-
-@dataclass
-class TokenizerInfo:
-    """What the model needs from the run's tokenizer. ``prompt`` is the run's `PromptFormat` (None: the
-    plain form of ``bos_id``/``eos_id``/``instruction_ids``); ``ctc_blank_id`` None means ``pad_id``;
-    ``ctc_skip_leading`` the language tag's tokens at the start of a transcript (0 without tags);
-    ``added_token_ids`` the ids the tokenizer added to a pretrained LLM (rows to initialise)."""
-
-    vocab_size: int
-    pad_id: int
-    bos_id: int | None
-    eos_id: int
-    audio_id: int
-    instruction_ids: tuple[int, ...] = ()
-    prompt: PromptFormat | None = None
-    ctc_blank_id: int | None = None
-    ctc_skip_leading: int = 1
-    added_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

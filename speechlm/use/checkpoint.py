@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from speechlm.config import ExperimentConfig
+from speechlm.data import run_inputs
+from speechlm.data.run_inputs import RUN_TOKENIZER_DIR, tokenizer_info
+from speechlm.data.tokenizer import load_text_tokenizer
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
     STEP_RE,
@@ -149,21 +152,17 @@ def check_pretrained_parts(cfg: ExperimentConfig, ckpt: Path) -> None:
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
-    from speechlm.data.tokenizer import load_text_tokenizer
-    from speechlm.preflight import checks as preflight
-    from speechlm.train.entry import RUN_TOKENIZER_DIR
-
     run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
     if run_copy.is_dir():
         return load_text_tokenizer(run_copy)
-    path, kind = preflight.tokenizer_source(cfg)
+    path, kind = run_inputs.tokenizer_source(cfg)
     if kind != "sentencepiece":  # the ids of the tokens the run added live only in its saved copy
         raise CheckpointError(
             f"{run_copy} does not exist: the run of {ckpt} used {path}'s tokenizer with tokens it added "
             "(<|audio|>, language tags), whose ids only that copy records; copy the run's tokenizer/ folder "
             "next to its checkpoints folder"
         )
-    return preflight.load_tokenizer(path)
+    return run_inputs.load_tokenizer(path)
 
 
 def load_checkpoint(
@@ -172,7 +171,6 @@ def load_checkpoint(
     """Resolve `path`, rebuild the model of its config with its tokenizer, load the weights (eval mode)."""
     import json
 
-    from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
 
     ckpt = resolve_checkpoint(path, log)

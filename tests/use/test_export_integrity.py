@@ -25,15 +25,14 @@ def write_test_export(out: Path, overrides: list[str]) -> Path:
     import torch
 
     from speechlm.config import load_config
-    from speechlm.preflight import checks as preflight
-    from speechlm.train.entry import tokenizer_info
+    from speechlm.data.run_inputs import build_run_prompt, load_run_tokenizer, tokenizer_info
     from speechlm.train.module import SpeechLLMModule
     from speechlm.use.checkpoint import LoadedCheckpoint
     from speechlm.use.export_cli import write_export
 
     cfg = load_config(SMOKE, overrides)
-    tokenizer = preflight.load_run_tokenizer(cfg, LANGS)
-    tok = tokenizer_info(cfg, tokenizer, preflight.build_run_prompt(cfg, tokenizer))
+    tokenizer = load_run_tokenizer(cfg, LANGS)
+    tok = tokenizer_info(cfg, tokenizer, build_run_prompt(cfg, tokenizer))
     torch.manual_seed(0)
     module = SpeechLLMModule(cfg, tok).eval()
     out.mkdir(parents=True)

@@ -316,16 +316,15 @@ def test_export_refuses_a_non_empty_out_and_an_interrupted_one_leaves_nothing(
 def test_checkpoint_weights_must_cover_every_trainable_tensor(trained_run):
     """A checkpoint of another model config is refused naming a tensor it lacks (the frozen base a frozen
     or LoRA run leaves out is checked by fingerprint: tests/train/test_trainmodes_checkpoints.py)."""
-    from speechlm.preflight import checks as preflight
+    from speechlm.data.run_inputs import load_tokenizer, tokenizer_info
     from speechlm.train.checkpoint import CheckpointError
-    from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
     from speechlm.use.checkpoint import checkpoint_config, load_checkpoint_weights, resolve_checkpoint
 
     ckpt = resolve_checkpoint(trained_run)
     cfg = checkpoint_config(ckpt)
     cfg.model.llm.num_layers += 1  # one decoder layer the checkpoint does not hold
-    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     module = SpeechLLMModule(cfg, tokenizer_info(cfg, tokenizer))
     with pytest.raises(CheckpointError, match=r"has no model\.llm\.model\.layers\.2\."):
         load_checkpoint_weights(module, ckpt)
@@ -337,7 +336,7 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
 
     import yaml
 
-    from speechlm.preflight import checks as preflight
+    from speechlm.data import run_inputs
     from speechlm.use.checkpoint import load_checkpoint
 
     run = tmp_path / "run"
@@ -350,7 +349,7 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
     def config_tokenizer(path):
         raise AssertionError(f"loaded data.tokenizer={path} although the run saved its own")
 
-    monkeypatch.setattr(preflight, "load_tokenizer", config_tokenizer)
+    monkeypatch.setattr(run_inputs, "load_tokenizer", config_tokenizer)
     loaded = load_checkpoint(run)
     assert Path(loaded.tokenizer.path).parent == run / "tokenizer"
 
