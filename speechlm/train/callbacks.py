@@ -17,12 +17,12 @@ import lightning as L
 
 from speechlm.config import TRAIN_PREFIX
 from speechlm.errors import RunDirError
+from speechlm.io import atomic_write_text
 from speechlm.metrics import PERCENT_METRICS, lower_is_better, split_metric_name
 from speechlm.train.checkpoint import (
     layout_of,
     save_checkpoint_atomic,
     step_dir_name,
-    write_text_atomic,
     writes_data_position,
 )
 from speechlm.train.faults import Fault, fault_point, global_rank
@@ -88,7 +88,7 @@ class MetricsWriter(L.Callback):
                 ) from None
             if rec_step <= step:
                 keep.append(ln)
-        write_text_atomic(self.path, "".join(ln + "\n" for ln in keep))
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,19 @@ Checked against: lightning 2.4 to 2.6 (the versions pyproject.toml allows).
 
 from __future__ import annotations
 
+import csv
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from torch.distributed.checkpoint import save
+
+from speechlm.io import atomic_path
 
 
 def setup_process_group(strategy: Any) -> None:
@@ -46,11 +56,6 @@ def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
     model 1.5-2x slower for the rest of the process (scripts/repro_dcp_step_slowdown.py; a fresh
     tensor or ``no_dist`` does not); one process needs no collective to write its checkpoint.
     The files are the same, so loading does not change."""
-    from pathlib import Path
-
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-    from torch.distributed.checkpoint import save
-
     path = Path(path)
     if path.is_file():
         path.unlink()
@@ -67,12 +72,6 @@ def keeping_csv_logger(save_dir: str, name: str = "csv") -> Any:
     Lightning's writer deletes `metrics.csv` when its folder is not empty (`_check_log_dir_exists`), so a
     resumed run lost the CSV history; here the old header's keys are taken over instead, and
     `truncate_after(step)` (called on resume) drops the rows of the steps that will be trained again."""
-    import csv
-    import os
-
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-    from lightning.pytorch.loggers.logger import rank_zero_experiment
 
     class KeepingWriter(ExperimentWriter):
         def _check_log_dir_exists(self) -> None:
@@ -98,11 +97,9 @@ def keeping_csv_logger(save_dir: str, name: str = "csv") -> Any:
                 reader = csv.DictReader(f)
                 fields = list(reader.fieldnames or [])
                 rows = [r for r in reader if not (r.get("step") or "").strip() or float(r["step"]) < step]
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w", newline="") as f:
+            with atomic_path(Path(path)) as tmp, open(tmp, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=fields)
                 writer.writeheader()
                 writer.writerows(rows)
-            os.replace(tmp, path)
 
     return KeepingCSVLogger(save_dir, name=name, version="")

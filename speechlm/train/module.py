@@ -25,6 +25,7 @@ import torch
 
 from speechlm.config import ExperimentConfig
 from speechlm.data.run_inputs import TokenizerInfo
+from speechlm.model.build import build_speech_llm, frozen_state_keys
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
@@ -54,29 +55,12 @@ class SpeechLLMModule(L.LightningModule):
         self, cfg: ExperimentConfig, tok: TokenizerInfo, *, dims: Any = None, data_pipeline: Any = None
     ):
         super().__init__()
-        from speechlm.model.speech_llm import SpeechLLM
-
         self.cfg = cfg
         self.tok = tok
         self.dims = dims
         self.data_pipeline = data_pipeline
         self.automatic_optimization = False
-        self.model = SpeechLLM(
-            cfg.model,
-            vocab_size=tok.vocab_size,
-            pad_id=tok.pad_id,
-            bos_id=tok.bos_id,
-            eos_id=tok.eos_id,
-            audio_id=tok.audio_id,
-            instruction_ids=tok.instruction_ids,
-            prompt=tok.prompt,
-            ctc_blank_id=tok.ctc_blank_id,
-            ctc_skip_leading=tok.ctc_skip_leading,
-            added_token_ids=tok.added_token_ids,
-        )
-        from speechlm.model.trainable import apply_train_modes
-
-        apply_train_modes(self.model, cfg.model)  # what trains: full, frozen or LoRA (before parallelism)
+        self.model = build_speech_llm(cfg.model, tok)  # what trains marked: full, frozen or LoRA
         from speechlm.model.flops import dims_of_model
 
         self.flop_dims = dims_of_model(self.model)  # sizes for the FLOP count, read before parallelism
@@ -297,9 +281,7 @@ class SpeechLLMModule(L.LightningModule):
 
     def frozen_state_keys(self) -> frozenset[str]:
         """This module's state-dict keys of the frozen parameters (left out of checkpoints)."""
-        from speechlm.model.trainable import train_modes_of
-
-        return frozenset(f"model.{name}" for name in train_modes_of(self.model).frozen)
+        return frozen_state_keys(self.model)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get("speechlm", {})

@@ -28,19 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from speechlm.config import ExperimentConfig, to_dict
 from speechlm.errors import OutputError, RunDirError
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
-    CONFIG_NAME,
-    RANK_DIR,
     list_checkpoints,
     resolve_resume,
     trash_name,
 )
 from speechlm.train.schedule import decoder_lr_lambda, encoder_lr_lambda
+from speechlm.use.checkpoint_files import saved_config
 
 # keys that may change on resume: they do not change what the optimiser does with the data it is given
 HARMLESS_PREFIXES = (
@@ -264,22 +261,6 @@ def compare_resume_config(
         else:
             refused.append(line)
     return refused, applied
-
-
-def saved_config(ckpt: Path, run_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
-    """The config the checkpoint was trained with: its own copy, else RUN_DIR/config.yaml when the
-    checkpoint is one of RUN_DIR's (read before this launch rewrites it). (None, None) if neither."""
-    candidates = [ckpt / RANK_DIR / CONFIG_NAME]
-    if ckpt.parent.resolve() == (run_dir / "checkpoints").resolve():
-        candidates.append(run_dir / CONFIG_NAME)
-    for f in candidates:
-        if f.is_file():
-            try:
-                data = yaml.safe_load(f.read_text())
-            except (OSError, yaml.YAMLError) as e:
-                raise RunDirError(f"{f} cannot be read ({e}): the checkpoint's config was altered") from None
-            return (data if isinstance(data, dict) else None), f
-    return None, None
 
 
 def check_resume_config(cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Any = print) -> None:

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.errors import EXIT_DATA, OutputError, UsageError
+from speechlm.io import atomic_write_text, temp_sibling
 
 DEFAULT_MAX_NEW_TOKENS = 96  # the same budget as evaluation (speechlm.train.evaluate.decode_shard)
 DEFAULT_MAX_DURATION = 60.0  # seconds of one clip decoded in one piece, unless --max-duration / --chunk
@@ -448,7 +448,7 @@ def warn_truncated(records: list[dict[str, Any]], max_new_tokens: int) -> None:
 def check_out_writable(out: Path) -> None:
     """Create and remove `out`'s temporary file now, so an --out that cannot be written is refused before
     any decoding (exit 4), not after it."""
-    tmp = temp_name(out)
+    tmp = temp_sibling(out)
     try:
         with tmp.open("w"):
             pass
@@ -461,10 +461,6 @@ def check_out_writable(out: Path) -> None:
         tmp.unlink()
 
 
-def temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def write_records(records: list[dict[str, Any]], out: str | None) -> None:
     """JSON lines to `out` (a temp file renamed over it: never a partial file) or to stdout."""
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -473,13 +469,9 @@ def write_records(records: list[dict[str, Any]], out: str | None) -> None:
         sys.stdout.flush()
         return
     path = Path(out)
-    tmp = temp_name(path)
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)  # the temp file is removed when the write fails
     except OSError as e:
-        with contextlib.suppress(OSError):  # on a read-only or vanished folder the removal fails too
-            tmp.unlink(missing_ok=True)
         raise OutputError(
             f"cannot write {path}: {e.strerror or e}; the {len(records)} lines decoded were not written (a "
             f"previous {path.name} is left as it was); free space or fix the path and run again"
