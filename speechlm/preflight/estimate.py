@@ -29,11 +29,23 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from speechlm.config import ExperimentConfig
-from speechlm.errors import UsageError, UserError
-from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, record_work, step_flops
+from speechlm.data.tokenizer import load_text_tokenizer
+from speechlm.errors import DataError, UsageError, UserError
+from speechlm.model.flops import (
+    PEAK_TFLOPS,
+    ModelDims,
+    Trainable,
+    dims_of_model,
+    encoder_frames,
+    record_work,
+    step_flops,
+)
 
 GIB = 2.0**30
 DEVICE_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.1}  # what torch reports usable; cpu: this machine's RAM
@@ -92,15 +104,12 @@ class ParamCounts:
 def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCounts, ModelDims]:
     """Parameter counts per part and the FLOP dims of the config's model, built on the meta device (no
     memory, no weights read)."""
-    from types import SimpleNamespace
+    import torch  # lazy: torch (CLI start-up)
+    from torch import nn  # lazy: torch (CLI start-up)
 
-    import torch
-    from torch import nn
-
-    from speechlm.model.encoders import build_encoder
-    from speechlm.model.flops import dims_of_model
-    from speechlm.model.llm import build_llm
-    from speechlm.model.projector import FrameStackProjector
+    from speechlm.model.encoders import build_encoder  # lazy: torch (CLI start-up)
+    from speechlm.model.llm import build_llm  # lazy: torch, transformers (CLI start-up)
+    from speechlm.model.projector import FrameStackProjector  # lazy: torch (CLI start-up)
 
     m = cfg.model
     with torch.device("meta"):  # the parts with parameters (the features' filterbank needs real numbers)
@@ -137,8 +146,6 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
 
 def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
     """Sequence lengths in the LLM: the clip's audio embeddings and its prompt (tag, transcript, eos)."""
-    from speechlm.model.flops import encoder_frames
-
     return [
         -(-encoder_frames(dims.encoder, t) // dims.stack) + k + 2
         for t, k in zip(w.clip_frames, w.text_tokens)
@@ -147,8 +154,6 @@ def llm_seq_lens(dims: ModelDims, w: Workload) -> list[int]:
 
 def encoder_clip_elements(dims: ModelDims, t: int) -> float:
     """Activation elements the encoder, projector and CTC head keep for one clip of `t` feature frames."""
-    from speechlm.model.flops import encoder_frames
-
     e = dims.encoder
     u = encoder_frames(e, t)
     n = int(math.log2(e.subsampling))
@@ -172,8 +177,6 @@ def activation_bytes(
     cfg: ExperimentConfig, dims: ModelDims, w: Workload, layout: Layout, *, checkpointing: bool
 ) -> dict[str, float]:
     """Activation bytes of micro-batch `w` on one rank: {"encoder", "llm", "total"} (module docstring)."""
-    from speechlm.model.flops import encoder_frames
-
     act = 2 if cfg.trainer.precision == "bf16" else 4
     d = dims.llm
     g = d.hidden // d.heads * d.kv_heads
@@ -320,11 +323,8 @@ def manifest_workloads(
     cfg: ExperimentConfig, manifest: Path, tokens_per_char: float
 ) -> tuple[Workload, Workload]:
     """(heaviest, mean) micro-batch from a manifest's durations and transcript lengths (module docstring)."""
-    import numpy as np
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.errors import DataError
+    import pyarrow.compute as pc  # lazy: pyarrow (CLI start-up)
+    import pyarrow.parquet as pq  # lazy: pyarrow (CLI start-up)
 
     try:
         table = pq.read_table(manifest, columns=["duration", "text"])
@@ -360,8 +360,6 @@ def tokenizer_facts(cfg: ExperimentConfig, texts: list[str]) -> tuple[int, float
     when it exists, else the LLM's size and `CHARS_PER_TOKEN`."""
     path = cfg.data.tokenizer
     if path and Path(path).exists():
-        from speechlm.data.tokenizer import load_text_tokenizer
-
         tok = load_text_tokenizer(path)
         chars = sum(len(t) for t in texts)
         per_char = sum(len(tok.encode(t)) for t in texts) / chars if chars else 1 / CHARS_PER_TOKEN
@@ -376,7 +374,7 @@ def tokenizer_facts(cfg: ExperimentConfig, texts: list[str]) -> tuple[int, float
 def _sample_texts(manifest: Path | None, n: int = 500) -> list[str]:
     if manifest is None:
         return []
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow (CLI start-up)
 
     try:
         f = pq.ParquetFile(manifest)

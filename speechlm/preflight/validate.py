@@ -106,7 +106,7 @@ def detect_device() -> tuple[tuple[int, int] | None, str | None]:
     """(compute capability of the current CUDA device, cuDNN version), or (None, None) without CUDA."""
     if importlib.util.find_spec("torch") is None:
         return None, None
-    import torch
+    import torch  # lazy: torch (CLI start-up)
 
     if not torch.cuda.is_available():
         return None, None
@@ -296,7 +296,7 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
     )
     world_size, source = _resolve_world_size(args, env, config)
     # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
-    from speechlm.preflight.checks import summarize_plan, validate_data
+    from speechlm.preflight.checks import summarize_plan, validate_data  # lazy: torch (CLI start-up)
 
     summary, checked, table, notes = validate_data(config, args.manifest)
     for note in notes:

@@ -26,6 +26,7 @@ from speechlm.train.checkpoint import (
     writes_data_position,
 )
 from speechlm.train.faults import Fault, fault_point, global_rank
+from speechlm.train.preempt import SIGTERM_FLAG
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +137,6 @@ class CheckpointCallback(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning installed its own SIGTERM handler as fit started: ours owns the signal (preempt.py)
-        from speechlm.train.preempt import SIGTERM_FLAG
 
         SIGTERM_FLAG.install()
         # the state fit starts from is on disk already when it was resumed (nothing to save at step 0)

@@ -16,11 +16,15 @@ saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speechlm.data.dataset import build_dataloader
+from speechlm.data.manifest import manifest_arrays
+from speechlm.data.sampler.batching import batch_by_duration
 from speechlm.errors import DataError
 
 
@@ -37,8 +41,6 @@ class StepBatch:
 
     def rows_digest(self) -> str:
         """Short digest of the manifest rows this rank consumed in this step (to compare runs)."""
-        import zlib
-
         rows = [i for b in self.micro_batches for i in b.indices]
         return f"{zlib.crc32(','.join(map(str, rows)).encode()):08x}"
 
@@ -131,8 +133,6 @@ class StepLoader:
             active.close()
 
     def _epoch_steps(self) -> Iterator[StepBatch]:
-        from speechlm.data.dataset import build_dataloader
-
         if self._sampler.remaining() == 0:
             self._sampler.set_epoch(self._sampler.epoch + 1)
         epoch = self._sampler.epoch
@@ -275,9 +275,6 @@ def build_eval_batches(
     max_utterances: int | None = None,
 ) -> list[list[int]]:
     """Deterministic, sequential evaluation batches (every row once, sorted by duration), dealt to dp ranks."""
-    from speechlm.data.manifest import manifest_arrays
-    from speechlm.data.sampler.batching import batch_by_duration
-
     durations = manifest_arrays(table).durations
     return batch_by_duration(durations, max_batch_duration, max_utterances)[dp_rank::dp_size]
 

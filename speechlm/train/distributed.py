@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from parallel.cp_layout import CPLayout, DynamicCPLayout, NullCPLayout
 from parallel.fsdp import clip_grad_norm_
 from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
-from parallel.tp import apply_tp, find_decoder_layers
+from parallel.tp import apply_tp, check_tp_heads, find_decoder_layers
 from speechlm.config import ExperimentConfig
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.step import StepContext
@@ -54,8 +55,6 @@ def parallelize_speech_llm(
 ) -> Any:
     """TP, activation checkpointing, FSDP2 (with `precision`'s mixed-precision policy, if it has one)."""
     if dims.tp > 1:
-        from parallel.tp import check_tp_heads
-
         llm_cfg = model.llm.config
         check_tp_heads(llm_cfg.num_attention_heads, llm_cfg.num_key_value_heads, dims.tp)
     model = parallelize(
@@ -67,7 +66,6 @@ def parallelize_speech_llm(
         device_type=precision.device_type,
         mp_policy=precision.mp_policy,
     )
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     if isinstance(model, FSDPModule):
         # the training step calls these pieces instead of forward(); give them the root's FSDP hooks

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from speechlm.config import Precision, choices_of
 
@@ -48,7 +49,6 @@ class PrecisionPolicy:
         """The FSDP2 `MixedPrecisionPolicy` for `parallelize`, or None (fp32 parameters)."""
         if self.applied_by != "fsdp":
             return None
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
 

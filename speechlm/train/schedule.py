@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speechlm.train.lightning_compat import set_scheduler_lrs
+
 if TYPE_CHECKING:
     from speechlm.config import ExperimentConfig
 
@@ -104,6 +106,4 @@ def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Opti
 
 def sync_schedule_to_step(sched: Any, step: int) -> None:
     """Set every group's learning rate to base_lr * lambda(step) of this run's LambdaLR."""
-    from speechlm.train.lightning_compat import set_scheduler_lrs
-
     set_scheduler_lrs(sched, step, [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)])

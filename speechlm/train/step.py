@@ -34,6 +34,8 @@ import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
+from speechlm.data.dataset import Batch
+from speechlm.errors import NonFiniteError
 from speechlm.model.flops import MicroWork
 from speechlm.model.speech_llm import MicroLosses
 from speechlm.train.precision import PrecisionPolicy
@@ -191,8 +193,6 @@ def agree_step(
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
     """A one-clip, one-token batch of silence used (with weight 0) when every clip of a batch failed."""
-    from speechlm.data.dataset import Batch
-
     device = like.audio.device if like.audio is not None else torch.device("cpu")
     return Batch(
         audio=torch.zeros(1, 1600, device=device),
@@ -300,7 +300,6 @@ def check_step_finite(
     collective the others never reach."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    from speechlm.errors import NonFiniteError
 
     parts = f"cross-entropy {ce:.4g}" + (f", CTC {ctc:.4g}" if ctc is not None else "")
     raise NonFiniteError(

@@ -15,6 +15,8 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallel.mesh import ParallelDims
+from speechlm.model.trainable import train_modes_of
+from speechlm.train.checkpoint import load_trained_state
 from speechlm.train.lightning_compat import (
     save_checkpoint_one_process,
     set_device_mesh,
@@ -70,9 +72,6 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         DCP's `.metadata` is read with the restricted unpickler (no code runs, `safe_storage_reader`) and
         meta.pt with ``weights_only=True``. Parameters the checkpoint leaves out must be this run's frozen
         ones, with the same fingerprint as when it was saved (`checkpoint.load_trained_state`)."""
-        from speechlm.model.trainable import train_modes_of
-        from speechlm.train.checkpoint import load_trained_state
-
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         return load_trained_state(
