@@ -129,7 +129,7 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
         ctc_head = nn.Linear(encoder.output_dim, vocab_size) if m.ctc_weight > 0 else None
     model: Any = SimpleNamespace(encoder=encoder, llm=llm, projector=projector, ctc_head=ctc_head)
 
-    def n(module: Any) -> int:
+    def n(module: nn.Module) -> int:
         return sum(int(p.numel()) for p in module.parameters())
 
     layers = [n(layer) for layer in model.llm.model.layers]
@@ -480,7 +480,7 @@ def format_estimate(
     return "\n".join(lines)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # Any: argparse's subparsers action (private)
     """Add `estimate` to the `speechlm` subcommands (sets `func`)."""
     from speechlm.preflight.validate import _TrailingOverrides
 

@@ -126,7 +126,7 @@ def validate_at_fit_start(
     *,
     rank: int = 0,
     log: Callable[[str], Any] = print,
-    device_capability: Any = "auto",
+    device_capability: Any = "auto",  # Any: "auto", None, or what detect_device() gives (a capability tuple)
     env: Mapping[str, str] | None = None,
     manifest_summary: Mapping[str, Any] | None = None,
     rules: Sequence[Rule] = RULES,
@@ -170,7 +170,7 @@ class _TrailingOverrides:
         return ns, [a for a in extras if a not in moved]
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # Any: argparse's subparsers action (private)
     """Add `validate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "validate",

@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speechlm.data.dataset import build_dataloader
+import pyarrow as pa
+
+from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
 from speechlm.data.manifest import manifest_arrays
 from speechlm.data.sampler.batching import batch_by_duration
+from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.errors import DataError
 
 
@@ -54,8 +57,8 @@ class StepLoader:
 
     def __init__(
         self,
-        sampler: Any,
-        dataset: Any,
+        sampler: DurationBucketBatchSampler,
+        dataset: SpeechDataset,
         *,
         grad_accum: int,
         num_workers: int = 0,
@@ -186,7 +189,7 @@ def _timed(items: Iterable[Any]) -> Iterator[tuple[Any, float]]:
 class _EpochOwnedSampler:
     """A sampler whose `set_epoch` does nothing; everything else is the wrapped sampler's."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: DurationBucketBatchSampler):
         self._inner = inner
 
     def set_epoch(self, epoch: int) -> None:
@@ -251,7 +254,7 @@ def drop_advice(reasons: Mapping[str, int] | Iterable[str]) -> str:
     return "; ".join(advice)
 
 
-def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: int) -> None:
+def check_dropped_fraction(batch: Batch, limit: float, *, epoch: int, position: int) -> None:
     """Raise DroppedDataError naming the rows when more than `limit` of the micro-batch's samples were
     dropped (each with its reason, and advice that fits the reasons)."""
     n_dropped = sum(batch.dropped.values())
@@ -267,7 +270,7 @@ def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: in
 
 
 def build_eval_batches(
-    table: Any,
+    table: pa.Table,
     *,
     max_batch_duration: float,
     dp_rank: int = 0,

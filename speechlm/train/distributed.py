@@ -33,11 +33,12 @@ from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, check_tp_heads, find_decoder_layers
 from speechlm.config import ExperimentConfig
+from speechlm.model.speech_llm import SpeechLLM
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.step import StepContext
 
 
-def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
+def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:  # Any: parallelize's blocks_fn takes any module
     """FSDP units, deepest first; each is called through its own forward() by the training step."""
     llm = model.llm
     blocks: list[torch.nn.Module] = list(find_decoder_layers(llm))
@@ -51,7 +52,10 @@ def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
 
 
 def parallelize_speech_llm(
-    model: Any, dims: ParallelDims, cfg: ExperimentConfig, precision: PrecisionPolicy
+    model: Any,  # Any: the SpeechLLM, replaced by its parallelized module
+    dims: ParallelDims,
+    cfg: ExperimentConfig,
+    precision: PrecisionPolicy,
 ) -> Any:
     """TP, activation checkpointing, FSDP2 (with `precision`'s mixed-precision policy, if it has one)."""
     if dims.tp > 1:
@@ -82,7 +86,7 @@ FSDP_ENTRY_METHODS = ("generate_greedy", "generate_for_batch")
 
 
 def build_distributed_context(
-    model: Any,
+    model: SpeechLLM,
     dims: ParallelDims,
     cfg: ExperimentConfig,
     device: torch.device,

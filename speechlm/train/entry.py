@@ -27,7 +27,7 @@ Unknown keys are errors. `model.dropout=0` turns off every source of randomness 
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:  # Any: argparse's subparsers action (a private class)
     p = sub.add_parser(
         "train",
         help="train a speech LLM from a config",

@@ -47,14 +47,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
+import pyarrow as pa
 import torch
 
 from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig, eval_batch_duration, final_eval_split
-from speechlm.data.dataset import Batch, build_dataloader
-from speechlm.data.run_inputs import run_dataset
+from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
+from speechlm.data.run_inputs import RunTokenizer, run_dataset
 from speechlm.data.text import decode_hypothesis, normalize_target, strip_lang_tag
 from speechlm.errors import DataError, UsageError
 from speechlm.metrics import (
@@ -64,6 +65,7 @@ from speechlm.metrics import (
     table_pairs,
     word_error_counts,
 )
+from speechlm.model.speech_llm import SpeechLLM
 from speechlm.progress import Progress
 from speechlm.train import plots
 from speechlm.train.data import build_eval_batches, drop_advice, drop_listing, drop_reasons
@@ -86,7 +88,7 @@ from speechlm.train.eval_rows import (
     train_eval_rows,
 )
 from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
-from speechlm.train.step import compute_micro_losses, count_targets
+from speechlm.train.step import StepContext, compute_micro_losses, count_targets
 
 __all__ = [  # the evaluation's names, wherever they live (eval_rows: row choice; eval_report: report out)
     "Evaluator",
@@ -113,11 +115,38 @@ __all__ = [  # the evaluation's names, wherever they live (eval_rows: row choice
 ]
 
 
-def with_train_split(val_eval: Callable[[Any], dict[str, Any]], train_eval: Any) -> Callable[[Any], dict]:
+class EvalModule(Protocol):
+    """What an evaluation reads from the module it evaluates: training's `SpeechLLMModule`, or
+    `speechlm.use.checkpoint.TrainedModule`."""
+
+    @property
+    def model(self) -> SpeechLLM: ...
+    @property
+    def step_ctx(self) -> StepContext: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+class EvalInputs(Protocol):
+    """What the final evaluation reads from the run's inputs (`speechlm.train.recipe.RunInputs`)."""
+
+    @property
+    def train_table(self) -> pa.Table | None: ...
+    @property
+    def val_table(self) -> pa.Table | None: ...
+    @property
+    def tokenizer(self) -> RunTokenizer: ...
+    @property
+    def chat_template(self) -> str | None: ...
+
+
+def with_train_split(
+    val_eval: Callable[[EvalModule], dict[str, Any]], train_eval: Evaluator
+) -> Callable[[EvalModule], dict[str, Any]]:
     """A validation that scores the val split, then (every rank, in lockstep) `train_eval`'s training rows,
     into one record: the val keys as they are, the training keys prefixed `train_`."""
 
-    def evaluate(module: Any) -> dict[str, Any]:
+    def evaluate(module: EvalModule) -> dict[str, Any]:
         return {**val_eval(module), **with_prefix(train_eval(module))}
 
     return evaluate
@@ -141,9 +170,9 @@ def dummy_batch(device: torch.device) -> Any:
 
 @torch.no_grad()
 def decode_shard(
-    model: Any,
+    model: SpeechLLM,
     batches: Iterable[Any],
-    tokenizer: Any,
+    tokenizer: RunTokenizer,
     *,
     device: torch.device,
     comm: Collectives,
@@ -228,10 +257,10 @@ class Evaluator:
     def __init__(
         self,
         cfg: ExperimentConfig,
-        tokenizer: Any,
-        table: Any,
+        tokenizer: RunTokenizer,
+        table: pa.Table,
         rank: int,
-        max_batches: Any = "config",
+        max_batches: int | None | Literal["config"] = "config",
         *,
         split: str = "val",
         max_new_tokens: int = 96,
@@ -284,7 +313,7 @@ class Evaluator:
 
     def __call__(
         self,
-        module: Any,
+        module: EvalModule,
         *,
         stop: Callable[[], bool] | None = None,
         progress: bool = False,
@@ -334,8 +363,8 @@ class Evaluator:
 
     def run_share(
         self,
-        module: Any,
-        ds: Any,
+        module: EvalModule,
+        ds: SpeechDataset,
         share: list[list[int]],
         comm: Collectives,
         *,
@@ -393,14 +422,14 @@ class Evaluator:
         return out
 
     @staticmethod
-    def load_slots(ds: Any, share: list[list[int]]) -> Iterator[Any]:
+    def load_slots(ds: SpeechDataset, share: list[list[int]]) -> Iterator[Any]:
         """This rank's batches, loaded one at a time; an empty slot (padding) gives an empty Batch."""
         real = [b for b in share if b]
         loaded = iter(build_dataloader(ds, real, num_workers=0)) if real else iter(())
         for want in share:  # the real batches come first, the padding slots last
             yield next(loaded) if want else Batch.empty()
 
-    def batch_loss(self, module: Any, batch: Any) -> tuple[float, int]:
+    def batch_loss(self, module: EvalModule, batch: Batch) -> tuple[float, int]:
         """Teacher-forced (CE sum, labelled tokens) of one batch; an empty one runs the weight-0 dummy."""
         was_training = module.model.training
         module.model.eval()
@@ -467,7 +496,12 @@ class Evaluator:
 
 
 def final_evaluation(
-    cfg: ExperimentConfig, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
+    cfg: ExperimentConfig,
+    inputs: EvalInputs,
+    module: EvalModule,
+    run_dir: Path,
+    result: dict[str, Any],
+    rank: int,
 ) -> dict[str, Any]:
     """Greedy decoding and the metrics of each task per language on `trainer.final_eval_split` after
     training; rank 0 prints the table and writes eval.json, eval_decodes.jsonl and the learning curve.

@@ -14,28 +14,31 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint import save
+from torch.distributed.device_mesh import DeviceMesh
 
 from speechlm.io import atomic_path
 
 
-def setup_process_group(strategy: Any) -> None:
+def setup_process_group(strategy: ModelParallelStrategy) -> None:
     """`ModelParallelStrategy._setup_distributed`: init the process group (torchrun or Lightning's launcher)."""
     strategy._setup_distributed()
 
 
-def set_device_mesh(strategy: Any, module: Any, mesh: Any) -> None:
+def set_device_mesh(strategy: ModelParallelStrategy, module: L.LightningModule, mesh: DeviceMesh) -> None:
     """Install our mesh where `ModelParallelStrategy` and `LightningModule.device_mesh` look for it."""
     strategy._device_mesh = mesh
     module._device_mesh = mesh
 
 
-def set_fit_max_steps(trainer: Any, max_steps: int) -> None:
+def set_fit_max_steps(trainer: L.Trainer, max_steps: int) -> None:
     """Change `max_steps` of a Trainer already built (evaluation-only runs restore, then train 0 steps)."""
     trainer.fit_loop.epoch_loop.max_steps = max_steps
 
@@ -48,7 +51,7 @@ def set_scheduler_lrs(sched: torch.optim.lr_scheduler.LRScheduler, step: int, lr
     sched._last_lr = list(lrs)  # type: ignore[assignment]
 
 
-def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
+def save_checkpoint_one_process(checkpoint: dict[str, Any], path: str | Path) -> None:
     """Write what `ModelParallelStrategy.save_checkpoint` writes (DCP shards of the model and optimizer
     states, the rest in `meta.pt`) for a one-process run, with DCP's ``no_dist=True``.
 

@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.data.dataset import DROP_REASONS
 from speechlm.data.run_inputs import TokenizerInfo
@@ -31,7 +32,14 @@ from speechlm.model.build import build_speech_llm, frozen_state_keys
 from speechlm.model.flops import Trainable, dims_of_model, step_flops
 from speechlm.model.trainable import train_modes_of
 from speechlm.train.checkpoint import restore_rng_state
-from speechlm.train.data import DroppedDataError, drop_advice, drop_listing, drop_reasons
+from speechlm.train.data import (
+    DroppedDataError,
+    StepBatch,
+    StepLoader,
+    drop_advice,
+    drop_listing,
+    drop_reasons,
+)
 from speechlm.train.distributed import build_distributed_context
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.preempt import SIGTERM_FLAG
@@ -66,7 +74,12 @@ class SpeechLLMModule(L.LightningModule):
     `StepLoader` (told which steps were trained, so a checkpoint holds the data position)."""
 
     def __init__(
-        self, cfg: ExperimentConfig, tok: TokenizerInfo, *, dims: Any = None, data_pipeline: Any = None
+        self,
+        cfg: ExperimentConfig,
+        tok: TokenizerInfo,
+        *,
+        dims: ParallelDims | None = None,
+        data_pipeline: StepLoader | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -120,7 +133,7 @@ class SpeechLLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # --- training -------------------------------------------------------------------------------
-    def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, step_batch: StepBatch, batch_idx: int) -> torch.Tensor | None:
         t_start = time.perf_counter()
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()

@@ -26,7 +26,8 @@ from typing import Any, Literal
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from speechlm.config import Precision, choices_of
+from parallel.mesh import ParallelDims
+from speechlm.config import ExperimentConfig, Precision, choices_of
 
 AppliedBy = Literal["none", "autocast", "fsdp"]
 PRECISIONS = choices_of(Precision)  # the config's one list
@@ -75,7 +76,9 @@ def decide_precision(
     return PrecisionPolicy(torch.bfloat16, "fsdp" if fully_sharded else "autocast", device_type)
 
 
-def precision_policy(cfg: Any, dims: Any, device: torch.device) -> PrecisionPolicy:
+def precision_policy(
+    cfg: ExperimentConfig, dims: ParallelDims | None, device: torch.device
+) -> PrecisionPolicy:
     """The run's policy from `trainer.precision`, the layout (`dims`, None for one process) and the device."""
     fully_sharded = dims is not None and dims.world_size > 1 and dims.fully_sharded
     bf16_supported = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()

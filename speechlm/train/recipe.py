@@ -37,6 +37,7 @@ from speechlm.data.run_inputs import (
 )
 from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.metrics import lower_is_better
+from speechlm.packing.prompt import PromptFormat
 from speechlm.preflight import checks as preflight
 from speechlm.preflight.rules import EPOCH_PLAN_RULE
 from speechlm.preflight.validate import validate_at_fit_start
@@ -174,7 +175,10 @@ def already_evaluated(cfg: ExperimentConfig, run_dir: Path, ckpt: Path | None, s
     return saved_step == step and ev.get("steps") == step and same_split
 
 
-def total_train_minutes(trainer: Any, elapsed: float) -> float:
+def total_train_minutes(
+    trainer: Any,  # Any: a Trainer (Lightning's callbacks list is untyped)
+    elapsed: float,
+) -> float:
     """Minutes of training of the whole run: the earlier launches' (saved in checkpoints by
     CheckpointCallback) plus this one's, so a resumed launch does not report only its own."""
     prior = sum(cb.prior_seconds for cb in trainer.callbacks if isinstance(cb, CheckpointCallback))
@@ -252,7 +256,7 @@ def print_resolved_config(cfg: ExperimentConfig, rank: int) -> None:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def describe_prompt(tokenizer: Any, prompt: Any) -> str:
+def describe_prompt(tokenizer: RunTokenizer, prompt: PromptFormat) -> str:
     """One line on the run's tokenizer and prompt form, e.g. ``prompt: chat template of DIR (stop <|im_end|>)``."""
     kind = "the LLM's tokenizer" if hasattr(tokenizer, "added_ids") else "SentencePiece"
     form = (
@@ -266,7 +270,7 @@ def describe_prompt(tokenizer: Any, prompt: Any) -> str:
     )
 
 
-def save_run_tokenizer(tokenizer: Any, run_dir: Path, rank: int) -> None:
+def save_run_tokenizer(tokenizer: RunTokenizer, run_dir: Path, rank: int) -> None:
     """Rank 0 writes a Hugging Face tokenizer with the tokens this run added (`HFTokenizer.save`) to
     run_dir/tokenizer: their ids follow the manifests' languages, so evaluating, transcribing or
     exporting a checkpoint later loads this copy (`load_text_tokenizer`) rather than the LLM's. The
@@ -293,7 +297,7 @@ def build_step_loader(cfg: ExperimentConfig, inputs: RunInputs) -> Any:
     )
 
 
-def announce_model(cfg: ExperimentConfig, module: Any, run_dir: Path, rank: int) -> None:
+def announce_model(cfg: ExperimentConfig, module: SpeechLLMModule, run_dir: Path, rank: int) -> None:
     """Print the model size and write RUN_DIR/config.yaml (rank 0)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank != 0:
@@ -375,7 +379,7 @@ def build_trainer(cfg: ExperimentConfig, inputs: RunInputs, run_dir: Path) -> tu
     return metrics, trainer
 
 
-def fit(trainer: Any, module: Any, loader: Any, ckpt: Path | None) -> float:
+def fit(trainer: L.Trainer, module: SpeechLLMModule, loader: StepLoader, ckpt: Path | None) -> float:
     """`trainer.fit`, restoring `ckpt` (weights, optimizer, loops); returns the wall seconds."""
     t0 = time.time()
     with warnings.catch_warnings():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +264,9 @@ def compare_resume_config(
     return refused, applied
 
 
-def check_resume_config(cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Any = print) -> None:
+def check_resume_config(
+    cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Callable[[str], object] = print
+) -> None:
     saved, source = saved_config(ckpt, run_dir)
     if saved is None:
         log(f"note: {ckpt} has no saved config; the changes since it was saved cannot be checked")

@@ -37,7 +37,7 @@ from speechlm.config import ExperimentConfig
 from speechlm.data.dataset import Batch
 from speechlm.errors import NonFiniteError
 from speechlm.model.flops import MicroWork
-from speechlm.model.speech_llm import MicroLosses
+from speechlm.model.speech_llm import MicroLosses, SpeechLLM
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
 
@@ -118,7 +118,7 @@ class StepAgreement:
     flags: list[bool]  # the caller's flags, true when any rank's is
 
 
-def count_targets(batch: Any, model: Any) -> int:
+def count_targets(batch: Any, model: SpeechLLM) -> int:  # Any: a Batch whose prompt fields it tests
     """Labelled tokens of a micro-batch: the transcript tokens and EOS of every utterance (a conversation
     batch: its assistant tokens, ``prompt_mask``)."""
     if len(batch) == 0:
@@ -132,7 +132,7 @@ def count_targets(batch: Any, model: Any) -> int:
     return int(sum(int(mask.sum()) for _, mask in model.build_prompts(batch.tokens, batch.token_lens)))
 
 
-def count_ctc_clips(batch: Any) -> int:
+def count_ctc_clips(batch: Batch) -> int:
     """Clips a micro-batch's CTC loss counts (its normaliser): every row, or a conversation batch's
     clips with a transcript (``ctc_token_lens > 0``)."""
     if getattr(batch, "prompt_ids", None) is not None:
@@ -141,7 +141,7 @@ def count_ctc_clips(batch: Any) -> int:
     return len(batch)
 
 
-def count_samples(batch: Any) -> tuple[int, int]:
+def count_samples(batch: Batch) -> tuple[int, int]:
     """(samples, clips) of a micro-batch: its rows as read (an empty, all-dropped batch has none), and
     all their audio clips (a conversation batch's ``audio_lens`` holds one entry per clip)."""
     n = len(batch)
@@ -151,7 +151,7 @@ def count_samples(batch: Any) -> tuple[int, int]:
     return n, n if lens is None else int(lens.numel())
 
 
-def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
+def count_ctc_tokens(batch: Batch, skip_leading: int) -> int:
     """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
     clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
     if getattr(batch, "prompt_ids", None) is not None:
@@ -165,8 +165,8 @@ def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
 
 
 def agree_step(
-    model: Any,
-    micro_batches: list[Any],
+    model: SpeechLLM,
+    micro_batches: list[Batch],
     ctx: StepContext,
     *,
     extra: list[float] | tuple[float, ...] = (),
@@ -191,7 +191,7 @@ def agree_step(
     return StepAgreement(counts=counts, extra=total[len(local) :], flags=agreed)
 
 
-def make_dummy_batch(like: Any, eos_id: int) -> Any:
+def make_dummy_batch(like: Batch, eos_id: int) -> Batch:
     """A one-clip, one-token batch of silence used (with weight 0) when every clip of a batch failed."""
     device = like.audio.device if like.audio is not None else torch.device("cpu")
     return Batch(
@@ -206,7 +206,7 @@ def make_dummy_batch(like: Any, eos_id: int) -> Any:
     )
 
 
-def compute_micro_losses(model: Any, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
+def compute_micro_losses(model: SpeechLLM, batch: Batch, *, encoder_frozen: bool = False) -> MicroLosses:
     """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring)."""
     if len(batch) == 0:
         out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen)
@@ -216,16 +216,16 @@ def compute_micro_losses(model: Any, batch: Any, *, encoder_frozen: bool = False
 
 
 def run_optimizer_step(
-    model: Any,
-    micro_batches: list[Any],
+    model: SpeechLLM,
+    micro_batches: list[Batch],
     ctx: StepContext,
-    opt: Any,
-    sched: Any,
+    opt: Any,  # Any: a torch Optimizer, or Lightning's LightningOptimizer around one
+    sched: torch.optim.lr_scheduler.LRScheduler,
     cfg: ExperimentConfig,
     *,
     step: int,
-    backward: Any = None,
-    clip: Any = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    clip: Callable[[], float] | None = None,
     counts: StepCounts | None = None,
     flop_count: Callable[[list[MicroWork], bool], float] | None = None,
 ) -> dict[str, Any]:
@@ -311,7 +311,9 @@ def check_step_finite(
     )
 
 
-def clip_model_gradients(model: Any, max_norm: float | None, clip_fn: Any) -> float:
+def clip_model_gradients(
+    model: torch.nn.Module, max_norm: float | None, clip_fn: Callable[..., Any] | None
+) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0

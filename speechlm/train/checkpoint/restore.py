@@ -13,14 +13,32 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import lightning as L
 import torch
 
+from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.train.checkpoint.paths import data_position_name, layout_of, run_id_of
+from speechlm.train.data import StepLoader
 from speechlm.train.lightning_compat import set_fit_max_steps
 from speechlm.use.checkpoint_files import COMPLETE_NAME, RANK_DIR, CheckpointError, load_metadata
+
+
+class ResumableModule(Protocol):
+    """What a resume sets on the training module (`speechlm.train.module.SpeechLLMModule`)."""
+
+    dims: ParallelDims | None
+    pending_rng: dict[str, Any] | None
+
+
+class TruncatableLog(Protocol):
+    """The metrics log a resume trims to the restored step (`speechlm.train.callbacks.MetricsWriter`)."""
+
+    path: Path
+
+    def truncate_after(self, step: int) -> None: ...
 
 
 def _read_json(f: Path) -> dict[str, Any]:
@@ -72,13 +90,13 @@ def read_rng_state(path: Path, rank: int) -> dict[str, Any] | None:
 
 def restore_training_state(
     ckpt: Path,
-    loader: Any,
-    module: Any,
+    loader: StepLoader,
+    module: ResumableModule,
     *,
     resume_data: str,
     rank: int,
     world_size: int,
-    dims: Any = None,
+    dims: ParallelDims | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Give this rank the data position of its dp rank and its RNG states from `ckpt`; return
     (global step, position).
@@ -131,10 +149,10 @@ def missing_position(ckpt: Path, dp_rank: int, dp_size: int) -> CheckpointError:
 def resume_run(
     cfg: ExperimentConfig,
     ckpt: Path | None,
-    loader: Any,
-    module: Any,
-    trainer: Any,
-    metrics: Any,
+    loader: StepLoader,
+    module: ResumableModule,
+    trainer: L.Trainer,
+    metrics: TruncatableLog,
     *,
     rank: int,
     world_size: int,
@@ -175,7 +193,7 @@ def resume_run(
     return ckpt
 
 
-def adopt_lineage(trainer: Any, run_id: str | None) -> str:
+def adopt_lineage(trainer: L.Trainer, run_id: str | None) -> str:
     """Give the checkpoint-saving callbacks this run's id: the resumed checkpoint's, or a new one."""
     rid = run_id or uuid.uuid4().hex
     for cb in getattr(trainer, "callbacks", []):

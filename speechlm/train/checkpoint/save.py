@@ -96,7 +96,7 @@ def rotate_checkpoints(ckpt_root: Path, keep_last: int | None, run_id: str | Non
 
 
 def save_checkpoint_atomic(
-    trainer: Any,
+    trainer: Any,  # Any: a Trainer whose strategy is a ParallelStrategy (tests: a stand-in)
     ckpt_root: Path,
     name: str,
     *,
