@@ -239,13 +239,13 @@ def table_inputs(path: Path, um: Any) -> list[AudioInput]:
     return [item for i in range(len(ds)) for item in row_clips(ds, i)]
 
 
-def row_clips(ds: Any, i: int) -> Iterator[AudioInput]:
+def row_clips(ds: SpeechDataset, i: int) -> Iterator[AudioInput]:
     """The clip of a transcription row, or each clip of a conversation row (``clip`` numbers them)."""
     if ds.optional("conversation", i) is None:  # a row of its own clip: a file, a segment or a tar member
         path = str(ds.resolve_path(i))
-        claimed = ds._claimed[i] if ds._claimed is not None else None
+        claimed = ds.claimed_duration(i)
         yield AudioInput({"row": i, "path": path}, float(claimed or 0.0),
-                         lambda: load_checked(lambda: ds._load(i), path))  # fmt: skip
+                         lambda: load_checked(lambda: ds.load_row_audio(i), path))  # fmt: skip
         return
     try:
         clips = ds.conversation(i).clips
