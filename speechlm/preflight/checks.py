@@ -1,6 +1,6 @@
 """The pre-flight of `speechlm train`: what a run can find out before its first step, checked before it.
 
-`speechlm.train.entry.prepare_inputs` runs these checks on every rank before the model is built, and
+`speechlm.train.recipe.prepare_inputs` runs these checks on every rank before the model is built, and
 `speechlm validate` runs the ones that need only files (manifests, tokenizer, the epoch plan), so a
 run that `validate` accepts does not stop at its first validation or final evaluation on bad input:
 

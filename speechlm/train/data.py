@@ -9,7 +9,7 @@ sampler's own position runs ahead of training; the module therefore calls `mark_
 every step it trains on, and `state_dict()` reports that consumed position together with the layout
 (dp rank and size, grad_accum), the seed, the sampler settings and the manifest fingerprint. A
 checkpoint stores this state once per dp rank as JSON (cp/tp peers hold the same one; see
-`speechlm/train/checkpoint.py`); `restore(state)` continues at the next unconsumed micro-batch of the
+`speechlm/train/checkpoint/`); `restore(state)` continues at the next unconsumed micro-batch of the
 saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 """
 

@@ -274,7 +274,7 @@ class SpeechLLMModule(L.LightningModule):
     # --- checkpoint extras ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # plain values only (meta.pt is loaded with weights_only=True); the data position and the RNG
-        # states are per rank and saved next to the shards (train/checkpoint.py)
+        # states are per rank and saved next to the shards (train/checkpoint/save.py)
         checkpoint["speechlm"] = {
             "utterances_seen": int(self.utterances_seen),
             "audio_seconds_seen": float(self.audio_seconds_seen),
