@@ -84,7 +84,7 @@ def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any]
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.module import TokenizerInfo
+    from speechlm.data.run_inputs import TokenizerInfo
 
     prepare_demo(data)
     tok = Tokenizer(data / "tokenizer.model")
@@ -121,7 +121,7 @@ def lognormal_batches(n: int, budget: float, sampler_kind: str, seed: int = 0) -
 
     from speechlm.data.dataset import Batch
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
-    from speechlm.train.module import TokenizerInfo
+    from speechlm.data.run_inputs import TokenizerInfo
 
     rng = np.random.default_rng(seed)
     durations = np.clip(rng.lognormal(np.log(5.0), 0.8, size=4000), 0.5, 20.0).astype(np.float32)
