@@ -81,10 +81,10 @@ def prepare_demo(out: Path) -> None:
 def demo_batches(cfg: Any, data: Path, n: int, budget: float) -> tuple[list[Any], Any]:
     from speechlm.data.dataset import Collator, SpeechDataset
     from speechlm.data.manifest import manifest_arrays
+    from speechlm.data.run_inputs import TokenizerInfo
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.module import TokenizerInfo
 
     prepare_demo(data)
     tok = Tokenizer(data / "tokenizer.model")
@@ -120,8 +120,8 @@ def lognormal_batches(n: int, budget: float, sampler_kind: str, seed: int = 0) -
     import torch
 
     from speechlm.data.dataset import Batch
+    from speechlm.data.run_inputs import TokenizerInfo
     from speechlm.data.sampler import DurationBucketBatchSampler, SamplerSettings
-    from speechlm.train.module import TokenizerInfo
 
     rng = np.random.default_rng(seed)
     durations = np.clip(rng.lognormal(np.log(5.0), 0.8, size=4000), 0.5, 20.0).astype(np.float32)

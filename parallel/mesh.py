@@ -20,7 +20,7 @@ here without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class LayoutError(ValueError):
@@ -40,6 +40,19 @@ def resolve_dp_shard(world_size: int, dp_replicate: int, dp_shard: int, cp: int,
     if rest < 1 or world_size % rest:
         return None
     return world_size // rest
+
+
+class ParallelSizes(Protocol):
+    """The sizes a layout is built from: the config's `parallel` section (speechlm.config), duck-typed."""
+
+    @property
+    def dp_replicate(self) -> int: ...
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def cp_size(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,11 @@ class ParallelDims:
                 f"dp_replicate*dp_shard*cp*tp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = "
                 f"{prod} != world size {self.world_size}; set parallel.dp_shard=-1 to fill the rest"
             )
+
+    @classmethod
+    def from_config(cls, world_size: int, parallel: ParallelSizes) -> ParallelDims:
+        """The layout of `world_size` processes that the config's `parallel` section asks for."""
+        return cls(world_size, parallel.dp_replicate, parallel.dp_shard, parallel.cp_size, parallel.tp_size)
 
     @property
     def dp(self) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from speechlm.config import ExperimentConfig, load_config
 from speechlm.data.dataset import Batch
-from speechlm.train.module import TokenizerInfo
+from speechlm.data.run_inputs import TokenizerInfo
 from speechlm.train.schedule import build_optimizer
 from speechlm.train.step import StepContext, run_optimizer_step
 

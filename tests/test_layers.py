@@ -30,7 +30,9 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("speechlm", "parallel"):
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]  # `from speechlm import errors`
+            out += [
+                (node.lineno, f"{node.module}.{a.name}") for a in node.names
+            ]  # `from speechlm import errors`
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
     return out

@@ -262,6 +262,14 @@ class SpeechDataset(Dataset):
             path = self.base_dir / path
         return path
 
+    def claimed_duration(self, i: int) -> int | float | None:
+        """Row `i`'s duration as its manifest gives it (None: the manifest has no duration column)."""
+        return self._claimed[i] if self._claimed is not None else None
+
+    def load_row_audio(self, i: int) -> np.ndarray:
+        """Row `i`'s own audio (a whole file, a segment of one, or a tar member), as training reads it."""
+        return self._load(i)
+
     def _load(self, i: int) -> np.ndarray:
         """Row `i`'s audio: a whole file, a segment of one, or a tar member read by position."""
         loc = self._locators

@@ -74,7 +74,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         sys.argv = saved
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any) -> None:  # Any: argparse's subparsers action (a private class)
     parser = subparsers.add_parser(
         "bench", help="run a benchmark (sampler, ...)", description=__doc__.split("\n")[0]
     )

@@ -29,13 +29,25 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from parallel.frames import HOP_SAMPLES, SAMPLE_RATE, feature_frames_of_seconds
 from speechlm.config import ExperimentConfig
 from speechlm.data.sampler.cost import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
-from speechlm.errors import UsageError, UserError
-from speechlm.model.flops import PEAK_TFLOPS, ModelDims, Trainable, encoder_frames, record_work, step_flops
+from speechlm.data.tokenizer import load_text_tokenizer
+from speechlm.errors import DataError, UsageError, UserError
+from speechlm.model.flops import (
+    PEAK_TFLOPS,
+    ModelDims,
+    Trainable,
+    dims_of_model,
+    encoder_frames,
+    record_work,
+    step_flops,
+)
 
 GIB = 2.0**30
 DEVICE_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.1}  # what torch reports usable; cpu: this machine's RAM
@@ -92,15 +104,12 @@ class ParamCounts:
 def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCounts, ModelDims]:
     """Parameter counts per part and the FLOP dims of the config's model, built on the meta device (no
     memory, no weights read)."""
-    from types import SimpleNamespace
+    import torch  # lazy: torch (CLI start-up)
+    from torch import nn  # lazy: torch (CLI start-up)
 
-    import torch
-    from torch import nn
-
-    from speechlm.model.encoders import build_encoder
-    from speechlm.model.flops import dims_of_model
-    from speechlm.model.llm import build_llm
-    from speechlm.model.projector import FrameStackProjector
+    from speechlm.model.encoders import build_encoder  # lazy: torch (CLI start-up)
+    from speechlm.model.llm import build_llm  # lazy: torch, transformers (CLI start-up)
+    from speechlm.model.projector import FrameStackProjector  # lazy: torch (CLI start-up)
 
     m = cfg.model
     with torch.device("meta"):  # the parts with parameters (the features' filterbank needs real numbers)
@@ -120,7 +129,7 @@ def count_parameters(cfg: ExperimentConfig, vocab_size: int) -> tuple[ParamCount
         ctc_head = nn.Linear(encoder.output_dim, vocab_size) if m.ctc_weight > 0 else None
     model: Any = SimpleNamespace(encoder=encoder, llm=llm, projector=projector, ctc_head=ctc_head)
 
-    def n(module: Any) -> int:
+    def n(module: nn.Module) -> int:
         return sum(int(p.numel()) for p in module.parameters())
 
     layers = [n(layer) for layer in model.llm.model.layers]
@@ -310,11 +319,8 @@ def manifest_workloads(
     cfg: ExperimentConfig, manifest: Path, tokens_per_char: float
 ) -> tuple[Workload, Workload]:
     """(heaviest, mean) micro-batch from a manifest's durations and transcript lengths (module docstring)."""
-    import numpy as np
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from speechlm.errors import DataError
+    import pyarrow.compute as pc  # lazy: pyarrow (CLI start-up)
+    import pyarrow.parquet as pq  # lazy: pyarrow (CLI start-up)
 
     try:
         table = pq.read_table(manifest, columns=["duration", "text"])
@@ -350,8 +356,6 @@ def tokenizer_facts(cfg: ExperimentConfig, texts: list[str]) -> tuple[int, float
     when it exists, else the LLM's size and `CHARS_PER_TOKEN`."""
     path = cfg.data.tokenizer
     if path and Path(path).exists():
-        from speechlm.data.tokenizer import load_text_tokenizer
-
         tok = load_text_tokenizer(path)
         chars = sum(len(t) for t in texts)
         per_char = sum(len(tok.encode(t)) for t in texts) / chars if chars else 1 / CHARS_PER_TOKEN
@@ -366,7 +370,7 @@ def tokenizer_facts(cfg: ExperimentConfig, texts: list[str]) -> tuple[int, float
 def _sample_texts(manifest: Path | None, n: int = 500) -> list[str]:
     if manifest is None:
         return []
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow (CLI start-up)
 
     try:
         f = pq.ParquetFile(manifest)
@@ -472,7 +476,7 @@ def format_estimate(
     return "\n".join(lines)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # Any: argparse's subparsers action (private)
     """Add `estimate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "estimate",

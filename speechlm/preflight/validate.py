@@ -106,7 +106,7 @@ def detect_device() -> tuple[tuple[int, int] | None, str | None]:
     """(compute capability of the current CUDA device, cuDNN version), or (None, None) without CUDA."""
     if importlib.util.find_spec("torch") is None:
         return None, None
-    import torch
+    import torch  # lazy: torch (CLI start-up)
 
     if not torch.cuda.is_available():
         return None, None
@@ -126,7 +126,7 @@ def validate_at_fit_start(
     *,
     rank: int = 0,
     log: Callable[[str], Any] = print,
-    device_capability: Any = "auto",
+    device_capability: Any = "auto",  # Any: "auto", None, or what detect_device() gives (a capability tuple)
     env: Mapping[str, str] | None = None,
     manifest_summary: Mapping[str, Any] | None = None,
     rules: Sequence[Rule] = RULES,
@@ -153,7 +153,7 @@ def validate_at_fit_start(
 # --------------------------------------------------------------------------------------------
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # Any: argparse's subparsers action (private)
     """Add `validate` to the `speechlm` subcommands (sets `func`)."""
     p = subparsers.add_parser(
         "validate",
@@ -278,7 +278,7 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
     )
     world_size, source = _resolve_world_size(args, env, config)
     # train's file checks (manifests, tokenizer, languages, tags) and the data-side rules' figures
-    from speechlm.preflight.checks import summarize_plan, validate_data
+    from speechlm.preflight.checks import summarize_plan, validate_data  # lazy: torch (CLI start-up)
 
     summary, checked, table, notes = validate_data(config, args.manifest)
     for note in notes:

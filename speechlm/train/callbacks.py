@@ -17,15 +17,16 @@ import lightning as L
 
 from speechlm.config import TRAIN_PREFIX
 from speechlm.errors import RunDirError
+from speechlm.io import atomic_write_text
 from speechlm.metrics import PERCENT_METRICS, lower_is_better, split_metric_name
 from speechlm.train.checkpoint import (
     layout_of,
     save_checkpoint_atomic,
     step_dir_name,
-    write_text_atomic,
     writes_data_position,
 )
 from speechlm.train.faults import Fault, fault_point, global_rank
+from speechlm.train.preempt import SIGTERM_FLAG
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +89,7 @@ class MetricsWriter(L.Callback):
                 ) from None
             if rec_step <= step:
                 keep.append(ln)
-        write_text_atomic(self.path, "".join(ln + "\n" for ln in keep))
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,6 @@ class CheckpointCallback(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning installed its own SIGTERM handler as fit started: ours owns the signal (preempt.py)
-        from speechlm.train.preempt import SIGTERM_FLAG
 
         SIGTERM_FLAG.install()
         # the state fit starts from is on disk already when it was resumed (nothing to save at step 0)

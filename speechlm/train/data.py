@@ -9,18 +9,25 @@ sampler's own position runs ahead of training; the module therefore calls `mark_
 every step it trains on, and `state_dict()` reports that consumed position together with the layout
 (dp rank and size, grad_accum), the seed, the sampler settings and the manifest fingerprint. A
 checkpoint stores this state once per dp rank as JSON (cp/tp peers hold the same one; see
-`speechlm/train/checkpoint.py`); `restore(state)` continues at the next unconsumed micro-batch of the
+`speechlm/train/checkpoint/`); `restore(state)` continues at the next unconsumed micro-batch of the
 saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
+from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
+from speechlm.data.manifest import manifest_arrays
+from speechlm.data.sampler.batching import batch_by_duration
+from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.errors import DataError
 
 
@@ -37,8 +44,6 @@ class StepBatch:
 
     def rows_digest(self) -> str:
         """Short digest of the manifest rows this rank consumed in this step (to compare runs)."""
-        import zlib
-
         rows = [i for b in self.micro_batches for i in b.indices]
         return f"{zlib.crc32(','.join(map(str, rows)).encode()):08x}"
 
@@ -52,8 +57,8 @@ class StepLoader:
 
     def __init__(
         self,
-        sampler: Any,
-        dataset: Any,
+        sampler: DurationBucketBatchSampler,
+        dataset: SpeechDataset,
         *,
         grad_accum: int,
         num_workers: int = 0,
@@ -131,8 +136,6 @@ class StepLoader:
             active.close()
 
     def _epoch_steps(self) -> Iterator[StepBatch]:
-        from speechlm.data.dataset import build_dataloader
-
         if self._sampler.remaining() == 0:
             self._sampler.set_epoch(self._sampler.epoch + 1)
         epoch = self._sampler.epoch
@@ -186,7 +189,7 @@ def _timed(items: Iterable[Any]) -> Iterator[tuple[Any, float]]:
 class _EpochOwnedSampler:
     """A sampler whose `set_epoch` does nothing; everything else is the wrapped sampler's."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: DurationBucketBatchSampler):
         self._inner = inner
 
     def set_epoch(self, epoch: int) -> None:
@@ -251,7 +254,7 @@ def drop_advice(reasons: Mapping[str, int] | Iterable[str]) -> str:
     return "; ".join(advice)
 
 
-def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: int) -> None:
+def check_dropped_fraction(batch: Batch, limit: float, *, epoch: int, position: int) -> None:
     """Raise DroppedDataError naming the rows when more than `limit` of the micro-batch's samples were
     dropped (each with its reason, and advice that fits the reasons)."""
     n_dropped = sum(batch.dropped.values())
@@ -267,7 +270,7 @@ def check_dropped_fraction(batch: Any, limit: float, *, epoch: int, position: in
 
 
 def build_eval_batches(
-    table: Any,
+    table: pa.Table,
     *,
     max_batch_duration: float,
     dp_rank: int = 0,
@@ -275,9 +278,6 @@ def build_eval_batches(
     max_utterances: int | None = None,
 ) -> list[list[int]]:
     """Deterministic, sequential evaluation batches (every row once, sorted by duration), dealt to dp ranks."""
-    from speechlm.data.manifest import manifest_arrays
-    from speechlm.data.sampler.batching import batch_by_duration
-
     durations = manifest_arrays(table).durations
     return batch_by_duration(durations, max_batch_duration, max_utterances)[dp_rank::dp_size]
 

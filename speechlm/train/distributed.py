@@ -25,18 +25,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from parallel.cp_layout import CPLayout, DynamicCPLayout, NullCPLayout
 from parallel.fsdp import clip_grad_norm_
 from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
-from parallel.tp import apply_tp, find_decoder_layers
+from parallel.tp import apply_tp, check_tp_heads, find_decoder_layers
 from speechlm.config import ExperimentConfig
+from speechlm.model.speech_llm import SpeechLLM
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.step import StepContext
 
 
-def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
+def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:  # Any: parallelize's blocks_fn takes any module
     """FSDP units, deepest first; each is called through its own forward() by the training step."""
     llm = model.llm
     blocks: list[torch.nn.Module] = list(find_decoder_layers(llm))
@@ -50,12 +52,13 @@ def speech_llm_blocks(model: Any) -> list[torch.nn.Module]:
 
 
 def parallelize_speech_llm(
-    model: Any, dims: ParallelDims, cfg: ExperimentConfig, precision: PrecisionPolicy
+    model: Any,  # Any: the SpeechLLM, replaced by its parallelized module
+    dims: ParallelDims,
+    cfg: ExperimentConfig,
+    precision: PrecisionPolicy,
 ) -> Any:
     """TP, activation checkpointing, FSDP2 (with `precision`'s mixed-precision policy, if it has one)."""
     if dims.tp > 1:
-        from parallel.tp import check_tp_heads
-
         llm_cfg = model.llm.config
         check_tp_heads(llm_cfg.num_attention_heads, llm_cfg.num_key_value_heads, dims.tp)
     model = parallelize(
@@ -67,7 +70,6 @@ def parallelize_speech_llm(
         device_type=precision.device_type,
         mp_policy=precision.mp_policy,
     )
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     if isinstance(model, FSDPModule):
         # the training step calls these pieces instead of forward(); give them the root's FSDP hooks
@@ -84,7 +86,7 @@ FSDP_ENTRY_METHODS = ("generate_greedy", "generate_for_batch")
 
 
 def build_distributed_context(
-    model: Any,
+    model: SpeechLLM,
     dims: ParallelDims,
     cfg: ExperimentConfig,
     device: torch.device,

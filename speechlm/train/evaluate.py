@@ -43,136 +43,110 @@ flag (`any`) and one `gather_objects` of every rank's share at the end.
 
 from __future__ import annotations
 
-import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
-import numpy as np
+import pyarrow as pa
 import torch
 
 from parallel.collectives import Collectives
-from speechlm.config import TRAIN_PREFIX, ExperimentConfig
+from speechlm.config import ExperimentConfig, eval_batch_duration, final_eval_split
+from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
+from speechlm.data.run_inputs import RunTokenizer, run_dataset
 from speechlm.data.text import decode_hypothesis, normalize_target, strip_lang_tag
-from speechlm.errors import DataError
+from speechlm.errors import DataError, UsageError
 from speechlm.metrics import (
     DEFAULT_TASK,
-    METRICS,
-    PERCENT_METRICS,
     MetricSpec,
     aggregate,
-    split_metric_name,
     table_pairs,
     word_error_counts,
 )
-from speechlm.train.data import drop_advice, drop_listing, drop_reasons
+from speechlm.model.speech_llm import SpeechLLM
+from speechlm.progress import Progress
+from speechlm.train import plots
+from speechlm.train.data import build_eval_batches, drop_advice, drop_listing, drop_reasons
+from speechlm.train.eval_report import (
+    count_record,
+    format_eval_table,
+    format_side_by_side,
+    sum_over_tasks,
+    wer_from_counts,
+    with_prefix,
+    write_eval_outputs,
+)
+from speechlm.train.eval_rows import (
+    apportion,
+    choose_train_rows,
+    periodic_train_rows,
+    require_rows,
+    row_groups,
+    shard_eval_batches,
+    train_eval_rows,
+)
+from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
+from speechlm.train.step import StepContext, compute_micro_losses, count_targets
 
-__all__ = ["strip_lang_tag", "word_error_counts"]  # re-exported: the WER helpers' old home
-
-
-def wer_from_counts(rows: Iterable[tuple[str, int, int]]) -> dict[str, float]:
-    """Corpus WER overall (`wer`) and per language (`wer_<lang>`) from (lang, errors, words) rows of ASR
-    utterances (a row with no reference words is not scored)."""
-    scored = ((DEFAULT_TASK, lang, {"wer": (e, n)}) for lang, e, n in rows if n > 0)
-    return {k: v for k, v in aggregate(scored).items() if "/" not in k}
-
-
-def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> list[list[int]]:
-    """Rank ``dp_rank``'s share, round-robin, padded with empty slots to ``ceil(len / dp_size)``."""
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
-    share = batches[dp_rank::dp_size]
-    n_slots = -(-len(batches) // dp_size)
-    return share + [[] for _ in range(n_slots - len(share))]
-
-
-def row_groups(table: Any) -> np.ndarray:
-    """The (task, language) group of each manifest row as "task/lang" (no `task` column, or a null: asr)."""
-    langs = [str(x) for x in table.column("lang").to_pylist()]
-    tasks = table.column("task").to_pylist() if "task" in table.column_names else [None] * len(langs)
-    return np.array([f"{t or DEFAULT_TASK}/{lang}" for t, lang in zip(tasks, langs)], dtype=object)
-
-
-def apportion(counts: np.ndarray, n: int) -> np.ndarray:
-    """`n` split in proportion to `counts` by largest remainders (ties: the earlier group), summing to n."""
-    exact = n * counts / max(int(counts.sum()), 1)
-    quota = np.floor(exact).astype(np.int64)
-    extra = np.argsort(-(exact - quota), kind="stable")[: n - int(quota.sum())]
-    quota[extra] += 1
-    return quota
-
-
-def choose_train_rows(train_groups: np.ndarray, val_groups: np.ndarray, n: int) -> list[int]:
-    """At most `n` training rows, apportioned over the val split's (task, language) groups in its
-    proportions, each group's rows evenly spread over its training rows (module doc); sorted."""
-    names, counts = np.unique(val_groups.astype(str), return_counts=True)
-    train = train_groups.astype(str)
-    chosen = []
-    for name, k in zip(names, apportion(counts, n)):
-        rows = np.flatnonzero(train == name)
-        k = min(int(k), len(rows))
-        if k:
-            chosen.append(rows[((np.arange(k) + 0.5) * len(rows) / k).astype(np.int64)])
-    return sorted(int(r) for r in np.concatenate(chosen)) if chosen else []
-
-
-def train_eval_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
-    """The training rows `final_eval_split=both` scores: `trainer.final_eval_train_utterances` (default: the
-    val split's utterances) chosen by `choose_train_rows`."""
-    n = cfg.trainer.final_eval_train_utterances or len(val_table)
-    train_groups, val_groups = row_groups(train_table), row_groups(val_table)
-    return require_rows(choose_train_rows(train_groups, val_groups, n), val_groups)
+__all__ = [  # the evaluation's names, wherever they live (eval_rows: row choice; eval_report: report out)
+    "Evaluator",
+    "apportion",
+    "choose_train_rows",
+    "count_record",
+    "decode_shard",
+    "dummy_batch",
+    "final_evaluation",
+    "format_eval_table",
+    "format_side_by_side",
+    "format_wer_table",
+    "periodic_train_rows",
+    "require_rows",
+    "row_groups",
+    "shard_eval_batches",
+    "strip_lang_tag",  # re-exported: the WER helpers' old home
+    "train_eval_rows",
+    "wer_from_counts",
+    "with_prefix",
+    "with_train_split",
+    "word_error_counts",
+    "write_eval_outputs",
+]
 
 
-def require_rows(rows: list[int], val_groups: np.ndarray) -> list[int]:
-    """`rows`, or a DataError when no training row shares a (task, language) with the val split."""
-    if not rows:
-        raise DataError(
-            f"no row of the training split has a (task, language) of the val split "
-            f"({', '.join(sorted(set(val_groups.astype(str))))}), so there is no training subset to score beside "
-            f"it: give a val manifest of the training languages, or turn the training-split scores off "
-            f"(trainer.final_eval_split=val, trainer.val_train_batches=0)"
-        )
-    return rows
+class EvalModule(Protocol):
+    """What an evaluation reads from the module it evaluates: training's `SpeechLLMModule`, or
+    `speechlm.use.checkpoint.TrainedModule`."""
+
+    @property
+    def model(self) -> SpeechLLM: ...
+    @property
+    def step_ctx(self) -> StepContext: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
-def periodic_train_rows(cfg: ExperimentConfig, train_table: Any, val_table: Any) -> list[int]:
-    """The training rows each validation decodes (`trainer.val_train_batches` = K): the largest subset
-    chosen by `choose_train_rows` whose decoding batches are at most K (a binary search over its size)."""
-    import pyarrow as pa
+class EvalInputs(Protocol):
+    """What the final evaluation reads from the run's inputs (`speechlm.train.recipe.RunInputs`)."""
 
-    from speechlm.config import eval_batch_duration
-    from speechlm.data.sampler.batching import batch_by_duration
-
-    k, budget = cfg.trainer.val_train_batches, eval_batch_duration(cfg)
-    train_groups, val_groups = row_groups(train_table), row_groups(val_table)
-    durations = train_table.column("duration").cast(pa.float32()).to_numpy()  # as build_eval_batches reads
-
-    def choose(m: int) -> list[int]:
-        return choose_train_rows(train_groups, val_groups, m)
-
-    def fits(m: int) -> bool:
-        return len(batch_by_duration(durations[choose(m)], budget)) <= k
-
-    shortest = float(durations.min()) if len(durations) else 1.0
-    lo, hi = 1, min(len(durations), k * (int(budget / max(shortest, 1e-3)) + 1))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return require_rows(choose(lo), val_groups)
+    @property
+    def train_table(self) -> pa.Table | None: ...
+    @property
+    def val_table(self) -> pa.Table | None: ...
+    @property
+    def tokenizer(self) -> RunTokenizer: ...
+    @property
+    def chat_template(self) -> str | None: ...
 
 
-def with_prefix(scores: dict[str, Any], prefix: str = TRAIN_PREFIX) -> dict[str, Any]:
-    """The scores of the training split as a validation logs them: `train_wer`, `train_asr/wer_hi`, ..."""
-    return {prefix + k: v for k, v in scores.items()}
-
-
-def with_train_split(val_eval: Callable[[Any], dict[str, Any]], train_eval: Any) -> Callable[[Any], dict]:
+def with_train_split(
+    val_eval: Callable[[EvalModule], dict[str, Any]], train_eval: Evaluator
+) -> Callable[[EvalModule], dict[str, Any]]:
     """A validation that scores the val split, then (every rank, in lockstep) `train_eval`'s training rows,
     into one record: the val keys as they are, the training keys prefixed `train_`."""
 
-    def evaluate(module: Any) -> dict[str, Any]:
+    def evaluate(module: EvalModule) -> dict[str, Any]:
         return {**val_eval(module), **with_prefix(train_eval(module))}
 
     return evaluate
@@ -183,8 +157,6 @@ DUMMY_SAMPLES = 1600  # 0.1 s of silence: what an empty slot decodes to stay in 
 
 def dummy_batch(device: torch.device) -> Any:
     """One clip of silence (`DUMMY_SAMPLES`), no reference: what an empty slot decodes to stay in lockstep."""
-    from speechlm.data.dataset import Batch
-
     return Batch(
         audio=torch.zeros(1, DUMMY_SAMPLES, device=device),
         audio_lens=torch.tensor([DUMMY_SAMPLES], device=device),
@@ -198,9 +170,9 @@ def dummy_batch(device: torch.device) -> Any:
 
 @torch.no_grad()
 def decode_shard(
-    model: Any,
+    model: SpeechLLM,
     batches: Iterable[Any],
-    tokenizer: Any,
+    tokenizer: RunTokenizer,
     *,
     device: torch.device,
     comm: Collectives,
@@ -251,66 +223,6 @@ def decode_shard(
     return rows
 
 
-def _cell(metric: str, value: float | None, width: int) -> str:
-    if value is None:
-        return "n/a".rjust(width)
-    text = f"{100 * value:5.1f}%" if metric in PERCENT_METRICS else f"{value:5.1f}"
-    return text.rjust(width)
-
-
-LABELS = {"wer": "WER", "cer": "CER", "bleu": "BLEU", "chrf": "chrF", "accuracy": "accuracy"}
-
-
-def format_eval_table(metrics: dict[str, Any], counts: dict[str, Any] | None = None) -> str:
-    """The evaluation table: per task a block with one row per language, then `all`, one column per
-    metric (WER/CER/accuracy in %, BLEU/chrF 0-100). An ASR-only run gets today's WER table, without a
-    task heading. `counts` is `Evaluator.last_counts` (scored and dropped utterances per task and language,
-    drop reasons) or a plain {lang: utterances} mapping; `metrics` may hold only `wer`/`wer_<lang>`."""
-    if counts is not None and "scored" not in counts:
-        counts = {"scored": counts, "dropped": {}, "dropped_reasons": {}}
-    by_task: dict[str, dict[str, dict[str, float]]] = {}  # task -> metric -> lang ("" for all) -> value
-    for key, value in metrics.items():
-        task, _, name = key.rpartition("/")
-        metric, _, lang = name.partition("_")
-        if metric in METRICS and (task or (metric == "wer" and not any("/" in k for k in metrics))):
-            by_task.setdefault(task or DEFAULT_TASK, {}).setdefault(metric, {})[lang] = value
-    blocks = []
-    for task in sorted(by_task, key=lambda t: (t != DEFAULT_TASK, t)):
-        per_task = counts is not None and "scored_by_task" in counts
-        scored = dict(
-            (counts["scored_by_task"].get(task, {}) if per_task else counts["scored"]) if counts else {}
-        )
-        dropped = dict(
-            (counts["dropped_by_task"].get(task, {}) if per_task else counts["dropped"]) if counts else {}
-        )
-        names = [m for m in METRICS if m in by_task[task]]
-        widths = [max(6, len(LABELS[m])) for m in names]
-        langs = sorted(
-            {lang for m in names for lang in by_task[task][m] if lang} | {k for k, v in dropped.items() if v}
-        )
-        lines = [] if set(by_task) == {DEFAULT_TASK} else [f"task {task}:"]
-        lines.append(
-            "  ".join(
-                ["language", "utterances", *(LABELS[m].ljust(w) for m, w in zip(names, widths))]
-            ).rstrip()
-        )
-        lines.append("  ".join(["-" * 8, "-" * 10, *("-" * w for w in widths)]))
-        for lang in [*langs, ""]:
-            values = [by_task[task][m].get(lang) for m in names]
-            if not lang and all(v is None for v in values):
-                continue
-            n = "" if counts is None else str(sum(scored.values()) if not lang else scored.get(lang, 0))
-            cells = [_cell(m, v, w) for m, v, w in zip(names, values, widths)]
-            note = f"  ({dropped[lang]} dropped)" if lang and dropped.get(lang) else ""
-            lines.append(f"{lang or 'all':<8}  {n:>10}  " + "  ".join(cells) + note)
-        blocks.append("\n".join(lines))
-    out = "\n\n".join(blocks)
-    n_dropped = int(sum(int(v) for v in counts["dropped"].values())) if counts is not None else 0
-    if counts is not None and n_dropped:
-        out += f"\ndropped (not scored): {n_dropped} utterances ({drop_reasons(counts['dropped_reasons'])})"
-    return out
-
-
 format_wer_table = format_eval_table  # its name before the metrics per task
 
 
@@ -345,17 +257,19 @@ class Evaluator:
     def __init__(
         self,
         cfg: ExperimentConfig,
-        tokenizer: Any,
-        table: Any,
+        tokenizer: RunTokenizer,
+        table: pa.Table,
         rank: int,
-        max_batches: Any = "config",
+        max_batches: int | None | Literal["config"] = "config",
         *,
         split: str = "val",
         max_new_tokens: int = 96,
         max_utterances: int | None = None,
         rows: list[int] | None = None,
+        template: str | None = None,
     ):
         self.cfg, self.tokenizer, self.table, self.rank = cfg, tokenizer, table, rank
+        self.template = template  # data.chat_template's text as the run read it (None: read it here)
         self.rows = rows  # the manifest rows to score (`choose_train_rows`); None: every row
         self.max_new_tokens, self.max_utterances = max_new_tokens, max_utterances
         self.max_batches = cfg.trainer.val_max_batches if max_batches == "config" else max_batches
@@ -368,10 +282,6 @@ class Evaluator:
 
     def plan(self) -> list[list[int]]:
         """The split's evaluation batches (manifest rows), cut to `trainer.val_max_batches`."""
-        from speechlm.config import eval_batch_duration
-        from speechlm.errors import UsageError
-        from speechlm.train.data import build_eval_batches
-
         if self.max_batches is not None and self.max_batches < 0:
             raise UsageError(
                 f"trainer.val_max_batches={self.max_batches} would evaluate no batch: give a number >= 1, or "
@@ -403,7 +313,7 @@ class Evaluator:
 
     def __call__(
         self,
-        module: Any,
+        module: EvalModule,
         *,
         stop: Callable[[], bool] | None = None,
         progress: bool = False,
@@ -418,9 +328,8 @@ class Evaluator:
 
         `stop` (final evaluation): checked before each batch and agreed by every rank; when any rank
         says stop, every rank raises `EvaluationInterrupted` at the same batch."""
-        from speechlm.preflight.checks import run_dataset
-
-        ds = run_dataset(self.cfg, self.table, self.tokenizer)  # the run's renderer, as training reads
+        # the run's renderer, as training reads
+        ds = run_dataset(self.cfg, self.table, self.tokenizer, template=self.template)
         batches = self.plan()
         order = {row: i for i, row in enumerate(r for b in batches for r in b)}
         comm = module.step_ctx.collectives  # the run's one collectives object (ParallelDims.collectives)
@@ -454,8 +363,8 @@ class Evaluator:
 
     def run_share(
         self,
-        module: Any,
-        ds: Any,
+        module: EvalModule,
+        ds: SpeechDataset,
         share: list[list[int]],
         comm: Collectives,
         *,
@@ -464,10 +373,6 @@ class Evaluator:
         display: bool = False,
     ) -> SlotResult:
         """Load, decode and score this rank's slots one at a time (every rank runs the same forwards)."""
-        import time
-
-        from speechlm.progress import Progress
-
         out = SlotResult()
         every = max(1, len(share) // 10)
         t0 = time.time()
@@ -483,8 +388,6 @@ class Evaluator:
             for i, (want, batch) in enumerate(zip(share, self.load_slots(ds, share))):
                 if stop is not None:
                     if comm.any(stop()):
-                        from speechlm.train.preempt import EvaluationInterrupted
-
                         raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
                 out.rows += decode_shard(
                     module.model,
@@ -519,19 +422,15 @@ class Evaluator:
         return out
 
     @staticmethod
-    def load_slots(ds: Any, share: list[list[int]]) -> Iterator[Any]:
+    def load_slots(ds: SpeechDataset, share: list[list[int]]) -> Iterator[Any]:
         """This rank's batches, loaded one at a time; an empty slot (padding) gives an empty Batch."""
-        from speechlm.data.dataset import Batch, build_dataloader
-
         real = [b for b in share if b]
         loaded = iter(build_dataloader(ds, real, num_workers=0)) if real else iter(())
         for want in share:  # the real batches come first, the padding slots last
             yield next(loaded) if want else Batch.empty()
 
-    def batch_loss(self, module: Any, batch: Any) -> tuple[float, int]:
+    def batch_loss(self, module: EvalModule, batch: Batch) -> tuple[float, int]:
         """Teacher-forced (CE sum, labelled tokens) of one batch; an empty one runs the weight-0 dummy."""
-        from speechlm.train.step import compute_micro_losses, count_targets
-
         was_training = module.model.training
         module.model.eval()
         try:
@@ -596,42 +495,13 @@ class Evaluator:
             )
 
 
-def sum_over_tasks(by_task: dict[str, dict[str, int]]) -> dict[str, int]:
-    """{task: {lang: n}} -> {lang: n}."""
-    out: dict[str, int] = {}
-    for per_lang in by_task.values():
-        for lang, n in per_lang.items():
-            out[lang] = out.get(lang, 0) + n
-    return out
-
-
-def with_totals(per_lang: dict[str, int]) -> dict[str, int]:
-    """{lang: n} and "all": their sum (eval.json's utterance counts)."""
-    return {**per_lang, "all": sum(per_lang.values())}
-
-
-def count_record(counts: dict[str, Any]) -> dict[str, Any]:
-    """The utterance counts of eval.json and `speechlm evaluate --json`: per language (and all), per task."""
-    tasks = sorted(set(counts["scored_by_task"]) | set(counts["dropped_by_task"]))
-    record: dict[str, Any] = {
-        "utterances": with_totals(counts["scored"]),
-        "dropped": with_totals(counts["dropped"]),
-        "dropped_reasons": counts["dropped_reasons"],
-        "tasks": {
-            t: {
-                "utterances": with_totals(counts["scored_by_task"].get(t, {})),
-                "dropped": with_totals(counts["dropped_by_task"].get(t, {})),
-            }
-            for t in tasks
-        },
-    }
-    if counts.get("empty_reference"):
-        record["empty_reference"] = counts["empty_reference"]
-    return record
-
-
 def final_evaluation(
-    cfg: ExperimentConfig, inputs: Any, module: Any, run_dir: Path, result: dict[str, Any], rank: int
+    cfg: ExperimentConfig,
+    inputs: EvalInputs,
+    module: EvalModule,
+    run_dir: Path,
+    result: dict[str, Any],
+    rank: int,
 ) -> dict[str, Any]:
     """Greedy decoding and the metrics of each task per language on `trainer.final_eval_split` after
     training; rank 0 prints the table and writes eval.json, eval_decodes.jsonl and the learning curve.
@@ -645,9 +515,6 @@ def final_evaluation(
     The trained weights are already saved when this runs (the end-of-training checkpoint); a SIGTERM
     during it stops it on every rank at the same batch (`EvaluationInterrupted`), with no eval.json (with
     `both`, nothing is written before both splits are scored)."""
-    from speechlm.config import final_eval_split
-    from speechlm.train.preempt import SIGTERM_FLAG
-
     split = final_eval_split(cfg)  # "auto" resolved: val when there is a val manifest, else none
     tables = {"train": inputs.train_table, "val": inputs.val_table}
     table = tables["val" if split == "both" else split] if split != "none" else None
@@ -657,12 +524,22 @@ def final_evaluation(
             print(f"no final evaluation (trainer.final_eval_split={cfg.trainer.final_eval_split}{why})")
         return {}
     first = "val" if split == "both" else split
-    evaluators = [Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=first)]
+    template = inputs.chat_template
+    evaluators = [
+        Evaluator(cfg, inputs.tokenizer, table, rank, max_batches=None, split=first, template=template)
+    ]
     if split == "both":
         rows = train_eval_rows(cfg, inputs.train_table, table)
         evaluators.append(
             Evaluator(
-                cfg, inputs.tokenizer, inputs.train_table, rank, max_batches=None, split="train", rows=rows
+                cfg,
+                inputs.tokenizer,
+                inputs.train_table,
+                rank,
+                max_batches=None,
+                split="train",
+                rows=rows,
+                template=template,
             )
         )
     scores = [ev(module, stop=lambda: SIGTERM_FLAG.requested, progress=True) for ev in evaluators]
@@ -688,58 +565,6 @@ def final_evaluation(
             print(format_side_by_side(scores[0], scores[1]))
         record = records[0] if len(records) == 1 else {**records[0], "train": records[1]}
         write_eval_outputs(run_dir, record, decodes, tasks, splits=splits)
-        from speechlm.train.plots import plot_learning_curve
-
-        png = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+        png = plots.plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
         print(f"wrote {run_dir / 'eval.json'}, {png}")
     return scores[0] if len(scores) == 1 else {**scores[0], **with_prefix(scores[1])}
-
-
-def format_side_by_side(val: dict[str, Any], train: dict[str, Any]) -> str:
-    """One line per language (then `all`) with the val and training-split score of each per-language metric:
-    `hi  val 12.3%  train 4.1%` for WER; `hi  ast/bleu  val 20.1  train 35.2` for another task's metric."""
-    lines = []
-    for overall in (False, True):
-        for key in val:
-            name = split_metric_name(key)
-            if name is None or key.startswith("asr/wer") or (name[2] is None) != overall:
-                continue  # not a metric; asr/wer* repeat wer*; per-language lines first, then the overall
-            task, metric, lang = name
-            what = "" if task is None else f"  {task}/{metric}"
-            cells = [
-                f"{s} {_cell(metric, d.get(key), 0).strip()}" for s, d in (("val", val), ("train", train))
-            ]
-            lines.append(f"{lang or 'all':<8}{what}  " + "  ".join(cells))
-    return "\n".join(lines)
-
-
-def write_eval_outputs(
-    run_dir: Path,
-    record: dict[str, Any],
-    decodes: list[tuple[str, str, str]],
-    tasks: list[str] | None = None,
-    *,
-    splits: list[str] | None = None,
-) -> None:
-    """eval.json and eval_decodes.jsonl (with `splits`, each decode names its `split`); a path that cannot
-    be written (full disk, a folder in the way, no permission) is an OutputError naming it (the weights are
-    in the end-of-training checkpoint)."""
-    from speechlm.errors import OutputError
-
-    path = run_dir / "eval.json"
-    try:
-        path.write_text(json.dumps(record, indent=2))
-        path = run_dir / "eval_decodes.jsonl"
-        with path.open("w") as f:
-            for i, (lang, ref, hyp) in enumerate(decodes):
-                task = tasks[i] if tasks else DEFAULT_TASK
-                row = {"task": task, "lang": lang, "ref": ref, "hyp": hyp}
-                if splits:
-                    row = {"split": splits[i], **row}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    except OSError as e:
-        raise OutputError(
-            f"cannot write {path} ({e.strerror or e}); the trained weights are in {run_dir / 'checkpoints'} "
-            f"(latest): free space or fix the path, then evaluate with trainer.resume=auto "
-            f"trainer.validate_only=true"
-        ) from None

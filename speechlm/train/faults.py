@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,8 @@ def run_scenario(
     nproc: int = 1,
     cp_size: int = 1,
     timeout: float = 900,
-    log: Any = print,
-    inspect: Any = None,
+    log: Callable[[str], object] = print,
+    inspect: Callable[[Fault, int, Path], object] | None = None,
 ) -> dict[str, Any]:
     """Straight run vs a run interrupted by each fault in turn; returns the launches and differences."""
     run_root.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,7 @@ def run_scenario(
     return {"launches": launches, "steps": len(straight), "differences": diffs, "log": str(log_path)}
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:  # Any: argparse's subparsers action (a private class)
     p = sub.add_parser(
         "faults",
         help="fault-injection harness: interrupted + resumed vs straight training, step by step",

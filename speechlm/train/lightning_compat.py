@@ -9,23 +9,36 @@ Checked against: lightning 2.4 to 2.6 (the versions pyproject.toml allows).
 
 from __future__ import annotations
 
+import csv
+import os
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint import save
+from torch.distributed.device_mesh import DeviceMesh
+
+from speechlm.io import atomic_path
 
 
-def setup_process_group(strategy: Any) -> None:
+def setup_process_group(strategy: ModelParallelStrategy) -> None:
     """`ModelParallelStrategy._setup_distributed`: init the process group (torchrun or Lightning's launcher)."""
     strategy._setup_distributed()
 
 
-def set_device_mesh(strategy: Any, module: Any, mesh: Any) -> None:
+def set_device_mesh(strategy: ModelParallelStrategy, module: L.LightningModule, mesh: DeviceMesh) -> None:
     """Install our mesh where `ModelParallelStrategy` and `LightningModule.device_mesh` look for it."""
     strategy._device_mesh = mesh
     module._device_mesh = mesh
 
 
-def set_fit_max_steps(trainer: Any, max_steps: int) -> None:
+def set_fit_max_steps(trainer: L.Trainer, max_steps: int) -> None:
     """Change `max_steps` of a Trainer already built (evaluation-only runs restore, then train 0 steps)."""
     trainer.fit_loop.epoch_loop.max_steps = max_steps
 
@@ -38,7 +51,7 @@ def set_scheduler_lrs(sched: torch.optim.lr_scheduler.LRScheduler, step: int, lr
     sched._last_lr = list(lrs)  # type: ignore[assignment]
 
 
-def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
+def save_checkpoint_one_process(checkpoint: dict[str, Any], path: str | Path) -> None:
     """Write what `ModelParallelStrategy.save_checkpoint` writes (DCP shards of the model and optimizer
     states, the rest in `meta.pt`) for a one-process run, with DCP's ``no_dist=True``.
 
@@ -46,11 +59,6 @@ def save_checkpoint_one_process(checkpoint: dict[str, Any], path: Any) -> None:
     model 1.5-2x slower for the rest of the process (scripts/repro_dcp_step_slowdown.py; a fresh
     tensor or ``no_dist`` does not); one process needs no collective to write its checkpoint.
     The files are the same, so loading does not change."""
-    from pathlib import Path
-
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-    from torch.distributed.checkpoint import save
-
     path = Path(path)
     if path.is_file():
         path.unlink()
@@ -67,12 +75,6 @@ def keeping_csv_logger(save_dir: str, name: str = "csv") -> Any:
     Lightning's writer deletes `metrics.csv` when its folder is not empty (`_check_log_dir_exists`), so a
     resumed run lost the CSV history; here the old header's keys are taken over instead, and
     `truncate_after(step)` (called on resume) drops the rows of the steps that will be trained again."""
-    import csv
-    import os
-
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-    from lightning.pytorch.loggers.logger import rank_zero_experiment
 
     class KeepingWriter(ExperimentWriter):
         def _check_log_dir_exists(self) -> None:
@@ -98,11 +100,9 @@ def keeping_csv_logger(save_dir: str, name: str = "csv") -> Any:
                 reader = csv.DictReader(f)
                 fields = list(reader.fieldnames or [])
                 rows = [r for r in reader if not (r.get("step") or "").strip() or float(r["step"]) < step]
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w", newline="") as f:
+            with atomic_path(Path(path)) as tmp, open(tmp, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=fields)
                 writer.writeheader()
                 writer.writerows(rows)
-            os.replace(tmp, path)
 
     return KeepingCSVLogger(save_dir, name=name, version="")

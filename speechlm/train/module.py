@@ -23,31 +23,35 @@ from typing import Any
 import lightning as L
 import torch
 
+from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
-from speechlm.packing.prompt import PromptFormat
+from speechlm.data.dataset import DROP_REASONS
+from speechlm.data.run_inputs import TokenizerInfo
+from speechlm.errors import DataError
+from speechlm.model.build import build_speech_llm, frozen_state_keys
+from speechlm.model.flops import Trainable, dims_of_model, step_flops
+from speechlm.model.trainable import train_modes_of
+from speechlm.train.checkpoint import restore_rng_state
+from speechlm.train.data import (
+    DroppedDataError,
+    StepBatch,
+    StepLoader,
+    drop_advice,
+    drop_listing,
+    drop_reasons,
+)
+from speechlm.train.distributed import build_distributed_context
 from speechlm.train.precision import PrecisionPolicy, precision_policy
+from speechlm.train.preempt import SIGTERM_FLAG
 from speechlm.train.schedule import build_optimizer, sync_schedule_to_step
 from speechlm.train.step import StepContext, StepCounts, agree_step, clip_model_gradients, run_optimizer_step
-from speechlm.train.throughput import STEP_METRIC_KEYS
-
-
-@dataclass
-class TokenizerInfo:
-    """What the model needs from the run's tokenizer. ``prompt`` is the run's `PromptFormat` (None: the
-    plain form of ``bos_id``/``eos_id``/``instruction_ids``); ``ctc_blank_id`` None means ``pad_id``;
-    ``ctc_skip_leading`` the language tag's tokens at the start of a transcript (0 without tags);
-    ``added_token_ids`` the ids the tokenizer added to a pretrained LLM (rows to initialise)."""
-
-    vocab_size: int
-    pad_id: int
-    bos_id: int | None
-    eos_id: int
-    audio_id: int
-    instruction_ids: tuple[int, ...] = ()
-    prompt: PromptFormat | None = None
-    ctc_blank_id: int | None = None
-    ctc_skip_leading: int = 1
-    added_token_ids: tuple[int, ...] = ()
+from speechlm.train.throughput import (
+    STEP_METRIC_KEYS,
+    device_peak_tflops,
+    memory_figures,
+    step_metrics,
+    warn_implausible_peak,
+)
 
 
 @dataclass(frozen=True)
@@ -70,33 +74,20 @@ class SpeechLLMModule(L.LightningModule):
     `StepLoader` (told which steps were trained, so a checkpoint holds the data position)."""
 
     def __init__(
-        self, cfg: ExperimentConfig, tok: TokenizerInfo, *, dims: Any = None, data_pipeline: Any = None
+        self,
+        cfg: ExperimentConfig,
+        tok: TokenizerInfo,
+        *,
+        dims: ParallelDims | None = None,
+        data_pipeline: StepLoader | None = None,
     ):
         super().__init__()
-        from speechlm.model.speech_llm import SpeechLLM
-
         self.cfg = cfg
         self.tok = tok
         self.dims = dims
         self.data_pipeline = data_pipeline
         self.automatic_optimization = False
-        self.model = SpeechLLM(
-            cfg.model,
-            vocab_size=tok.vocab_size,
-            pad_id=tok.pad_id,
-            bos_id=tok.bos_id,
-            eos_id=tok.eos_id,
-            audio_id=tok.audio_id,
-            instruction_ids=tok.instruction_ids,
-            prompt=tok.prompt,
-            ctc_blank_id=tok.ctc_blank_id,
-            ctc_skip_leading=tok.ctc_skip_leading,
-            added_token_ids=tok.added_token_ids,
-        )
-        from speechlm.model.trainable import apply_train_modes
-
-        apply_train_modes(self.model, cfg.model)  # what trains: full, frozen or LoRA (before parallelism)
-        from speechlm.model.flops import dims_of_model
+        self.model = build_speech_llm(cfg.model, tok)  # what trains marked: full, frozen or LoRA
 
         self.flop_dims = dims_of_model(self.model)  # sizes for the FLOP count, read before parallelism
         self.peak_tflops: float | None = None  # the device's peak (0: unknown), read at the first step
@@ -123,8 +114,6 @@ class SpeechLLMModule(L.LightningModule):
         device = self._training_device()
         self.precision = precision_policy(self.cfg, self.dims, device)
         if self.dims is not None and self.dims.world_size > 1:
-            from speechlm.train.distributed import build_distributed_context
-
             self.step_ctx = build_distributed_context(self.model, self.dims, self.cfg, device, self.precision)
         else:
             self.step_ctx = StepContext(precision=self.precision)
@@ -144,7 +133,7 @@ class SpeechLLMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # --- training -------------------------------------------------------------------------------
-    def training_step(self, step_batch: Any, batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, step_batch: StepBatch, batch_idx: int) -> torch.Tensor | None:
         t_start = time.perf_counter()
         opt = self.optimizers()
         sched: Any = self.lr_schedulers()
@@ -202,15 +191,11 @@ class SpeechLLMModule(L.LightningModule):
 
     def _count_flops(self, works: list[Any], encoder_frozen: bool) -> float:
         """Training FLOPs of this rank's micro-batches (`speechlm.model.flops`; what trains decides the factors)."""
-        from speechlm.model.flops import Trainable, step_flops
-
         trainable = Trainable(encoder=not encoder_frozen, llm=self.cfg.model.llm.train == "full")
         return step_flops(self.flop_dims, works, trainable)
 
     def _step_figures(self, step_batch: Any, totals: StepTotals, work: Any, t_start: float) -> dict[str, Any]:
         """Throughput, MFU, memory and times of this step (`speechlm.train.throughput`)."""
-        from speechlm.train.throughput import device_peak_tflops, memory_figures, step_metrics
-
         wait = float(getattr(step_batch, "data_wait_s", 0.0))
         if self.peak_tflops is None:  # once: the device does not change
             self.peak_tflops = device_peak_tflops(self.device, self.cfg.trainer.peak_tflops) or 0.0
@@ -239,10 +224,6 @@ class SpeechLLMModule(L.LightningModule):
         has passed (after this step); raises the DroppedDataError of the rank
         that found one on every rank, and a DataError on every rank when no rank read any utterance
         of the step (training on nothing, possible with data.max_dropped_fraction=1)."""
-        from speechlm.data.dataset import DROP_REASONS
-        from speechlm.train.data import DroppedDataError
-        from speechlm.train.preempt import SIGTERM_FLAG
-
         reasons = sorted(DROP_REASONS)
         error = getattr(step_batch, "error", None)
         local = [0.0] if error else [step_batch.audio_seconds]
@@ -273,9 +254,6 @@ class SpeechLLMModule(L.LightningModule):
     def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
         """No sample of the step was read on any rank: name the rows, why each was dropped and what to
         do about those reasons (`train.data.drop_advice`)."""
-        from speechlm.errors import DataError
-        from speechlm.train.data import drop_advice, drop_listing, drop_reasons
-
         files = [f for part in self.step_ctx.collectives.gather_objects(
             [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
         n = sum(totals.dropped.values())
@@ -296,7 +274,7 @@ class SpeechLLMModule(L.LightningModule):
     # --- checkpoint extras ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # plain values only (meta.pt is loaded with weights_only=True); the data position and the RNG
-        # states are per rank and saved next to the shards (train/checkpoint.py)
+        # states are per rank and saved next to the shards (train/checkpoint/save.py)
         checkpoint["speechlm"] = {
             "utterances_seen": int(self.utterances_seen),
             "audio_seconds_seen": float(self.audio_seconds_seen),
@@ -306,8 +284,6 @@ class SpeechLLMModule(L.LightningModule):
         }
 
     def base_record(self) -> dict[str, Any]:
-        from speechlm.model.trainable import train_modes_of
-
         return {
             **train_modes_of(self.model).as_record(),
             "llm_pretrained": self.cfg.model.llm.pretrained,
@@ -316,9 +292,7 @@ class SpeechLLMModule(L.LightningModule):
 
     def frozen_state_keys(self) -> frozenset[str]:
         """This module's state-dict keys of the frozen parameters (left out of checkpoints)."""
-        from speechlm.model.trainable import train_modes_of
-
-        return frozenset(f"model.{name}" for name in train_modes_of(self.model).frozen)
+        return frozen_state_keys(self.model)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get("speechlm", {})
@@ -332,12 +306,9 @@ class SpeechLLMModule(L.LightningModule):
             self.data_pipeline.close()
 
     def on_train_start(self) -> None:
-        from speechlm.train.throughput import warn_implausible_peak
-
         if self.trainer.is_global_zero:  # a peak in another unit: MFU would be off by the unit's factor
             warn_implausible_peak(self.cfg.trainer.peak_tflops)
         # RNG states are restored last, after Lightning's own seeding, so a resumed run draws the same numbers
-        from speechlm.train.checkpoint import restore_rng_state
 
         restore_rng_state(self.pending_rng)
         self.pending_rng = None

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from speechlm.config import TRAIN_PREFIX
+from speechlm.metrics import PERCENT_METRICS, split_metric_name
 
 
 def is_train_curve(key: str) -> bool:
@@ -19,8 +20,6 @@ def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, fl
     The training-split curves of `trainer.val_train_batches` (`train_wer`, `train_wer_<lang>`,
     `train_ast/bleu`, ...) go in the panel of the key they prefix (`is_train_curve`: drawn dashed).
     A record without a key (a language absent from a cut validation) leaves a gap, not an error."""
-    from speechlm.metrics import PERCENT_METRICS, split_metric_name
-
     panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for r in val:
         for k, v in r.items():
@@ -41,10 +40,10 @@ def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, fl
 
 
 def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (optional, heavy)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib (optional, heavy)
 
     train: list[dict] = []
     val: list[dict] = []

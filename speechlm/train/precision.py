@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from speechlm.config import Precision, choices_of
+from parallel.mesh import ParallelDims
+from speechlm.config import ExperimentConfig, Precision, choices_of
 
 AppliedBy = Literal["none", "autocast", "fsdp"]
 PRECISIONS = choices_of(Precision)  # the config's one list
@@ -48,7 +50,6 @@ class PrecisionPolicy:
         """The FSDP2 `MixedPrecisionPolicy` for `parallelize`, or None (fp32 parameters)."""
         if self.applied_by != "fsdp":
             return None
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
 
@@ -75,7 +76,9 @@ def decide_precision(
     return PrecisionPolicy(torch.bfloat16, "fsdp" if fully_sharded else "autocast", device_type)
 
 
-def precision_policy(cfg: Any, dims: Any, device: torch.device) -> PrecisionPolicy:
+def precision_policy(
+    cfg: ExperimentConfig, dims: ParallelDims | None, device: torch.device
+) -> PrecisionPolicy:
     """The run's policy from `trainer.precision`, the layout (`dims`, None for one process) and the device."""
     fully_sharded = dims is not None and dims.world_size > 1 and dims.fully_sharded
     bf16_supported = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -18,7 +18,7 @@ is seen too: the evaluation agrees on it per batch and stops (`EvaluationInterru
 from __future__ import annotations
 
 import signal
-from typing import Any
+from types import FrameType
 
 
 class StopFlag:
@@ -28,7 +28,7 @@ class StopFlag:
         self.requested = False
         self.count = 0
 
-    def handler(self, signum: int, frame: Any) -> None:
+    def handler(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
         self.count += 1
 

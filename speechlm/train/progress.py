@@ -24,6 +24,7 @@ import lightning as L
 
 from speechlm.model.flops import MFU_FLAG
 from speechlm.progress import Progress, format_duration, is_terminal, progress_enabled
+from speechlm.train.checkpoint import list_checkpoints
 
 LINES_PER_RUN = 10  # plain lines a run without a terminal prints (plus the last step's)
 
@@ -165,8 +166,6 @@ OUTPUT_FILES = (
 
 def output_lines(run_dir: Path) -> list[str]:
     """`label: path` of each output the run dir holds (the latest and the best checkpoint first)."""
-    from speechlm.train.checkpoint import list_checkpoints
-
     lines = []
     ckpts = run_dir / "checkpoints"
     pointer = ckpts / "latest"

@@ -4,7 +4,8 @@
 
 1. `RUN_DIR` and `RUN_DIR/checkpoints` must be directories (or absent) that can be written
    (RunDirError / OutputError), so a run never trains steps it cannot save.
-2. `trainer.resume` is resolved and verified (checkpoint.resolve_resume).
+2. `trainer.resume` is resolved and verified (checkpoint.resolve_resume), once per launch: an explicit
+   path by the pre-flight (`resolve_explicit_resume`), `auto` here.
 3. A new run (no `trainer.resume`, `resume=auto` that found no checkpoint, or a `resume=PATH` outside
    `RUN_DIR/checkpoints`) refuses a run dir that holds another run (`holds_run`), unless
    `trainer.overwrite=true`, which moves that run aside to `RUN_DIR.old-<UTC time>` (never deletes it).
@@ -24,19 +25,20 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from speechlm.config import ExperimentConfig
+from speechlm.config import ExperimentConfig, to_dict
 from speechlm.errors import OutputError, RunDirError
 from speechlm.train.checkpoint import (
     COMPLETE_NAME,
-    CONFIG_NAME,
-    RANK_DIR,
     list_checkpoints,
     resolve_resume,
     trash_name,
 )
+from speechlm.train.schedule import decoder_lr_lambda, encoder_lr_lambda
+from speechlm.use.checkpoint_files import saved_config
 
 # keys that may change on resume: they do not change what the optimiser does with the data it is given
 HARMLESS_PREFIXES = (
@@ -93,6 +95,60 @@ def holds_run(run_dir: Path, *, count_metrics: bool = True) -> list[str]:
     return found
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """trainer.run_dir and its checkpoints folder are directories (or can be created) and are writable."""
+    for path in (run_dir, run_dir / "checkpoints"):
+        what = "trainer.run_dir" if path == run_dir else "the checkpoints folder of trainer.run_dir"
+        if path.is_symlink() and not path.exists():
+            raise RunDirError(
+                f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist; create that "
+                "folder, remove the link, or choose another trainer.run_dir"
+            )
+        if path.exists():
+            if not path.is_dir():
+                raise RunDirError(
+                    f"{what} {path} exists and is not a directory; remove or rename that file, or choose "
+                    "another trainer.run_dir"
+                )
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise RunDirError(
+                    f"{what} {path} is not writable by this user; fix its permissions or choose another "
+                    "trainer.run_dir"
+                )
+            continue
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise RunDirError(
+                f"{what} {path} cannot be created: {parent} is not a directory; choose another trainer.run_dir"
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise RunDirError(
+                f"{what} {path} cannot be created: {parent} is not writable by this user; choose another "
+                "trainer.run_dir"
+            )
+        return  # nothing below a folder still to be created can be in the way
+
+
+def is_explicit_resume(resume: str | None) -> bool:
+    """Whether trainer.resume names a checkpoint (not unset, not `auto`)."""
+    return resume not in (None, "", "auto")
+
+
+def resolve_explicit_resume(resume: str | None, run_dir: Path) -> Path | None:
+    """An explicit trainer.resume path, resolved and verified before the model is built (RunDirError /
+    CheckpointError): the launch's one resolution of it, which `prepare_run_dir` takes. None for no
+    resume and for `auto`, which `prepare_run_dir` resolves where the run resumes (it may legitimately
+    find nothing)."""
+    if not is_explicit_resume(resume):
+        return None
+    try:
+        return resolve_resume(resume, run_dir, log=lambda _m: None)
+    except FileNotFoundError as e:  # resolve_resume's "no checkpoint directory there"
+        raise RunDirError(str(e)) from None
+
+
 def check_writable(run_dir: Path) -> None:
     """RUN_DIR and RUN_DIR/checkpoints are directories (or can be made) that this process can write."""
     for d in (run_dir, run_dir / "checkpoints"):
@@ -137,8 +193,6 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def lr_multipliers(flat: dict[str, Any], step: int) -> tuple[float, float]:
     """(decoder, encoder) LR multipliers of the 0-based optimizer step `step` under a flattened config."""
-    from speechlm.train.schedule import decoder_lr_lambda, encoder_lr_lambda
-
     kw = dict(
         warmup_steps=int(flat["optim.warmup_steps"]),
         max_steps=int(flat["trainer.max_steps"]),
@@ -210,27 +264,9 @@ def compare_resume_config(
     return refused, applied
 
 
-def saved_config(ckpt: Path, run_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
-    """The config the checkpoint was trained with: its own copy, else RUN_DIR/config.yaml when the
-    checkpoint is one of RUN_DIR's (read before this launch rewrites it). (None, None) if neither."""
-    import yaml
-
-    candidates = [ckpt / RANK_DIR / CONFIG_NAME]
-    if ckpt.parent.resolve() == (run_dir / "checkpoints").resolve():
-        candidates.append(run_dir / CONFIG_NAME)
-    for f in candidates:
-        if f.is_file():
-            try:
-                data = yaml.safe_load(f.read_text())
-            except (OSError, yaml.YAMLError) as e:
-                raise RunDirError(f"{f} cannot be read ({e}): the checkpoint's config was altered") from None
-            return (data if isinstance(data, dict) else None), f
-    return None, None
-
-
-def check_resume_config(cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Any = print) -> None:
-    from speechlm.config import to_dict
-
+def check_resume_config(
+    cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: Callable[[str], object] = print
+) -> None:
     saved, source = saved_config(ckpt, run_dir)
     if saved is None:
         log(f"note: {ckpt} has no saved config; the changes since it was saved cannot be checked")
@@ -262,12 +298,20 @@ def check_resume_config(cfg: ExperimentConfig, ckpt: Path, run_dir: Path, log: A
         log(f"resume: config changes applied (saved in {source}): " + "; ".join(applied))
 
 
-def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, rank: int) -> Path | None:
-    """Steps 1-4 of the module docstring; returns the verified checkpoint to resume, or None."""
+def prepare_run_dir(
+    cfg: ExperimentConfig, run_dir: Path, rank: int, *, resolved: Path | None = None
+) -> Path | None:
+    """Steps 1-4 of the module docstring; returns the verified checkpoint to resume, or None.
+
+    `resolved`: an explicit trainer.resume already resolved by the pre-flight (`resolve_explicit_resume`),
+    taken as it is; trainer.resume=auto (or an explicit path not resolved yet) is resolved here."""
     t = cfg.trainer
     log = print if rank == 0 else (lambda _m: None)
     check_writable(run_dir)
-    ckpt = resolve_resume(t.resume, run_dir, log)
+    if resolved is not None and is_explicit_resume(t.resume):
+        ckpt: Path | None = resolved
+    else:
+        ckpt = resolve_resume(t.resume, run_dir, log)
     in_lineage = ckpt is not None and ckpt.parent.resolve() == (run_dir / "checkpoints").resolve()
     if not in_lineage:
         found = holds_run(run_dir, count_metrics=t.resume != "auto")

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speechlm.model.speech_llm import SpeechLLM
+from speechlm.train.lightning_compat import set_scheduler_lrs
+
 if TYPE_CHECKING:
     from speechlm.config import ExperimentConfig
 
@@ -71,7 +74,7 @@ def encoder_runs_frozen(step: int, cfg: ExperimentConfig) -> bool:
     return cfg.model.encoder.train == "frozen" or encoder_frozen(step, cfg.optim.unfreeze_step)
 
 
-def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
+def build_optimizer(model: SpeechLLM, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group.
 
     Only parameters that require gradients join (`speechlm.model.trainable`: a frozen LLM or encoder,
@@ -102,8 +105,7 @@ def build_optimizer(model: Any, cfg: ExperimentConfig) -> tuple[torch.optim.Opti
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
 
 
-def sync_schedule_to_step(sched: Any, step: int) -> None:
+def sync_schedule_to_step(sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
     """Set every group's learning rate to base_lr * lambda(step) of this run's LambdaLR."""
-    from speechlm.train.lightning_compat import set_scheduler_lrs
-
-    set_scheduler_lrs(sched, step, [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)])
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    set_scheduler_lrs(sched, step, lrs)  # type: ignore[arg-type]  # base_lrs are floats here (our optimizer's)

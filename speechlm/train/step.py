@@ -36,9 +36,10 @@ from parallel.collectives import Collectives
 from parallel.frames import DUMMY_CLIP_SAMPLES, SAMPLE_RATE
 from speechlm.config import ExperimentConfig
 from speechlm.data.batch import Batch
+from speechlm.errors import NonFiniteError
 from speechlm.model.conversation_inputs import as_conversation, ctc_target_lens
 from speechlm.model.flops import MicroWork, work_of
-from speechlm.model.speech_llm import MicroLosses
+from speechlm.model.speech_llm import MicroLosses, SpeechLLM
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
 
@@ -119,7 +120,7 @@ class StepAgreement:
     flags: list[bool]  # the caller's flags, true when any rank's is
 
 
-def count_targets(batch: Any, model: Any) -> int:
+def count_targets(batch: Batch, model: SpeechLLM) -> int:
     """Labelled tokens of a micro-batch: its rows' assistant tokens (``prompt_mask``; a transcription row is
     a one-turn conversation: `as_conversation`)."""
     if len(batch) == 0:
@@ -132,13 +133,13 @@ def count_targets(batch: Any, model: Any) -> int:
     return int((mask_BP & within_BP).sum())
 
 
-def count_ctc_clips(batch: Any) -> int:
+def count_ctc_clips(batch: Batch) -> int:
     """Clips a micro-batch's CTC loss counts (its normaliser): the clips with a transcript."""
     lens = ctc_target_lens(batch) if len(batch) else None
     return 0 if lens is None else int((lens > 0).sum())
 
 
-def count_samples(batch: Any) -> tuple[int, int]:
+def count_samples(batch: Batch) -> tuple[int, int]:
     """(samples, clips) of a micro-batch: its rows as read (an empty, all-dropped batch has none), and
     all their audio clips (a conversation batch's ``audio_lens`` holds one entry per clip)."""
     n = len(batch)
@@ -148,7 +149,7 @@ def count_samples(batch: Any) -> tuple[int, int]:
     return n, n if lens is None else int(lens.numel())
 
 
-def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
+def count_ctc_tokens(batch: Batch, skip_leading: int) -> int:
     """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
     clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
     lens = ctc_target_lens(batch) if len(batch) else None
@@ -158,8 +159,8 @@ def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
 
 
 def agree_step(
-    model: Any,
-    micro_batches: list[Any],
+    model: SpeechLLM,
+    micro_batches: list[Batch],
     ctx: StepContext,
     *,
     extra: list[float] | tuple[float, ...] = (),
@@ -184,7 +185,7 @@ def agree_step(
     return StepAgreement(counts=counts, extra=total[len(local) :], flags=agreed)
 
 
-def make_dummy_batch(like: Any, eos_id: int) -> Any:
+def make_dummy_batch(like: Batch, eos_id: int) -> Batch:
     """A one-clip, one-token batch of silence (the one dummy clip, `parallel.frames.DUMMY_CLIP_SAMPLES`)
     used (with weight 0) when every clip of a batch failed; the model reads it as a one-turn conversation."""
     device = like.audio.device if like.audio is not None else torch.device("cpu")
@@ -201,7 +202,7 @@ def make_dummy_batch(like: Any, eos_id: int) -> Any:
     )
 
 
-def compute_micro_losses(model: Any, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
+def compute_micro_losses(model: SpeechLLM, batch: Batch, *, encoder_frozen: bool = False) -> MicroLosses:
     """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring)."""
     if len(batch) == 0:
         out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen)
@@ -211,16 +212,16 @@ def compute_micro_losses(model: Any, batch: Any, *, encoder_frozen: bool = False
 
 
 def run_optimizer_step(
-    model: Any,
-    micro_batches: list[Any],
+    model: SpeechLLM,
+    micro_batches: list[Batch],
     ctx: StepContext,
-    opt: Any,
-    sched: Any,
+    opt: Any,  # Any: a torch Optimizer, or Lightning's LightningOptimizer around one
+    sched: torch.optim.lr_scheduler.LRScheduler,
     cfg: ExperimentConfig,
     *,
     step: int,
-    backward: Any = None,
-    clip: Any = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    clip: Callable[[], float] | None = None,
     counts: StepCounts | None = None,
     flop_count: Callable[[list[MicroWork], bool], float] | None = None,
 ) -> dict[str, Any]:
@@ -294,7 +295,6 @@ def check_step_finite(
     collective the others never reach."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    from speechlm.errors import NonFiniteError
 
     parts = f"cross-entropy {ce:.4g}" + (f", CTC {ctc:.4g}" if ctc is not None else "")
     raise NonFiniteError(
@@ -306,7 +306,9 @@ def check_step_finite(
     )
 
 
-def clip_model_gradients(model: Any, max_norm: float | None, clip_fn: Any) -> float:
+def clip_model_gradients(
+    model: torch.nn.Module, max_norm: float | None, clip_fn: Callable[..., Any] | None
+) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0

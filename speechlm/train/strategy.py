@@ -15,6 +15,8 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallel.mesh import ParallelDims
+from speechlm.model.trainable import train_modes_of
+from speechlm.train.checkpoint import load_trained_state
 from speechlm.train.lightning_compat import (
     save_checkpoint_one_process,
     set_device_mesh,
@@ -49,7 +51,12 @@ class SpeechParallelStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank(self.global_rank)}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | Path,
+        storage_options: Any = None,  # Any: Lightning's own signature (a CheckpointIO's options)
+    ) -> None:
         """One process writes the same sharded checkpoint without DCP's collectives (see
         `lightning_compat.save_checkpoint_one_process`); several processes go through Lightning."""
         if self.world_size == 1 and storage_options is None:
@@ -64,15 +71,14 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         frozen = frozen_keys_of(self.lightning_module)
         return {k: v for k, v in state.items() if k not in frozen} if frozen else state
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the sharded checkpoint into the model (DTensor or plain parameters) and the optimizers.
 
         DCP's `.metadata` is read with the restricted unpickler (no code runs, `safe_storage_reader`) and
         meta.pt with ``weights_only=True``. Parameters the checkpoint leaves out must be this run's frozen
         ones, with the same fingerprint as when it was saved (`checkpoint.load_trained_state`)."""
-        from speechlm.model.trainable import train_modes_of
-        from speechlm.train.checkpoint import load_trained_state
-
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         return load_trained_state(
@@ -85,7 +91,7 @@ class SpeechParallelStrategy(ModelParallelStrategy):
         )
 
 
-def frozen_keys_of(module: Any) -> frozenset[str]:
+def frozen_keys_of(module: object) -> frozenset[str]:
     """The state-dict keys of `module`'s frozen parameters (none for a module that has no such notion)."""
     keys = getattr(module, "frozen_state_keys", None)
     return keys() if callable(keys) else frozenset()

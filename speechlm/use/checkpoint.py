@@ -9,8 +9,8 @@ the checkpoint (``speechlm/config.yaml`` inside it, else the run's ``config.yaml
 rebuilt exactly as it was trained, and the tokenizer is the one that config names.
 
 `load_checkpoint_weights` reads the model's tensors from the checkpoint's DCP shards into a plain
-one-process `SpeechLLMModule` (no process group, whatever layout wrote them; DCP reshards on load)
-through `speechlm.train.checkpoint.load_trained_state`, as a resume does: a checkpoint of a frozen or
+one-process `TrainedModule` (no process group, whatever layout wrote them; DCP reshards on load)
+through `speechlm.use.checkpoint_files.load_trained_state`, as a resume does: a checkpoint of a frozen or
 LoRA run keeps what trains and leaves the frozen base to ``model.llm.pretrained`` /
 ``model.encoder.pretrained`` (rebuilt from there when the module is built, and checked against the
 fingerprint the checkpoint holds). A trainable tensor it lacks is a CheckpointError naming it.
@@ -18,20 +18,31 @@ fingerprint the checkpoint holds). A trainable tensor it lacks is a CheckpointEr
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from speechlm.config import ExperimentConfig
-from speechlm.train.checkpoint import (
+from speechlm.config import ExperimentConfig, load_config
+from speechlm.data import run_inputs
+from speechlm.data.run_inputs import RUN_TOKENIZER_DIR, TokenizerInfo, tokenizer_info
+from speechlm.data.tokenizer import load_text_tokenizer
+from speechlm.errors import DataError
+from speechlm.model.build import build_speech_llm, frozen_state_keys
+from speechlm.model.pretrained_dir import read_llm_dir
+from speechlm.model.trainable import train_modes_of
+from speechlm.use.checkpoint_files import (
     COMPLETE_NAME,
     STEP_RE,
     CheckpointError,
+    load_trained_state,
     newest_verified,
     previous_complete,
+    saved_config,
     verify_checkpoint,
 )
 
@@ -44,12 +55,32 @@ class LoadedCheckpoint:
     step: int
     cfg: ExperimentConfig
     tokenizer: Any
-    tok: Any  # speechlm.train.module.TokenizerInfo
-    module: Any  # speechlm.train.module.SpeechLLMModule, eval mode, weights loaded
+    tok: TokenizerInfo
+    module: Any  # a TrainedModule (or training's SpeechLLMModule), eval mode, weights loaded
 
     @property
     def model(self) -> Any:
         return self.module.model
+
+
+class TrainedModule(nn.Module):
+    """A checkpoint's model outside training: the run's `SpeechLLM` as ``model`` (so its parameters carry
+    the names training saved them under, ``model.<name>``), the step context evaluation sets, and the
+    device it lives on."""
+
+    def __init__(self, cfg: ExperimentConfig, tok: TokenizerInfo):
+        super().__init__()
+        self.cfg, self.tok = cfg, tok
+        self.model = build_speech_llm(cfg.model, tok)
+        self.step_ctx: Any = None  # speechlm evaluate sets the one-process StepContext
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def frozen_state_keys(self) -> frozenset[str]:
+        """The state-dict keys of the frozen parameters (left out of checkpoints)."""
+        return frozen_state_keys(self.model)
 
 
 def resolve_checkpoint(path: str | Path, log: Any = print) -> Path:
@@ -101,8 +132,6 @@ def unusable_checkpoint(ckpt: Path, reason: str, earlier: Path | None, others: i
 
 def checkpoint_config_file(ckpt: Path) -> Path:
     """The file of the config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
-    from speechlm.train.run_dir import saved_config
-
     _, source = saved_config(ckpt, ckpt.parent.parent)
     if source is None:
         raise CheckpointError(
@@ -114,8 +143,6 @@ def checkpoint_config_file(ckpt: Path) -> Path:
 
 def checkpoint_config(ckpt: Path) -> ExperimentConfig:
     """The config `ckpt` was trained with (its own copy, else its run dir's config.yaml)."""
-    from speechlm.config import load_config
-
     return load_config(checkpoint_config_file(ckpt))
 
 
@@ -123,8 +150,6 @@ def check_pretrained_parts(cfg: ExperimentConfig, ckpt: Path) -> None:
     """The pretrained directories the model of `ckpt` is rebuilt from (model.llm.pretrained,
     model.encoder.pretrained) are still where the run found them and whole: a frozen or LoRA checkpoint
     does not hold its base. Refused before anything is built, naming the path and the config to edit."""
-    from speechlm.errors import DataError
-    from speechlm.model.pretrained_dir import read_llm_dir
 
     def refuse(key: str, path: str, why: str) -> None:
         raise DataError(
@@ -149,31 +174,23 @@ def check_pretrained_parts(cfg: ExperimentConfig, ckpt: Path) -> None:
 def checkpoint_tokenizer(cfg: ExperimentConfig, ckpt: Path) -> Any:
     """The tokenizer `ckpt` was trained with: the run's saved copy (RUN/tokenizer, written by a run whose
     tokenizer got tokens added: their ids depend on the run's languages), else the one its config names."""
-    from speechlm.data.tokenizer import load_text_tokenizer
-    from speechlm.preflight import checks as preflight
-    from speechlm.train.entry import RUN_TOKENIZER_DIR
-
     run_copy = ckpt.parent.parent / RUN_TOKENIZER_DIR
     if run_copy.is_dir():
         return load_text_tokenizer(run_copy)
-    path, kind = preflight.tokenizer_source(cfg)
+    path, kind = run_inputs.tokenizer_source(cfg)
     if kind != "sentencepiece":  # the ids of the tokens the run added live only in its saved copy
         raise CheckpointError(
             f"{run_copy} does not exist: the run of {ckpt} used {path}'s tokenizer with tokens it added "
             "(<|audio|>, language tags), whose ids only that copy records; copy the run's tokenizer/ folder "
             "next to its checkpoints folder"
         )
-    return preflight.load_tokenizer(path)
+    return run_inputs.load_tokenizer(path)
 
 
 def load_checkpoint(
     path: str | Path, *, device: str | torch.device = "cpu", log: Any = print
 ) -> LoadedCheckpoint:
     """Resolve `path`, rebuild the model of its config with its tokenizer, load the weights (eval mode)."""
-    import json
-
-    from speechlm.train.entry import tokenizer_info
-    from speechlm.train.module import SpeechLLMModule
 
     ckpt = resolve_checkpoint(path, log)
     cfg = checkpoint_config(ckpt)
@@ -181,7 +198,7 @@ def load_checkpoint(
     tokenizer = checkpoint_tokenizer(cfg, ckpt)
     tok = tokenizer_info(cfg, tokenizer)
     torch.manual_seed(cfg.trainer.seed)  # the values of any tensor the checkpoint does not hold
-    module = SpeechLLMModule(cfg, tok)
+    module = TrainedModule(cfg, tok)
     load_checkpoint_weights(module, ckpt)
     module.to(torch.device(device))
     module.eval()
@@ -194,9 +211,6 @@ def load_checkpoint_weights(module: Any, ckpt: Path) -> None:
     as a resume does (`load_trained_state`): a frozen or LoRA run's checkpoint leaves out the frozen
     base, which must then be the one it was trained on (fingerprints); a trained tensor it lacks, or one
     it holds that the config's model has not, is a CheckpointError."""
-    from speechlm.model.trainable import train_modes_of
-    from speechlm.train.checkpoint import load_trained_state
-
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         load_trained_state(

@@ -29,16 +29,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 WORD = "▁"  # SentencePiece's word-boundary mark
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def build_hf_tokenizer(tokenizer: Any) -> Any:
     """A `transformers.PreTrainedTokenizerFast` with the ids of the SentencePiece `tokenizer` (module doc)."""
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-    from transformers import PreTrainedTokenizerFast
-
     table = tokenizer.piece_table()
     if tokenizer.model_type == "unigram":
         model: Any = models.Unigram(
@@ -88,8 +88,6 @@ def check_texts(tokenizer: Any) -> list[str]:
 
 def first_difference(tokenizer: Any, directory: Path) -> str | None:
     """The first check text whose ids differ between `tokenizer` and ``AutoTokenizer(directory)``."""
-    from transformers import AutoTokenizer
-
     auto = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     for text in check_texts(tokenizer):
         if tokenizer.encode(text) != auto.encode(text, add_special_tokens=False):

@@ -34,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
+import soundfile as sf
 
+from speechlm.data.audio import AudioDecodeError, decode_audio
+from speechlm.data.dataset import SpeechDataset, load_audio
+from speechlm.data.manifest.schema import MANIFEST_SCHEMA, ManifestError
+from speechlm.data.sources.detect import detect_source_type
+from speechlm.data.sources.members import MemberError
+from speechlm.data.sources.mmap_cache import open_index
 from speechlm.errors import DataError
 
 # a text file that one of the trainer's readers recognises by its name or contents is read by it
@@ -54,8 +62,6 @@ class AudioInput:
 
 def header_duration(path: str) -> float:
     """Seconds of `path` from its header; 0 when it cannot be read (the loader reports why)."""
-    import soundfile as sf
-
     try:
         return float(sf.info(path).duration)
     except Exception:  # noqa: BLE001 - reported when the file is loaded
@@ -64,9 +70,6 @@ def header_duration(path: str) -> float:
 
 def load_checked(load: Callable[[], np.ndarray], what: str) -> np.ndarray:
     """`load()`'s samples; every way a clip cannot be read becomes an InputError naming `what`."""
-    from speechlm.data.audio import AudioDecodeError
-    from speechlm.data.sources.members import MemberError
-
     try:
         audio = load()
     except (FileNotFoundError, AudioDecodeError, MemberError) as e:
@@ -79,8 +82,6 @@ def load_checked(load: Callable[[], np.ndarray], what: str) -> np.ndarray:
 def file_input(path: str, sample_rate: int, record: dict[str, Any] | None = None, *,
                duration: float | None = None, offset: float | None = None) -> AudioInput:  # fmt: skip
     """A whole audio file (or the segment [offset, offset + duration) of one)."""
-    from speechlm.data.audio import decode_audio
-    from speechlm.data.dataset import load_audio
 
     def load() -> np.ndarray:
         if offset is None:
@@ -112,9 +113,6 @@ def failed_input(record: dict[str, Any], error: str) -> AudioInput:
 # --- --manifest -----------------------------------------------------------------------------------------
 def manifest_inputs(manifest: str, um: Any) -> list[AudioInput]:
     """The inputs of ``--manifest`` (module docstring); DataError when it holds none."""
-    from speechlm.data.manifest.schema import ManifestError
-    from speechlm.data.sources.detect import detect_source_type
-
     path = Path(manifest)
     if not path.exists():
         raise DataError(f"--manifest {path} does not exist")
@@ -208,10 +206,6 @@ def row_input(obj: Any, row: int, where: str, base: Path, sample_rate: int) -> A
 
 def is_training_parquet(path: Path) -> bool:
     """A parquet with every column of a training manifest (read through the index, locators and all)."""
-    import pyarrow.parquet as pq
-
-    from speechlm.data.manifest.schema import MANIFEST_SCHEMA
-
     try:
         names = set(pq.read_schema(path).names)
     except Exception:  # noqa: BLE001 - the index reader gives the error
@@ -221,8 +215,6 @@ def is_training_parquet(path: Path) -> bool:
 
 def parquet_inputs(path: Path, sample_rate: int) -> list[AudioInput]:
     """A parquet with an ``audio_filepath`` column (``text`` and the rest optional)."""
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - a damaged file: say which
@@ -239,9 +231,6 @@ def parquet_inputs(path: Path, sample_rate: int) -> list[AudioInput]:
 
 def table_inputs(path: Path, um: Any) -> list[AudioInput]:
     """Every clip of every row of a manifest the trainer's readers index (`open_index`), text unchecked."""
-    from speechlm.data.dataset import SpeechDataset
-    from speechlm.data.sources.mmap_cache import open_index
-
     table = open_index(path)
     try:
         ds = SpeechDataset(table, um.tokenizer, max_tokens=1 << 30, sample_rate=um.sample_rate)
@@ -250,13 +239,13 @@ def table_inputs(path: Path, um: Any) -> list[AudioInput]:
     return [item for i in range(len(ds)) for item in row_clips(ds, i)]
 
 
-def row_clips(ds: Any, i: int) -> Iterator[AudioInput]:
+def row_clips(ds: SpeechDataset, i: int) -> Iterator[AudioInput]:
     """The clip of a transcription row, or each clip of a conversation row (``clip`` numbers them)."""
     if ds.optional("conversation", i) is None:  # a row of its own clip: a file, a segment or a tar member
         path = str(ds.resolve_path(i))
-        claimed = ds._claimed[i] if ds._claimed is not None else None
+        claimed = ds.claimed_duration(i)
         yield AudioInput({"row": i, "path": path}, float(claimed or 0.0),
-                         lambda: load_checked(lambda: ds._load(i), path))  # fmt: skip
+                         lambda: load_checked(lambda: ds.load_row_audio(i), path))  # fmt: skip
         return
     try:
         clips = ds.conversation(i).clips

@@ -43,14 +43,22 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from speechlm.config import eval_batch_duration
+from speechlm.data.sampler.batching import batch_by_duration
+from speechlm.data.text import decode_hypothesis
+from speechlm.data.tokenizer import load_text_tokenizer
 from speechlm.errors import EXIT_DATA, OutputError, UsageError
+from speechlm.io import atomic_write_text, temp_sibling
+from speechlm.model.devices import device_argument
+from speechlm.progress import Progress
 
 DEFAULT_MAX_NEW_TOKENS = 96  # the same budget as evaluation (speechlm.train.evaluate.decode_shard)
 DEFAULT_MAX_DURATION = 60.0  # seconds of one clip decoded in one piece, unless --max-duration / --chunk
@@ -119,7 +127,6 @@ def add_decoding_arguments(p: argparse.ArgumentParser, *, device_help: str) -> N
         help="weight of the CTC head's prefix scores in joint CTC/attention greedy decoding, 0-1 (default: the "
         "model's model.decode_ctc_weight; 0: the LLM alone)",
     )
-    from speechlm.model.devices import device_argument
 
     p.add_argument("--device", type=device_argument, default=None, help=device_help)
 
@@ -159,16 +166,14 @@ class UsableModel:
 
 def load_model(path: str | Path, device: str) -> UsableModel:
     """An export dir (no training code), else a run or checkpoint dir (through the training layer)."""
-    from speechlm.data.tokenizer import load_text_tokenizer
-    from speechlm.model.exported import is_export_dir, load_exported
+    from speechlm.model.exported import is_export_dir, load_exported  # lazy: torch (CLI start-up)
 
     p = Path(path)
     if is_export_dir(p) or not ((p / "complete.json").is_file() or (p / "checkpoints").is_dir()):
         ex = load_exported(p, device=device)  # not a run nor a checkpoint either: the export's error
         tokenizer = load_text_tokenizer(ex.tokenizer_path)
         return UsableModel(ex.model, tokenizer, ex.sample_rate, float(ex.config["eval_batch_duration"]))
-    from speechlm.config import eval_batch_duration
-    from speechlm.use.checkpoint import load_checkpoint
+    from speechlm.use.checkpoint import load_checkpoint  # lazy: torch (CLI start-up)
 
     loaded = load_checkpoint(path, device=device, log=lambda m: print(m, file=sys.stderr))
     cfg = loaded.cfg
@@ -176,7 +181,7 @@ def load_model(path: str | Path, device: str) -> UsableModel:
 
 
 def default_device() -> str:
-    import torch
+    import torch  # lazy: torch (CLI start-up)
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -203,7 +208,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_transcribe_command(args: argparse.Namespace) -> int:
-    from speechlm.use.inputs import file_inputs, manifest_inputs
+    from speechlm.use.inputs import file_inputs, manifest_inputs  # lazy: torch (CLI start-up)
 
     check_args(args)
     um = load_model(args.model, args.device or default_device())
@@ -348,11 +353,7 @@ def transcribe(
     in input order. A clip longer than the rule allows gets an error record; with --chunk a long clip
     is decoded as windows whose texts are joined. A piece whose decoding stopped at `max_new_tokens`
     marks its input ``"truncated": true`` and is warned about."""
-    import numpy as np
-
-    from speechlm.data.sampler.batching import batch_by_duration
-    from speechlm.progress import Progress
-    from speechlm.use.inputs import InputError
+    from speechlm.use.inputs import InputError  # lazy: torch (CLI start-up)
 
     device = next(um.model.parameters()).device
     pieces, refused = plan_pieces(inputs, rule)
@@ -400,7 +401,7 @@ def transcribe(
 def expand(piece: Piece, audio_N: Any, rule: WindowRule, sample_rate: int) -> list[tuple[Piece, Any]]:
     """The samples of `piece`; a one-piece input whose audio turned out longer than --chunk becomes all
     its windows here (its duration was unknown or understated when the pieces were planned)."""
-    import torch
+    import torch  # lazy: torch (CLI start-up)
 
     n = rule.windows(audio_N.shape[0] / sample_rate) if piece.windows == 1 else piece.windows
     if n != piece.windows:
@@ -414,7 +415,7 @@ def decode_pieces(
 ) -> Iterator[tuple[tuple[Piece, list[int]], bool]]:
     """Greedy ids of each piece (one padded batch), and whether it stopped at `max_new_tokens` (no stop
     token: `generate_greedy` returns the ids without the stop token, so a full budget means none came)."""
-    import torch
+    import torch  # lazy: torch (CLI start-up)
 
     if not ok:
         return
@@ -430,8 +431,6 @@ def decode_pieces(
 
 
 def decode_text(tokenizer: Any, ids: list[int]) -> str:
-    from speechlm.data.text import decode_hypothesis
-
     return str(decode_hypothesis(tokenizer, ids))
 
 
@@ -448,7 +447,7 @@ def warn_truncated(records: list[dict[str, Any]], max_new_tokens: int) -> None:
 def check_out_writable(out: Path) -> None:
     """Create and remove `out`'s temporary file now, so an --out that cannot be written is refused before
     any decoding (exit 4), not after it."""
-    tmp = temp_name(out)
+    tmp = temp_sibling(out)
     try:
         with tmp.open("w"):
             pass
@@ -461,10 +460,6 @@ def check_out_writable(out: Path) -> None:
         tmp.unlink()
 
 
-def temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def write_records(records: list[dict[str, Any]], out: str | None) -> None:
     """JSON lines to `out` (a temp file renamed over it: never a partial file) or to stdout."""
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -473,13 +468,9 @@ def write_records(records: list[dict[str, Any]], out: str | None) -> None:
         sys.stdout.flush()
         return
     path = Path(out)
-    tmp = temp_name(path)
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)  # the temp file is removed when the write fails
     except OSError as e:
-        with contextlib.suppress(OSError):  # on a read-only or vanished folder the removal fails too
-            tmp.unlink(missing_ok=True)
         raise OutputError(
             f"cannot write {path}: {e.strerror or e}; the {len(records)} lines decoded were not written (a "
             f"previous {path.name} is left as it was); free space or fix the path and run again"

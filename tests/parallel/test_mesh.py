@@ -1,6 +1,7 @@
 """ParallelDims: pure rank arithmetic (no process group)."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,3 +69,9 @@ def test_resolve_dp_shard_keeps_a_configured_value():
     assert resolve_dp_shard(8, 1, 2, 2, 1) == 2  # the product is checked by the caller
     assert resolve_dp_shard(8, 1, 0, 2, 1) is None and resolve_dp_shard(8, 1, -2, 2, 1) is None
     assert resolve_dp_shard(8, 0, -1, 2, 1) is None
+
+
+def test_from_config_reads_the_parallel_section():
+    """`ParallelDims.from_config` is the one place the config's sizes become a layout (train and validate)."""
+    section = SimpleNamespace(dp_replicate=2, dp_shard=-1, cp_size=2, tp_size=1)
+    assert ParallelDims.from_config(8, section) == ParallelDims(8, 2, 2, 2, 1)

@@ -297,7 +297,7 @@ def test_training_time_is_carried_across_launches(tmp_path):
     from types import SimpleNamespace
 
     from speechlm.train.callbacks import CheckpointCallback
-    from speechlm.train.entry import total_train_minutes
+    from speechlm.train.recipe import total_train_minutes
 
     cb = CheckpointCallback(tmp_path, every=0)
     cb.load_state_dict({"train_seconds": 120.0})  # what the resumed checkpoint's meta.pt holds

@@ -129,7 +129,7 @@ def both_inputs(demo_data):
 
     ev, module, val = build_evaluator(demo_data, demo_data["val"], "trainer.final_eval_split=both")
     inputs = SimpleNamespace(
-        train_table=open_index(demo_data["train"]), val_table=val, tokenizer=ev.tokenizer
+        train_table=open_index(demo_data["train"]), val_table=val, tokenizer=ev.tokenizer, chat_template=None
     )
     return ev.cfg, inputs, module
 
@@ -207,7 +207,7 @@ def test_sigterm_during_the_train_part_of_both_writes_no_eval_json(demo_data, tm
 
 def test_both_needs_a_val_manifest_and_an_evaluated_run_is_recognised(demo_data, tmp_path):
     from speechlm.config import ConfigError, load_config
-    from speechlm.train.entry import already_evaluated
+    from speechlm.train.recipe import already_evaluated
 
     with pytest.raises(ConfigError, match=r"trainer.final_eval_split='both'.*data.val_manifest"):
         load_config("configs/smoke.yaml", ["trainer.final_eval_split=both"])
@@ -227,7 +227,7 @@ def test_both_needs_a_val_manifest_and_an_evaluated_run_is_recognised(demo_data,
 def validations(cfg, inputs, module, run_dir) -> list[dict]:
     """The records the run's ValidationCallback (as build_trainer wires it) writes at steps 2 and 4."""
     from speechlm.train.callbacks import ValidationCallback
-    from speechlm.train.entry import build_trainer
+    from speechlm.train.recipe import build_trainer
 
     _, trainer = build_trainer(cfg, inputs, run_dir)
     cb = next(cb for cb in trainer.callbacks if isinstance(cb, ValidationCallback))

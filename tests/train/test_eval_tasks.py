@@ -126,7 +126,7 @@ def test_evaluation_of_a_mixed_split_gives_each_task_per_language(demo_data, tmp
     counts = ev.last_counts
     assert set(counts["scored_by_task"]) == {"asr", "ast"}
     assert sum(counts["scored_by_task"]["ast"].values()) == sum(t == "ast" for t in ev.last_tasks) == 6
-    inputs = SimpleNamespace(train_table=None, val_table=table, tokenizer=ev.tokenizer)
+    inputs = SimpleNamespace(train_table=None, val_table=table, tokenizer=ev.tokenizer, chat_template=None)
     ev.cfg.trainer.final_eval_split = "val"
     monkeypatch.setattr(
         "speechlm.train.plots.plot_learning_curve", lambda metrics, png: png

@@ -41,7 +41,7 @@ def test_mc01_lower_rule_trains_and_scores_the_same_text(demo_data: dict[str, st
     """MC01 with data.text_normalize=lower: the rendered targets hold no <unk> and are the lower-cased
     answers; a model that writes exactly those targets scores BLEU 100 against the lower-cased manifest
     answers (the rule applied to references and hypotheses the same way)."""
-    from speechlm.preflight.checks import run_dataset
+    from speechlm.data.run_inputs import run_dataset
 
     val = ast_upper(demo_data["val"], tmp_path / "ast_upper.parquet")
     ev, module, table = build_evaluator(demo_data, str(val), "data.text_normalize=lower")

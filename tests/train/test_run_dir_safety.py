@@ -262,3 +262,26 @@ def test_resume_from_another_runs_checkpoint_into_a_used_run_dir_is_refused(tmp_
     (run_dir / "eval.json").write_text("{}")
     with pytest.raises(RunDirError, match="holds another run"):
         prepare_run_dir(smoke_config(run_dir, f"trainer.resume={other}"), run_dir, 0)
+
+
+def test_an_explicit_resume_is_resolved_once_per_launch(tmp_path, monkeypatch):
+    """The pre-flight resolves an explicit trainer.resume (`resolve_explicit_resume`) and `prepare_run_dir`
+    takes that result instead of resolving (and verifying, hashing every file) the checkpoint again."""
+    from test_checkpoint_safety import save  # a real (small) checkpoint, no training (same folder)
+
+    from speechlm.train import run_dir as run_dir_module
+
+    run_dir = tmp_path / "run"
+    ckpt = save(run_dir / "checkpoints", 2)
+    cfg = smoke_config(run_dir, f"trainer.resume={ckpt}")
+    assert run_dir_module.resolve_explicit_resume("auto", run_dir) is None
+    assert run_dir_module.resolve_explicit_resume(None, run_dir) is None
+    resolved = run_dir_module.resolve_explicit_resume(str(ckpt), run_dir)
+    assert resolved == ckpt
+
+    def resolved_again(*args, **kwargs):
+        raise AssertionError("trainer.resume resolved a second time in one launch")
+
+    monkeypatch.setattr(run_dir_module, "resolve_resume", resolved_again)
+    monkeypatch.setattr(run_dir_module, "check_resume_config", lambda *a, **k: None)
+    assert run_dir_module.prepare_run_dir(cfg, run_dir, 0, resolved=resolved) == ckpt

@@ -25,15 +25,14 @@ def write_test_export(out: Path, overrides: list[str]) -> Path:
     import torch
 
     from speechlm.config import load_config
-    from speechlm.preflight import checks as preflight
-    from speechlm.train.entry import tokenizer_info
+    from speechlm.data.run_inputs import build_run_prompt, load_run_tokenizer, tokenizer_info
     from speechlm.train.module import SpeechLLMModule
     from speechlm.use.checkpoint import LoadedCheckpoint
-    from speechlm.use.export_cli import write_export
+    from speechlm.use.export import write_export
 
     cfg = load_config(SMOKE, overrides)
-    tokenizer = preflight.load_run_tokenizer(cfg, LANGS)
-    tok = tokenizer_info(cfg, tokenizer, preflight.build_run_prompt(cfg, tokenizer))
+    tokenizer = load_run_tokenizer(cfg, LANGS)
+    tok = tokenizer_info(cfg, tokenizer, build_run_prompt(cfg, tokenizer))
     torch.manual_seed(0)
     module = SpeechLLMModule(cfg, tok).eval()
     out.mkdir(parents=True)
@@ -171,7 +170,7 @@ def test_export_files_get_the_process_umask(demo_data, tmp_path):
 def test_llm_widths_leave_out_a_family_the_config_does_not_name():
     from types import SimpleNamespace
 
-    from speechlm.use.export_cli import llm_widths
+    from speechlm.use.export import llm_widths
 
     mistral = SimpleNamespace(model_type="mistral", hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
                               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)  # fmt: skip

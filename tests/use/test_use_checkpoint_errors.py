@@ -115,7 +115,8 @@ def test_evaluate_metric_gives_a_task_without_one_a_metric():
     from speechlm.config import load_config
     from speechlm.errors import UsageError
     from speechlm.metrics import MetricSpec
-    from speechlm.use.evaluate_cli import check_tasks_have_metrics, parse_metric_arguments
+    from speechlm.use.evaluate_cli import parse_metric_arguments
+    from speechlm.use.evaluation import check_tasks_have_metrics
 
     manifest = "caption.parquet"
     table = pa.table({"lang": ["en", "en"], "task": ["asr", "caption"]})  # what the check reads of it

@@ -45,14 +45,14 @@ def trained_run(demo_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated(trained_run, demo_data) -> dict:
-    from speechlm.use.evaluate_cli import evaluate_checkpoint
+    from speechlm.use.evaluation import evaluate_checkpoint
 
     return evaluate_checkpoint(trained_run, demo_data["val"])
 
 
 @pytest.fixture(scope="module")
 def exported(trained_run, tmp_path_factory) -> Path:
-    from speechlm.use.export_cli import export_checkpoint
+    from speechlm.use.export import export_checkpoint
 
     return export_checkpoint(trained_run, tmp_path_factory.mktemp("export") / "model")
 
@@ -100,7 +100,7 @@ def test_evaluate_cli_prints_the_table_or_one_json_object(
 
 
 def _evaluate_rank(rank: int, world_size: int, run_dir: str, manifest: str) -> dict:
-    from speechlm.use.evaluate_cli import evaluate_checkpoint
+    from speechlm.use.evaluation import evaluate_checkpoint
 
     out = evaluate_checkpoint(run_dir, manifest, rank=rank, world_size=world_size, max_utterances=3)
     return {"record": out["record"], "decodes": out["decodes"], "table": out["table"]}
@@ -108,7 +108,7 @@ def _evaluate_rank(rank: int, world_size: int, run_dir: str, manifest: str) -> d
 
 @pytest.mark.multiproc
 def test_evaluate_sharded_over_two_gloo_ranks_equals_one_rank(trained_run, demo_data):
-    from speechlm.use.evaluate_cli import evaluate_checkpoint
+    from speechlm.use.evaluation import evaluate_checkpoint
 
     one = evaluate_checkpoint(trained_run, demo_data["val"], max_utterances=3)  # 4 batches of 3
     two = run_distributed(_evaluate_rank, 2, "gloo", str(trained_run), demo_data["val"], timeout_s=300)
@@ -288,7 +288,7 @@ def test_export_refuses_a_non_empty_out_and_an_interrupted_one_leaves_nothing(
     trained_run, tmp_path, monkeypatch, capsys
 ):
     from speechlm.cli import main
-    from speechlm.use import export_cli
+    from speechlm.use import export
 
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -307,25 +307,24 @@ def test_export_refuses_a_non_empty_out_and_an_interrupted_one_leaves_nothing(
         (tmp / "llm").mkdir()
         raise KeyboardInterrupt  # SIGINT/SIGTERM while writing
 
-    monkeypatch.setattr(export_cli, "write_export", dies_midway)
+    monkeypatch.setattr(export, "write_export", dies_midway)
     with pytest.raises(KeyboardInterrupt):
-        export_cli.export_checkpoint(trained_run, out)
+        export.export_checkpoint(trained_run, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no out, no temp dir, stale removed
 
 
 def test_checkpoint_weights_must_cover_every_trainable_tensor(trained_run):
     """A checkpoint of another model config is refused naming a tensor it lacks (the frozen base a frozen
     or LoRA run leaves out is checked by fingerprint: tests/train/test_trainmodes_checkpoints.py)."""
-    from speechlm.preflight import checks as preflight
+    from speechlm.data.run_inputs import load_tokenizer, tokenizer_info
     from speechlm.train.checkpoint import CheckpointError
-    from speechlm.train.entry import tokenizer_info
     from speechlm.train.module import SpeechLLMModule
     from speechlm.use.checkpoint import checkpoint_config, load_checkpoint_weights, resolve_checkpoint
 
     ckpt = resolve_checkpoint(trained_run)
     cfg = checkpoint_config(ckpt)
     cfg.model.llm.num_layers += 1  # one decoder layer the checkpoint does not hold
-    tokenizer = preflight.load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     module = SpeechLLMModule(cfg, tokenizer_info(cfg, tokenizer))
     with pytest.raises(CheckpointError, match=r"has no model\.llm\.model\.layers\.2\."):
         load_checkpoint_weights(module, ckpt)
@@ -337,7 +336,7 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
 
     import yaml
 
-    from speechlm.preflight import checks as preflight
+    from speechlm.data import run_inputs
     from speechlm.use.checkpoint import load_checkpoint
 
     run = tmp_path / "run"
@@ -350,7 +349,7 @@ def test_a_runs_saved_tokenizer_is_preferred_to_the_configs(trained_run, tmp_pat
     def config_tokenizer(path):
         raise AssertionError(f"loaded data.tokenizer={path} although the run saved its own")
 
-    monkeypatch.setattr(preflight, "load_tokenizer", config_tokenizer)
+    monkeypatch.setattr(run_inputs, "load_tokenizer", config_tokenizer)
     loaded = load_checkpoint(run)
     assert Path(loaded.tokenizer.path).parent == run / "tokenizer"
 
@@ -369,7 +368,7 @@ def test_ctc_weight_decodes_jointly_alike_in_transcribe_and_evaluate(
     trained_run, exported, demo_data, capsys
 ):
     from speechlm.cli import main
-    from speechlm.use.evaluate_cli import evaluate_checkpoint
+    from speechlm.use.evaluation import evaluate_checkpoint
 
     texts = {}
     for weight in ("0", "1"):

@@ -1,0 +1,141 @@
+"""`speechlm evaluate`'s work (its command line is `speechlm.use.evaluate_cli`): a checkpoint rebuilt in
+this process (`speechlm.use.checkpoint`) decodes its share of a manifest with the training run's own
+`Evaluator`; the counts are gathered and summed over the ranks (the module docstring of
+`speechlm.use.evaluate_cli` says what is printed and written)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import Collectives
+from speechlm.config import ExperimentConfig
+from speechlm.data.run_inputs import RunTokenizer
+from speechlm.data.sources.mmap_cache import open_index
+from speechlm.errors import DataError
+from speechlm.metrics import MetricSpec, table_pairs
+from speechlm.preflight import checks as preflight
+from speechlm.preflight.checks import uncovered_targets
+from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
+from speechlm.train.step import StepContext
+from speechlm.use.checkpoint import load_checkpoint
+from speechlm.use.transcribe import apply_ctc_weight
+
+
+def check_tasks_have_metrics(cfg: ExperimentConfig, table: pa.Table, manifest: str | Path) -> None:
+    """Every task of `table` has a metric under `cfg` (with --metric applied); the advice is evaluate's."""
+    spec = MetricSpec.from_config(cfg)
+    for task in sorted({task for task, _ in table_pairs(table)}):
+        spec.check_task(
+            task,
+            f"--manifest {manifest}",
+            how=f"give it one with --metric, e.g. `speechlm evaluate ... --metric {task}=accuracy`",
+        )
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def init_process_group(device: str) -> None:
+    if dist.is_initialized():
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    manifest: str | Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str = "cpu",
+    max_new_tokens: int = 96,
+    max_utterances: int | None = None,
+    batch_seconds: float | None = None,
+    ctc_weight: float | None = None,
+    metrics: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Evaluate on this rank's share, gather; returns {record, table, decodes} (the same on every rank).
+    `metrics` ({task: [metric, ...]}, ``--metric``) replace those tasks' entries of trainer.eval_metrics.
+
+    With `world_size` > 1 the default process group must be initialised (torchrun, or a test harness)."""
+    quiet = rank != 0
+    loaded = load_checkpoint(checkpoint, device=device, log=(lambda m: None) if quiet else _stderr)
+    cfg = loaded.cfg
+    cfg.data.val_manifest = str(manifest)  # names the split in messages
+    if batch_seconds is not None:
+        cfg.trainer.eval_batch_duration = float(batch_seconds)
+    cfg.trainer.eval_metrics = {**cfg.trainer.eval_metrics, **(metrics or {})}
+    table = open_index(manifest)
+    check_tasks_have_metrics(cfg, table, manifest)
+    problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
+    if problems:
+        raise DataError("\n".join(problems))
+    if not quiet:
+        warn_uncovered(table, f"--manifest {manifest}", loaded.tokenizer, cfg.data.text_normalize)
+    module = loaded.module
+
+    apply_ctc_weight(module.model, ctc_weight)
+    module.step_ctx = StepContext(
+        rank=rank,
+        collectives=Collectives(
+            rank=rank, world_size=world_size, dp_rank=rank, dp_size=world_size, device=device
+        ),
+    )
+    evaluator = Evaluator(
+        cfg,
+        loaded.tokenizer,
+        table,
+        rank,
+        max_batches=None,
+        max_new_tokens=max_new_tokens,
+        max_utterances=max_utterances,
+    )
+    if not quiet:
+        _stderr(f"evaluating {loaded.ckpt} (step {loaded.step}) on {manifest}: {len(table)} utterances, "
+                f"{world_size} process(es)")  # fmt: skip
+    metrics = evaluator(module, display=True)  # a progress display on a terminal (rank 0)
+    counts = evaluator.last_counts
+    scores = {k: v for k, v in metrics.items() if k not in ("utterances", "dropped")}
+    record = {"checkpoint": str(loaded.ckpt), "step": loaded.step, "manifest": str(manifest), **scores}
+    record.update(count_record(counts))
+    decodes = [
+        {"row": row, "task": task, "lang": lang, "ref": ref, "hyp": hyp}
+        for row, task, (lang, ref, hyp) in zip(
+            evaluator.last_rows, evaluator.last_tasks, evaluator.last_decodes
+        )
+    ]
+    return {"record": record, "table": format_eval_table(metrics, counts), "decodes": decodes}
+
+
+def warn_uncovered(table: pa.Table, name: str, tokenizer: RunTokenizer, rule: str) -> None:
+    """A warning when references hold characters the checkpoint's tokenizer cannot encode under its
+    data.text_normalize rule: the model cannot write them, so they are scored as errors (never as the
+    tokenizer's round trip of the text)."""
+    found = uncovered_targets(table, tokenizer, rule)
+    if found is not None:
+        _stderr(
+            f"warning: {found.describe(name, tokenizer, rule)}: the model cannot write them, so the metrics "
+            f"count them as errors (the references are the manifest's text under data.text_normalize={rule}, "
+            f"the rule the checkpoint was trained with): {found.quoted}; to score without them, normalise "
+            "the manifest's text the way the training data was (e.g. lower-case it)"
+        )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def close_process_group() -> None:
+    dist.destroy_process_group()
