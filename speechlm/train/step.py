@@ -127,6 +127,7 @@ def count_targets(batch: Batch, model: SpeechLLM) -> int:
         return 0
     batch = as_conversation(batch, model.prompt)
     mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
+    assert mask_BP is not None and lens_B is not None  # as_conversation fills both
     within_BP = (
         torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
     )
