@@ -90,7 +90,7 @@ def normalize_text(text: str, ops: Iterable[str]) -> str:
 
 def word_error_counts(ref: str, hyp: str) -> tuple[int, int]:
     """(errors S + D + I, reference words) of one utterance; (0, 0) for an empty reference."""
-    import jiwer
+    import jiwer  # lazy: only when scoring (config imports this module at CLI start-up)
 
     if not ref.strip():
         return 0, 0
@@ -102,7 +102,7 @@ def word_error_counts(ref: str, hyp: str) -> tuple[int, int]:
 
 def char_error_counts(ref: str, hyp: str) -> tuple[int, int]:
     """(character errors S + D + I, reference characters, spaces included, as jiwer.cer counts them)."""
-    import jiwer
+    import jiwer  # lazy: only when scoring (config imports this module at CLI start-up)
 
     if not ref.strip():
         return 0, 0
@@ -114,7 +114,7 @@ def char_error_counts(ref: str, hyp: str) -> tuple[int, int]:
 
 @cache
 def _sacrebleu(metric: str) -> Any:
-    from sacrebleu.metrics import BLEU, CHRF
+    from sacrebleu.metrics import BLEU, CHRF  # lazy: only when scoring translations
 
     return BLEU() if metric == "bleu" else CHRF()
 

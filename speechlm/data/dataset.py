@@ -49,8 +49,12 @@ from speechlm.data.audio import AudioDecodeError, SegmentOutOfRangeError, decode
 from speechlm.data.batch import Batch as Batch  # re-exported: the loader's output
 from speechlm.data.batch import Collator as Collator  # re-exported: the loader's default collate_fn
 from speechlm.data.conversation import Clip, Conversation
+from speechlm.data.conversation_samples import conversation_sample
+from speechlm.data.manifest.load import dictionary_codes
 from speechlm.data.manifest.schema import CONVERSATION_SCHEMA, duration_mismatch
 from speechlm.data.samples import DroppedSample, Sample
+from speechlm.data.sources.detect import load_source
+from speechlm.data.sources.input_cfg import MIX_KEY
 from speechlm.data.sources.locators import IntColumn, RowLocators
 from speechlm.data.sources.members import MemberError
 from speechlm.data.text import TRANSCRIPT_DROP_REASONS, check_transcript
@@ -109,15 +113,11 @@ def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
 def _read_table(path: Path) -> pa.Table:
     """The manifest at `path`, any kind `sources.detect` knows, read in memory as it is: training passes
     the table of `sources.mmap_cache.open_index` instead (memory-mapped, its durations checked)."""
-    from speechlm.data.sources.detect import load_source
-
     return load_source(path)
 
 
 def _dataset_paths(table: pa.Table) -> tuple[IntColumn | None, list[str] | None]:
     """Per-row codes into the paths of a `data.input_cfg` table's datasets (for messages), or Nones."""
-    from speechlm.data.sources.input_cfg import MIX_KEY
-
     meta = (table.schema.metadata or {}).get(MIX_KEY)
     if meta is None or "dataset" not in table.column_names:
         return None, None
@@ -222,8 +222,6 @@ class SpeechDataset(Dataset):
         }
         lang_col = table.column("lang")
         if pa.types.is_dictionary(lang_col.type) and not lang_col.null_count:
-            from speechlm.data.manifest.load import dictionary_codes
-
             codes, self._lang_names = dictionary_codes(lang_col)
             self._lang_codes = codes.astype(np.int16)
         else:
@@ -304,8 +302,6 @@ class SpeechDataset(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"row {index} is out of range for manifest {self.source} with {len(self)} rows")
         if self.renderer is not None:
-            from speechlm.data.conversation_samples import conversation_sample
-
             return conversation_sample(self, i)
         ids = self._tokens(i)
         if isinstance(ids, DroppedSample):

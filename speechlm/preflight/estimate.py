@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from parallel.frames import HOP_SAMPLES, SAMPLE_RATE, feature_frames_of_seconds
-from speechlm.config import ExperimentConfig
+from speechlm.config import ExperimentConfig, load_config
 from speechlm.data.sampler.cost import CHARS_PER_TOKEN  # no tokenizer at hand: the sampler's estimate
 from speechlm.data.tokenizer import load_text_tokenizer
 from speechlm.errors import DataError, UsageError, UserError
@@ -400,8 +400,6 @@ def estimate_layout(
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from speechlm.config import load_config
-
     cfg = load_config(args.config, args.overrides or [])
     if args.world_size < 1:
         raise UsageError(f"--world-size {args.world_size}: give the number of processes (>= 1)")

@@ -53,7 +53,7 @@ from parallel.validator import (
     parse_capability,
 )
 from speechlm import errors
-from speechlm.config import ExperimentConfig, parse_command_line, split_override
+from speechlm.config import ConfigError, ExperimentConfig, load_config, parse_command_line, split_override
 from speechlm.preflight.rules import RULES
 
 # installed-package name -> (distribution names to ask importlib.metadata, import name)
@@ -256,9 +256,9 @@ def _resolve_world_size(
 
 
 def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
-    from speechlm.config import load_config  # ConfigError propagates to run()
-
-    config = load_config(args.config, _gather_overrides(args))
+    config = load_config(  # ConfigError propagates to run()
+        args.config, _gather_overrides(args)
+    )
     env = dict(os.environ)
     for key, value in _split_pairs(args.env, "--env", allow_bare=True):
         if value is None:
@@ -292,8 +292,6 @@ def _collect(args: argparse.Namespace) -> tuple[ValidationContext, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speechlm.config import ConfigError
-
     try:
         ctx, world_source = _collect(args)
     except (ConfigError, UsageError) as e:
