@@ -82,7 +82,10 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "speechlm/io.py": (GROUND, ()),
     "speechlm/progress.py": (GROUND, ()),
     "speechlm/metrics.py": (GROUND, ()),
-    "speechlm/config": (("speechlm.config", *GROUND, "parallel.backend_caps"), ("torch",)),
+    "speechlm/config": (
+        ("speechlm.config", *GROUND, "parallel.backend_caps", "parallel.frames", "parallel.clip_placement"),
+        ("torch",),
+    ),
     "speechlm/packing": (("speechlm.packing", "parallel.rounding"), ()),
     "speechlm/data": (
         ("speechlm.data", "speechlm.config", "speechlm.packing", *GROUND, "parallel"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from parallel.clip_placement import slice_halo
+from parallel.frames import PADDING_FREE_KINDS
 from speechlm.config.choices import (
     AttentionBackend,
     ConvNorm,
@@ -20,7 +22,8 @@ from speechlm.config.rules import POS_INT, Flag, Names, Num, Seq, Text
 
 # LoRA's default targets: every attention and MLP projection of Llama, Qwen2 and Qwen3
 LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SIZE = "model size"  # the meaning of every size key of a model built from its config
+SIZE = "model size"
+BUILT_CONV_KERNEL = 9  # the conformer convolution's kernel of a Parakeet encoder built from sizes (transformers' default)  # the meaning of every size key of a model built from its config
 
 
 @dataclass
@@ -82,9 +85,9 @@ class EncoderConfig(Section):
         encoder encodes every clip whole (full context, not a padding-free Parakeet). The model computes the
         same from the built encoder (`AudioEncoder.slice_halo`), whose kernel a pretrained encoder sets."""
         window = self.limited_context()
-        if window is None or self.kind != "parakeet" or self.packed is False:
+        if window is None or self.kind not in PADDING_FREE_KINDS or self.packed is False:
             return None
-        return max(*window, 4) + projector_stack
+        return slice_halo(window, BUILT_CONV_KERNEL) + projector_stack
 
     def problems(self) -> list[str]:
         out = []
@@ -120,7 +123,11 @@ class EncoderConfig(Section):
                 f"model.encoder.att_context_size={list(ctx)}: give two frame counts >= 0 ([left, right]), or "
                 "[-1, -1] / null for full context (one unlimited side is not supported)"
             )
-        elif ctx is not None and list(ctx) != [-1, -1] and (self.kind != "parakeet" or self.packed is False):
+        elif (
+            ctx is not None
+            and list(ctx) != [-1, -1]
+            and (self.kind not in PADDING_FREE_KINDS or self.packed is False)
+        ):
             out.append(
                 f"model.encoder.att_context_size={list(ctx)} (limited context) needs the padding-free Parakeet "
                 f"encoder, not kind={self.kind!r} with packed={self.packed}: use kind=parakeet with packed unset "
