@@ -18,10 +18,9 @@ from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
 from speechlm.data.run_inputs import RunTokenizer
 from speechlm.data.sources.mmap_cache import open_index
+from speechlm.data.tokenizer_checks import check_table, uncovered_targets
 from speechlm.errors import DataError
 from speechlm.metrics import MetricSpec, table_pairs
-from speechlm.preflight import checks as preflight
-from speechlm.preflight.checks import uncovered_targets
 from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
 from speechlm.train.step import StepContext
 from speechlm.use.checkpoint import load_checkpoint
@@ -79,7 +78,7 @@ def evaluate_checkpoint(
     cfg.trainer.eval_metrics = {**cfg.trainer.eval_metrics, **(metrics or {})}
     table = open_index(manifest)
     check_tasks_have_metrics(cfg, table, manifest)
-    problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
+    problems = check_table(table, f"--manifest {manifest}", loaded.tokenizer)
     if problems:
         raise DataError("\n".join(problems))
     if not quiet:
