@@ -13,7 +13,8 @@ from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 from parallel.cp_layout import NullCPLayout
 from speechlm.model.conversation_inputs import conversation_prompts, last_target_start
 from speechlm.packing.thd import pack_thd
-from speechlm.train.step import count_ctc_clips, count_targets
+from speechlm.model.micro_losses import count_targets
+from speechlm.train.step import count_ctc_clips
 
 
 @pytest.fixture(scope="module")
