@@ -1,7 +1,7 @@
 """`speechlm evaluate`'s work (its command line is `speechlm.use.evaluate_cli`): a checkpoint rebuilt in
-this process (`speechlm.use.checkpoint`) decodes its share of a manifest with the training run's own
-`Evaluator`; the counts are gathered and summed over the ranks (the module docstring of
-`speechlm.use.evaluate_cli` says what is printed and written)."""
+this process (`speechlm.use.checkpoint`) decodes its share of a manifest with the `Evaluator` that
+training's validation runs (`speechlm.use.evaluator`); the counts are gathered and summed over the ranks
+(the module docstring of `speechlm.use.evaluate_cli` says what is printed and written)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from speechlm.data.sources.mmap_cache import open_index
 from speechlm.data.tokenizer_checks import check_table, uncovered_targets
 from speechlm.errors import DataError
 from speechlm.metrics import MetricSpec, table_pairs
-from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
-from speechlm.train.step import StepContext
 from speechlm.use.checkpoint import load_checkpoint
+from speechlm.use.eval_report import count_record, format_eval_table
+from speechlm.use.evaluator import EvalContext, Evaluator
 from speechlm.use.transcribe import apply_ctc_weight
 
 
@@ -86,8 +86,7 @@ def evaluate_checkpoint(
     module = loaded.module
 
     apply_ctc_weight(module.model, ctc_weight)
-    module.step_ctx = StepContext(
-        rank=rank,
+    module.step_ctx = EvalContext(
         collectives=Collectives(
             rank=rank, world_size=world_size, dp_rank=rank, dp_size=world_size, device=device
         ),
