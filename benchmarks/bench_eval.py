@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
     from speechlm.model.speech_llm import SpeechLLM
-    from speechlm.train.data import build_eval_batches
-    from speechlm.train.evaluate import decode_shard
+    from speechlm.use.evaluator import build_eval_batches, decode_shard
 
     data = Path(args.data)
     prepare_demo(data)

@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from speechlm.config import load_config
+    from speechlm.model.micro_losses import compute_micro_losses
     from speechlm.model.speech_llm import SpeechLLM
-    from speechlm.train.step import StepContext, compute_micro_losses
+    from speechlm.train.step import StepContext
 
     cfg = load_config(args.config, [])
     if args.max_batch_duration is None:

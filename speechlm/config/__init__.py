@@ -61,7 +61,6 @@ from speechlm.config.keys import ConfigError, KeySpec, MissingInputError, Sectio
 from speechlm.config.load import (
     REMOVED_KEYS,
     SWEEP_SPEC_KEYS,
-    _from_dict,
     apply_override,
     clone,
     from_dict,
@@ -143,7 +142,6 @@ __all__ = [
     "Text",
     "TextNormalize",
     "TrainerConfig",
-    "_from_dict",
     "apply_override",
     "check_config",
     "choices_of",

@@ -196,9 +196,6 @@ def from_dict(cls: type, data: dict[str, Any], where: str, prefix: str = "") -> 
     return cls(**kwargs)
 
 
-_from_dict = from_dict  # the name speechlm/model/exported.py imports
-
-
 def to_dict(cfg: Any) -> dict[str, Any]:
     out = dataclasses.asdict(cfg)
 

@@ -145,7 +145,7 @@ class TrainerConfig(Section):
         "split scored into eval.json after training ('auto': val when data.val_manifest is set, else none; "
         "'both': val, then a subset of train of trainer.final_eval_train_utterances)",
     )
-    # spread over the (task, language) groups (speechlm/train/evaluate.py, train_eval_rows)
+    # spread over the (task, language) groups (speechlm/train/eval_rows.py, train_eval_rows)
     final_eval_train_utterances: int | None = key(
         None,
         "training utterances scored by final_eval_split=both, in the val split's (task, language) proportions",

@@ -39,7 +39,7 @@ the text between ``<|...|>`` tags (tags are kept as they are):
     clean         `clean_text` (the manifest builder's cleaning above; case kept)
     clean_lower   lower-cased, then `clean_text`
 
-The pre-flight (`speechlm.preflight.checks.coverage_problems`) refuses a run whose normalised targets hold a
+The pre-flight (`speechlm.data.tokenizer_checks.coverage_problems`) refuses a run whose normalised targets hold a
 character the tokenizer cannot encode, so none is trained as ``<unk>``.
 """
 

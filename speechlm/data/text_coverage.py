@@ -30,7 +30,7 @@ The scan is vectorised over unique characters, never an encode per row:
 The message names the manifest, the count of rows, the first rows (segment ids) with their
 characters and text, and the fix: the ``data.text_normalize`` rule that covers every character when one
 does, else retraining the tokenizer or fixing the rows. Measured when nothing is uncovered: about four
-times the tag scan of the same column (`speechlm.preflight.checks.unknown_tag_rows`), 4 s per million
+times the tag scan of the same column (`speechlm.data.tokenizer_checks.unknown_tag_rows`), 4 s per million
 48-character transcripts on a shared, heavily loaded CPU core. Limits: a character is judged on its own
 (and as a composing pair), so a WordPiece vocabulary that has a character but not its ``##``
 continuation piece is not caught; the suggested rule is judged on the characters as the current rule

@@ -1,6 +1,6 @@
 """An export directory (`speechlm export`) loaded back into a `SpeechLLM`, with no training code.
 
-Layout (every path relative to the directory; `speechlm.use.export_cli` writes it):
+Layout (every path relative to the directory; `speechlm.use.export` writes it):
 
     speechlm_export.json   the one config: format version, the model section (encoder, projector,
                            LLM, with ``llm.pretrained: llm``), the SpeechLLM's token ids and prompt
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from speechlm.config import ModelConfig, _from_dict
+from speechlm.config import ModelConfig, from_dict
 from speechlm.errors import RunDirError
 from speechlm.io import sha256_of
 from speechlm.model.speech_llm import SpeechLLM
@@ -134,7 +134,7 @@ def build_speech_llm(model_section: dict[str, Any], speech_llm: dict[str, Any], 
     section["llm"]["pretrained"] = str(root / LLM_DIR)
     enc = section["encoder"]
     enc["pretrained"] = str(root / ENCODER_DIR) if enc.get("pretrained") else None
-    model_cfg = _from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
+    model_cfg = from_dict(ModelConfig, section, str(root / EXPORT_CONFIG), "model.")
     kwargs = dict(speech_llm)
     if isinstance(kwargs.get("prompt"), dict):  # TokenizerInfo's PromptFormat, saved as a JSON object
         fields: dict[str, Any] = {

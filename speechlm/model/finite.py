@@ -4,7 +4,7 @@ A weights file damaged in place keeps its size and loads: bytes 0xff read as NaN
 and a NaN weight makes every loss NaN. What is loaded from outside the run is checked once, as it is
 loaded: a pretrained LLM (`speechlm.model.llm.build_llm`), a pretrained encoder
 (`speechlm.model.encoders.build_encoder`) and a checkpoint's tensors
-(`speechlm.train.checkpoint.load_trained_state`, which agrees on the result over the ranks). The check
+(`speechlm.use.checkpoint_files.load_trained_state`, which agrees on the result over the ranks). The check
 reads every floating-point tensor once, in chunks (no full-size boolean copy of a large matrix): about
 the cost of one pass over the weights.
 """

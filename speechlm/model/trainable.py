@@ -20,7 +20,7 @@ frozen parameter has no optimizer state; under FSDP2 a parameter without a gradi
 reduce-scattered. What was frozen is recorded on the model as `TrainModes`: the frozen parameters'
 names (checkpoints leave them out, `trainable_state_dict`) and a fingerprint per frozen part, a SHA-256
 over the frozen tensors (names without peft's ``.base_layer``, dtypes, shapes, bytes), which a
-checkpoint stores and resume compares (`speechlm.train.checkpoint.check_frozen_base`).
+checkpoint stores and resume compares (`speechlm.use.checkpoint_files.check_frozen_base`).
 
 Tokens the run added to a pretrained LLM's vocabulary (`speechlm.model.llm.init_added_rows`: the
 language tags of ``data.lang_tags=special``) start with embedding and LM-head rows at the mean of the

@@ -7,9 +7,11 @@ run that `validate` accepts does not stop at its first validation or final evalu
 - the manifests exist and open, the tokenizer files exist and load (`speechlm.data.run_inputs`);
 - every transcript and the instruction use only tags the tokenizer knows, every language of the train
   and val manifests is one of its languages, and no row has a null text, path or language
-  (`check_inputs`; the scan runs over the Arrow text column with pyarrow.compute, a chunk at a time);
+  (`check_inputs`; the manifests' checks are `speechlm.data.tokenizer_checks.check_table`, a scan over
+  the Arrow text column with pyarrow.compute, a chunk at a time);
 - every character of the answers and transcripts, after the data.text_normalize rule, is one the
-  tokenizer can encode, never <unk> (`coverage_problems`: a scan over the distinct characters);
+  tokenizer can encode, never <unk> (`speechlm.data.tokenizer_checks.coverage_problems`: a scan over the
+  distinct characters);
 - the figures the validator's data-side rules read: rows and the longest clip (`summarize`), and,
   once the other rules pass, the epoch plan's micro-batches per data-parallel rank
   (`summarize_plan`, for `epoch-plan-too-short`).
@@ -22,13 +24,11 @@ The run's inputs themselves (manifests, tokenizer, prompt, renderer, dataset) ar
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from parallel.frames import planned_encoder_frames
 from parallel.mesh import ParallelDims
@@ -45,18 +45,10 @@ from speechlm.data.run_inputs import (
 )
 from speechlm.data.sampler.build import build_sampler, longest_row_tokens, token_cost_of
 from speechlm.data.sampler.epoch_plan import EpochTooShortError, too_long_message
-from speechlm.data.text_coverage import coverage_problems as problems_of
-from speechlm.data.text_coverage import find_uncovered
-from speechlm.data.tokenizer import AUDIO, format_lang_tag
+from speechlm.data.tokenizer_checks import check_table, coverage_problems, known_tags, unknown_tags_in
 from speechlm.errors import DataError, UsageError
 from speechlm.metrics import MetricSpec, table_pairs
 from speechlm.model.llm_preflight import check_pretrained_llm
-
-# the tag syntax `Tokenizer.encode` reads as one special token (speechlm.data.tokenizer._TAG_RE)
-TAG_PATTERN = r"<\|[^|<>\s]+\|>"
-_TAG_RE = re.compile(TAG_PATTERN)
-SCAN_ROWS = 1 << 18  # rows per slice of the vectorised text scan (bounds the temporary strings)
-SHOW = 3  # bad rows quoted per problem
 
 
 # --- files ------------------------------------------------------------------------------------------
@@ -104,147 +96,18 @@ def tokenizer_summary(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 # --- transcripts, languages, the instruction ---------------------------------------------------------
-def known_tags(tokenizer: RunTokenizer) -> list[str]:
-    """The `<|...|>` tags `tokenizer.encode` accepts: one per language, and `<|audio|>`."""
-    return [AUDIO, *(format_lang_tag(lang) for lang in tokenizer.langs)]
-
-
-def _unknown_tags_in(text: str, known: set[str]) -> list[str]:
-    return [m.group(0) for m in _TAG_RE.finditer(text) if m.group(0) not in known]
-
-
 def check_instruction(instruction: str | None, tokenizer: RunTokenizer) -> None:
     """data.instruction may only use tags the tokenizer knows (DI1); a UsageError otherwise."""
     if not instruction:
         return
     known = known_tags(tokenizer)
-    bad = _unknown_tags_in(instruction, set(known))
+    bad = unknown_tags_in(instruction, set(known))
     if bad:
         raise UsageError(
             f"data.instruction={instruction!r} contains the tag(s) {', '.join(dict.fromkeys(bad))}, which "
             f"tokenizer {tokenizer.path} does not know (it knows {', '.join(known)}); use one of those tags "
             "or plain text in data.instruction, or retrain the tokenizer with that language"
         )
-
-
-def _row_name(table: pa.Table, row: int) -> str:
-    if "segment_id" in table.column_names:
-        seg = table.column("segment_id")[row]
-        if seg.is_valid:
-            return f"row {row} (segment {seg.as_py()})"
-    return f"row {row}"
-
-
-def _null_problems(table: pa.Table, name: str) -> list[str]:
-    out = []
-    for col in ("audio_filepath", "text", "lang"):
-        if col not in table.column_names:
-            continue
-        column = table.column(col)
-        if column.null_count:
-            row = pc.index(pc.is_null(column), True).as_py()
-            out.append(
-                f"{name}, {_row_name(table, row)}: column {col} is null ({column.null_count} null row(s) "
-                "in all); fix those rows or rebuild the manifest"
-            )
-    return out
-
-
-def _language_problems(table: pa.Table, name: str, tokenizer: RunTokenizer) -> list[str]:
-    lang = table.column("lang")
-    present: set[str] = set()
-    for chunk in lang.chunks:
-        present.update(x for x in pc.unique(chunk).to_pylist() if x is not None)
-    unknown = sorted(present - set(tokenizer.langs))
-    if not unknown:
-        return []
-    as_text = lang.cast(pa.string()) if pa.types.is_dictionary(lang.type) else lang
-    parts = []
-    for code in unknown:
-        hits = pc.equal(as_text, code)
-        parts.append(
-            f"{code!r} ({pc.sum(hits).as_py()} row(s), first {_row_name(table, pc.index(hits, True).as_py())})"
-        )
-    return [
-        f"{name} has language(s) that tokenizer {tokenizer.path} does not know: {'; '.join(parts)} (it knows "
-        f"{', '.join(tokenizer.langs)}); retrain the tokenizer on a manifest with these languages "
-        "(`speechlm tokenizer train --manifest ...`) or remove those rows"
-    ]
-
-
-def unknown_tag_rows(texts: pa.ChunkedArray, known: list[str]) -> tuple[int, list[int]]:
-    """(rows whose text has a tag not in `known`, the first SHOW of them), scanning with pyarrow.compute.
-
-    Each slice of SCAN_ROWS rows takes two passes of RE2 over the Arrow strings: the first keeps the
-    rows that are plainly clean (an optional known leading tag, then no `<|`: nearly every row); the
-    rest have their known tags removed and are searched for any tag left. Null texts count as clean
-    here (`_null_problems` names them). Measured: 0.6-0.8 s per million 70-character texts, one CPU core
-    (a one-pass replace-then-match over every row took 1.7 s).
-    """
-    known_re = "|".join(re.escape(t) for t in known)  # never empty: <|audio|> is always known
-    clean_re = rf"^\s*(?:{known_re})?(?:[^<]|<[^|])*<?$"
-    count, first = 0, []  # type: int, list[int]
-    offset = 0
-    for chunk in texts.chunks:
-        for start in range(0, len(chunk), SCAN_ROWS):
-            piece = chunk.slice(start, SCAN_ROWS)
-            clean = pc.fill_null(pc.match_substring_regex(piece, clean_re), True)
-            suspects = np.flatnonzero(~clean.to_numpy(zero_copy_only=False))
-            if not len(suspects):
-                continue
-            rest = pc.replace_substring_regex(pc.take(piece, suspects), pattern=known_re, replacement="")
-            hit = pc.fill_null(pc.match_substring_regex(rest, TAG_PATTERN), False)
-            rows = suspects[hit.to_numpy(zero_copy_only=False)]
-            count += len(rows)
-            first.extend(int(offset + start + r) for r in rows[: SHOW - len(first)])
-        offset += len(chunk)
-    return count, first
-
-
-def _tag_problems(table: pa.Table, name: str, tokenizer: RunTokenizer, column: str = "text") -> list[str]:
-    known = known_tags(tokenizer)
-    texts = table.column(column)
-    count, rows = unknown_tag_rows(texts, known)
-    if not count:
-        return []
-    quoted = []
-    tags: dict[str, None] = {}
-    for row in rows:
-        text = texts[row].as_py()
-        bad = _unknown_tags_in(text, set(known))
-        tags.update(dict.fromkeys(bad))
-        where = "" if column == "text" else f"column {column}, "
-        quoted.append(f"{where}{_row_name(table, row)}: {', '.join(bad)} in {text[:60]!r}")
-    return [
-        f"{name}: {count} {'rows hold' if count > 1 else 'row holds'} a tag that tokenizer {tokenizer.path} does not "
-        f"know ({', '.join(tags)}{', ...' if count > len(rows) else ''}; it knows {', '.join(known)}): "
-        f"{'; '.join(quoted)}{'; ...' if count > len(rows) else ''}; fix those transcripts or retrain the "
-        "tokenizer with those languages"
-    ]
-
-
-def check_table(table: pa.Table, name: str, tokenizer: RunTokenizer) -> list[str]:
-    """Problems of one manifest against the tokenizer: null values, unknown languages, unknown tags (in the
-    transcripts and in the optional instructions and answers)."""
-    nulls = _null_problems(table, name)
-    tags = [
-        p
-        for col in ("text", "instruction", "answer")
-        if col in table.column_names
-        for p in _tag_problems(table, name, tokenizer, col)
-    ]
-    return [*nulls, *_language_problems(table, name, tokenizer), *tags]
-
-
-def coverage_problems(table: pa.Table, name: str, tokenizer: RunTokenizer, rule: str) -> list[str]:
-    """Characters of the answers and transcripts of `table` that `tokenizer` cannot encode under the
-    data.text_normalize rule `rule` (`speechlm.data.text_coverage`): they would be trained as <unk>."""
-    return problems_of(table, name, tokenizer, rule, lambda row: _row_name(table, row))
-
-
-def uncovered_targets(table: pa.Table, tokenizer: RunTokenizer, rule: str) -> Any:
-    """`speechlm.data.text_coverage.find_uncovered` with the rows named as the pre-flight names them."""
-    return find_uncovered(table, tokenizer, rule, lambda row: _row_name(table, row))
 
 
 def check_inputs(

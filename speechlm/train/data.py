@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
-from speechlm.data.manifest import manifest_arrays
-from speechlm.data.sampler.batching import batch_by_duration
+from speechlm.data.drops import drop_advice, drop_listing, drop_reasons
 from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.errors import DataError
 
@@ -211,49 +208,6 @@ class DroppedDataError(DataError, RuntimeError):
     """Too much of a micro-batch could not be read: training on the rest would be training on almost nothing."""
 
 
-# what to do about a dropped sample, by the reason it was dropped (the first that applies is said first)
-_FILE_REASONS = frozenset(
-    {"missing_file", "undecodable", "empty_audio", "missing_shard", "truncated_shard", "stale_index",
-     "segment_beyond_audio"}
-)  # fmt: skip
-_TEXT_REASONS = frozenset({"invalid_text", "empty_text", "missing_tag", "tag_mismatch"})
-
-
-def drop_reasons(dropped: Mapping[str, int]) -> str:
-    """Drop counts by reason, as every drop message gives them: ``missing_file 3, too_many_tokens 1``."""
-    return ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()))
-
-
-def drop_listing(rows: Sequence[str], limit: int = 20) -> str:
-    """The first `limit` dropped rows (each with its reason and detail), one a line, and how many more."""
-    more = f"\n  ... and {len(rows) - limit} more" if len(rows) > limit else ""
-    return "\n  ".join(rows[:limit]) + more
-
-
-def drop_advice(reasons: Mapping[str, int] | Iterable[str]) -> str:
-    """What to do about samples dropped for `reasons` (each line of the listing says what is wrong with
-    its row): restore files only when files are the cause, fix texts or durations, or raise the token
-    limit, so the advice never sends a user after the wrong thing."""
-    got = set(reasons)
-    advice = []
-    if got & _FILE_REASONS:
-        advice.append(
-            "restore or remove the unreadable audio (then rebuild the manifest with `speechlm manifest build`)"
-        )
-    if "duration_mismatch" in got:
-        advice.append("fix the durations (or audio paths) of those rows")
-    if got & _TEXT_REASONS:
-        advice.append(
-            "fix the texts of those rows as each line says (`speechlm manifest build` tags and cleans)"
-        )
-    if "too_many_tokens" in got:
-        advice.append("raise data.max_tokens or shorten those samples")
-    known = _FILE_REASONS | _TEXT_REASONS | {"duration_mismatch", "too_many_tokens"}
-    if got - known or not advice:
-        advice.append("fix those rows as each line says")
-    return "; ".join(advice)
-
-
 def check_dropped_fraction(batch: Batch, limit: float, *, epoch: int, position: int) -> None:
     """Raise DroppedDataError naming the rows when more than `limit` of the micro-batch's samples were
     dropped (each with its reason, and advice that fits the reasons)."""
@@ -267,19 +221,6 @@ def check_dropped_fraction(batch: Batch, limit: float, *, epoch: int, position: 
         f"{drop_listing(batch.dropped_files)}\nTo go on: "
         f"{drop_advice(batch.dropped)}; or raise data.max_dropped_fraction"
     )
-
-
-def build_eval_batches(
-    table: pa.Table,
-    *,
-    max_batch_duration: float,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    max_utterances: int | None = None,
-) -> list[list[int]]:
-    """Deterministic, sequential evaluation batches (every row once, sorted by duration), dealt to dp ranks."""
-    durations = manifest_arrays(table).durations
-    return batch_by_duration(durations, max_batch_duration, max_utterances)[dp_rank::dp_size]
 
 
 def resolve_path(p: str | None, base: Path | None = None) -> Path | None:

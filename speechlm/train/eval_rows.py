@@ -1,8 +1,8 @@
-"""Which rows an evaluation scores, and how they are dealt to the data-parallel ranks (the row choice
-of `speechlm.train.evaluate`; its module docstring says why the training split is scored too).
+"""Which rows of the training split an evaluation scores (the row choice of `speechlm.train.evaluate`; its
+module docstring says why the training split is scored too; how batches are dealt to the data-parallel
+ranks is the evaluator's: `speechlm.use.evaluator.shard_eval_batches`).
 
-`shard_eval_batches` deals the split's evaluation batches round-robin to the dp ranks, padded with empty
-slots so that every rank holds the same number (lockstep). `choose_train_rows` apportions N rows over the
+`choose_train_rows` apportions N rows over the
 (task, language) groups of the training split in the val split's proportions (largest remainders), each
 group's rows evenly spread over it; `train_eval_rows` is the final evaluation's N
 (`trainer.final_eval_train_utterances`), `periodic_train_rows` the largest such subset that fits in
@@ -18,15 +18,6 @@ from speechlm.config import ExperimentConfig, eval_batch_duration
 from speechlm.data.sampler.batching import batch_by_duration
 from speechlm.errors import DataError
 from speechlm.metrics import DEFAULT_TASK
-
-
-def shard_eval_batches(batches: list[list[int]], dp_rank: int, dp_size: int) -> list[list[int]]:
-    """Rank ``dp_rank``'s share, round-robin, padded with empty slots to ``ceil(len / dp_size)``."""
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
-    share = batches[dp_rank::dp_size]
-    n_slots = -(-len(batches) // dp_size)
-    return share + [[] for _ in range(n_slots - len(share))]
 
 
 def row_groups(table: pa.Table) -> np.ndarray:

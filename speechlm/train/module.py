@@ -26,20 +26,14 @@ import torch
 from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.data.dataset import DROP_REASONS
+from speechlm.data.drops import drop_advice, drop_listing, drop_reasons
 from speechlm.data.run_inputs import TokenizerInfo
 from speechlm.errors import DataError
 from speechlm.model.build import build_speech_llm, frozen_state_keys
 from speechlm.model.flops import Trainable, dims_of_model, step_flops
 from speechlm.model.trainable import train_modes_of
 from speechlm.train.checkpoint import restore_rng_state
-from speechlm.train.data import (
-    DroppedDataError,
-    StepBatch,
-    StepLoader,
-    drop_advice,
-    drop_listing,
-    drop_reasons,
-)
+from speechlm.train.data import DroppedDataError, StepBatch, StepLoader
 from speechlm.train.distributed import build_distributed_context
 from speechlm.train.precision import PrecisionPolicy, precision_policy
 from speechlm.train.preempt import SIGTERM_FLAG
@@ -253,7 +247,7 @@ class SpeechLLMModule(L.LightningModule):
 
     def _raise_empty_step(self, step_batch: Any, totals: StepTotals) -> None:
         """No sample of the step was read on any rank: name the rows, why each was dropped and what to
-        do about those reasons (`train.data.drop_advice`)."""
+        do about those reasons (`speechlm.data.drops.drop_advice`)."""
         files = [f for part in self.step_ctx.collectives.gather_objects(
             [f for b in step_batch.micro_batches for f in b.dropped_files]) for f in part]  # fmt: skip
         n = sum(totals.dropped.values())

@@ -12,7 +12,8 @@ in 2.6 even issues a broadcast from inside the handler, on whichever rank got th
 callback re-installs this handler in `on_train_start`, so Lightning's never runs during training and
 `trainer.received_sigterm` stays False; after `fit` Lightning restores the handler that was there
 before, which is ours again (`install()` runs before `fit`), so a SIGTERM during the final evaluation
-is seen too: the evaluation agrees on it per batch and stops (`EvaluationInterrupted`).
+is seen too: the evaluation agrees on it per batch and stops
+(`speechlm.use.evaluator.EvaluationInterrupted`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,3 @@ class StopFlag:
 
 
 SIGTERM_FLAG = StopFlag()
-
-
-class EvaluationInterrupted(Exception):
-    """Every rank agreed to stop the evaluation (SIGTERM during it)."""

@@ -50,15 +50,17 @@ from speechlm.train.callbacks import (
 )
 from speechlm.train.checkpoint import COMPLETE_NAME, resume_run, step_dir_name
 from speechlm.train.data import DroppedDataError, StepLoader
-from speechlm.train.evaluate import Evaluator, final_evaluation, periodic_train_rows, with_train_split
+from speechlm.train.eval_rows import periodic_train_rows
+from speechlm.train.evaluate import final_evaluation, with_train_split
 from speechlm.train.faults import active_faults
 from speechlm.train.lightning_compat import keeping_csv_logger
 from speechlm.train.module import SpeechLLMModule
 from speechlm.train.notices import quiet_known_notices
-from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
+from speechlm.train.preempt import SIGTERM_FLAG
 from speechlm.train.progress import StepProgress, run_summary
 from speechlm.train.run_dir import check_run_dir, prepare_run_dir, resolve_explicit_resume
 from speechlm.train.strategy import SpeechParallelStrategy
+from speechlm.use.evaluator import EvaluationInterrupted, Evaluator
 
 __all__ = ["DroppedDataError", "train"]  # what the command line (speechlm.train.entry) reads
 

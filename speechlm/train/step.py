@@ -18,8 +18,8 @@ occurrence: no step is skipped and trained past (nothing here scales the loss, s
 never routine). The figures checked are the same on every rank, so all ranks stop at the same step.
 
 A micro-batch whose every clip failed to decode (an empty `Batch`) still runs a forward and backward on
-a tiny dummy clip with weight 0, so every rank issues the same collectives in the same order (FSDP and
-CP would otherwise hang) and the objective is unchanged.
+a tiny dummy clip with weight 0 (`speechlm.model.micro_losses`), so every rank issues the same collectives
+in the same order (FSDP and CP would otherwise hang) and the objective is unchanged.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from parallel.collectives import Collectives
-from parallel.frames import DUMMY_CLIP_SAMPLES, SAMPLE_RATE
 from speechlm.config import ExperimentConfig
 from speechlm.data.batch import Batch
 from speechlm.errors import NonFiniteError
-from speechlm.model.conversation_inputs import as_conversation, ctc_target_lens
+from speechlm.model.conversation_inputs import ctc_target_lens
 from speechlm.model.flops import MicroWork, work_of
-from speechlm.model.speech_llm import MicroLosses, SpeechLLM
+from speechlm.model.micro_losses import compute_micro_losses, count_targets
+from speechlm.model.speech_llm import SpeechLLM
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen
 
@@ -120,20 +120,6 @@ class StepAgreement:
     flags: list[bool]  # the caller's flags, true when any rank's is
 
 
-def count_targets(batch: Batch, model: SpeechLLM) -> int:
-    """Labelled tokens of a micro-batch: its rows' assistant tokens (``prompt_mask``; a transcription row is
-    a one-turn conversation: `as_conversation`)."""
-    if len(batch) == 0:
-        return 0
-    batch = as_conversation(batch, model.prompt)
-    mask_BP, lens_B = batch.prompt_mask, batch.prompt_lens
-    assert mask_BP is not None and lens_B is not None  # as_conversation fills both
-    within_BP = (
-        torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
-    )
-    return int((mask_BP & within_BP).sum())
-
-
 def count_ctc_clips(batch: Batch) -> int:
     """Clips a micro-batch's CTC loss counts (its normaliser): the clips with a transcript."""
     lens = ctc_target_lens(batch) if len(batch) else None
@@ -184,32 +170,6 @@ def agree_step(
     tokens, clips, ctc_tokens, samples, audio_clips = (int(round(v)) for v in total[: len(local)])
     counts = StepCounts(tokens, clips, ctc_tokens, samples, audio_clips)
     return StepAgreement(counts=counts, extra=total[len(local) :], flags=agreed)
-
-
-def make_dummy_batch(like: Batch, eos_id: int) -> Batch:
-    """A one-clip, one-token batch of silence (the one dummy clip, `parallel.frames.DUMMY_CLIP_SAMPLES`)
-    used (with weight 0) when every clip of a batch failed; the model reads it as a one-turn conversation."""
-    device = like.audio.device if like.audio is not None else torch.device("cpu")
-    n = DUMMY_CLIP_SAMPLES
-    return Batch(
-        audio=torch.zeros(1, n, device=device),
-        audio_lens=torch.tensor([n], device=device),
-        tokens=torch.full((1, 1), eos_id, dtype=torch.long, device=device),
-        token_lens=torch.tensor([1], device=device),
-        langs=["dummy"],
-        indices=[-1],
-        durations=torch.tensor([n / SAMPLE_RATE]),
-        dropped={},
-    )
-
-
-def compute_micro_losses(model: SpeechLLM, batch: Batch, *, encoder_frozen: bool = False) -> MicroLosses:
-    """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring)."""
-    if len(batch) == 0:
-        out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen)
-        out.weight = 0.0
-        return out
-    return model(batch, encoder_frozen=encoder_frozen)
 
 
 def run_optimizer_step(

@@ -72,7 +72,7 @@ class TrainedModule(nn.Module):
         super().__init__()
         self.cfg, self.tok = cfg, tok
         self.model = build_speech_llm(cfg.model, tok)
-        self.step_ctx: Any = None  # speechlm evaluate sets the one-process StepContext
+        self.step_ctx: Any = None  # speechlm evaluate sets its EvalContext
 
     @property
     def device(self) -> torch.device:

@@ -1,7 +1,7 @@
 """`speechlm evaluate`'s work (its command line is `speechlm.use.evaluate_cli`): a checkpoint rebuilt in
-this process (`speechlm.use.checkpoint`) decodes its share of a manifest with the training run's own
-`Evaluator`; the counts are gathered and summed over the ranks (the module docstring of
-`speechlm.use.evaluate_cli` says what is printed and written)."""
+this process (`speechlm.use.checkpoint`) decodes its share of a manifest with the `Evaluator` that
+training's validation runs (`speechlm.use.evaluator`); the counts are gathered and summed over the ranks
+(the module docstring of `speechlm.use.evaluate_cli` says what is printed and written)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ from parallel.collectives import Collectives
 from speechlm.config import ExperimentConfig
 from speechlm.data.run_inputs import RunTokenizer
 from speechlm.data.sources.mmap_cache import open_index
+from speechlm.data.tokenizer_checks import check_table, uncovered_targets
 from speechlm.errors import DataError
 from speechlm.metrics import MetricSpec, table_pairs
-from speechlm.preflight import checks as preflight
-from speechlm.preflight.checks import uncovered_targets
-from speechlm.train.evaluate import Evaluator, count_record, format_eval_table
-from speechlm.train.step import StepContext
 from speechlm.use.checkpoint import load_checkpoint
+from speechlm.use.eval_report import count_record, format_eval_table
+from speechlm.use.evaluator import EvalContext, Evaluator
 from speechlm.use.transcribe import apply_ctc_weight
 
 
@@ -79,7 +78,7 @@ def evaluate_checkpoint(
     cfg.trainer.eval_metrics = {**cfg.trainer.eval_metrics, **(metrics or {})}
     table = open_index(manifest)
     check_tasks_have_metrics(cfg, table, manifest)
-    problems = preflight.check_table(table, f"--manifest {manifest}", loaded.tokenizer)
+    problems = check_table(table, f"--manifest {manifest}", loaded.tokenizer)
     if problems:
         raise DataError("\n".join(problems))
     if not quiet:
@@ -87,8 +86,7 @@ def evaluate_checkpoint(
     module = loaded.module
 
     apply_ctc_weight(module.model, ctc_weight)
-    module.step_ctx = StepContext(
-        rank=rank,
+    module.step_ctx = EvalContext(
         collectives=Collectives(
             rank=rank, world_size=world_size, dp_rank=rank, dp_size=world_size, device=device
         ),

@@ -60,7 +60,7 @@ from speechlm.io import atomic_write_text, temp_sibling
 from speechlm.model.devices import device_argument
 from speechlm.progress import Progress
 
-DEFAULT_MAX_NEW_TOKENS = 96  # the same budget as evaluation (speechlm.train.evaluate.decode_shard)
+DEFAULT_MAX_NEW_TOKENS = 96  # the same budget as evaluation (speechlm.use.evaluator.decode_shard)
 DEFAULT_MAX_DURATION = 60.0  # seconds of one clip decoded in one piece, unless --max-duration / --chunk
 
 

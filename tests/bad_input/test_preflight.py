@@ -340,7 +340,7 @@ def test_tag_scan_finds_every_unknown_tag_and_only_those() -> None:
     """The vectorised scan agrees with Tokenizer.encode's tag rule, over several chunks and slices."""
     import pyarrow as pa
 
-    from speechlm.preflight import checks as preflight
+    from speechlm.data import tokenizer_checks as preflight
 
     known = ["<|audio|>", "<|en|>", "<|hi|>"]
     texts = [

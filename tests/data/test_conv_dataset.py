@@ -149,7 +149,7 @@ def test_invalid_utf8_text_is_dropped_with_a_renderer_as_without(demo_data, tok)
 
 
 def test_preflight_names_an_unknown_tag_in_an_answer_column(demo_data, tok):
-    from speechlm.preflight.checks import check_table
+    from speechlm.data.tokenizer_checks import check_table
 
     table = load_source(demo_data["val"])
     answers = [None] * len(table)

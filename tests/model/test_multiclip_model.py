@@ -12,8 +12,9 @@ from parallel_harness import VOCAB, build_model, make_batch, tiny_config
 
 from parallel.cp_layout import NullCPLayout
 from speechlm.model.conversation_inputs import conversation_prompts, last_target_start
+from speechlm.model.micro_losses import count_targets
 from speechlm.packing.thd import pack_thd
-from speechlm.train.step import count_ctc_clips, count_targets
+from speechlm.train.step import count_ctc_clips
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,7 @@ def test_decoding_embeds_as_often_whatever_the_batch_holds(model, use_cache):
     """Under FSDP every `embed_tokens` call all-gathers the embedding: a rank decoding a multi-clip
     conversation batch and a rank decoding evaluation's one-clip dummy must make the same calls, or the
     rank with fewer waits forever (dp=2 final evaluation with a dropped batch hung)."""
-    from speechlm.train.evaluate import dummy_batch
+    from speechlm.use.evaluator import dummy_batch
 
     calls: list[int] = []
     orig = model.embed_tokens

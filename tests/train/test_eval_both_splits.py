@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_eval_counts import build_evaluator, smoke_cfg
 
-from speechlm.train.evaluate import (
+from speechlm.train.eval_rows import (
     apportion,
     choose_train_rows,
     periodic_train_rows,
@@ -105,7 +105,7 @@ def test_every_dp_rank_plans_the_same_training_rows_and_decodes_its_share(demo_d
     """Ranks simulated in one process (no process group): each builds its evaluator from the manifests
     alone, gets the same plan of training rows, and the round-robin shares cover it once, in lockstep."""
     from speechlm.data.sources.mmap_cache import open_index
-    from speechlm.train.evaluate import Evaluator, shard_eval_batches
+    from speechlm.use.evaluator import Evaluator, shard_eval_batches
 
     cfg = smoke_cfg(demo_data, "trainer.val_every=1", "trainer.val_train_batches=2",
                     "trainer.eval_batch_duration=6")  # fmt: skip
@@ -183,9 +183,10 @@ def test_sigterm_during_the_train_part_of_both_writes_no_eval_json(demo_data, tm
     """The val split scored, then a SIGTERM as the training subset starts: EvaluationInterrupted at a batch, and
     no eval.json (nothing is written before both splits are scored)."""
     from speechlm.train import evaluate
-    from speechlm.train.preempt import SIGTERM_FLAG, EvaluationInterrupted
+    from speechlm.train.preempt import SIGTERM_FLAG
+    from speechlm.use.evaluator import EvaluationInterrupted, Evaluator
 
-    run_share = evaluate.Evaluator.run_share
+    run_share = Evaluator.run_share
     seen = []
 
     def sigterm_in_train(self, *args, **kwargs):
@@ -194,7 +195,7 @@ def test_sigterm_during_the_train_part_of_both_writes_no_eval_json(demo_data, tm
             SIGTERM_FLAG.requested = True  # what the SIGTERM handler does
         return run_share(self, *args, **kwargs)
 
-    monkeypatch.setattr(evaluate.Evaluator, "run_share", sigterm_in_train)
+    monkeypatch.setattr(Evaluator, "run_share", sigterm_in_train)
     cfg, inputs, module = both_inputs(demo_data)
     try:
         with pytest.raises(EvaluationInterrupted, match="stopped at batch 1 of"):

@@ -44,8 +44,8 @@ def smoke_cfg(demo_data: dict[str, str], *extra: str):
 def build_evaluator(demo_data, manifest: str, *extra: str, max_batches=None):
     from speechlm.data.sources.mmap_cache import open_index
     from speechlm.data.tokenizer import Tokenizer
-    from speechlm.train.evaluate import Evaluator
     from speechlm.train.module import SpeechLLMModule, TokenizerInfo
+    from speechlm.use.evaluator import Evaluator
 
     cfg = smoke_cfg(demo_data, *extra)
     tokenizer = Tokenizer(cfg.data.tokenizer)
@@ -71,7 +71,7 @@ def test_half_missing_split_counts_only_what_was_scored(demo_data, tmp_path):
     for lang in langs:
         n_decoded = sum(1 for d in ev.last_decodes if d[0] == lang)
         assert counts["scored"].get(lang, 0) == n_decoded
-    from speechlm.train.evaluate import format_wer_table
+    from speechlm.use.eval_report import format_wer_table
 
     table_text = format_wer_table(result, counts)
     all_line = next(ln for ln in table_text.splitlines() if ln.startswith("all"))
@@ -204,7 +204,7 @@ def test_counts_are_summed_over_two_dp_ranks(demo_data, tmp_path):
 
 def test_an_eval_json_that_cannot_be_written_is_an_output_error(demo_data, tmp_path):
     from speechlm.errors import OutputError
-    from speechlm.train.evaluate import write_eval_outputs
+    from speechlm.use.eval_report import write_eval_outputs
 
     (tmp_path / "eval.json").mkdir()  # a folder in the way (as a full disk or a read-only dir would fail)
     with pytest.raises(OutputError, match=r"cannot write .*eval.json .*checkpoints"):

@@ -19,7 +19,8 @@ from parallel.mesh import ParallelDims
 from parallel.testing import run_distributed
 from speechlm.errors import UsageError
 from speechlm.metrics import aggregate
-from speechlm.train.evaluate import decode_shard, format_eval_table, shard_eval_batches
+from speechlm.use.eval_report import format_eval_table
+from speechlm.use.evaluator import decode_shard, shard_eval_batches
 
 TASKS = ("asr", "ast", "qa")
 
@@ -105,18 +106,19 @@ def test_evaluation_of_a_mixed_split_gives_each_task_per_language(demo_data, tmp
     """The val split, half of it ASR and half AST (the batches' `tasks` filled from the manifest as the
     conversation Collator does): per-task keys, counts, table, eval.json and decodes."""
     from speechlm.train import evaluate
+    from speechlm.use import evaluator
 
     ev, module, table = build_evaluator(demo_data, demo_data["val"])
     ev.table = table = with_tasks(table, lambda i: "ast" if i % 2 else "asr")
     task_of = table.column("task").to_pylist()
-    load = evaluate.Evaluator.load_slots
+    load = evaluator.Evaluator.load_slots
 
     def load_with_tasks(ds, share):
         for batch in load(ds, share):
             batch.tasks = [task_of[i] for i in batch.indices]
             yield batch
 
-    monkeypatch.setattr(evaluate.Evaluator, "load_slots", staticmethod(load_with_tasks))
+    monkeypatch.setattr(evaluator.Evaluator, "load_slots", staticmethod(load_with_tasks))
     result = ev(module)
     assert {"asr/wer", "ast/bleu", "ast/chrf", "wer", "loss"} <= set(result)
     langs = {

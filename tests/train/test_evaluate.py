@@ -4,7 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from speechlm.train.evaluate import format_wer_table, strip_lang_tag, wer_from_counts, word_error_counts
+from speechlm.data.text import strip_lang_tag
+from speechlm.metrics import word_error_counts
+from speechlm.use.eval_report import format_wer_table, wer_from_counts
 
 
 def test_strip_lang_tag():
@@ -38,7 +40,7 @@ from parallel.testing import run_distributed  # noqa: E402
 from speechlm.config import EncoderConfig, LLMConfig, ModelConfig  # noqa: E402
 from speechlm.data.dataset import Batch  # noqa: E402
 from speechlm.model.speech_llm import SpeechLLM  # noqa: E402
-from speechlm.train.evaluate import (  # noqa: E402
+from speechlm.use.evaluator import (  # noqa: E402
     decode_shard,
     shard_eval_batches,
 )

@@ -87,7 +87,7 @@ def test_file_gone_after_manifest_build_is_dropped_counted_or_stops_the_run(own_
 
 
 def test_the_advice_fits_the_reasons_a_token_drop_is_not_a_missing_file():
-    from speechlm.train.data import drop_advice
+    from speechlm.data.drops import drop_advice
 
     batch = FakeBatch(0, ["a.flac (too_many_tokens): its answer has 90 tokens"] * 3)
     batch.dropped = {"too_many_tokens": 3}

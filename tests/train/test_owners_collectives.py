@@ -93,7 +93,7 @@ def test_one_small_all_reduce_per_optimizer_step_before_the_forward():
     from parallel_harness import build_model, global_steps, tiny_config
 
     from parallel.testing import run_distributed
-    from speechlm.train.step import count_targets
+    from speechlm.model.micro_losses import count_targets
 
     per_rank = run_distributed(_count_step_worker, 2, "gloo", 1, timeout_s=240)
     model = build_model(tiny_config())

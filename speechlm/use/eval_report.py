@@ -1,6 +1,7 @@
-"""What an evaluation reports: the metrics table per task and language (`format_eval_table`), the val
-and training split side by side (`format_side_by_side`), the counts eval.json records (`count_record`),
-and eval.json / eval_decodes.jsonl themselves (`write_eval_outputs`)."""
+"""What an evaluation reports (training's validation and final evaluation, and `speechlm evaluate`): the
+metrics table per task and language (`format_eval_table`), the val and training split side by side
+(`format_side_by_side`), the counts eval.json records (`count_record`), and eval.json /
+eval_decodes.jsonl themselves (`write_eval_outputs`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from speechlm.config import TRAIN_PREFIX
+from speechlm.data.drops import drop_reasons
 from speechlm.errors import OutputError
 from speechlm.metrics import DEFAULT_TASK, METRICS, PERCENT_METRICS, aggregate, split_metric_name
-from speechlm.train.data import drop_reasons
 
 
 def wer_from_counts(rows: Iterable[tuple[str, int, int]]) -> dict[str, float]:
@@ -85,6 +86,9 @@ def format_eval_table(metrics: dict[str, Any], counts: dict[str, Any] | None = N
     if counts is not None and n_dropped:
         out += f"\ndropped (not scored): {n_dropped} utterances ({drop_reasons(counts['dropped_reasons'])})"
     return out
+
+
+format_wer_table = format_eval_table  # its name before the metrics per task
 
 
 def sum_over_tasks(by_task: dict[str, dict[str, int]]) -> dict[str, int]:
