@@ -147,8 +147,9 @@ def save_checkpoint_atomic(
                 "files": files,
                 "sha256": collect_hashes(tmp, files),
             }
-            # written last, durably: a crash after the rename never finds a checkpoint without it
-            atomic_write_text(tmp / COMPLETE_NAME, json.dumps(manifest, indent=1), durable=True)
+            # written last, inside the temporary directory whose rename (`publish`) is the atomic step: a
+            # reader never sees the directory under its final name without it
+            (tmp / COMPLETE_NAME).write_text(json.dumps(manifest, indent=1))
         except OSError as e:
             raise save_failed(e, ckpt_root, tmp, final, True) from e  # type: ignore[misc]
         publish(tmp, final)
