@@ -40,7 +40,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from parallel.cp_layout import dummy_clip
 from speechlm.model.conversation_inputs import (
@@ -116,6 +115,10 @@ def greedy_with_cache(
     keep_going: KeepGoing | None = None,
     pick: Pick | None = None,
 ) -> list[list[int]]:
+    from transformers import (
+        DynamicCache,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     B = len(prompts)
     device, dtype = prompts[0].device, prompts[0].dtype
     lens = [int(p.shape[0]) for p in prompts]

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from speechlm.config import LLMConfig
 from speechlm.model.finite import check_loaded_weights
@@ -38,6 +37,11 @@ def build_llm_config(
     llm_cfg: LLMConfig, *, vocab_size: int, pad_id: int, bos_id: int | None, eos_id: int, dropout: float
 ) -> Any:
     """The transformers config of a from-scratch LLM."""
+    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
+        LlamaConfig,
+        Qwen2Config,
+    )
+
     if llm_cfg.num_heads % llm_cfg.num_kv_heads:
         raise ValueError(
             f"llm.num_heads={llm_cfg.num_heads} is not a multiple of llm.num_kv_heads={llm_cfg.num_kv_heads}"
@@ -88,6 +92,11 @@ def build_llm(
     added rows may lie past the model's vocabulary: the pre-flight refuses a tokenizer whose own tokens
     do not fit (`speechlm.model.pretrained_dir.check_tokenizer_fits_llm`).
     """
+    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
+        AutoConfig,
+        AutoModelForCausalLM,
+    )
+
     if llm_cfg.pretrained:
         path = Path(llm_cfg.pretrained)
         read_llm_dir(path)  # a missing dir, config.json or weights, a truncated safetensors: clear errors

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from speechlm.errors import UsageError
 from speechlm.model.llm import build_llm_config
@@ -42,6 +41,11 @@ def lora_target_problem(targets: Sequence[str], llm: Any) -> str | None:
 def skeleton_llm(llm_cfg: Any, config: dict[str, Any] | None) -> Any:
     """The LLM built on the meta device with one decoder layer (module names only, no memory): from the
     pretrained directory's config.json, else from the sizes in `llm_cfg`."""
+    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
+        AutoConfig,
+        AutoModelForCausalLM,
+    )
+
     if config is not None:
         hf_cfg = AutoConfig.for_model(**copy.deepcopy(config))
     else:

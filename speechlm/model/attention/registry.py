@@ -46,8 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from parallel.backend_caps import BACKENDS, BackendCaps
 from speechlm.model.attention.layouts import default_scale, match_dtypes, read_attention_context
@@ -174,6 +172,13 @@ def pass_padding_mask(*, attention_mask: Tensor | None = None, **_: Any) -> Tens
 
 def ensure_registered(name: str) -> str:
     """Check the backend is installed, register it with transformers, return the attn_implementation."""
+    from transformers import (
+        AttentionInterface,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+    from transformers.masking_utils import (
+        AttentionMaskInterface,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     backend = get_backend(name)
     check_installed(name)
     AttentionInterface.register(backend.attn_implementation, backend.fn)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, ParakeetEncoder, ParakeetEncoderConfig, ParakeetForCTC
 
 from parallel.clip_placement import slice_halo
 from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES, PADDING_FREE_KINDS, SAMPLE_RATE
@@ -153,6 +152,10 @@ def _set_parakeet_dropout(cfg: Any, dropout: float) -> None:
 
 def build_parakeet_config(enc_cfg: EncoderConfig, *, dropout: float) -> Any:
 
+    from transformers import (
+        ParakeetEncoderConfig,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     cfg = ParakeetEncoderConfig(
         hidden_size=enc_cfg.hidden_size,
         num_hidden_layers=enc_cfg.num_layers,
@@ -182,6 +185,12 @@ def load_parakeet_encoder(
     path: str | Path, *, dropout: float, freeze_batchnorm: bool = True
 ) -> ParakeetAudioEncoder:
     """Load a saved ``ParakeetEncoder`` (or the encoder of a ``ParakeetForCTC``) from a local directory."""
+    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
+        AutoConfig,
+        ParakeetEncoder,
+        ParakeetForCTC,
+    )
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -221,6 +230,10 @@ def build_parakeet_encoder(
     enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: bool = True
 ) -> ParakeetAudioEncoder:
     """A from-scratch FastConformer from ``enc_cfg``, or the one saved at ``enc_cfg.pretrained``."""
+    from transformers import (
+        ParakeetEncoder,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     if enc_cfg.pretrained:
         encoder = load_parakeet_encoder(
             enc_cfg.pretrained, dropout=dropout, freeze_batchnorm=freeze_batchnorm

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, WhisperConfig, WhisperModel
-from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES, SAMPLE_RATE
 from speechlm.config import EncoderConfig
@@ -95,6 +93,13 @@ def build_whisper_encoder(
     enc_cfg: EncoderConfig, *, dropout: float, max_source_positions: int = 1500
 ) -> WhisperAudioEncoder:
 
+    from transformers import (
+        WhisperConfig,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+    from transformers.models.whisper.modeling_whisper import (
+        WhisperEncoder,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     cfg = WhisperConfig(
         d_model=enc_cfg.hidden_size,
         encoder_layers=enc_cfg.num_layers,
@@ -110,6 +115,14 @@ def build_whisper_encoder(
 
 def load_whisper_encoder(path: str | Path, *, dropout: float) -> WhisperAudioEncoder:
     """Load the encoder of a local Whisper directory (a saved ``WhisperEncoder`` or a full Whisper model)."""
+    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
+        AutoConfig,
+        WhisperModel,
+    )
+    from transformers.models.whisper.modeling_whisper import (
+        WhisperEncoder,  # lazy: transformers (seconds to import; commands that build no model skip it)
+    )
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
