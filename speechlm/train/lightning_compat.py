@@ -21,7 +21,6 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.checkpoint import save
 from torch.distributed.device_mesh import DeviceMesh
 
 from speechlm.io import atomic_path
@@ -59,6 +58,10 @@ def save_checkpoint_one_process(checkpoint: dict[str, Any], path: str | Path) ->
     model 1.5-2x slower for the rest of the process (scripts/repro_dcp_step_slowdown.py; a fresh
     tensor or ``no_dist`` does not); one process needs no collective to write its checkpoint.
     The files are the same, so loading does not change."""
+    from torch.distributed.checkpoint import (
+        save,  # lazy: DCP (seconds to import; only a save or a load needs it)
+    )
+
     path = Path(path)
     if path.is_file():
         path.unlink()

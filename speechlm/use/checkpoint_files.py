@@ -30,16 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from speechlm.errors import NonFiniteError, RunDirError
 from speechlm.io import sha256_of
@@ -226,6 +217,12 @@ def read_dcp_metadata(f: Path) -> Any:
 
 def safe_storage_reader(path: Path) -> Any:
     """DCP's FileSystemReader whose `read_metadata` uses `read_dcp_metadata` (no code runs on load)."""
+    from torch.distributed.checkpoint import (
+        FileSystemReader,  # lazy: DCP (seconds to import; only a save or a load needs it)
+    )
+    from torch.distributed.checkpoint.metadata import (
+        StorageMeta,  # lazy: DCP (seconds to import; only a save or a load needs it)
+    )
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -256,6 +253,14 @@ def load_trained_state(
     key it lacks, or a key it holds that `model` has not (another train mode or LoRA setting), is an
     error naming the train modes it was saved with. Also for loading a checkpoint outside training
     (`optimizers` empty; `model` the module whose state-dict keys the checkpoint uses)."""
+    import torch.distributed.checkpoint as dcp  # lazy: DCP (seconds to import; only a save or a load needs it)
+    from torch.distributed.checkpoint.state_dict import (  # lazy: DCP (seconds to import; only a save or a load needs it)
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
     meta = load_metadata(path)
     entries = read_dcp_metadata(path / DCP_METADATA).state_dict_metadata
     shapes = {

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from speechlm.errors import OutputError
 from speechlm.io import atomic_write_text, sha256_of
@@ -113,6 +112,10 @@ def save_checkpoint_atomic(
     recorded in complete.json (the RNG states are restored only into the same layout). A full disk (or any OS error while
     writing) removes the temp dir and raises OutputError naming the checkpoint and the previous one,
     which is kept."""
+    from torch.distributed.checkpoint.api import (
+        CheckpointException,  # lazy: DCP (seconds to import; only a save or a load needs it)
+    )
+
     strategy = trainer.strategy
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".tmp-{name}"
