@@ -10,6 +10,8 @@ from parallel.clip_placement import slice_halo
 from parallel.frames import PADDING_FREE_KINDS
 from speechlm.config.choices import (
     AttentionBackend,
+    AudioCompression,
+    AudioPositions,
     ConvNorm,
     CTCReduction,
     EncoderKind,
@@ -224,6 +226,16 @@ class ModelConfig(Section):
     llm: LLMConfig = field(default_factory=LLMConfig)
     projector_stack: int = key(2, "encoder frames stacked by the projector", POS_INT)
     projector_hidden: int = key(512, SIZE, POS_INT)
+    audio_compression: AudioCompression = key(
+        "none",
+        "the LLM's audio rows: none (every projected frame) or ctc (one row per token the CTC head hears: "
+        "blank frames dropped, repeated frames averaged; needs ctc_weight > 0 and projector_stack 1)",
+    )
+    audio_positions: AudioPositions = key(
+        "sequential",
+        "position ids of the audio rows: sequential, or aligned (row k of a clip at the position of the "
+        "k-th token of the answer after it, past the language tag; needs audio_compression ctc)",
+    )
     packed_sequences: bool = key(True, "THD packing (true) or padded BSHD (false)")
     # None: lcm(2*cp, cp*tp) (tp when cp=1); set e.g. 64 for tensor cores: a multiple of that unit
     pad_to_multiple: int | None = key(
@@ -261,10 +273,26 @@ class ModelConfig(Section):
     )
 
     def problems(self) -> list[str]:
+        out = []
+        if self.audio_compression == "ctc" and self.ctc_weight == 0:
+            out.append(
+                "model.audio_compression=ctc keeps the frames the CTC head hears, but model.ctc_weight=0 leaves "
+                "the head out: set model.ctc_weight > 0 (e.g. 0.3), or model.audio_compression=none"
+            )
+        if self.audio_compression == "ctc" and self.projector_stack != 1:
+            out.append(
+                f"model.audio_compression=ctc gives the projector one frame per heard token; stacking "
+                f"{self.projector_stack} of them would merge tokens: set model.projector_stack=1"
+            )
+        if self.audio_positions == "aligned" and self.audio_compression != "ctc":
+            out.append(
+                "model.audio_positions=aligned puts audio row k at the position of the answer's k-th token, "
+                "which needs one row per token: set model.audio_compression=ctc, or model.audio_positions=sequential"
+            )
         if self.decode_ctc_weight > 0 and self.ctc_weight == 0:
-            return [
+            return out + [
                 f"model.decode_ctc_weight={self.decode_ctc_weight} needs the CTC head, but model.ctc_weight=0 "
                 "leaves it out: set model.ctc_weight > 0 (the head is trained with it), or model.decode_ctc_weight=0 "
                 "beside model.ctc_weight=0 (the LLM alone decodes)"
             ]
-        return []
+        return out

@@ -226,9 +226,11 @@ def pack_for_layout(
     audio_id: int,
     clip_counts: Sequence[int],
     device: torch.device,
+    align_skip: int | None = None,
 ) -> PackedBatch:
     """This rank's THD stream: its sequences of ``plan`` packed to their padded lengths, then its share of
-    them (`CPLayout.shard`). ``clip_counts``: clips per sequence."""
+    them (`CPLayout.shard`). ``clip_counts``: clips per sequence; ``align_skip``: the audio rows' positions
+    aligned with their answers (`speechlm.packing.positions`)."""
     local = plan.indices
     starts = [0]
     for k in clip_counts:
@@ -242,6 +244,7 @@ def pack_for_layout(
         padded_lengths=plan.padded_lengths,
         clip_counts=[clip_counts[i] for i in local],
         device=device,
+        align_skip=align_skip,
     )
     parts, cu, max_len = layout.shard(
         {"x": packed.inputs_embeds, "labels": packed.labels, "pos": packed.position_ids},

@@ -54,6 +54,7 @@ from speechlm.model.ctc import ctc_log_prob_rows
 from speechlm.model.ctc_prefix import JointCTCScorer
 from speechlm.model.encoder_output import EncoderOutput
 from speechlm.model.packed_encoder import PackedFrames
+from speechlm.packing.positions import align_audio_positions
 from speechlm.packing.prompt import PromptFormat
 
 KeepGoing = Callable[[bool], bool]
@@ -75,6 +76,8 @@ class DecodingModel(AudioModel, Protocol):
     def decode_ctc_weight(self) -> float: ...
     @property
     def decode_ctc_candidates(self) -> int: ...
+    @property
+    def align_skip(self) -> int | None: ...
     @property
     def backend(self) -> Any: ...
     @property
@@ -114,6 +117,7 @@ def greedy_with_cache(
     max_new_tokens: int,
     keep_going: KeepGoing | None = None,
     pick: Pick | None = None,
+    positions: Sequence[Tensor] | None = None,
 ) -> list[list[int]]:
     from transformers import (
         DynamicCache,  # lazy: transformers (seconds to import; commands that build no model skip it)
@@ -129,7 +133,7 @@ def greedy_with_cache(
     for b, p in enumerate(prompts):
         x_BPH[b, P - lens[b] :] = p
         mask_BP[b, P - lens[b] :] = 1
-        pos_BP[b, P - lens[b] :] = torch.arange(lens[b], device=device)
+        pos_BP[b, P - lens[b] :] = torch.arange(lens[b], device=device) if positions is None else positions[b]
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [max_new_tokens <= 0] * B
     if not _decide(not all(done), keep_going):
@@ -143,7 +147,9 @@ def greedy_with_cache(
         use_cache=True,
         logits_to_keep=1,
     )
-    next_pos_B1 = pos_BP[:, -1:] + 1
+    next_pos_B1 = torch.tensor(lens, dtype=torch.long, device=device)[
+        :, None
+    ]  # text positions count every row
     rows = list(range(B))  # clip of each cache row
     while True:
         next_ids = _choose(pick, rows, out.logits[:, -1])
@@ -176,14 +182,19 @@ def greedy_with_cache(
         next_pos_B1 = next_pos_B1 + 1
 
 
-def _last_logits(llm: Any, embeds: list[Tensor], *, thd: bool) -> Tensor:
-    """Logits ``[B, V]`` at the last position of each sequence (no cache; full recompute)."""
+def _last_logits(
+    llm: Any, embeds: list[Tensor], *, thd: bool, positions: list[Tensor] | None = None
+) -> Tensor:
+    """Logits ``[B, V]`` at the last position of each sequence (no cache; full recompute); ``positions``:
+    each sequence's position ids (None: ``0..n-1``)."""
     lens = [int(e.shape[0]) for e in embeds]
     device = embeds[0].device
+    if positions is None:
+        positions = [torch.arange(n, device=device) for n in lens]
     if thd:
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
         cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
-        positions_T = torch.cat([torch.arange(n, device=device) for n in lens])
+        positions_T = torch.cat([p.to(device) for p in positions])
         last = (cu[1:] - 1).to(torch.long)
         out = llm(
             inputs_embeds=torch.cat(embeds)[None],
@@ -201,7 +212,9 @@ def _last_logits(llm: Any, embeds: list[Tensor], *, thd: bool) -> Tensor:
     for b, e in enumerate(embeds):
         x_BSH[b, : e.shape[0]] = e
         mask_BS[b, : e.shape[0]] = 1
-    positions_BS = torch.arange(S, device=device).expand(len(embeds), S)
+    positions_BS = torch.arange(S, device=device).expand(len(embeds), S).clone()
+    for b, p in enumerate(positions):
+        positions_BS[b, : p.shape[0]] = p.to(device)
     logits_BSV = llm(inputs_embeds=x_BSH, attention_mask=mask_BS, position_ids=positions_BS).logits
     return logits_BSV[torch.arange(len(embeds), device=device), torch.tensor(lens, device=device) - 1]
 
@@ -216,19 +229,26 @@ def greedy_recompute(
     thd: bool,
     keep_going: KeepGoing | None = None,
     pick: Pick | None = None,
+    positions: Sequence[Tensor] | None = None,
 ) -> list[list[int]]:
     seqs = list(prompts)
+    device = seqs[0].device
+    pos = (
+        [torch.arange(int(p.shape[0]), device=device) for p in seqs] if positions is None else list(positions)
+    )
     outputs: list[list[int]] = [[] for _ in seqs]
     active = [i for i in range(len(seqs)) if max_new_tokens > 0]
     while _decide(bool(active), keep_going):
         rows = active or [0]  # a finished rank kept in lockstep recomputes one row, ignored
-        next_ids = _choose(pick, rows, _last_logits(llm, [seqs[i] for i in rows], thd=thd)).tolist()
+        last = _last_logits(llm, [seqs[i] for i in rows], thd=thd, positions=[pos[i] for i in rows])
+        next_ids = _choose(pick, rows, last).tolist()
         new_emb = embed_tokens(torch.tensor(next_ids, device=seqs[0].device))
         still = []
         for j, i in enumerate(active):
             if next_ids[j] == eos_id:
                 continue
             outputs[i].append(int(next_ids[j]))
+            pos[i] = torch.cat([pos[i], pos[i].new_tensor([int(seqs[i].shape[0])])])  # text: the row count
             seqs[i] = torch.cat([seqs[i], new_emb[j : j + 1].to(seqs[i].dtype)])
             if len(outputs[i]) < max_new_tokens:
                 still.append(i)
@@ -262,7 +282,11 @@ def generate_greedy(
         rows = splice_prompts(model, [head] * len(clips), [[a] for a in clips], device)
         pick = joint_ctc_pick(model, enc, skip=0 if forced else model.ctc_skip_leading)
         budget = max_new_tokens - 1 if forced else max_new_tokens
-        outputs = decode(model, rows, budget, use_cache=use_cache, keep_going=keep_going, pick=pick)
+        heads = [head] * len(clips)
+        positions = prompt_positions(model, heads, None, [[a] for a in clips], skip=0 if forced else None)
+        outputs = decode(
+            model, rows, budget, use_cache=use_cache, keep_going=keep_going, pick=pick, positions=positions
+        )
         return [tag_ids + o for o in outputs]
     finally:
         model.train(was_training)
@@ -292,11 +316,22 @@ def generate_for_batch(
         answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
         heads = [ids[: last_answer_start(ids, mask, answers[b], b)] for b, (ids, mask) in enumerate(prompts)]
         starts = [sum(counts[:b]) for b in range(len(counts))]
-        rows = splice_prompts(model, heads, [embeds[c : c + k] for c, k in zip(starts, counts)], device)
+        row_clips = [embeds[c : c + k] for c, k in zip(starts, counts)]
+        rows = splice_prompts(model, heads, row_clips, device)
+        masks = [mask[: len(h)] for h, (_, mask) in zip(heads, prompts)]
+        positions = prompt_positions(model, heads, masks, row_clips)
         tasks = list(optional_field(batch, "tasks") or ()) or ["asr"] * len(rows)
         clip_of_row = [c if k == 1 and t == "asr" else None for c, k, t in zip(starts, counts, tasks)]
         pick = joint_ctc_pick(model, enc, skip=model.ctc_skip_leading, clip_of_row=clip_of_row)
-        return decode(model, rows, max_new_tokens, use_cache=use_cache, keep_going=keep_going, pick=pick)
+        return decode(
+            model,
+            rows,
+            max_new_tokens,
+            use_cache=use_cache,
+            keep_going=keep_going,
+            pick=pick,
+            positions=positions,
+        )
     finally:
         model.train(was_training)
 
@@ -350,10 +385,16 @@ def decode(
     use_cache: bool,
     keep_going: KeepGoing | None,
     pick: Pick | None = None,
+    positions: Sequence[Tensor] | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of the prompt embeddings; ``pick`` replaces the argmax (joint decoding)."""
+    """Greedy continuations of the prompt embeddings; ``pick`` replaces the argmax (joint decoding);
+    ``positions``: the prompts' position ids (`prompt_positions`; None: sequential)."""
     kw: dict[str, Any] = dict(
-        eos_id=model.prompt.stop_id, max_new_tokens=max_new_tokens, keep_going=keep_going, pick=pick
+        eos_id=model.prompt.stop_id,
+        max_new_tokens=max_new_tokens,
+        keep_going=keep_going,
+        pick=pick,
+        positions=positions,
     )
     if use_cache and model.backend.caps.bshd:
         return greedy_with_cache(model.llm, model.embed_tokens, prompts, **kw)
@@ -395,3 +436,43 @@ def splice_prompts(
         t += len(where) + 1
         rows.append(torch.cat(parts))
     return rows
+
+
+def prompt_positions(
+    model: DecodingModel,
+    heads: Sequence[Tensor],
+    masks: Sequence[Tensor] | None,
+    clips: Sequence[Sequence[Tensor]],
+    *,
+    skip: int | None = None,
+) -> list[Tensor] | None:
+    """Position ids of the spliced prompts (`splice_prompts`) when the model aligns its audio rows with
+    their answers (``model.align_skip``, `speechlm.packing.positions`), as training laid them out; None:
+    sequential. ``masks``: each head's target mask (earlier answers of a conversation); ``skip``: the answer
+    tokens already in the prompt count (a forced language tag: 0); default ``model.align_skip``."""
+    align = model.align_skip
+    if align is None:
+        return None
+    out = []
+    for b, ids_L in enumerate(heads):
+        ids_L = ids_L.cpu()
+        is_audio = ids_L == model.audio_id
+        repeats = torch.ones(ids_L.numel(), dtype=torch.long)
+        lens = [int(c.shape[0]) for c in clips[b][: int(is_audio.sum())]]
+        repeats[is_audio] = torch.tensor(lens, dtype=torch.long)
+        mask_L = torch.zeros_like(is_audio) if masks is None else masks[b].cpu().bool()
+        audio_T = torch.repeat_interleave(is_audio, repeats)
+        target_T = torch.repeat_interleave(mask_L & ~is_audio, repeats)
+        n = int(audio_T.numel())
+        out.append(
+            align_audio_positions(
+                torch.arange(n),
+                audio_T,
+                target_T,
+                torch.zeros(n, dtype=torch.long),
+                lens,
+                [n],
+                skip=align if skip is None else skip,
+            )
+        )
+    return out

@@ -51,6 +51,7 @@ from parallel.varlen_meta import build_varlen_meta
 from speechlm.config import ModelConfig
 from speechlm.model import cp_audio, ctc, generation
 from speechlm.model.attention import ensure_registered, get_backend
+from speechlm.model.compression import compressed_output
 from speechlm.model.conversation_inputs import (
     as_conversation,
     batch_field,
@@ -179,6 +180,12 @@ class SpeechLLM(nn.Module):
                 )
             else:
                 enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
+        if self.cfg.audio_compression == "ctc":
+            if slices:
+                raise NotImplementedError("model.audio_compression=ctc with a clip sharded over the CP group")
+            return compressed_output(
+                self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed
+            )
         if not slices:
             proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
             return whole_clips_output(proj, proj_lens_B, enc_hidden, enc_lens_B, packed)
@@ -256,6 +263,12 @@ class SpeechLLM(nn.Module):
         )
         return ce_sum, int(keep_BS.sum())
 
+    @property
+    def align_skip(self) -> int | None:
+        """The answer tokens before the first one an audio row stands for, with aligned audio positions
+        (`speechlm.packing.positions`); None: sequential positions."""
+        return self.ctc_skip_leading if self.cfg.audio_positions == "aligned" else None
+
     def set_cp_layout(self, layout: CPLayout) -> None:
         """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
         self.cp_layout = layout
@@ -304,6 +317,13 @@ class SpeechLLM(nn.Module):
             cp_audio.finish_sharded(
                 self, lay, enc, sharding, enc_plan, seq_of_clip=clip_sample, offsets=offsets
             )
+        if self.cfg.audio_compression != "none":  # the LLM's lengths are known now: place again with them
+            if lay.cp_size > 1:
+                raise NotImplementedError("model.audio_compression=ctc under context parallelism")
+            seq_lens = conversation_seq_lens(
+                prompts, clip_counts, [int(e.shape[0]) for e in enc.embeds_of(range(len(enc.embeds)))]
+            )
+            plan = lay.place(seq_lens)
         ctc_sum = ctc.ctc_of(self, enc, ctc_tokens, ctc_lens) if self.ctc_head is not None else None
         labelled = [int(mask.sum()) for _, mask in prompts]
         if self.cfg.packed_sequences:
@@ -316,6 +336,7 @@ class SpeechLLM(nn.Module):
                 audio_id=self.audio_id,
                 clip_counts=clip_counts,
                 device=audio_BN.device,
+                align_skip=self.align_skip,
             )
             ce_sum, _ = self.forward_packed(packed)
             n_labelled = sum(labelled)  # the whole micro-batch's
@@ -328,6 +349,7 @@ class SpeechLLM(nn.Module):
                 audio_id=self.audio_id,
                 pad_to_multiple=self.cfg.pad_to_multiple or lay.tp,
                 clip_counts=clip_counts,
+                align_skip=self.align_skip,
             )
             ce_sum, n_labelled = self.forward_padded(padded)
             local, n_split = list(range(len(prompts))), 0

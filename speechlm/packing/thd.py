@@ -48,6 +48,7 @@ from torch import Tensor
 from parallel.rounding import round_lengths
 from parallel.rounding import rounding_unit as rounding_unit  # re-exported: the rule packing follows
 from parallel.rounding import sequence_multiple as sequence_multiple
+from speechlm.packing.positions import align_audio_positions
 
 IGNORE_INDEX = -100
 
@@ -168,6 +169,7 @@ def plan_thd(
     pad_to_multiple: int | None = None,
     padded_lengths: Sequence[int] | None = None,
     clip_counts: Sequence[int] | None = None,
+    align_skip: int | None = None,
 ) -> PackLayout:
     """Lay out the prompts as one THD stream: expand audio, shift labels, round, build cu_seqlens.
 
@@ -252,6 +254,11 @@ def plan_thd(
     labels_T = shift_labels_within(input_ids_T, target_mask_T, cu_seqlens)
     starts_T = torch.repeat_interleave(cu_seqlens[:-1], padded_t)
     position_ids_T = torch.arange(int(cu_seqlens[-1]), dtype=torch.long) - starts_T
+    if align_skip is not None:
+        seq_of_T = torch.repeat_interleave(torch.arange(n), padded_t)
+        position_ids_T = align_audio_positions(
+            position_ids_T, audio_mask_T, target_mask_T, seq_of_T, lens_audio, seq_lens, skip=align_skip
+        )
     return PackLayout(
         input_ids_T=input_ids_T,
         audio_mask_T=audio_mask_T,
@@ -363,9 +370,11 @@ def pack_thd(
     padded_lengths: Sequence[int] | None = None,
     clip_counts: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    align_skip: int | None = None,
 ) -> PackedBatch:
     """Plan, embed and splice in one call; tensors land on ``device`` (default: the audio's).
-    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each)."""
+    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each);
+    ``align_skip``: as in `plan_thd`."""
     layout = plan_thd(
         prompts,
         [int(e.shape[0]) for e in audio_embeds],
@@ -375,6 +384,7 @@ def pack_thd(
         pad_to_multiple=pad_to_multiple,
         padded_lengths=padded_lengths,
         clip_counts=clip_counts,
+        align_skip=align_skip,
     )
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     inputs_embeds = splice_embeddings(layout, embed_tokens(layout.input_ids_T.to(dev)), audio_embeds)
@@ -430,9 +440,11 @@ def pack_bshd(
     pad_to_multiple: int = 1,
     clip_counts: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    align_skip: int | None = None,
 ) -> PaddedBatch:
     """Right-pad each expanded utterance to ``S = round_up(max seq_len, pad_to_multiple)``.
-    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each)."""
+    ``audio_embeds``: per clip, in prompt order; ``clip_counts``: clips per prompt (None: one each);
+    ``align_skip``: as in `plan_thd`."""
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     B = len(prompts)
@@ -449,13 +461,21 @@ def pack_bshd(
     labels_BS = torch.full((B, S), IGNORE_INDEX, dtype=torch.long)
     audio_BS = torch.zeros(B, S, dtype=torch.bool)
     attn_BS = torch.zeros(B, S, dtype=torch.long)
+    target_BS = torch.zeros(B, S, dtype=torch.bool)
     for b, (ids, mask, audio) in enumerate(rows):
         n = ids.shape[0]
         ids_BS[b, :n] = ids
         labels_BS[b, :n] = shift_labels_within(ids, mask)
         audio_BS[b, :n] = audio
+        target_BS[b, :n] = mask
         attn_BS[b, :n] = 1
     position_ids_BS = torch.arange(S, dtype=torch.long).expand(B, S).contiguous()
+    if align_skip is not None:
+        seq_of = torch.arange(B).repeat_interleave(S)
+        flat = [t.flatten() for t in (position_ids_BS, audio_BS, target_BS)]
+        position_ids_BS = align_audio_positions(*flat, seq_of, lens_audio, seq_lens, skip=align_skip).view(
+            B, S
+        )
 
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     text_BSH = embed_tokens(ids_BS.to(dev))

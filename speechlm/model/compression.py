@@ -1,0 +1,103 @@
+"""CTC-compressed audio rows: one LLM row per token the CTC head hears, not one per encoder frame.
+
+Letters: B clips, U encoder frames (packed, ``sum U_b``), E encoder width, R kept rows (``sum R_b``).
+
+``model.audio_compression: ctc`` (`SpeechLLM.encode_audio`) reads the CTC head's argmax on every encoder
+frame, cuts each clip into runs of frames with the same argmax, drops the runs whose argmax is the blank and
+replaces each remaining run by the mean of its frames. The projector then sees one frame per emitted CTC
+token, in order: a clip of ``n`` heard tokens gives about ``n`` rows where it gave ``U / stack`` before
+(40 ms frames: about 25 rows per second, a few per second after compression). This is the blank-removal and
+merge of decoder-only ASR with CTC prompts (Tsunoo et al., 2024) with the averaging of the "CTC compressor"
+(Gaido et al., 2021). The argmax carries no gradient; the mean does (each frame of a kept run gets
+``1 / len`` of its row's gradient), so the LLM's loss still trains the encoder through the kept frames.
+
+A clip whose frames are all blank (the CTC head before it leaves its blank plateau, or silence) keeps ONE
+row, the mean of all its frames, so every clip reaches the LLM and the projector stays in the graph. A clip
+of 0 frames keeps 0 rows. The function is pure (tensors in, tensors out) and runs on the device of its input.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from speechlm.model.encoder_output import EncoderOutput
+from speechlm.model.packed_encoder import PackedFrames
+from speechlm.model.projector import FrameStackProjector
+
+
+def ctc_runs(labels_U: Tensor, lens_B: Tensor, blank: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Which row each frame goes to: ``(row_of_frame [U] (-1: dropped), rows_B [B], frames_of_row [R])``.
+
+    Runs are cut where the argmax label changes and at every clip boundary; a run of blanks is dropped,
+    except that a clip with no other run keeps all its frames as one row (module docstring)."""
+    device = labels_U.device
+    lens_B = lens_B.to(device=device, dtype=torch.long)
+    B, U = int(lens_B.numel()), int(labels_U.numel())
+    if int(lens_B.sum()) != U:
+        raise ValueError(f"{U} frame labels for clips of {int(lens_B.sum())} frames in all")
+    if U == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, torch.zeros(B, dtype=torch.long, device=device), empty
+    clip_U = torch.repeat_interleave(torch.arange(B, device=device), lens_B, output_size=U)
+    clip_start = torch.zeros(U, dtype=torch.bool, device=device)
+    clip_start[(torch.cumsum(lens_B, 0) - lens_B)[lens_B > 0]] = True
+    new_run = clip_start.clone()
+    new_run[1:] |= labels_U[1:] != labels_U[:-1]
+    heard_U = labels_U != blank
+    heard_B = torch.zeros(B, dtype=torch.long, device=device).index_add_(0, clip_U, heard_U.long())
+    silent_U = (heard_B == 0)[clip_U]  # frames of clips that heard nothing: one run, kept
+    new_run &= ~silent_U | clip_start
+    keep_U = heard_U | silent_U
+    run_U = torch.cumsum(new_run.long(), 0) - 1
+    starts = torch.nonzero(new_run).flatten()
+    keep_run = keep_U[starts]
+    row_of_run = torch.cumsum(keep_run.long(), 0) - 1
+    row_of_frame = torch.where(keep_U, row_of_run[run_U], torch.full_like(run_U, -1))
+    rows_B = torch.zeros(B, dtype=torch.long, device=device).index_add_(0, clip_U[starts], keep_run.long())
+    kept = row_of_frame[keep_U]
+    frames_of_row = torch.bincount(kept, minlength=int(keep_run.sum()))
+    return row_of_frame, rows_B, frames_of_row
+
+
+def compress_frames(frames_UE: Tensor, labels_U: Tensor, lens_B: Tensor, blank: int) -> tuple[Tensor, Tensor]:
+    """Packed encoder frames ``[sum U_b, E]`` -> ``([sum R_b, E], R_b)``: the mean of each kept run
+    (`ctc_runs`), clips in order."""
+    row_of_frame, rows_B, frames_of_row = ctc_runs(labels_U, lens_B, blank)
+    keep = row_of_frame >= 0
+    out = frames_UE.new_zeros(int(frames_of_row.numel()), frames_UE.shape[1])
+    out = out.index_add(0, row_of_frame[keep], frames_UE[keep])
+    return out / frames_of_row.clamp(min=1).to(out.dtype)[:, None], rows_B
+
+
+def frame_labels(ctc_head: nn.Module, frames_UE: Tensor) -> Tensor:
+    """The CTC head's argmax per frame (no gradient): which token, or the blank, each frame hears."""
+    with torch.no_grad():
+        return ctc_head(frames_UE).argmax(dim=-1)
+
+
+def compressed_output(
+    ctc_head: nn.Module | None,
+    projector: FrameStackProjector,
+    blank: int,
+    enc_hidden: Tensor,
+    enc_lens_B: Tensor,
+    packed: bool,
+) -> EncoderOutput:
+    """`SpeechLLM.encode_audio`'s result with ``model.audio_compression: ctc``: the encoder's frames kept as
+    they are (the CTC loss and joint decoding read them), the projector run on the compressed frames."""
+    if ctc_head is None:
+        raise ValueError("model.audio_compression=ctc needs the CTC head: set model.ctc_weight > 0")
+    if projector.stack != 1:
+        raise ValueError(f"model.audio_compression=ctc needs model.projector_stack=1, not {projector.stack}")
+    lens_B = enc_lens_B.to(device=enc_hidden.device, dtype=torch.long)
+    if packed:
+        frames_UE = enc_hidden
+    else:  # padded [B, U, E]: the real frames, clip after clip
+        valid_BU = torch.arange(enc_hidden.shape[1], device=enc_hidden.device)[None, :] < lens_B[:, None]
+        frames_UE = enc_hidden[valid_BU]
+    rows_RE, rows_B = compress_frames(frames_UE, frame_labels(ctc_head, frames_UE), lens_B, blank)
+    proj_RH, _ = projector(rows_RE, rows_B)
+    embeds: list[Tensor | None] = list(torch.split(proj_RH, [int(n) for n in rows_B.tolist()]))
+    hidden: PackedFrames | Tensor = PackedFrames(enc_hidden, enc_lens_B) if packed else enc_hidden
+    return EncoderOutput(embeds, hidden, enc_lens_B, list(range(int(lens_B.numel()))))
