@@ -23,6 +23,7 @@ EncoderKind = Literal["parakeet", "whisper", "nemo"]
 ConvNorm = Literal["auto", "layer_norm", "batch_norm"]
 AudioCompression = Literal["none", "ctc"]  # the LLM's audio rows: every projected frame, or one per CTC token
 AudioPositions = Literal["sequential", "aligned"]  # position ids of the audio rows
+AudioPrefix = Literal["audio", "oracle"]  # what fills the audio rows: the projected audio, or the transcript
 LLMFamily = Literal["llama", "qwen2"]  # speechlm/model/llm.py builds these from a config
 LLMTrain = Literal["full", "frozen", "lora"]  # what trains in the LLM (speechlm/model/trainable.py)
 EncoderTrain = Literal["full", "frozen"]

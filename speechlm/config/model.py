@@ -12,6 +12,7 @@ from speechlm.config.choices import (
     AttentionBackend,
     AudioCompression,
     AudioPositions,
+    AudioPrefix,
     ConvNorm,
     CTCReduction,
     EncoderKind,
@@ -235,6 +236,12 @@ class ModelConfig(Section):
         "sequential",
         "position ids of the audio rows: sequential, or aligned (row k of a clip at the position of the "
         "k-th token of the answer after it, past the language tag; needs audio_compression ctc)",
+    )
+    audio_prefix: AudioPrefix = key(
+        "audio",
+        "what fills the audio rows: audio (the projected clip), or oracle (the LLM's embeddings of the clip's "
+        "transcript: a diagnostic of whether the decoder learns to copy from its prefix; evaluates, cannot "
+        "transcribe)",
     )
     packed_sequences: bool = key(True, "THD packing (true) or padded BSHD (false)")
     # None: lcm(2*cp, cp*tp) (tp when cp=1); set e.g. 64 for tensor cores: a multiple of that unit

@@ -42,9 +42,11 @@ import torch
 from torch import Tensor, nn
 
 from parallel.cp_layout import dummy_clip
+from speechlm.config import ModelConfig
 from speechlm.model.conversation_inputs import (
     as_conversation,
     clips_per_sample,
+    conversation_ctc_targets,
     conversation_prompts,
     last_answer_start,
     optional_field,
@@ -53,6 +55,7 @@ from speechlm.model.cp_audio import AudioModel
 from speechlm.model.ctc import ctc_log_prob_rows
 from speechlm.model.ctc_prefix import JointCTCScorer
 from speechlm.model.encoder_output import EncoderOutput
+from speechlm.model.oracle import apply_oracle
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.packing.positions import align_audio_positions
 from speechlm.packing.prompt import PromptFormat
@@ -67,9 +70,12 @@ class DecodingModel(AudioModel, Protocol):
     """What greedy decoding reads of the model (`SpeechLLM` has it)."""
 
     training: bool
+    cfg: ModelConfig
 
     @property
     def prompt(self) -> PromptFormat: ...
+    @property
+    def ctc_skip_leading(self) -> int: ...
     @property
     def audio_id(self) -> int: ...
     @property
@@ -273,6 +279,11 @@ def generate_greedy(
     model.eval()
     try:
         device = next(model.parameters()).device
+        if model.cfg.audio_prefix == "oracle":
+            raise ValueError(
+                "model.audio_prefix=oracle decodes from the transcript, which new audio does not have: "
+                "evaluate a manifest (speechlm evaluate), or set model.audio_prefix=audio"
+            )
         enc = model.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
         head_ids, tail_ids = model.prompt.generation_prompt
         forced = lang_id is not None and max_new_tokens > 0
@@ -312,6 +323,12 @@ def generate_for_batch(
         if not clip_sample:  # rows without audio: a dummy keeps FSDP's encoder collectives in step
             audio, audio_lens = dummy_clip(audio, audio_lens)
         enc = model.encode_audio(audio, audio_lens)
+        if model.cfg.audio_prefix == "oracle" and clip_sample:  # as training's forward (`model.oracle`)
+            tokens, lens = conversation_ctc_targets(batch, len(clip_sample))
+            one_row = model.cfg.audio_compression != "none"
+            apply_oracle(
+                enc, model.embed_tokens, tokens, lens, skip=model.ctc_skip_leading, one_row_per_token=one_row
+            )
         embeds = enc.embeds_of(range(len(clip_sample)))
         answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
         heads = [ids[: last_answer_start(ids, mask, answers[b], b)] for b, (ids, mask) in enumerate(prompts)]

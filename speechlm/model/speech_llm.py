@@ -67,6 +67,7 @@ from speechlm.model.features import LogMelFeatures
 from speechlm.model.flops import Placement
 from speechlm.model.generation import KeepGoing
 from speechlm.model.llm import build_llm
+from speechlm.model.oracle import apply_oracle
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.model.sharded_encoder import ClipSlice
@@ -316,6 +317,15 @@ class SpeechLLM(nn.Module):
             offsets = clip_offsets(prompts, clip_sample, lens.embeds, self.audio_id)
             cp_audio.finish_sharded(
                 self, lay, enc, sharding, enc_plan, seq_of_clip=clip_sample, offsets=offsets
+            )
+        if self.cfg.audio_prefix == "oracle":  # a diagnostic: the transcript's embeddings (`model.oracle`)
+            apply_oracle(
+                enc,
+                self.embed_tokens,
+                ctc_tokens,
+                ctc_lens,
+                skip=self.ctc_skip_leading,
+                one_row_per_token=self.cfg.audio_compression != "none",
             )
         if self.cfg.audio_compression != "none":  # the LLM's lengths are known now: place again with them
             if lay.cp_size > 1:
