@@ -472,10 +472,15 @@ def pack_bshd(
     position_ids_BS = torch.arange(S, dtype=torch.long).expand(B, S).contiguous()
     if align_skip is not None:
         seq_of = torch.arange(B).repeat_interleave(S)
-        flat = [t.flatten() for t in (position_ids_BS, audio_BS, target_BS)]
-        position_ids_BS = align_audio_positions(*flat, seq_of, lens_audio, seq_lens, skip=align_skip).view(
-            B, S
-        )
+        position_ids_BS = align_audio_positions(
+            position_ids_BS.flatten(),
+            audio_BS.flatten(),
+            target_BS.flatten(),
+            seq_of,
+            lens_audio,
+            seq_lens,
+            skip=align_skip,
+        ).view(B, S)
 
     dev = torch.device(device) if device is not None else _default_device(audio_embeds)
     text_BSH = embed_tokens(ids_BS.to(dev))
