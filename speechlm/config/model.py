@@ -232,6 +232,11 @@ class ModelConfig(Section):
         "the LLM's audio rows: none (every projected frame) or ctc (one row per token the CTC head hears: "
         "blank frames dropped, repeated frames averaged; needs ctc_weight > 0 and projector_stack 1)",
     )
+    audio_token_embedding: bool = key(
+        False,
+        "add to each CTC-compressed audio row the LLM's input embedding of the token the CTC head heard there "
+        "(needs audio_compression ctc)",
+    )
     audio_positions: AudioPositions = key(
         "sequential",
         "position ids of the audio rows: sequential, or aligned (row k of a clip at the position of the "
@@ -290,6 +295,11 @@ class ModelConfig(Section):
             out.append(
                 f"model.audio_compression=ctc gives the projector one frame per heard token; stacking "
                 f"{self.projector_stack} of them would merge tokens: set model.projector_stack=1"
+            )
+        if self.audio_token_embedding and self.audio_compression != "ctc":
+            out.append(
+                "model.audio_token_embedding=true embeds the token the CTC head heard in each compressed row: "
+                "set model.audio_compression=ctc (and model.projector_stack=1), or model.audio_token_embedding=false"
             )
         if self.audio_positions == "aligned" and self.audio_compression != "ctc":
             out.append(

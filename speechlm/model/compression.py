@@ -18,6 +18,8 @@ of 0 frames keeps 0 rows. The function is pure (tensors in, tensors out) and run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -70,6 +72,16 @@ def compress_frames(frames_UE: Tensor, labels_U: Tensor, lens_B: Tensor, blank: 
     return out / frames_of_row.clamp(min=1).to(out.dtype)[:, None], rows_B
 
 
+def heard_tokens(labels_U: Tensor, lens_B: Tensor, blank: int) -> Tensor:
+    """Per kept row (`ctc_runs`), the token the CTC head heard there, or -1 for the one row of a clip that
+    heard nothing."""
+    row_of_frame, _, frames_of_row = ctc_runs(labels_U, lens_B, blank)
+    keep = row_of_frame >= 0
+    out = labels_U.new_full((int(frames_of_row.numel()),), -1)
+    out = out.index_copy(0, row_of_frame[keep].flip(0), labels_U[keep].flip(0))  # a run's frames share it
+    return torch.where(out == blank, -1, out)
+
+
 def frame_labels(ctc_head: nn.Module, frames_UE: Tensor) -> Tensor:
     """The CTC head's argmax per frame (no gradient): which token, or the blank, each frame hears."""
     with torch.no_grad():
@@ -83,9 +95,12 @@ def compressed_output(
     enc_hidden: Tensor,
     enc_lens_B: Tensor,
     packed: bool,
+    embed_tokens: Callable[[Tensor], Tensor] | None = None,
 ) -> EncoderOutput:
     """`SpeechLLM.encode_audio`'s result with ``model.audio_compression: ctc``: the encoder's frames kept as
-    they are (the CTC loss and joint decoding read them), the projector run on the compressed frames."""
+    they are (the CTC loss and joint decoding read them), the projector run on the compressed frames.
+    ``embed_tokens`` (``model.audio_token_embedding``): each row also gets the LLM's input embedding of the
+    token the CTC head heard there (none for a clip's silent row), in one call whatever the batch holds."""
     if ctc_head is None:
         raise ValueError("model.audio_compression=ctc needs the CTC head: set model.ctc_weight > 0")
     if projector.stack != 1:
@@ -96,8 +111,13 @@ def compressed_output(
     else:  # padded [B, U, E]: the real frames, clip after clip
         valid_BU = torch.arange(enc_hidden.shape[1], device=enc_hidden.device)[None, :] < lens_B[:, None]
         frames_UE = enc_hidden[valid_BU]
-    rows_RE, rows_B = compress_frames(frames_UE, frame_labels(ctc_head, frames_UE), lens_B, blank)
+    labels_U = frame_labels(ctc_head, frames_UE)
+    rows_RE, rows_B = compress_frames(frames_UE, labels_U, lens_B, blank)
     proj_RH, _ = projector(rows_RE, rows_B)
+    if embed_tokens is not None:
+        heard_R = heard_tokens(labels_U, lens_B, blank)
+        tok_RH = embed_tokens(heard_R.clamp(min=0)) * (heard_R >= 0)[:, None]
+        proj_RH = proj_RH + tok_RH.to(proj_RH.dtype)
     embeds: list[Tensor | None] = list(torch.split(proj_RH, [int(n) for n in rows_B.tolist()]))
     hidden: PackedFrames | Tensor = PackedFrames(enc_hidden, enc_lens_B) if packed else enc_hidden
     return EncoderOutput(embeds, hidden, enc_lens_B, list(range(int(lens_B.numel()))))

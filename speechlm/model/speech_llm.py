@@ -184,8 +184,9 @@ class SpeechLLM(nn.Module):
         if self.cfg.audio_compression == "ctc":
             if slices:
                 raise NotImplementedError("model.audio_compression=ctc with a clip sharded over the CP group")
+            embed = self.embed_tokens if self.cfg.audio_token_embedding else None
             return compressed_output(
-                self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed
+                self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed, embed
             )
         if not slices:
             proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)

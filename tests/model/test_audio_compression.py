@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speechlm.config import ModelConfig
-from speechlm.model.compression import compress_frames, ctc_runs
+from speechlm.model.compression import compress_frames, ctc_runs, heard_tokens
 from speechlm.model.conversation_inputs import as_conversation, conversation_prompts
 from speechlm.model.generation import decode, prompt_positions, splice_prompts
 from speechlm.packing.positions import align_audio_positions
@@ -154,3 +154,18 @@ def test_decoding_sees_the_positions_training_laid_out(use_cache):
     for b in range(3):
         got = torch.stack(seen[b])
         torch.testing.assert_close(got, want[b][: got.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+def test_token_embedding_adds_the_heard_token_to_each_row():
+    labels = torch.tensor([0, 3, 3, 0, 4, 4, 4, 0, 0, 0, 0, 5, 5, 0, 5, 5])
+    assert heard_tokens(labels, torch.tensor([8, 3, 4, 0, 1]), 0).tolist() == [3, 4, -1, 5, 5, 5]
+    model = build_tiny_model(**ALIGNED)
+    batch = make_batch()
+    plain = model.encode_audio(batch.audio, batch.audio_lens)
+    model.cfg.audio_token_embedding = True
+    with_tokens = model.encode_audio(batch.audio, batch.audio_lens)
+    frames = plain.enc_hidden.data_UE
+    heard = heard_tokens(model.ctc_head(frames).argmax(-1), plain.enc_lens_B, model.ctc_blank_id)
+    want = torch.cat(plain.embeds) + model.embed_tokens(heard.clamp(min=0)) * (heard >= 0)[:, None]
+    torch.testing.assert_close(torch.cat(with_tokens.embeds), want)
+    assert any("audio_compression=ctc" in p for p in ModelConfig(audio_token_embedding=True).problems())
