@@ -232,6 +232,13 @@ class ModelConfig(Section):
         "the LLM's audio rows: none (every projected frame) or ctc (one row per token the CTC head hears: "
         "blank frames dropped, repeated frames averaged; needs ctc_weight > 0 and projector_stack 1)",
     )
+    oracle_warmup_steps: int = key(
+        0,
+        "the first this many optimizer steps fill the audio rows with the transcript's own embeddings (the "
+        "oracle prefix), so the decoder learns to copy from its prefix while the CTC head leaves its blank "
+        "plateau; validation decodes the audio (0: off)",
+        Num(lo=0, integer=True),
+    )
     audio_token_embedding: bool = key(
         False,
         "add to each CTC-compressed audio row the LLM's input embedding of the token the CTC head heard there "

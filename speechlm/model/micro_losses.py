@@ -52,10 +52,13 @@ def make_dummy_batch(like: Any, eos_id: int) -> Any:
     )
 
 
-def compute_micro_losses(model: SpeechLLM, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
-    """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring)."""
+def compute_micro_losses(
+    model: SpeechLLM, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False
+) -> MicroLosses:
+    """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring); ``oracle``:
+    the oracle prefix for this step (``model.oracle_warmup_steps``)."""
     if len(batch) == 0:
-        out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen)
+        out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen, oracle=oracle)
         out.weight = 0.0
         return out
-    return model(batch, encoder_frozen=encoder_frozen)
+    return model(batch, encoder_frozen=encoder_frozen, oracle=oracle)

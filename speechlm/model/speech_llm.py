@@ -275,7 +275,7 @@ class SpeechLLM(nn.Module):
         """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
         self.cp_layout = layout
 
-    def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
+    def forward(self, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False) -> MicroLosses:
         """One micro-batch (`speechlm.data.dataset.Batch`, attributes or mapping keys, on the model's
         device; a batch of transcription rows is read as one-turn conversations: `as_conversation`) to its
         loss sums: place, encode, pack (THD, rounded and CP-sharded per ``self.cp_layout``) or pad (BSHD),
@@ -285,7 +285,8 @@ class SpeechLLM(nn.Module):
         ``clip_sample`` [C]); each clip is spliced at its placeholder, the CP plan is per row and a clip
         lives where its row lives (`parallel.cp_layout.plan_for_clips`), CTC runs per clip against
         ``ctc_tokens`` (clips of length 0 count nothing) and ``n_clips`` counts the clips with a CTC target.
-        A frozen encoder runs without autograd inside `encode_audio`; the projector still trains."""
+        A frozen encoder runs without autograd inside `encode_audio`; the projector still trains. ``oracle``:
+        the transcripts fill the audio rows this time (``model.oracle_warmup_steps``, `speechlm.model.oracle`)."""
         lay = self.cp_layout
         if not self.cfg.packed_sequences and lay.cp_size > 1:
             raise ValueError(
@@ -319,7 +320,7 @@ class SpeechLLM(nn.Module):
             cp_audio.finish_sharded(
                 self, lay, enc, sharding, enc_plan, seq_of_clip=clip_sample, offsets=offsets
             )
-        if self.cfg.audio_prefix == "oracle":  # a diagnostic: the transcript's embeddings (`model.oracle`)
+        if oracle or self.cfg.audio_prefix == "oracle":  # the transcript's embeddings (`model.oracle`)
             apply_oracle(
                 enc,
                 self.embed_tokens,

@@ -74,6 +74,12 @@ def encoder_runs_frozen(step: int, cfg: ExperimentConfig) -> bool:
     return cfg.model.encoder.train == "frozen" or encoder_frozen(step, cfg.optim.unfreeze_step)
 
 
+def oracle_prefix_runs(step: int, cfg: ExperimentConfig) -> bool:
+    """Whether optimizer step `step` fills the audio rows with the transcripts (``model.oracle_warmup_steps``,
+    `speechlm.model.oracle`)."""
+    return step < cfg.model.oracle_warmup_steps
+
+
 def build_optimizer(model: SpeechLLM, cfg: ExperimentConfig) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW with two groups (decoder side, audio encoder) and one LambdaLR with a schedule per group.
 

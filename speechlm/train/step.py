@@ -41,7 +41,7 @@ from speechlm.model.flops import MicroWork, work_of
 from speechlm.model.micro_losses import compute_micro_losses, count_targets
 from speechlm.model.speech_llm import SpeechLLM
 from speechlm.train.precision import PrecisionPolicy
-from speechlm.train.schedule import encoder_runs_frozen
+from speechlm.train.schedule import encoder_runs_frozen, oracle_prefix_runs
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,7 @@ def run_optimizer_step(
     """
     backward = backward or (lambda loss: loss.backward())
     frozen = encoder_runs_frozen(step, cfg)
+    oracle = oracle_prefix_runs(step, cfg)
     if counts is None:
         counts = agree_step(model, micro_batches, ctx).counts
     n_tok, n_ctc = counts.tokens, counts.ctc_norm(cfg.model.ctc_reduction)
@@ -205,7 +206,7 @@ def run_optimizer_step(
     works: list[MicroWork] = []
     for b in micro_batches:
         with ctx.precision.autocast():  # forward only; a no-op under FSDP mixed precision or fp32
-            out = compute_micro_losses(model, b, encoder_frozen=frozen)
+            out = compute_micro_losses(model, b, encoder_frozen=frozen, oracle=oracle)
         loss = out.ce_sum / max(n_tok, 1)
         if w_ctc > 0 and out.ctc_sum is not None:
             loss = loss + w_ctc * out.ctc_sum / n_ctc

@@ -85,3 +85,17 @@ def test_a_decoder_learns_to_copy_its_oracle_prefix():
     assert exact >= 12, (exact, hyps[:3], refs[:3])
     with pytest.raises(ValueError, match="oracle decodes from the transcript"):
         model.generate_greedy(held_out.audio, held_out.audio_lens, max_new_tokens=4)
+
+
+def test_oracle_warmup_fills_the_first_steps_with_the_transcripts():
+    from speechlm.config import ExperimentConfig
+    from speechlm.train.schedule import oracle_prefix_runs
+
+    cfg = ExperimentConfig()
+    cfg.model.oracle_warmup_steps = 3
+    assert [oracle_prefix_runs(s, cfg) for s in range(5)] == [True, True, True, False, False]
+    batch = random_transcripts(3, torch.Generator().manual_seed(4))
+    warm = build_tiny_model(**ALIGNED)
+    always = build_tiny_model(**ORACLE_ALIGNED)  # same seed: same weights
+    torch.testing.assert_close(warm(batch, oracle=True).ce_sum, always(batch).ce_sum)
+    assert float((warm(batch).ce_sum - always(batch).ce_sum).abs()) > 1e-3  # after the warm-up: the audio
