@@ -44,3 +44,35 @@ def test_resume_mid_epoch_keeps_full_epochs_after_the_boundary(demo_data, tmp_pa
     assert [m["epoch"] for m in b] == [m["epoch"] for m in a], "epochs after the resume are cut short"
     assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
     assert [m["loss"] for m in b] == [m["loss"] for m in a]
+
+
+COMPRESSED = [
+    "model.audio_compression=ctc",
+    "model.projector_stack=1",
+    "model.audio_positions=aligned",
+    "model.audio_token_embedding=true",
+    "model.oracle_warmup_steps=4",
+]
+
+
+def test_resume_with_compressed_audio_and_an_oracle_warmup_is_exact(demo_data, tmp_path):
+    """Issue 38: CTC-compressed audio rows (whose lengths come from the CTC head), aligned positions and the
+    oracle warm-up (steps 1-4) resumed at step 3: the same batches and losses as one run, across the switch
+    from the oracle to the audio."""
+    base = [*base_args(demo_data), *COMPRESSED]
+    full = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'full'}"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = run_train(
+        [*base, "trainer.max_steps=3", "trainer.ckpt_every=3", f"trainer.run_dir={tmp_path / 'p'}"]
+    )
+    assert part.returncode == 0, part.stderr[-3000:]
+    resumed = run_train(
+        [*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'p'}", "trainer.resume=auto"]
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = read_train_metrics(tmp_path / "full"), read_train_metrics(tmp_path / "p")
+    assert len(a) == 6 and [m["step"] for m in b] == [m["step"] for m in a]
+    assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
+    assert [m["loss"] for m in b] == [m["loss"] for m in a]
+    # the LLM computed the compressed rows, and the logged share counts them
+    assert all(m["computed_tokens"] == m["real_tokens"] for m in a)
