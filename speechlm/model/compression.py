@@ -96,11 +96,14 @@ def compressed_output(
     enc_lens_B: Tensor,
     packed: bool,
     embed_tokens: Callable[[Tensor], Tensor] | None = None,
+    gate: Tensor | None = None,
 ) -> EncoderOutput:
     """`SpeechLLM.encode_audio`'s result with ``model.audio_compression: ctc``: the encoder's frames kept as
     they are (the CTC loss and joint decoding read them), the projector run on the compressed frames.
     ``embed_tokens`` (``model.audio_token_embedding``): each row also gets the LLM's input embedding of the
-    token the CTC head heard there (none for a clip's silent row), in one call whatever the batch holds."""
+    token the CTC head heard there (none for a clip's silent row), in one call whatever the batch holds, and
+    the projected frames are scaled by ``gate`` (a learnt scalar that starts at 0: the rows start as the
+    heard tokens' embeddings, at the scale the decoder knows, and the acoustic side grows in as it helps)."""
     if ctc_head is None:
         raise ValueError("model.audio_compression=ctc needs the CTC head: set model.ctc_weight > 0")
     if projector.stack != 1:
@@ -117,6 +120,8 @@ def compressed_output(
     if embed_tokens is not None:
         heard_R = heard_tokens(labels_U, lens_B, blank)
         tok_RH = embed_tokens(heard_R.clamp(min=0)) * (heard_R >= 0)[:, None]
+        if gate is not None:
+            proj_RH = proj_RH * gate.to(proj_RH.dtype)
         proj_RH = proj_RH + tok_RH.to(proj_RH.dtype)
     embeds: list[Tensor | None] = list(torch.split(proj_RH, [int(n) for n in rows_B.tolist()]))
     hidden: PackedFrames | Tensor = PackedFrames(enc_hidden, enc_lens_B) if packed else enc_hidden

@@ -152,6 +152,9 @@ class SpeechLLM(nn.Module):
             dropout=model_cfg.dropout,
         )
         self.ctc_head = nn.Linear(self.encoder.output_dim, vocab_size) if model_cfg.ctc_weight > 0 else None
+        # the projected frames' share of a compressed row beside the heard token's embedding, from 0
+        # (`speechlm.model.compression.compressed_output`)
+        self.audio_gate = nn.Parameter(torch.zeros(1)) if model_cfg.audio_token_embedding else None
         # one CP rank until the training layer sets its layout (`set_cp_layout`)
         self.cp_layout: CPLayout = NullCPLayout(tp=1, pad_to_multiple=model_cfg.pad_to_multiple)
 
@@ -186,7 +189,14 @@ class SpeechLLM(nn.Module):
                 raise NotImplementedError("model.audio_compression=ctc with a clip sharded over the CP group")
             embed = self.embed_tokens if self.cfg.audio_token_embedding else None
             return compressed_output(
-                self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed, embed
+                self.ctc_head,
+                self.projector,
+                self.ctc_blank_id,
+                enc_hidden,
+                enc_lens_B,
+                packed,
+                embed,
+                self.audio_gate,
             )
         if not slices:
             proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speechlm.config import ModelConfig
-from speechlm.model.compression import compress_frames, ctc_runs, heard_tokens
+from speechlm.model.compression import compress_frames, compressed_output, ctc_runs, heard_tokens
 from speechlm.model.conversation_inputs import as_conversation, conversation_prompts
 from speechlm.model.generation import decode, prompt_positions, splice_prompts
 from speechlm.packing.positions import align_audio_positions
@@ -162,10 +162,26 @@ def test_token_embedding_adds_the_heard_token_to_each_row():
     model = build_tiny_model(**ALIGNED)
     batch = make_batch()
     plain = model.encode_audio(batch.audio, batch.audio_lens)
-    model.cfg.audio_token_embedding = True
-    with_tokens = model.encode_audio(batch.audio, batch.audio_lens)
+    with_tokens = build_tiny_model(**ALIGNED, audio_token_embedding=True).encode_audio(
+        batch.audio, batch.audio_lens
+    )
     frames = plain.enc_hidden.data_UE
     heard = heard_tokens(model.ctc_head(frames).argmax(-1), plain.enc_lens_B, model.ctc_blank_id)
-    want = torch.cat(plain.embeds) + model.embed_tokens(heard.clamp(min=0)) * (heard >= 0)[:, None]
-    torch.testing.assert_close(torch.cat(with_tokens.embeds), want)
+    tokens = model.embed_tokens(heard.clamp(min=0)) * (heard >= 0)[:, None]
+    # the projected frames come in through a gate that starts at 0 (the model's `audio_gate`)
+    torch.testing.assert_close(torch.cat(with_tokens.embeds), tokens + 0.0 * torch.cat(plain.embeds))
+    gate = torch.full((1,), 0.5)
+    gated = compressed_output(
+        model.ctc_head,
+        model.projector,
+        model.ctc_blank_id,
+        frames,
+        plain.enc_lens_B,
+        True,
+        model.embed_tokens,
+        gate,
+    )
+    torch.testing.assert_close(torch.cat(gated.embeds), tokens + 0.5 * torch.cat(plain.embeds))
+    assert build_tiny_model(**ALIGNED, audio_token_embedding=True).audio_gate is not None
+    assert build_tiny_model(**ALIGNED).audio_gate is None  # no new parameter otherwise
     assert any("audio_compression=ctc" in p for p in ModelConfig(audio_token_embedding=True).problems())
