@@ -85,6 +85,10 @@ class MicroLosses:
     weight: float = 1.0  # 0 for the training layer's dummy micro-batch
     # what this rank computed, from which the training layer counts the FLOPs (`speechlm.model.flops.work_of`)
     placed: Placement | None = None
+    # forward(per_seq=True): [B] summed token CE of each sequence of the whole micro-batch (fp32), this rank's
+    # share of it (a CP-split sequence: its chunks here; a sequence placed on another CP rank: 0), so a sum
+    # over the CP group gives each sequence's whole CE; None otherwise
+    ce_per_seq: Tensor | None = None
 
 
 class SpeechLLM(nn.Module):
@@ -227,12 +231,19 @@ class SpeechLLM(nn.Module):
     ) -> tuple[Tensor, int] | Tensor:
         """Decode a THD ``PackedBatch`` (this rank's share under CP: its first ``cp_split_seqs`` sequences
         are split over the CP group); ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
+        if return_logits:
+            return self.llm(**self.packed_llm_inputs(packed)).logits[0]
+        ce_sum, n_labelled, _ = self.labelled_ce_packed(packed)
+        return ce_sum, n_labelled
+
+    def packed_llm_inputs(self, packed: PackedBatch) -> dict[str, Any]:
+        """The LLM's arguments for a THD ``PackedBatch``: embeddings, positions, boundaries, CP context."""
         cu = packed.cu_seqlens
         # the pack's boundaries as host integers, read once here for every layer (one sync per micro-batch)
         meta = build_varlen_meta(cu, device=cu.device)
         # under CP: the split prefix (every sequence without dynamic CP) and its ring plans; None without CP
         n_split = len(meta.cu_q) - 1 if packed.cp_split_seqs is None else packed.cp_split_seqs
-        kwargs: dict[str, Any] = dict(
+        return dict(
             inputs_embeds=packed.inputs_embeds[None],
             position_ids=packed.position_ids[None],
             cu_seq_lens_q=cu,
@@ -242,16 +253,33 @@ class SpeechLLM(nn.Module):
             varlen_meta=meta,
             cp_context=self.cp_layout.attention_context(meta, n_split),
         )
-        if return_logits:
-            return self.llm(**kwargs).logits[0]
+
+    def labelled_ce_packed(
+        self, packed: PackedBatch, *, per_seq: bool = False
+    ) -> tuple[Tensor, int, Tensor | None]:
+        """`forward_packed`'s ``(ce_sum, n_labelled)`` and, with ``per_seq``, the summed CE of each sequence
+        of ``packed`` ([N], fp32; this rank's share of a CP-split one), else None."""
         labels_T = packed.labels
         keep_M = torch.nonzero(labels_T != IGNORE_INDEX).flatten()
-        logits_MV = self.llm(**kwargs, logits_to_keep=keep_M).logits[0]
+        logits_MV = self.llm(**self.packed_llm_inputs(packed), logits_to_keep=keep_M).logits[0]
         ce_sum = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="sum")
-        return ce_sum, int(keep_M.numel())
+        if not per_seq:
+            return ce_sum, int(keep_M.numel()), None
+        cu = packed.cu_seqlens.to(device=keep_M.device, dtype=keep_M.dtype)
+        seq_M = torch.searchsorted(cu[1:], keep_M, right=True)  # the sequence of each labelled row
+        ce_M = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="none")
+        ce_N = torch.zeros(len(cu) - 1, device=ce_M.device).index_add_(0, seq_M, ce_M)
+        return ce_sum, int(keep_M.numel()), ce_N
 
     def forward_padded(self, padded: PaddedBatch) -> tuple[Tensor, int]:
         """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled)``."""
+        ce_sum, n_labelled, _ = self.labelled_ce_padded(padded)
+        return ce_sum, n_labelled
+
+    def labelled_ce_padded(
+        self, padded: PaddedBatch, *, per_seq: bool = False
+    ) -> tuple[Tensor, int, Tensor | None]:
+        """`forward_padded`'s ``(ce_sum, n_labelled)`` and, with ``per_seq``, the summed CE of each row ([B])."""
         logits_BSV = self.llm(
             inputs_embeds=padded.inputs_embeds,
             attention_mask=padded.attention_mask,
@@ -261,7 +289,13 @@ class SpeechLLM(nn.Module):
         ce_sum = nn.functional.cross_entropy(
             logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="sum"
         )
-        return ce_sum, int(keep_BS.sum())
+        if not per_seq:
+            return ce_sum, int(keep_BS.sum()), None
+        ce_M = nn.functional.cross_entropy(
+            logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="none"
+        )
+        ce_B = ce_M.new_zeros(keep_BS.shape[0]).index_add_(0, keep_BS.nonzero()[:, 0], ce_M)
+        return ce_sum, int(keep_BS.sum()), ce_B
 
     @property
     def align_skip(self) -> int | None:
@@ -273,7 +307,7 @@ class SpeechLLM(nn.Module):
         """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
         self.cp_layout = layout
 
-    def forward(self, batch: Any, *, encoder_frozen: bool = False) -> MicroLosses:
+    def forward(self, batch: Any, *, encoder_frozen: bool = False, per_seq: bool = False) -> MicroLosses:
         """One micro-batch (`speechlm.data.dataset.Batch`, attributes or mapping keys, on the model's
         device; a batch of transcription rows is read as one-turn conversations: `as_conversation`) to its
         loss sums: place, encode, pack (THD, rounded and CP-sharded per ``self.cp_layout``) or pad (BSHD),
@@ -283,7 +317,8 @@ class SpeechLLM(nn.Module):
         ``clip_sample`` [C]); each clip is spliced at its placeholder, the CP plan is per row and a clip
         lives where its row lives (`parallel.cp_layout.plan_for_clips`), CTC runs per clip against
         ``ctc_tokens`` (clips of length 0 count nothing) and ``n_clips`` counts the clips with a CTC target.
-        A frozen encoder runs without autograd inside `encode_audio`; the projector still trains."""
+        A frozen encoder runs without autograd inside `encode_audio`; the projector still trains.
+        ``per_seq``: also each row's summed CE (`MicroLosses.ce_per_seq`; validation's audio reliance)."""
         lay = self.cp_layout
         if not self.cfg.packed_sequences and lay.cp_size > 1:
             raise ValueError(
@@ -338,7 +373,7 @@ class SpeechLLM(nn.Module):
                 device=audio_BN.device,
                 align_skip=self.align_skip,
             )
-            ce_sum, _ = self.forward_packed(packed)
+            ce_sum, _, ce_local = self.labelled_ce_packed(packed, per_seq=per_seq)
             n_labelled = sum(labelled)  # the whole micro-batch's
             local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
         else:
@@ -351,7 +386,7 @@ class SpeechLLM(nn.Module):
                 clip_counts=clip_counts,
                 align_skip=self.align_skip,
             )
-            ce_sum, n_labelled = self.forward_padded(padded)
+            ce_sum, n_labelled, ce_local = self.labelled_ce_padded(padded, per_seq=per_seq)
             local, n_split = list(range(len(prompts))), 0
             computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
         for e in enc.unused:  # weight 0: in the graph, counts nothing
@@ -366,7 +401,11 @@ class SpeechLLM(nn.Module):
             computed_tokens=computed,
         )
         n_clips = int((ctc_lens > 0).sum())
-        return MicroLosses(ce_sum.float(), int(n_labelled), ctc_sum, n_clips, placed=placed)
+        out = MicroLosses(ce_sum.float(), int(n_labelled), ctc_sum, n_clips, placed=placed)
+        if ce_local is not None:  # this rank's sequences (stream order) -> rows of the micro-batch
+            rows = torch.tensor(list(local), device=ce_local.device)
+            out.ce_per_seq = ce_local.new_zeros(len(prompts)).index_add_(0, rows, ce_local)
+        return out
 
     @torch.no_grad()
     def generate_greedy(
