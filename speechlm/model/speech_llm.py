@@ -69,6 +69,7 @@ from speechlm.model.generation import KeepGoing
 from speechlm.model.llm import build_llm
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
+from speechlm.model.row_ce import ce_of_rows, ce_of_sequences, to_micro_batch_rows
 from speechlm.model.sharded_encoder import ClipSlice
 from speechlm.packing.prompt import PromptFormat
 from speechlm.packing.thd import IGNORE_INDEX, PackedBatch, PaddedBatch, clip_offsets, pack_bshd
@@ -85,10 +86,7 @@ class MicroLosses:
     weight: float = 1.0  # 0 for the training layer's dummy micro-batch
     # what this rank computed, from which the training layer counts the FLOPs (`speechlm.model.flops.work_of`)
     placed: Placement | None = None
-    # forward(per_seq=True): [B] summed token CE of each sequence of the whole micro-batch (fp32), this rank's
-    # share of it (a CP-split sequence: its chunks here; a sequence placed on another CP rank: 0), so a sum
-    # over the CP group gives each sequence's whole CE; None otherwise
-    ce_per_seq: Tensor | None = None
+    ce_per_seq: Tensor | None = None  # forward(per_seq=True): [B] each row's CE, this rank's share (`row_ce`)
 
 
 class SpeechLLM(nn.Module):
@@ -227,23 +225,17 @@ class SpeechLLM(nn.Module):
         return self.llm.get_input_embeddings()(ids)
 
     def forward_packed(
-        self, packed: PackedBatch, *, return_logits: bool = False
-    ) -> tuple[Tensor, int] | Tensor:
+        self, packed: PackedBatch, *, return_logits: bool = False, per_seq: bool = False
+    ) -> tuple[Tensor, int, Tensor | None] | Tensor:
         """Decode a THD ``PackedBatch`` (this rank's share under CP: its first ``cp_split_seqs`` sequences
-        are split over the CP group); ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
-        if return_logits:
-            return self.llm(**self.packed_llm_inputs(packed)).logits[0]
-        ce_sum, n_labelled, _ = self.labelled_ce_packed(packed)
-        return ce_sum, n_labelled
-
-    def packed_llm_inputs(self, packed: PackedBatch) -> dict[str, Any]:
-        """The LLM's arguments for a THD ``PackedBatch``: embeddings, positions, boundaries, CP context."""
+        are split over the CP group); ``(ce_sum, n_labelled, each sequence's CE if per_seq else None)``, or
+        the ``[T, V]`` logits."""
         cu = packed.cu_seqlens
         # the pack's boundaries as host integers, read once here for every layer (one sync per micro-batch)
         meta = build_varlen_meta(cu, device=cu.device)
         # under CP: the split prefix (every sequence without dynamic CP) and its ring plans; None without CP
         n_split = len(meta.cu_q) - 1 if packed.cp_split_seqs is None else packed.cp_split_seqs
-        return dict(
+        kwargs: dict[str, Any] = dict(
             inputs_embeds=packed.inputs_embeds[None],
             position_ids=packed.position_ids[None],
             cu_seq_lens_q=cu,
@@ -253,33 +245,20 @@ class SpeechLLM(nn.Module):
             varlen_meta=meta,
             cp_context=self.cp_layout.attention_context(meta, n_split),
         )
-
-    def labelled_ce_packed(
-        self, packed: PackedBatch, *, per_seq: bool = False
-    ) -> tuple[Tensor, int, Tensor | None]:
-        """`forward_packed`'s ``(ce_sum, n_labelled)`` and, with ``per_seq``, the summed CE of each sequence
-        of ``packed`` ([N], fp32; this rank's share of a CP-split one), else None."""
+        if return_logits:
+            return self.llm(**kwargs).logits[0]
         labels_T = packed.labels
         keep_M = torch.nonzero(labels_T != IGNORE_INDEX).flatten()
-        logits_MV = self.llm(**self.packed_llm_inputs(packed), logits_to_keep=keep_M).logits[0]
+        logits_MV = self.llm(**kwargs, logits_to_keep=keep_M).logits[0]
         ce_sum = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="sum")
-        if not per_seq:
-            return ce_sum, int(keep_M.numel()), None
-        cu = packed.cu_seqlens.to(device=keep_M.device, dtype=keep_M.dtype)
-        seq_M = torch.searchsorted(cu[1:], keep_M, right=True)  # the sequence of each labelled row
-        ce_M = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="none")
-        ce_N = torch.zeros(len(cu) - 1, device=ce_M.device).index_add_(0, seq_M, ce_M)
+        ce_N = ce_of_sequences(logits_MV, labels_T[keep_M], cu, keep_M) if per_seq else None
         return ce_sum, int(keep_M.numel()), ce_N
 
-    def forward_padded(self, padded: PaddedBatch) -> tuple[Tensor, int]:
-        """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled)``."""
-        ce_sum, n_labelled, _ = self.labelled_ce_padded(padded)
-        return ce_sum, n_labelled
-
-    def labelled_ce_padded(
+    def forward_padded(
         self, padded: PaddedBatch, *, per_seq: bool = False
     ) -> tuple[Tensor, int, Tensor | None]:
-        """`forward_padded`'s ``(ce_sum, n_labelled)`` and, with ``per_seq``, the summed CE of each row ([B])."""
+        """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled, each row's CE if
+        per_seq else None)``."""
         logits_BSV = self.llm(
             inputs_embeds=padded.inputs_embeds,
             attention_mask=padded.attention_mask,
@@ -289,12 +268,7 @@ class SpeechLLM(nn.Module):
         ce_sum = nn.functional.cross_entropy(
             logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="sum"
         )
-        if not per_seq:
-            return ce_sum, int(keep_BS.sum()), None
-        ce_M = nn.functional.cross_entropy(
-            logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="none"
-        )
-        ce_B = ce_M.new_zeros(keep_BS.shape[0]).index_add_(0, keep_BS.nonzero()[:, 0], ce_M)
+        ce_B = ce_of_rows(logits_BSV, padded.labels, keep_BS) if per_seq else None
         return ce_sum, int(keep_BS.sum()), ce_B
 
     @property
@@ -318,7 +292,7 @@ class SpeechLLM(nn.Module):
         lives where its row lives (`parallel.cp_layout.plan_for_clips`), CTC runs per clip against
         ``ctc_tokens`` (clips of length 0 count nothing) and ``n_clips`` counts the clips with a CTC target.
         A frozen encoder runs without autograd inside `encode_audio`; the projector still trains.
-        ``per_seq``: also each row's summed CE (`MicroLosses.ce_per_seq`; validation's audio reliance)."""
+        ``per_seq``: also each row's CE (`MicroLosses.ce_per_seq`: validation's audio reliance)."""
         lay = self.cp_layout
         if not self.cfg.packed_sequences and lay.cp_size > 1:
             raise ValueError(
@@ -373,7 +347,7 @@ class SpeechLLM(nn.Module):
                 device=audio_BN.device,
                 align_skip=self.align_skip,
             )
-            ce_sum, _, ce_local = self.labelled_ce_packed(packed, per_seq=per_seq)
+            ce_sum, _, ce_local = self.forward_packed(packed, per_seq=per_seq)
             n_labelled = sum(labelled)  # the whole micro-batch's
             local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
         else:
@@ -386,7 +360,7 @@ class SpeechLLM(nn.Module):
                 clip_counts=clip_counts,
                 align_skip=self.align_skip,
             )
-            ce_sum, n_labelled, ce_local = self.labelled_ce_padded(padded, per_seq=per_seq)
+            ce_sum, n_labelled, ce_local = self.forward_padded(padded, per_seq=per_seq)
             local, n_split = list(range(len(prompts))), 0
             computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
         for e in enc.unused:  # weight 0: in the graph, counts nothing
@@ -402,9 +376,7 @@ class SpeechLLM(nn.Module):
         )
         n_clips = int((ctc_lens > 0).sum())
         out = MicroLosses(ce_sum.float(), int(n_labelled), ctc_sum, n_clips, placed=placed)
-        if ce_local is not None:  # this rank's sequences (stream order) -> rows of the micro-batch
-            rows = torch.tensor(list(local), device=ce_local.device)
-            out.ce_per_seq = ce_local.new_zeros(len(prompts)).index_add_(0, rows, ce_local)
+        out.ce_per_seq = to_micro_batch_rows(ce_local, local, len(prompts))  # None unless per_seq
         return out
 
     @torch.no_grad()
