@@ -293,3 +293,16 @@ def test_per_row_ce_and_reliance_summed_over_the_cp_group_equal_one_process(thre
     assert sum(r["ce"] for r in ranks) == pytest.approx(ref.ce, rel=1e-4)
     for key, value in ref.reliance_ce.items():
         assert sum(r["reliance_ce"][key] for r in ranks) == pytest.approx(value, rel=1e-3, abs=1e-4)
+
+
+def test_the_learning_curve_draws_the_llm_alone_wer_and_the_reliance(tmp_path):
+    from speechlm.train.plots import plot_learning_curve, validation_series
+
+    val = [val_record(300, 0.1, 2.0, 0.99), val_record(600, 0.6, 0.3, 0.42)]
+    series = validation_series(val)
+    assert series["greedy WER"]["llm_wer"] == [(300, 99.0), (600, 42.0)]
+    assert series["greedy WER"]["wer"] == [(300, 4.0), (600, 4.0)]
+    assert series["audio reliance"] == {"audio_reliance": [(300, 0.1), (600, 0.6)]}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"kind": "train", "step": 1, "loss": 2.0}, *val]))
+    assert plot_learning_curve(path, tmp_path / "curve.png").stat().st_size > 1000
