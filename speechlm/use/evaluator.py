@@ -27,7 +27,13 @@ the sharding, so the result equals the single-rank result exactly. ASR's word er
 given under its old names `wer` and `wer_<lang>`.
 
 The teacher-forced validation loss is sharded the same way: CE sums and labelled-token counts are
-summed over the CP shards of each sequence and over the dp groups. Every collective here goes through
+summed over the CP shards of each sequence and over the dp groups. So are the CTC sums (`ctc_per_token`)
+and the audio reliance: each batch runs a second teacher-forced forward with its clips rotated by one
+(`rotate_clips`: each sample hears another sample's clip), and each row's CE difference (from
+`SpeechLLM.forward(per_seq=True)`) is summed per (task, language) and divided by the rows' labelled
+tokens (`speechlm.use.eval_report.reliance_scores`; docs/metrics.md, "Audio reliance"). With joint
+CTC/attention decoding (`model.decode_ctc_weight > 0`) each batch is also decoded by the LLM alone
+(weight 0), its ASR rows scored under `llm_` keys (`llm_alone_scores`). Every collective here goes through
 the run's one `parallel.collectives.Collectives` (`module.step_ctx.collectives`: training's
 `StepContext`, or the `EvalContext` that `speechlm evaluate` gives its module): the lockstep flag
 (`any`) and one `gather_objects` of every rank's share at the end.
