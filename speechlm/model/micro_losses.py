@@ -3,7 +3,8 @@
 `compute_micro_losses` is `model(batch)`, or, for a micro-batch whose every clip failed to decode (an
 empty batch), a forward of a tiny dummy clip (`make_dummy_batch`) with weight 0: every rank then issues
 the same collectives in the same order (FSDP and CP would otherwise hang) and the objective is
-unchanged. `count_targets` is the micro-batch's labelled tokens, the cross-entropy normaliser.
+unchanged. `count_targets` is the micro-batch's labelled tokens, the cross-entropy normaliser;
+`count_ctc_tokens` its CTC target tokens.
 
 The batches are `speechlm.data.batch.Batch` values; the model layer never imports the data layer, so the
 dummy is built as a batch of the empty one's own type.
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from parallel.frames import DUMMY_CLIP_SAMPLES, SAMPLE_RATE
-from speechlm.model.conversation_inputs import as_conversation
+from speechlm.model.conversation_inputs import as_conversation, ctc_target_lens
 from speechlm.model.speech_llm import MicroLosses, SpeechLLM
 
 
@@ -32,6 +33,16 @@ def count_targets(batch: Any, model: SpeechLLM) -> int:
         torch.arange(mask_BP.shape[1], device=mask_BP.device)[None] < lens_B.to(mask_BP.device)[:, None]
     )
     return int((mask_BP & within_BP).sum())
+
+
+def count_ctc_tokens(batch: Any, skip_leading: int) -> int:
+    """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``, and
+    validation's `ctc_per_token`): each clip's transcript less the ``skip_leading`` tokens the CTC drops
+    (the language tag)."""
+    lens = ctc_target_lens(batch) if len(batch) else None
+    if lens is None:
+        return 0
+    return int((lens[lens > 0].to(torch.long) - skip_leading).clamp(min=0).sum())
 
 
 def make_dummy_batch(like: Any, eos_id: int) -> Any:
@@ -53,12 +64,14 @@ def make_dummy_batch(like: Any, eos_id: int) -> Any:
 
 
 def compute_micro_losses(
-    model: SpeechLLM, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False
+    model: SpeechLLM, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False, per_seq: bool = False
 ) -> MicroLosses:
     """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring); ``oracle``:
-    the oracle prefix for this step (``model.oracle_warmup_steps``)."""
+    the oracle prefix for this step (``model.oracle_warmup_steps``); ``per_seq``: also each row's CE
+    (`MicroLosses.ce_per_seq`)."""
+    kwargs: dict[str, bool] = {"encoder_frozen": encoder_frozen, "oracle": oracle, "per_seq": per_seq}
     if len(batch) == 0:
-        out = model(make_dummy_batch(batch, model.eos_id), encoder_frozen=encoder_frozen, oracle=oracle)
+        out = model(make_dummy_batch(batch, model.eos_id), **kwargs)
         out.weight = 0.0
         return out
-    return model(batch, encoder_frozen=encoder_frozen, oracle=oracle)
+    return model(batch, **kwargs)

@@ -70,6 +70,7 @@ from speechlm.model.llm import build_llm
 from speechlm.model.oracle import apply_oracle
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
+from speechlm.model.row_ce import ce_of_rows, ce_of_sequences, to_micro_batch_rows
 from speechlm.model.sharded_encoder import ClipSlice
 from speechlm.packing.prompt import PromptFormat
 from speechlm.packing.thd import IGNORE_INDEX, PackedBatch, PaddedBatch, clip_offsets, pack_bshd
@@ -86,6 +87,7 @@ class MicroLosses:
     weight: float = 1.0  # 0 for the training layer's dummy micro-batch
     # what this rank computed, from which the training layer counts the FLOPs (`speechlm.model.flops.work_of`)
     placed: Placement | None = None
+    ce_per_seq: Tensor | None = None  # forward(per_seq=True): [B] each row's CE, this rank's share (`row_ce`)
 
 
 class SpeechLLM(nn.Module):
@@ -235,10 +237,11 @@ class SpeechLLM(nn.Module):
         return self.llm.get_input_embeddings()(ids)
 
     def forward_packed(
-        self, packed: PackedBatch, *, return_logits: bool = False
-    ) -> tuple[Tensor, int] | Tensor:
+        self, packed: PackedBatch, *, return_logits: bool = False, per_seq: bool = False
+    ) -> tuple[Tensor, int, Tensor | None] | Tensor:
         """Decode a THD ``PackedBatch`` (this rank's share under CP: its first ``cp_split_seqs`` sequences
-        are split over the CP group); ``(ce_sum, n_labelled)``, or the ``[T, V]`` logits."""
+        are split over the CP group); ``(ce_sum, n_labelled, each sequence's CE if per_seq else None)``, or
+        the ``[T, V]`` logits."""
         cu = packed.cu_seqlens
         # the pack's boundaries as host integers, read once here for every layer (one sync per micro-batch)
         meta = build_varlen_meta(cu, device=cu.device)
@@ -260,10 +263,14 @@ class SpeechLLM(nn.Module):
         keep_M = torch.nonzero(labels_T != IGNORE_INDEX).flatten()
         logits_MV = self.llm(**kwargs, logits_to_keep=keep_M).logits[0]
         ce_sum = nn.functional.cross_entropy(logits_MV.float(), labels_T[keep_M], reduction="sum")
-        return ce_sum, int(keep_M.numel())
+        ce_N = ce_of_sequences(logits_MV, labels_T[keep_M], cu, keep_M) if per_seq else None
+        return ce_sum, int(keep_M.numel()), ce_N
 
-    def forward_padded(self, padded: PaddedBatch) -> tuple[Tensor, int]:
-        """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled)``."""
+    def forward_padded(
+        self, padded: PaddedBatch, *, per_seq: bool = False
+    ) -> tuple[Tensor, int, Tensor | None]:
+        """Decode a BSHD ``PaddedBatch`` with its padding mask; ``(ce_sum, n_labelled, each row's CE if
+        per_seq else None)``."""
         logits_BSV = self.llm(
             inputs_embeds=padded.inputs_embeds,
             attention_mask=padded.attention_mask,
@@ -273,7 +280,8 @@ class SpeechLLM(nn.Module):
         ce_sum = nn.functional.cross_entropy(
             logits_BSV[keep_BS].float(), padded.labels[keep_BS], reduction="sum"
         )
-        return ce_sum, int(keep_BS.sum())
+        ce_B = ce_of_rows(logits_BSV, padded.labels, keep_BS) if per_seq else None
+        return ce_sum, int(keep_BS.sum()), ce_B
 
     @property
     def align_skip(self) -> int | None:
@@ -285,7 +293,9 @@ class SpeechLLM(nn.Module):
         """Called once by the training layer when it parallelizes this model (`parallel.cp_layout`)."""
         self.cp_layout = layout
 
-    def forward(self, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False) -> MicroLosses:
+    def forward(
+        self, batch: Any, *, encoder_frozen: bool = False, oracle: bool = False, per_seq: bool = False
+    ) -> MicroLosses:
         """One micro-batch (`speechlm.data.dataset.Batch`, attributes or mapping keys, on the model's
         device; a batch of transcription rows is read as one-turn conversations: `as_conversation`) to its
         loss sums: place, encode, pack (THD, rounded and CP-sharded per ``self.cp_layout``) or pad (BSHD),
@@ -296,7 +306,8 @@ class SpeechLLM(nn.Module):
         lives where its row lives (`parallel.cp_layout.plan_for_clips`), CTC runs per clip against
         ``ctc_tokens`` (clips of length 0 count nothing) and ``n_clips`` counts the clips with a CTC target.
         A frozen encoder runs without autograd inside `encode_audio`; the projector still trains. ``oracle``:
-        the transcripts fill the audio rows this time (``model.oracle_warmup_steps``, `speechlm.model.oracle`)."""
+        the transcripts fill the audio rows this time (``model.oracle_warmup_steps``, `speechlm.model.oracle`);
+        ``per_seq``: also each row's CE (`MicroLosses.ce_per_seq`: validation's audio reliance)."""
         lay = self.cp_layout
         if not self.cfg.packed_sequences and lay.cp_size > 1:
             raise ValueError(
@@ -360,7 +371,7 @@ class SpeechLLM(nn.Module):
                 device=audio_BN.device,
                 align_skip=self.align_skip,
             )
-            ce_sum, _ = self.forward_packed(packed)
+            ce_sum, _, ce_local = self.forward_packed(packed, per_seq=per_seq)
             n_labelled = sum(labelled)  # the whole micro-batch's
             local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
         else:
@@ -373,7 +384,7 @@ class SpeechLLM(nn.Module):
                 clip_counts=clip_counts,
                 align_skip=self.align_skip,
             )
-            ce_sum, n_labelled = self.forward_padded(padded)
+            ce_sum, n_labelled, ce_local = self.forward_padded(padded, per_seq=per_seq)
             local, n_split = list(range(len(prompts))), 0
             computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
         for e in enc.unused:  # weight 0: in the graph, counts nothing
@@ -388,7 +399,9 @@ class SpeechLLM(nn.Module):
             computed_tokens=computed,
         )
         n_clips = int((ctc_lens > 0).sum())
-        return MicroLosses(ce_sum.float(), int(n_labelled), ctc_sum, n_clips, placed=placed)
+        out = MicroLosses(ce_sum.float(), int(n_labelled), ctc_sum, n_clips, placed=placed)
+        out.ce_per_seq = to_micro_batch_rows(ce_local, local, len(prompts))  # None unless per_seq
+        return out
 
     @torch.no_grad()
     def generate_greedy(

@@ -27,6 +27,8 @@ from speechlm.train.checkpoint import (
 )
 from speechlm.train.faults import Fault, fault_point, global_rank
 from speechlm.train.preempt import SIGTERM_FLAG
+from speechlm.train.progress import reliance_warning
+from speechlm.use.eval_report import LLM_ALONE, RELIANCE
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +215,9 @@ class ValidationCallback(L.Callback):
         if trainer.is_global_zero:
             self.metrics.write({"kind": "val", "step": step, **result, "time": time.time()})
             print(f"\n[val step {step}] {summarize_scores(result)}", flush=True)
+            warning = reliance_warning({"step": step, **result})
+            if warning:
+                print(warning, flush=True)
         value = result.get(self.best_metric)
         if value is None:
             return
@@ -255,16 +260,24 @@ class ValidationCallback(L.Callback):
 
 def summarize_scores(result: dict[str, Any]) -> str:
     """One line of a validation's scores: wer and wer_<lang> (ASR), each other task's overall metrics
-    (`wer=12.3% wer_hi=10.2% ast/bleu=20.1 ast/chrf=41.0`), then the same of the training split when
-    `trainer.val_train_batches` decoded it (`train_wer=4.1% train_wer_hi=3.0%`)."""
+    (`wer=12.3% wer_hi=10.2% ast/bleu=20.1 ast/chrf=41.0`), the LLM-alone WER (joint decoding on) and the
+    audio reliance (`llm_wer=99.2% audio_reliance=0.31`), then the same of the training split when
+    `trainer.val_train_batches` decoded it (`train_wer=4.1% train_wer_hi=3.0% train_llm_wer=98.0% ...`)."""
     parts = []
-    for key, value in sorted(result.items(), key=lambda kv: kv[0].startswith(TRAIN_PREFIX)):  # val first
-        name = split_metric_name(key.removeprefix(TRAIN_PREFIX))
-        if name is None or key.removeprefix(TRAIN_PREFIX) == "asr/wer":  # not a metric; or the same as `wer`
-            continue
-        task, metric, lang = name
-        if task is None or lang is None:  # today's wer and wer_<lang>, and each task's overall scores
-            parts.append(f"{key}={100 * value:.1f}%" if metric in PERCENT_METRICS else f"{key}={value:.1f}")
+    for prefix in ("", TRAIN_PREFIX):
+        for key, value in result.items():  # in the order of the result (its metrics sorted)
+            name = split_metric_name(key.removeprefix(prefix)) if key.startswith(prefix) else None
+            if key.startswith(TRAIN_PREFIX) != bool(prefix) or name is None or key == f"{prefix}asr/wer":
+                continue  # the other split's; not a metric; or the same as `wer`
+            task, metric, lang = name
+            if task is None or lang is None:  # today's wer and wer_<lang>, and each task's overall scores
+                parts.append(
+                    f"{key}={100 * value:.1f}%" if metric in PERCENT_METRICS else f"{key}={value:.1f}"
+                )
+        for key in (f"{prefix}{LLM_ALONE}wer", f"{prefix}{RELIANCE}"):  # the LLM alone; the audio reliance
+            if isinstance(result.get(key), float):
+                reliance = key.endswith(RELIANCE)
+                parts.append(f"{key}={result[key]:.2f}" if reliance else f"{key}={100 * result[key]:.1f}%")
     return " ".join(parts)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from speechlm.config import TRAIN_PREFIX
 from speechlm.metrics import PERCENT_METRICS, split_metric_name
+from speechlm.use.eval_report import LLM_ALONE, RELIANCE
 
 
 def is_train_curve(key: str) -> bool:
@@ -15,8 +16,10 @@ def is_train_curve(key: str) -> bool:
 
 
 def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """The curves of the validation records, per panel: "greedy WER" (`wer`, `wer_<lang>`, in %) and, when
-    other tasks were scored, "other tasks" (each task's overall score: `ast/bleu`, `qa/accuracy` in %, ...).
+    """The curves of the validation records, per panel: "greedy WER" (`wer`, `wer_<lang>`, in %, and with
+    joint decoding the LLM alone's `llm_wer`), when other tasks were scored "other tasks" (each task's
+    overall score: `ast/bleu`, `qa/accuracy` in %, ...), and "audio reliance" (`audio_reliance`, nats per
+    token: docs/metrics.md).
     The training-split curves of `trainer.val_train_batches` (`train_wer`, `train_wer_<lang>`,
     `train_ast/bleu`, ...) go in the panel of the key they prefix (`is_train_curve`: drawn dashed).
     A record without a key (a language absent from a cut validation) leaves a gap, not an error."""
@@ -25,6 +28,11 @@ def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, fl
         for k, v in r.items():
             base = k.removeprefix(TRAIN_PREFIX)
             name = split_metric_name(base)
+            if base in (f"{LLM_ALONE}wer", RELIANCE) and v is not None:
+                title = "greedy WER" if base != RELIANCE else "audio reliance"
+                value = 100 * v if base != RELIANCE else v
+                panels.setdefault(title, {}).setdefault(k, []).append((r["step"], value))
+                continue
             if name is None or v is None:
                 continue
             task, metric, lang = name
@@ -36,7 +44,8 @@ def validation_series(val: list[dict]) -> dict[str, dict[str, list[tuple[int, fl
                 continue
             value = 100 * v if metric in PERCENT_METRICS else v
             panels.setdefault(title, {}).setdefault(k, []).append((r["step"], value))
-    return {t: dict(sorted(panels[t].items())) for t in ("greedy WER", "other tasks") if t in panels}
+    titles = ("greedy WER", "other tasks", "audio reliance")
+    return {t: dict(sorted(panels[t].items())) for t in titles if t in panels}
 
 
 def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
@@ -76,7 +85,7 @@ def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path:
             )[0]
             colours.setdefault(base, line.get_color())
         panel.set_xlabel("optimizer step")
-        panel.set_ylabel("%" if title == "greedy WER" else "score")
+        panel.set_ylabel({"greedy WER": "%", "audio reliance": "nats per token"}.get(title, "score"))
         panel.set_title(title)
         panel.legend(fontsize=8)
     fig.tight_layout()

@@ -38,7 +38,7 @@ from speechlm.data.batch import Batch
 from speechlm.errors import NonFiniteError
 from speechlm.model.conversation_inputs import ctc_target_lens
 from speechlm.model.flops import MicroWork, work_of
-from speechlm.model.micro_losses import compute_micro_losses, count_targets
+from speechlm.model.micro_losses import compute_micro_losses, count_ctc_tokens, count_targets
 from speechlm.model.speech_llm import SpeechLLM
 from speechlm.train.precision import PrecisionPolicy
 from speechlm.train.schedule import encoder_runs_frozen, oracle_prefix_runs
@@ -134,15 +134,6 @@ def count_samples(batch: Batch) -> tuple[int, int]:
         return 0, 0
     lens = getattr(batch, "audio_lens", None)
     return n, n if lens is None else int(lens.numel())
-
-
-def count_ctc_tokens(batch: Batch, skip_leading: int) -> int:
-    """CTC target tokens of a micro-batch (its normaliser under ``model.ctc_reduction=token``): each
-    clip's transcript less the ``skip_leading`` tokens the CTC drops (the language tag)."""
-    lens = ctc_target_lens(batch) if len(batch) else None
-    if lens is None:
-        return 0
-    return int((lens[lens > 0].to(torch.long) - skip_leading).clamp(min=0).sum())
 
 
 def agree_step(

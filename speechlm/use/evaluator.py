@@ -27,7 +27,13 @@ the sharding, so the result equals the single-rank result exactly. ASR's word er
 given under its old names `wer` and `wer_<lang>`.
 
 The teacher-forced validation loss is sharded the same way: CE sums and labelled-token counts are
-summed over the CP shards of each sequence and over the dp groups. Every collective here goes through
+summed over the CP shards of each sequence and over the dp groups. So are the CTC sums (`ctc_per_token`)
+and the audio reliance: each batch runs a second teacher-forced forward with its clips rotated by one
+(`rotate_clips`: each sample hears another sample's clip), and each row's CE difference (from
+`SpeechLLM.forward(per_seq=True)`) is summed per (task, language) and divided by the rows' labelled
+tokens (`speechlm.use.eval_report.reliance_scores`; docs/metrics.md, "Audio reliance"). With joint
+CTC/attention decoding (`model.decode_ctc_weight > 0`) each batch is also decoded by the LLM alone
+(weight 0), its ASR rows scored under `llm_` keys (`llm_alone_scores`). Every collective here goes through
 the run's one `parallel.collectives.Collectives` (`module.step_ctx.collectives`: training's
 `StepContext`, or the `EvalContext` that `speechlm evaluate` gives its module): the lockstep flag
 (`any`) and one `gather_objects` of every rank's share at the end.
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
@@ -54,10 +60,10 @@ from speechlm.data.sampler.batching import batch_by_duration
 from speechlm.data.text import decode_hypothesis, normalize_target, strip_lang_tag
 from speechlm.errors import DataError, UsageError
 from speechlm.metrics import DEFAULT_TASK, MetricSpec, aggregate, table_pairs
-from speechlm.model.micro_losses import compute_micro_losses, count_targets
+from speechlm.model.micro_losses import compute_micro_losses, count_ctc_tokens, count_targets
 from speechlm.model.speech_llm import SpeechLLM
 from speechlm.progress import Progress
-from speechlm.use.eval_report import sum_over_tasks
+from speechlm.use.eval_report import llm_alone_scores, reliance_scores, sum_over_tasks
 
 
 class EvaluationInterrupted(Exception):
@@ -182,6 +188,16 @@ def decode_shard(
     return rows
 
 
+def rotate_clips(batch: Batch) -> Batch | None:
+    """The batch with every clip's audio moved one place along the clip axis (clip c gets clip c-1's audio,
+    the first gets the last's); the prompts, `clip_sample` and transcripts stay, so each sample hears
+    another's audio (in a conversation of several clips, a clip may get another clip of its own sample).
+    None for a batch of fewer than two clips: it cannot be rotated."""
+    if batch.num_clips < 2:
+        return None
+    return replace(batch, audio=batch.audio.roll(1, dims=0), audio_lens=batch.audio_lens.roll(1, dims=0))
+
+
 @dataclass
 class SlotResult:
     """What one rank's share of the split gave: decoded rows, teacher-forced sums, drops."""
@@ -189,6 +205,13 @@ class SlotResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     ce: float = 0.0
     n_tokens: int = 0
+    ctc: float = 0.0  # summed CTC of the clips this rank encoded
+    ctc_tokens: int = 0  # their CTC target tokens (the language tag left out)
+    # audio reliance per (task, lang): summed CE with the clips rotated minus with their own (this rank's
+    # share of each sequence), and the labelled tokens of those rows (whole micro-batches)
+    reliance_ce: dict[tuple[str, str], float] = field(default_factory=dict)
+    reliance_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    llm_rows: list[dict[str, Any]] = field(default_factory=list)  # ASR rows decoded by the LLM alone
     dropped_rows: list[int] = field(default_factory=list)  # manifest rows requested but not decoded
     dropped_reasons: dict[str, int] = field(default_factory=dict)
     dropped_files: list[str] = field(default_factory=list)
@@ -301,7 +324,8 @@ class Evaluator:
         # from every CP shard (TP peers hold the same CE: counted once)
         gathered = comm.gather_objects((comm.primary, comm.shard_primary, local))
         parts = [p for primary, _, p in gathered if primary]
-        ce_total = sum(p.ce for _, shard_primary, p in gathered if shard_primary)
+        shards = [p for _, shard_primary, p in gathered if shard_primary]
+        ce_total = sum(p.ce for p in shards)
         merged = sorted((r for p in parts for r in p.rows), key=lambda r: order[r["row"]])
         self.last_decodes = [(r["lang"], r["ref"], r["hyp"]) for r in merged]
         self.last_tasks = [r["task"] for r in merged]
@@ -310,12 +334,35 @@ class Evaluator:
         self.check_drops(len(order), parts, self.last_counts["dropped_reasons"])
         scores = aggregate((r["task"], r["lang"], r["stats"]) for r in merged if r["stats"])
         n_tok = sum(p.n_tokens for p in parts)
+        extra = self.teacher_forced_scores(parts, shards)
+        if any(p.llm_rows for p in parts):
+            extra.update(llm_alone_scores([r for p in parts for r in p.llm_rows]))
         return {
             "loss": ce_total / max(n_tok, 1),
             **scores,
+            **extra,
             "utterances": sum(self.last_counts["scored"].values()),
             "dropped": sum(self.last_counts["dropped"].values()),
         }
+
+    @staticmethod
+    def teacher_forced_scores(parts: list[SlotResult], shards: list[SlotResult]) -> dict[str, float]:
+        """`ctc_per_token` (CTC head on) and the audio reliance keys (`reliance_scores`), from the CE and CTC
+        sums of every shard (`shards`: one per CP rank of each dp group) and the counts of each dp group
+        (`parts`)."""
+        out: dict[str, float] = {}
+        ctc_tokens = sum(p.ctc_tokens for p in parts)
+        if ctc_tokens:
+            out["ctc_per_token"] = sum(p.ctc for p in shards) / ctc_tokens
+        ce: dict[tuple[str, str], float] = {}
+        tokens: dict[tuple[str, str], int] = {}
+        for p in shards:
+            for k, v in p.reliance_ce.items():
+                ce[k] = ce.get(k, 0.0) + v
+        for p in parts:
+            for k, n in p.reliance_tokens.items():
+                tokens[k] = tokens.get(k, 0) + n
+        return {**out, **reliance_scores(ce, tokens)}
 
     def run_share(
         self,
@@ -345,20 +392,17 @@ class Evaluator:
                 if stop is not None:
                     if comm.any(stop()):
                         raise EvaluationInterrupted(f"stopped at batch {i + 1} of {len(share)}")
-                out.rows += decode_shard(
-                    module.model,
-                    [batch],
-                    self.tokenizer,
-                    device=module.device,
-                    comm=comm,
-                    max_new_tokens=self.max_new_tokens,
-                    spec=self.spec,
-                    reference=lambda row: ds.conversation(row).answer,  # the manifest's text, not its ids
-                    text_normalize=self.cfg.data.text_normalize,
-                )
-                ce, n = self.batch_loss(module, batch)
-                out.ce += ce
-                out.n_tokens += n
+                out.rows += self.decode(module, ds, batch, comm)
+                model = module.model
+                joint = float(model.decode_ctc_weight)
+                if joint > 0 and getattr(model, "ctc_head", None) is not None:  # the LLM alone beside it
+                    model.decode_ctc_weight = 0.0
+                    try:
+                        llm_rows = self.decode(module, ds, batch, comm)
+                    finally:
+                        model.decode_ctc_weight = joint
+                    out.llm_rows += [r for r in llm_rows if r["task"] == DEFAULT_TASK]
+                self.teacher_forced(module, batch, out)
                 decoded = set(batch.indices)
                 out.dropped_rows += [r for r in want if r not in decoded]
                 for k, v in batch.dropped.items():
@@ -385,16 +429,55 @@ class Evaluator:
         for want in share:  # the real batches come first, the padding slots last
             yield next(loaded) if want else Batch.empty()
 
-    def batch_loss(self, module: EvalModule, batch: Batch) -> tuple[float, int]:
-        """Teacher-forced (CE sum, labelled tokens) of one batch; an empty one runs the weight-0 dummy."""
-        was_training = module.model.training
-        module.model.eval()
+    def decode(
+        self, module: EvalModule, ds: SpeechDataset, batch: Batch, comm: Collectives
+    ) -> list[dict[str, Any]]:
+        """`decode_shard` of one batch, scored against the manifest's text (not the decode of its ids)."""
+        return decode_shard(
+            module.model,
+            [batch],
+            self.tokenizer,
+            device=module.device,
+            comm=comm,
+            max_new_tokens=self.max_new_tokens,
+            spec=self.spec,
+            reference=lambda row: ds.conversation(row).answer,
+            text_normalize=self.cfg.data.text_normalize,
+        )
+
+    @staticmethod
+    def teacher_forced(module: EvalModule, batch: Batch, out: SlotResult) -> None:
+        """Add one batch's teacher-forced sums to `out`: CE and labelled tokens (`loss`), CTC and its target
+        tokens, and the audio reliance (module doc): a second forward of the batch with its clips rotated
+        (`rotate_clips`), each row's CE difference summed per (task, lang). Every rank runs both forwards
+        (FSDP and CP need the same collectives everywhere): an empty batch runs the weight-0 dummy twice, a
+        batch of one clip runs the dummy as its second forward and counts nothing for the reliance."""
+        model = module.model
+        batch = batch.to(module.device)
+        rotated = rotate_clips(batch) if len(batch) else None
+        was_training = model.training
+        model.eval()
         try:
             with torch.no_grad():
-                losses = compute_micro_losses(module.model, batch.to(module.device))
+                own = compute_micro_losses(model, batch, per_seq=True)
+                other = compute_micro_losses(
+                    model, rotated if rotated is not None else Batch.empty().to(module.device), per_seq=True
+                )
         finally:
-            module.model.train(was_training)
-        return float(losses.ce_sum.double().cpu()) * losses.weight, count_targets(batch, module.model)
+            model.train(was_training)
+        out.ce += float(own.ce_sum.double().cpu()) * own.weight
+        out.n_tokens += count_targets(batch, model)
+        if own.ctc_sum is not None and own.weight > 0:
+            out.ctc += float(own.ctc_sum.double().cpu())
+            out.ctc_tokens += count_ctc_tokens(batch, model.ctc_skip_leading)
+        if rotated is None or own.ce_per_seq is None or other.ce_per_seq is None or own.placed is None:
+            return
+        delta = (other.ce_per_seq.double() - own.ce_per_seq.double()).cpu().tolist()
+        tasks = batch.tasks or [DEFAULT_TASK] * len(batch)
+        for b, d in enumerate(delta):
+            key = (tasks[b], batch.langs[b])
+            out.reliance_ce[key] = out.reliance_ce.get(key, 0.0) + d
+            out.reliance_tokens[key] = out.reliance_tokens.get(key, 0) + own.placed.labelled[b]
 
     def count(self, merged: list[dict[str, Any]], parts: list[SlotResult]) -> dict[str, Any]:
         """Scored (decoded, non-empty reference) and dropped utterances per language and per (task, language)."""

@@ -112,8 +112,16 @@ def test_evaluate_sharded_over_two_gloo_ranks_equals_one_rank(trained_run, demo_
 
     one = evaluate_checkpoint(trained_run, demo_data["val"], max_utterances=3)  # 4 batches of 3
     two = run_distributed(_evaluate_rank, 2, "gloo", str(trained_run), demo_data["val"], timeout_s=300)
+    # the audio reliance is a difference of two float CE sums: equal to rounding (the counts: exactly)
+    reliance = {k for k in one["record"] if "audio_reliance" in k}
+    assert reliance
     for part in two:  # every rank gets the gathered result
-        assert part["record"] == one["record"]
+        assert {k: v for k, v in part["record"].items() if k not in reliance} == {
+            k: v for k, v in one["record"].items() if k not in reliance
+        }
+        assert {k: part["record"][k] for k in reliance} == pytest.approx(
+            {k: one["record"][k] for k in reliance}, abs=1e-5
+        )
         assert part["decodes"] == one["decodes"]
         assert part["table"] == one["table"]
 
