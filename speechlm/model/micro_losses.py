@@ -69,7 +69,10 @@ def compute_micro_losses(
     """`model(batch)`, or its weight-0 dummy when the batch is empty (see the module docstring); ``oracle``:
     the oracle prefix for this step (``model.oracle_warmup_steps``); ``per_seq``: also each row's CE
     (`MicroLosses.ce_per_seq`)."""
-    kwargs: dict[str, bool] = {"encoder_frozen": encoder_frozen, "oracle": oracle, "per_seq": per_seq}
+    kwargs = {
+        "encoder_frozen": encoder_frozen,
+        **{k: True for k, on in (("oracle", oracle), ("per_seq", per_seq)) if on},
+    }
     if len(batch) == 0:
         out = model(make_dummy_batch(batch, model.eos_id), **kwargs)
         out.weight = 0.0
