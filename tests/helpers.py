@@ -129,7 +129,8 @@ def train_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
 
 
 def record_demo_commands(monkeypatch: Any, argv: list[str]) -> tuple[int, list[list[str]]]:
-    """`speechlm demo ARGV` with its `speechlm` steps recorded: build/tokenizer/plan run, train does not."""
+    """`speechlm demo ARGV` with its `speechlm` steps recorded: build/tokenizer/plan run, train and the
+    closing evaluate do not."""
     import speechlm.demo.run as demo
     from speechlm.cli import main
 
@@ -138,7 +139,7 @@ def record_demo_commands(monkeypatch: Any, argv: list[str]) -> tuple[int, list[l
 
     def record(args: list[str]) -> int:
         seen.append(args)
-        return 0 if args[0] == "train" else real_run(args)
+        return 0 if args[0] in ("train", "evaluate") else real_run(args)
 
     monkeypatch.setattr(demo, "_run", record)
     return main(["demo", *argv]), seen

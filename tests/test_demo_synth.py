@@ -219,7 +219,7 @@ def test_demo_synthesizes_then_builds_the_heldout_split_and_trains_on_it(
     ]
     rc, seen = record_demo_commands(monkeypatch, [*argv[1:], "--asr-only", "trainer.max_steps=2"])
     assert rc == 0
-    assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train"]
+    assert [s[0] for s in seen] == ["manifest", "tokenizer", "plan", "train", "evaluate"]
     assert seen[0][2] == str(corpus)
     assert seen[1][-3:] == [
         "--vocab-size",

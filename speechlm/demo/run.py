@@ -170,7 +170,14 @@ def run_demo(args: argparse.Namespace) -> int:
         f"data.tokenizer={out / 'tokenizer.model'}",
         *args.overrides,
     ]
-    return _run(["train", args.config, *overrides])
+    rc = _run(["train", args.config, *overrides])
+    if rc or with_ast:
+        return rc
+    # the CTC head alone on the held-out split, beside the final table's LLM-alone and joint WERs
+    from speechlm.config.load import load_config  # lazy: the config loader (CLI start-up)
+
+    run_dir = load_config(args.config, overrides).trainer.run_dir
+    return _run(["evaluate", str(run_dir), "--manifest", str(out / "val.parquet"), "--ctc-weight", "1"])
 
 
 if __name__ == "__main__":
