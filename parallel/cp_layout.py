@@ -19,6 +19,10 @@ A speech LLM's micro-batch goes through four CP decisions, in this order (`Speec
                                                            + its whole ones
     ctx = layout.attention_context(meta, n_split)          what the attention backends receive
 
+Audio whose LLM lengths are known only after the encoder (CTC compression) is encoded with
+`plan_for_clips(..., gather_all=True)`: every clip gathered to every rank, then `place` runs again on
+the encoded lengths (`speechlm.model.cp_audio.place_encoded`).
+
 `CPLayout` is the protocol; two implementations:
 - `NullCPLayout` (one CP rank, the default of every model): every sequence whole here, encoding in
   one call, no sharding, no CP attention context (None). ``round_cp``/``tp``/``pad_to_multiple`` say
@@ -55,7 +59,15 @@ from parallel.halo import Exchange, HaloExchange
 from parallel.rounding import round_lengths
 from parallel.varlen_meta import VarlenMeta
 
-__all__ = ["CPLayout", "CPPlan", "ClipPlan", "DynamicCPLayout", "NullCPLayout", "WholePlan", "plan_for_clips"]
+__all__ = [
+    "CPLayout",
+    "CPPlan",
+    "ClipPlan",
+    "DynamicCPLayout",
+    "NullCPLayout",
+    "WholePlan",
+    "plan_for_clips",
+]
 
 E = TypeVar("E")
 
@@ -186,6 +198,7 @@ class ClipPlan:
     clip_sample: tuple[int, ...]
     clip_lens: tuple[int, ...] = ()
     cp_size: int = 1
+    gather_all: bool = False  # every clip gathered, whatever its sequence (`plan_for_clips`)
 
     @property
     def indices(self) -> list[int]:
@@ -219,14 +232,23 @@ class ClipPlan:
     @property
     def gathered(self) -> list[bool]:
         gathered = self.plan.gathered
-        return [gathered[s] for s in self.clip_sample]
+        return [self.gather_all or gathered[s] for s in self.clip_sample]
 
 
 def plan_for_clips(
-    plan: CPPlan, clip_sample: Sequence[int], clip_lens: Sequence[int] = (), cp_size: int = 1
+    plan: CPPlan,
+    clip_sample: Sequence[int],
+    clip_lens: Sequence[int] = (),
+    cp_size: int = 1,
+    *,
+    gather_all: bool = False,
 ) -> ClipPlan:
     """``plan`` (per sequence) seen per clip: ``clip_sample[c]`` is the sequence of clip ``c``;
-    ``clip_lens`` (its frames) and ``cp_size`` spread the split sequences' clips (`ClipPlan`)."""
+    ``clip_lens`` (its frames) and ``cp_size`` spread the split sequences' clips (`ClipPlan`).
+    ``gather_all``: every clip is gathered to every CP rank, and so dealt over the encoders longest first:
+    the encoding plan of audio whose LLM lengths are known only after the encoder (CTC compression), whose
+    sequences are placed again from the encoded lengths (`speechlm.model.cp_audio.place_encoded`); only
+    ``gathered`` and ``clip_owners`` differ from ``plan``'s."""
     n = len(plan.clip_owners)
     bad = [c for c, s in enumerate(clip_sample) if not 0 <= int(s) < n]
     if bad:
@@ -235,7 +257,8 @@ def plan_for_clips(
         )
     if clip_lens and len(clip_lens) != len(clip_sample):
         raise ValueError(f"got {len(clip_lens)} clip lengths for {len(clip_sample)} clips")
-    return ClipPlan(plan, tuple(int(s) for s in clip_sample), tuple(int(a) for a in clip_lens), int(cp_size))
+    clips, lens = tuple(int(s) for s in clip_sample), tuple(int(a) for a in clip_lens)
+    return ClipPlan(plan, clips, lens, int(cp_size), gather_all)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ clip (`CPPlacement.clip_owners`). Then `encode_placed`:
    same number of times on every rank. With one clip per sample the placement only leaves a rank
    without a clip when some clip is gathered; with samples that hold no audio (conversations) a rank
    may own only those: its dummy reaches no exchange and comes back in `PlacedEncoding.unused`, for
-   the caller to keep in its loss with weight 0.
+   the caller to keep in its loss with weight 0. A rank whose clips all hold 0 samples encodes the
+   dummy too, and gives each of them 0 rows cut from the dummy's output (an encoder run on no frame
+   leaves it out of that rank's backward: FSDP's collectives fall out of step).
 2. Gather. Frame counts U_i differ per clip, so each rank first all-gathers the frame counts of the
    clips it sends (a fixed-size int tensor), pads its sent rows to ``P = max_r`` and runs one
    DIFFERENTIABLE exchange (``parallel.collectives.gather_head_dim0``: all-gather forward,
@@ -128,17 +130,24 @@ def encode_placed(
     sent = [[i for i, o in enumerate(owners) if o == r and gathered[i]] for r in range(cp_size)]
     kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i] and not elsewhere[i]]
     mine = sent[cp_rank] + kept  # gathered ones first: the head of the exchange below
+    heard = False  # some clip of mine has audio
     if mine:
         idx = torch.tensor(mine, dtype=torch.long, device=audio_BN.device)
         lens_b = audio_lens_B.index_select(0, idx)
+        heard = int(lens_b.max()) > 0
+    if heard:
         audio_bN = audio_BN.index_select(0, idx)[:, : int(lens_b.max())]
-    else:
+    else:  # no clip, or clips of 0 samples only: their empty graph would leave the encoder's backward out
         audio_bN, lens_b = dummy_clip(audio_BN, audio_lens_B, dummy_len)
     local_embeds, extra = encode_fn(audio_bN, lens_b)
+    if mine and not heard:  # 0 rows each, cut from the dummy's (its rows follow, which nobody reads)
+        local_embeds = [local_embeds[0][:0] for _ in mine] + list(local_embeds)
     embeds: list[Tensor | None] = [None] * num_clips
-    result = PlacedEncoding(embeds, mine, extra, 1.0 if mine else 0.0)
-    if not mine and not any_gathered:  # samples without audio only: the dummy reaches no exchange
-        result.unused = list(local_embeds)
+    result = PlacedEncoding(embeds, mine if heard else [], extra, 1.0 if heard else 0.0)
+    if not heard and not any_gathered:  # no clip with audio here: the dummy reaches no exchange
+        result.unused = list(local_embeds[len(mine) :])
+        for i in mine:
+            embeds[i] = local_embeds[0][:0]
         return result
     if not any_gathered:
         for i, e in zip(mine, local_embeds):

@@ -9,6 +9,7 @@ are the same optimisation problem).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -135,23 +136,55 @@ def make_long_clip_batch(seed: int, n_rows: int) -> Batch:
     )
 
 
+def make_edge_batch(seed: int, n_rows: int, more: int = 2) -> Batch:
+    """`make_batch` whose last clip holds no audio: a clip of 0 frames, which CTC compression keeps as 0
+    rows (issue 38), beside clips that compress to one row or to fewer rows than their transcripts (with
+    the `hear_tokens_and_blanks` model). ``more`` rows than asked: one micro-batch holds every case."""
+    batch = make_batch(seed, n_rows + more)
+    lens = batch.audio_lens.clone()
+    lens[-1] = 0
+    audio = batch.audio.clone()
+    audio[-1] = 0.0
+    return dataclasses.replace(batch, audio=audio, audio_lens=lens, durations=lens.float() / 16000)
+
+
 def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -> list[list[Batch]]:
     """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
     ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`),
-    "untranscribed" (`make_untranscribed_batch`), "text+audio" (`make_text_and_audio_batch`) or "long" (`make_long_clip_batch`)."""
+    "untranscribed" (`make_untranscribed_batch`), "text+audio" (`make_text_and_audio_batch`), "long"
+    (`make_long_clip_batch`), "edge" or "edge-small" (`make_edge_batch`)."""
     make = {
         "clips": make_batch,
         "conversations": make_conversation_batch,
         "untranscribed": make_untranscribed_batch,
         "text+audio": make_text_and_audio_batch,
         "long": make_long_clip_batch,
+        "edge": make_edge_batch,
+        "edge-small": functools.partial(make_edge_batch, more=0),
     }[batches]
     return [[make(seed + 100 * s + d, 2 + (s + d) % 3) for d in range(dp)] for s in range(n_steps)]
 
 
-def build_model(cfg: ExperimentConfig, added_token_ids: Any = None) -> Any:
+COMPRESSED = ("model.projector_stack=1", "model.audio_compression=ctc", "model.audio_positions=aligned")
+
+
+def hear_tokens_and_blanks(model: Any) -> None:
+    """Let the tiny model's CTC head hear a mix of tokens and blanks (issue 38's compression tests): the
+    untrained encoder's frames differ by ~1e-3, so the random head's bias decides its argmax, one token for
+    every frame (each clip compresses to one row); without that bias, its weights tell the frames apart,
+    and a blank's bias of 0.002 makes about a third of them blank, some clips all blank (one row)."""
+    with torch.no_grad():
+        model.ctc_head.bias.zero_()
+        model.ctc_head.bias[model.ctc_blank_id] = 0.002
+
+
+TWEAKS = {"": lambda model: None, "ctc-mixed": hear_tokens_and_blanks}
+
+
+def build_model(cfg: ExperimentConfig, added_token_ids: Any = None, tweak: str = "") -> Any:
     """The SpeechLLM with its train modes applied (model.llm.train, model.encoder.train), as the
-    Lightning module builds it; ``added_token_ids`` default: ADDED_IDS for a frozen or LoRA LLM."""
+    Lightning module builds it; ``added_token_ids`` default: ADDED_IDS for a frozen or LoRA LLM;
+    ``tweak``: a name in `TWEAKS`, applied to the built model."""
     from speechlm.model.speech_llm import SpeechLLM
     from speechlm.model.trainable import apply_train_modes
 
@@ -169,6 +202,7 @@ def build_model(cfg: ExperimentConfig, added_token_ids: Any = None) -> Any:
         added_token_ids=(ADDED_IDS if adapted else ()) if added_token_ids is None else added_token_ids,
     )
     apply_train_modes(model, cfg.model)
+    TWEAKS[tweak](model)
     return model
 
 
@@ -200,8 +234,8 @@ def run_steps(
     return {"losses": losses, "grads": captured}
 
 
-def reference_run(cfg: ExperimentConfig, steps: list[list[Batch]]) -> dict[str, Any]:
-    model = build_model(cfg)
+def reference_run(cfg: ExperimentConfig, steps: list[list[Batch]], tweak: str = "") -> dict[str, Any]:
+    model = build_model(cfg, tweak=tweak)
     ctx = StepContext()
     return run_steps(model, ctx, cfg, steps)
 
@@ -223,6 +257,7 @@ def rank_run(
     backend: str = "gloo",
     overrides: tuple[str, ...] = (),
     batches: str = "clips",
+    tweak: str = "",
 ) -> dict[str, Any] | None:
     """Body of one rank: build the mesh, parallelize, run the same steps on this rank's share (on cuda:rank
     under NCCL; the results come back on the CPU)."""
@@ -236,7 +271,7 @@ def rank_run(
     dims = ParallelDims(world, 1, -1, cp, tp)
     dims.build_mesh(device.type)
     cfg = tiny_config(cp, tp, cp_attention, ctc_weight, split_threshold, overrides)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, tweak=tweak).to(device)
     ctx = build_distributed_context(model, dims, cfg, device)
     steps = global_steps(n_steps, dims.dp, batches=batches)
     d = dims.dp_rank(rank)
@@ -255,6 +290,7 @@ class Layout(NamedTuple):
     split_threshold: int | str = 9
     overrides: tuple[str, ...] = ()  # config overrides of the model (e.g. model.llm.train=lora)
     batches: str = "clips"  # or "conversations" (several clips per row: `global_steps`)
+    tweak: str = ""  # a change to the built model (`TWEAKS`)
 
     @property
     def world(self) -> int:
@@ -282,6 +318,7 @@ def rank_layouts(
                 backend,
                 lay.overrides,
                 lay.batches,
+                lay.tweak,
             )
         )
     return out

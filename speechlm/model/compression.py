@@ -11,6 +11,13 @@ merge of decoder-only ASR with CTC prompts (Tsunoo et al., 2024) with the averag
 (Gaido et al., 2021). The argmax carries no gradient; the mean does (each frame of a kept run gets
 ``1 / len`` of its row's gradient), so the LLM's loss still trains the encoder through the kept frames.
 
+A clip sharded over the CP group (a long clip of the limited-context padding-free encoder) is compressed
+whole, as one process compresses it: each rank runs the CTC head on its own slice (in the one head call
+with its whole clips' frames), the slices' frames and argmax labels are all-gathered (`compressed_output`;
+the frames' all-gather is the one the clip's CTC loss needs anyway), and every rank compresses the whole
+clip, so a run that crosses a slice cut stays one row and the all-blank rule sees the whole clip. Every
+rank projects the clip's few compressed rows (docs/parallelism.md, "CTC-compressed audio under CP").
+
 A clip whose frames are all blank (the CTC head before it leaves its blank plateau, or silence) keeps ONE
 row, the mean of all its frames, so every clip reaches the LLM and the projector stays in the graph. A clip
 of 0 frames keeps 0 rows. The function is pure (tensors in, tensors out) and runs on the device of its input.
@@ -18,7 +25,7 @@ of 0 frames keeps 0 rows. The function is pure (tensors in, tensors out) and run
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -97,13 +104,21 @@ def compressed_output(
     packed: bool,
     embed_tokens: Callable[[Tensor], Tensor] | None = None,
     gate: Tensor | None = None,
+    *,
+    slices: Sequence[tuple[Tensor, Sequence[int]]] = (),
+    gather: Callable[[Tensor, Sequence[int]], Tensor] | None = None,
 ) -> EncoderOutput:
     """`SpeechLLM.encode_audio`'s result with ``model.audio_compression: ctc``: the encoder's frames kept as
     they are (the CTC loss and joint decoding read them), the projector run on the compressed frames.
     ``embed_tokens`` (``model.audio_token_embedding``): each row also gets the LLM's input embedding of the
     token the CTC head heard there (none for a clip's silent row), in one call whatever the batch holds, and
     the projected frames are scaled by ``gate`` (a learnt scalar that starts at 0: the rows start as the
-    heard tokens' embeddings, at the scale the decoder knows, and the acoustic side grows in as it helps)."""
+    heard tokens' embeddings, at the scale the decoder knows, and the acoustic side grows in as it helps).
+    ``slices``: this rank's slice ``[U_r, E]`` of each clip sharded over the CP group, with the encoder
+    frames of every rank's slice (rank order); ``gather`` (`CPLayout.gather_slices`, differentiable) brings
+    each whole clip's frames and labels to every rank, where it is compressed and projected in the same
+    calls as the whole clips; ``(frames [U, E], rows)`` of each comes back in ``EncoderOutput.slices`` with
+    ``slices_whole`` set. The head runs once (FSDP: one call per micro-batch, whatever it holds)."""
     if ctc_head is None:
         raise ValueError("model.audio_compression=ctc needs the CTC head: set model.ctc_weight > 0")
     if projector.stack != 1:
@@ -114,7 +129,20 @@ def compressed_output(
     else:  # padded [B, U, E]: the real frames, clip after clip
         valid_BU = torch.arange(enc_hidden.shape[1], device=enc_hidden.device)[None, :] < lens_B[:, None]
         frames_UE = enc_hidden[valid_BU]
-    labels_U = frame_labels(ctc_head, frames_UE)
+    n_whole, n_frames = int(lens_B.numel()), int(frames_UE.shape[0])
+    labels_U = frame_labels(ctc_head, torch.cat([frames_UE, *(h.to(frames_UE.dtype) for h, _ in slices)]))
+    sharded = []  # each sharded clip whole: (frames, labels), every rank's slice gathered
+    if slices:
+        if gather is None:
+            raise ValueError("compressing a clip sharded over the CP group needs the layout's gather")
+        cuts = [n_frames, *(int(h.shape[0]) for h, _ in slices)]
+        labels_U, *slice_labels = torch.split(labels_U, cuts)
+        for (h, counts), lab in zip(slices, slice_labels, strict=True):
+            sharded.append((gather(h, counts), gather(lab[:, None], counts)[:, 0]))
+        # the sharded clips after the whole ones, as further clips of the same calls
+        frames_UE = torch.cat([frames_UE, *(f.to(frames_UE.dtype) for f, _ in sharded)])
+        labels_U = torch.cat([labels_U, *(lab.to(labels_U.dtype) for _, lab in sharded)])
+        lens_B = torch.cat([lens_B, lens_B.new_tensor([int(f.shape[0]) for f, _ in sharded])])
     rows_RE, rows_B = compress_frames(frames_UE, labels_U, lens_B, blank)
     proj_RH, _ = projector(rows_RE, rows_B)
     if embed_tokens is not None:
@@ -123,6 +151,10 @@ def compressed_output(
         if gate is not None:
             proj_RH = proj_RH * gate.to(proj_RH.dtype)
         proj_RH = proj_RH + tok_RH.to(proj_RH.dtype)
-    embeds: list[Tensor | None] = list(torch.split(proj_RH, [int(n) for n in rows_B.tolist()]))
+    parts = list(torch.split(proj_RH, [int(n) for n in rows_B.tolist()]))
+    embeds: list[Tensor | None] = list(parts[:n_whole])
     hidden: PackedFrames | Tensor = PackedFrames(enc_hidden, enc_lens_B) if packed else enc_hidden
-    return EncoderOutput(embeds, hidden, enc_lens_B, list(range(int(lens_B.numel()))))
+    out = EncoderOutput(embeds, hidden, enc_lens_B, list(range(n_whole)))
+    out.slices = [(f, rows) for (f, _), rows in zip(sharded, parts[n_whole:], strict=True)]
+    out.slices_whole = bool(sharded)
+    return out

@@ -6,6 +6,7 @@ Functions of (model, layout): ``model`` is the `SpeechLLM` (its features, encode
 ``layout`` its `parallel.cp_layout.CPLayout` (``NullCPLayout`` with one CP rank). `SpeechLLM.forward` calls
 them in this order, once per micro-batch:
 
+    encoding_plan(layout, plan, ...)               which rank encodes each clip, which clips are gathered
     clip_sharding(model, layout, frames)           which clips the encoder shards over the CP group
     prepare_slices(model, layout, audio, sharding)  this rank's slice of each (features of its span)
     encode_for_layout(model, layout, ..., plan)    this rank's clips (split sequences' gathered) and slices,
@@ -13,6 +14,8 @@ them in this order, once per micro-batch:
     finish_sharded(model, layout, enc, ...)        the slices' projected rows handed to the ranks whose
                                                    stream holds them, their frames gathered for CTC, and
                                                    every output tied in one autograd node (`tie_audio_side`)
+    place_encoded(layout, enc, ...)                CTC-compressed audio: the sequences placed again from
+                                                   the rows each clip got (every clip is on every rank)
     pack_for_layout(model, layout, prompts, enc, plan)  pack_thd to the plan's rounded lengths, then this
                                                    rank's share (`CPLayout.shard`)
 
@@ -20,6 +23,12 @@ A sharded clip (`parallel.clip_placement`): a long clip of a padding-free encode
 cut into ``cp`` contiguous slices of encoder frames (cut on the projector's stack); rank r encodes slice r
 from the feature frames its subsampling reads (`sharded_encoder.feature_span`), with the clip's
 normalisation statistics summed over the group.
+
+CTC-compressed audio (``model.audio_compression: ctc``): a clip's LLM rows are known only after the encoder,
+so under CP every clip's rows are gathered to every rank (`encoding_plan`) and the sequences are placed
+from them (`place_encoded`); a sharded clip is gathered and compressed whole on every rank
+(`speechlm.model.compression`), so `finish_sharded` hands nothing over (docs/parallelism.md, "CTC-compressed
+audio under CP").
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from torch import Tensor
 
 from parallel.clip_handover import Handover, clip_needs
 from parallel.clip_placement import ClipSharding, shard_bounds, short_clip_frames
-from parallel.cp_layout import CPLayout, CPPlan
+from parallel.cp_layout import CPLayout, CPPlan, plan_for_clips
+from speechlm.model.conversation_inputs import conversation_seq_lens
 from speechlm.model.ctc import CTCModel
 from speechlm.model.encoder_output import EncoderOutput
 from speechlm.model.encoders.base import AudioEncoder
@@ -85,6 +95,35 @@ def audio_lengths(model: AudioModel, audio_lens_B: Tensor) -> AudioLengths:
     return AudioLengths(*([int(n) for n in t.tolist()] for t in (samples_B, feat_B, enc_B, rows_B)))
 
 
+def encoding_plan(
+    layout: CPLayout, plan: CPPlan, clip_sample: Sequence[int], clip_lens: Sequence[int], *, compressed: bool
+) -> CPPlan:
+    """The plan the encoder follows: ``plan`` (per sequence) seen per clip (`plan_for_clips`). Compressed
+    audio under CP (`place_encoded`) gathers every clip to every rank (``gather_all``): the sequences'
+    LLM lengths, hence where each is decoded, are known only after the encoder."""
+    gather_all = compressed and layout.cp_size > 1
+    return plan_for_clips(plan, clip_sample, clip_lens, layout.cp_size, gather_all=gather_all)
+
+
+def place_encoded(
+    layout: CPLayout,
+    enc: EncoderOutput,
+    prompts: list[tuple[Tensor, Tensor]],
+    clip_counts: Sequence[int],
+    clip_sample: Sequence[int],
+) -> tuple[list[int], CPPlan]:
+    """``(seq_lens, plan)`` of compressed audio: the sequences' lengths from the rows each clip got, placed
+    again (`CPLayout.place`, a pure function of them: the same on every CP rank, which holds every clip:
+    `encoding_plan`). The clips no sequence of this rank holds join ``enc.unused`` (weight 0 in the loss):
+    the gather's backward must run on every rank."""
+    rows = [int(e.shape[0]) for e in enc.embeds_of(range(len(enc.embeds)))]
+    seq_lens = conversation_seq_lens(prompts, clip_counts, rows)
+    plan = layout.place(seq_lens)
+    local = set(plan.indices)
+    enc.unused.extend(e for c, e in enumerate(enc.embeds) if e is not None and clip_sample[c] not in local)
+    return seq_lens, plan
+
+
 def encode_for_layout(
     model: AudioModel,
     layout: CPLayout,
@@ -105,12 +144,12 @@ def encode_for_layout(
 
     def encode_fn(a: Tensor, lens: Tensor) -> tuple[list[Tensor], Any]:
         out = model.encode_audio(a, lens, freeze_encoder=freeze_encoder, slices=slices)
-        return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B, out.slices)
+        return out.embeds_of(out.ctc_rows), (out.enc_hidden, out.enc_lens_B, out.slices, out.slices_whole)
 
     res = layout.encode(encode_fn, audio_BN, audio_lens_B, plan, skip)
-    enc_hidden, enc_lens_B, slice_outs = res.extra
+    enc_hidden, enc_lens_B, slice_outs, slices_whole = res.extra
     enc = EncoderOutput(res.embeds, enc_hidden, enc_lens_B, res.clips, res.weight, res.unused)
-    enc.slices = list(slice_outs)
+    enc.slices, enc.slices_whole = list(slice_outs), slices_whole
     return enc
 
 
@@ -144,12 +183,14 @@ def prepare_slices(
     out = []
     for c in sharding.sharded_indices:
         n, total = lens.samples[c], lens.features[c]  # the clip's samples and feature frames
-        lo, hi = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)[layout.cp_rank]
+        bounds = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)
+        lo, hi = bounds[layout.cp_rank]
         span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
         own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
         with torch.no_grad():
             feats = model.features.frames_of_clip(audio_BN[c], n, span, own, layout.reduce_sum)
-        out.append(ClipSlice(feats, (lo, hi), layout.halo(), span[0], total))
+        counts = tuple(b - a for a, b in bounds)
+        out.append(ClipSlice(feats, (lo, hi), layout.halo(), span[0], total, counts))
     return out
 
 
@@ -176,19 +217,24 @@ def finish_sharded(
     gathered, owners = plan.gathered, plan.clip_owners
     for c, (hidden_UE, proj_PH) in zip(sharding.sharded_indices, enc.slices, strict=True):
         bounds = shard_bounds(sharding.frames[c], cp, align=stack)
-        rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
-        have = [(a // stack, -(-b // stack)) for a, b in bounds]
-        need = clip_needs(
-            rows,
-            int(offsets[c]),
-            cp,
-            split=bool(gathered[c]),
-            padded_len=padded[seq_of_clip[c]] if gathered[c] else 0,
-            owner=int(owners[c]),
-        )
-        enc.embeds[c] = layout.hand_over(proj_PH, Handover.build(rows, have, need))
+        if enc.slices_whole:  # compressed: every rank holds the whole clip's frames and rows already
+            enc.embeds[c] = proj_PH
+        else:
+            rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
+            have = [(a // stack, -(-b // stack)) for a, b in bounds]
+            need = clip_needs(
+                rows,
+                int(offsets[c]),
+                cp,
+                split=bool(gathered[c]),
+                padded_len=padded[seq_of_clip[c]] if gathered[c] else 0,
+                owner=int(owners[c]),
+            )
+            enc.embeds[c] = layout.hand_over(proj_PH, Handover.build(rows, have, need))
         if model.ctc_head is not None:
-            full_UE = layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+            full_UE = (
+                hidden_UE if enc.slices_whole else layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+            )
             if owners[c] == rank:
                 enc.ctc_extra.append((c, full_UE))
             else:

@@ -94,6 +94,10 @@ def ctc_loss_sum(
     log_probs_UBV = ctc_log_probs(model, enc_hidden, enc_lens_B)
     device = log_probs_UBV.device
     n_clips = int(enc_lens_B.numel())
+    if log_probs_UBV.shape[0] == 0:
+        # every clip has 0 frames (a CP rank may encode only such clips): nothing to score, and ctc_loss
+        # refuses an empty input; the sum (0) keeps the head in the graph
+        return log_probs_UBV.sum(), n_clips
     lens_B = enc_lens_B.to(device=device, dtype=torch.long)
     targets_BL, target_lens_B = ctc_targets(
         tokens_BL.to(device), token_lens_B.to(device), skip=model.ctc_skip_leading, pad_id=model.pad_id

@@ -41,6 +41,9 @@ class EncoderOutput:
     # this rank's slices of the sharded clips as the encoder and projector left them: (encoder frames
     # [U, E], projected rows [P, H]) per clip, until `finish_sharded` hands them over
     slices: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # True: each entry of ``slices`` is the whole clip, on every rank (its frames gathered, its compressed
+    # rows: CTC compression, `speechlm.model.compression.gather_sharded_clip`), not this rank's slice
+    slices_whole: bool = False
 
     @property
     def enc_lens(self) -> Tensor:

@@ -52,14 +52,16 @@ SUBSAMPLING_MARGIN = 4  # encoder frames recomputed on each side of a slice by t
 class ClipSlice:
     """One rank's slice of a clip sharded over the CP group, as the encoder takes it
     (`ParakeetAudioEncoder.forward_with_slices`): encoder frames ``bounds = (lo, hi)``, the clip's feature
-    frames ``[feat_offset, feat_offset + len(feats_TF))`` of ``feat_total`` (at least `feature_span`), and the
-    halo exchange of the group."""
+    frames ``[feat_offset, feat_offset + len(feats_TF))`` of ``feat_total`` (at least `feature_span`), the
+    halo exchange of the group, and the encoder frames of every rank's slice of the clip, in rank order
+    (what a gather of the whole clip's frames needs: CTC compression, `speechlm.model.compression`)."""
 
     feats_TF: Tensor
     bounds: tuple[int, int]
     exchange: Exchange
     feat_offset: int
     feat_total: int
+    counts: tuple[int, ...] = ()
 
 
 def feature_span(lo: int, hi: int, n_convs: int, total: int) -> tuple[int, int]:

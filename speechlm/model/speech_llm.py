@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from parallel.cp_layout import CPLayout, CPPlan, NullCPLayout, plan_for_clips
+from parallel.cp_layout import CPLayout, NullCPLayout
 from parallel.varlen_meta import build_varlen_meta
 from speechlm.config import ModelConfig
 from speechlm.model import cp_audio, ctc, generation
@@ -186,20 +186,12 @@ class SpeechLLM(nn.Module):
                 )
             else:
                 enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
-        if self.cfg.audio_compression == "ctc":
-            if slices:
-                raise NotImplementedError("model.audio_compression=ctc with a clip sharded over the CP group")
+        if self.cfg.audio_compression == "ctc":  # a sharded clip's slices: gathered, compressed whole
+            sliced = [(h, s.counts) for h, s in zip(slice_hidden, slices)] if slices else []
             embed = self.embed_tokens if self.cfg.audio_token_embedding else None
-            return compressed_output(
-                self.ctc_head,
-                self.projector,
-                self.ctc_blank_id,
-                enc_hidden,
-                enc_lens_B,
-                packed,
-                embed,
-                self.audio_gate,
-            )
+            args = (self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed)
+            gather = self.cp_layout.gather_slices
+            return compressed_output(*args, embed, self.audio_gate, slices=sliced, gather=gather)
         if not slices:
             proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
             return whole_clips_output(proj, proj_lens_B, enc_hidden, enc_lens_B, packed)
@@ -319,9 +311,10 @@ class SpeechLLM(nn.Module):
         lens = audio_lengths(self, audio_lens_B)  # placement first, from lengths known before encoding
         prompts, clip_sample = conversation_prompts(batch, self.audio_id)
         clip_counts = clips_per_sample(clip_sample, len(prompts))
-        seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)
+        seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)  # compressed: an upper bound
         plan = lay.place(seq_lens)
-        enc_plan: CPPlan = plan_for_clips(plan, clip_sample, lens.embeds, lay.cp_size)
+        compressed = self.cfg.audio_compression != "none"
+        enc_plan = cp_audio.encoding_plan(lay, plan, clip_sample, lens.embeds, compressed=compressed)
         ctc_tokens, ctc_lens = conversation_ctc_targets(batch, len(clip_sample))
         sharding = cp_audio.clip_sharding(self, lay, lens.encoder)
         skip = sharding.sharded if sharding is not None else ()
@@ -350,13 +343,8 @@ class SpeechLLM(nn.Module):
                 skip=self.ctc_skip_leading,
                 one_row_per_token=self.cfg.audio_compression != "none",
             )
-        if self.cfg.audio_compression != "none":  # the LLM's lengths are known now: place again with them
-            if lay.cp_size > 1:
-                raise NotImplementedError("model.audio_compression=ctc under context parallelism")
-            seq_lens = conversation_seq_lens(
-                prompts, clip_counts, [int(e.shape[0]) for e in enc.embeds_of(range(len(enc.embeds)))]
-            )
-            plan = lay.place(seq_lens)
+        if compressed:  # the LLM's lengths are known now: place again with them
+            seq_lens, plan = cp_audio.place_encoded(lay, enc, prompts, clip_counts, clip_sample)
         ctc_sum = ctc.ctc_of(self, enc, ctc_tokens, ctc_lens) if self.ctc_head is not None else None
         labelled = [int(mask.sum()) for _, mask in prompts]
         if self.cfg.packed_sequences:

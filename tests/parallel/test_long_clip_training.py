@@ -26,10 +26,14 @@ def _config(ctc: float = 0.3, extra: tuple[str, ...] = ()):
     return tiny_config(ctc_weight=ctc, overrides=WINDOW + extra)
 
 
-def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[str, ...]) -> dict:
+def _forward_worker(
+    rank: int, world: int, threshold: int | str, extra: tuple[str, ...], tweak: str = ""
+) -> dict:
+    """One forward and backward of the long batch at cp ``world``: the losses and gradients summed over the
+    CP ranks, this rank's encoder slices and what it placed (``tweak``: `parallel_harness.TWEAKS`)."""
     torch.set_num_threads(1)
     batch = global_steps(1, 1, batches="long")[0][0]
-    model = build_model(_config(extra=extra))
+    model = build_model(_config(extra=extra), tweak=tweak)
     calls = []
     inner = model.encoder.forward_with_slices
 
@@ -53,24 +57,36 @@ def _forward_worker(rank: int, world: int, threshold: int | str, extra: tuple[st
     ce, ctc = out.ce_sum.detach().clone(), out.ctc_sum.detach().clone()
     dist.all_reduce(ce)
     dist.all_reduce(ctc)
+    work = work_of(out.placed)
     return {
         "ce": float(ce),
         "ctc": float(ctc),
         "grads": grads,
         "calls": calls,
-        "clip_frames": work_of(out.placed).clip_frames,
+        "clip_frames": work.clip_frames,
+        "seq_lens": out.placed.seq_lens,
+        "real": work.real_tokens,
+        "computed": work.computed_tokens,
     }
 
 
-def _reference(extra: tuple[str, ...] = ()) -> dict:
+def _reference(extra: tuple[str, ...] = (), tweak: str = "") -> dict:
     batch = global_steps(1, 1, batches="long")[0][0]
-    model = build_model(_config(extra=extra))
+    model = build_model(_config(extra=extra), tweak=tweak)
     out = model(batch)
     (out.ce_sum + out.ctc_sum).backward()
     grads = {
         n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
     }
-    return {"ce": float(out.ce_sum.detach()), "ctc": float(out.ctc_sum.detach()), "grads": grads}
+    assert out.placed is not None
+    return {
+        "ce": float(out.ce_sum.detach()),
+        "ctc": float(out.ctc_sum.detach()),
+        "grads": grads,
+        "seq_lens": out.placed.seq_lens,
+        "model": model,
+        "batch": batch,
+    }
 
 
 @pytest.mark.multiproc
