@@ -6,7 +6,7 @@ Letters: B clips, U encoder frames, E encoder width, A_i projected rows of clip 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,3 +69,25 @@ def whole_clips_output(
         return EncoderOutput(embeds, PackedFrames(enc_hidden, enc_lens_B), enc_lens_B, rows)
     embeds = [proj[i, :n] for i, n in enumerate(proj_lens_B.tolist())]
     return EncoderOutput(embeds, enc_hidden, enc_lens_B, rows)
+
+
+def projected_output(
+    projector: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    enc_hidden: Tensor,
+    enc_lens_B: Tensor,
+    packed: bool,
+    slice_hidden: Sequence[Tensor] = (),
+) -> EncoderOutput:
+    """The projector on the whole clips' frames and each CP slice's (``slice_hidden``), in ONE call (a slice
+    is cut on the stack: exact); the slices' (frames, projected rows) in ``EncoderOutput.slices``."""
+    if not slice_hidden:
+        proj, proj_lens_B = projector(enc_hidden, enc_lens_B)
+        return whole_clips_output(proj, proj_lens_B, enc_hidden, enc_lens_B, packed)
+    lens_all = torch.cat([enc_lens_B, enc_lens_B.new_tensor([int(h.shape[0]) for h in slice_hidden])])
+    proj_all, proj_lens_all = projector(torch.cat([enc_hidden, *slice_hidden]), lens_all)
+    n_clips = int(enc_lens_B.numel())
+    rows = [int(n) for n in proj_lens_all.tolist()]
+    proj_parts = torch.split(proj_all, [sum(rows[:n_clips]), *rows[n_clips:]])
+    out = whole_clips_output(proj_parts[0], proj_lens_all[:n_clips], enc_hidden, enc_lens_B, packed)
+    out.slices = list(zip(slice_hidden, proj_parts[1:], strict=True))
+    return out

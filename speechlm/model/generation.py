@@ -55,7 +55,7 @@ from speechlm.model.cp_audio import AudioModel
 from speechlm.model.ctc import ctc_log_prob_rows
 from speechlm.model.ctc_prefix import JointCTCScorer
 from speechlm.model.encoder_output import EncoderOutput
-from speechlm.model.oracle import apply_oracle
+from speechlm.model.oracle import fill_with_transcripts
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.packing.positions import align_audio_positions
 from speechlm.packing.prompt import PromptFormat
@@ -324,11 +324,7 @@ def generate_for_batch(
             audio, audio_lens = dummy_clip(audio, audio_lens)
         enc = model.encode_audio(audio, audio_lens)
         if model.cfg.audio_prefix == "oracle" and clip_sample:  # as training's forward (`model.oracle`)
-            tokens, lens = conversation_ctc_targets(batch, len(clip_sample))
-            one_row = model.cfg.audio_compression != "none"
-            apply_oracle(
-                enc, model.embed_tokens, tokens, lens, skip=model.ctc_skip_leading, one_row_per_token=one_row
-            )
+            fill_with_transcripts(model, enc, *conversation_ctc_targets(batch, len(clip_sample)))
         embeds = enc.embeds_of(range(len(clip_sample)))
         answers = [t[: int(n)].tolist() for t, n in zip(batch.tokens.cpu(), batch.token_lens.cpu())]
         heads = [ids[: last_answer_start(ids, mask, answers[b], b)] for b, (ids, mask) in enumerate(prompts)]

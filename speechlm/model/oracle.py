@@ -19,11 +19,23 @@ validates but cannot transcribe new audio.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from speechlm.config import ModelConfig
 from speechlm.model.encoder_output import EncoderOutput
+
+
+class OracleModel(Protocol):
+    """What the oracle reads of the model (`SpeechLLM` has it)."""
+
+    cfg: ModelConfig
+
+    @property
+    def ctc_skip_leading(self) -> int: ...
+    def embed_tokens(self, ids: Tensor) -> Tensor: ...
 
 
 def apply_oracle(
@@ -53,3 +65,12 @@ def apply_oracle(
         new = torch.cat([piece[:n].to(old.dtype), new[n:]])
         enc.unused.append(old)
         enc.embeds[c] = new
+
+
+def fill_with_transcripts(model: OracleModel, enc: EncoderOutput, tokens_CL: Tensor, lens_C: Tensor) -> None:
+    """`apply_oracle` with the model's embedding, language-tag skip and row rule (one row per token with
+    ``model.audio_compression``)."""
+    one_row = model.cfg.audio_compression != "none"
+    apply_oracle(
+        enc, model.embed_tokens, tokens_CL, lens_C, skip=model.ctc_skip_leading, one_row_per_token=one_row
+    )

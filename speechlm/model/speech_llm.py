@@ -12,7 +12,7 @@ one path whatever the layout (``self.cp_layout``, a `parallel.cp_layout.CPLayout
     cp_audio.encode_for_layout(...)        -> EncoderOutput (encode_audio on this rank's clips, split ones
                                               gathered; long clips sharded over the CP group: `cp_audio`)
     ctc.ctc_of(enc, ctc_tokens)            -> the clips' CTC sum (`speechlm.model.ctc`)
-    cp_audio.pack_for_layout(...)          -> PackedBatch: pack_thd, then cp_layout.shard (or pack_bshd)
+    llm_pass.decoder_pass(...)             -> pack_thd + cp_layout.shard (or pack_bshd), then the LLM's CE
     forward_packed(packed)                 -> (ce_sum, n_labelled)        (or forward_padded)
 
 With one CP rank the layout is `NullCPLayout` (every sequence whole, one encoder call, no sharding, no
@@ -61,19 +61,20 @@ from speechlm.model.conversation_inputs import (
     conversation_seq_lens,
 )
 from speechlm.model.cp_audio import audio_lengths
-from speechlm.model.encoder_output import EncoderOutput, whole_clips_output
+from speechlm.model.encoder_output import EncoderOutput, projected_output
 from speechlm.model.encoders import build_encoder, resolve_encoder_packed
 from speechlm.model.features import LogMelFeatures
 from speechlm.model.flops import Placement
 from speechlm.model.generation import KeepGoing
 from speechlm.model.llm import build_llm
-from speechlm.model.oracle import apply_oracle
+from speechlm.model.llm_pass import decoder_pass
+from speechlm.model.oracle import fill_with_transcripts
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector
 from speechlm.model.row_ce import ce_of_rows, ce_of_sequences, to_micro_batch_rows
 from speechlm.model.sharded_encoder import ClipSlice
 from speechlm.packing.prompt import PromptFormat
-from speechlm.packing.thd import IGNORE_INDEX, PackedBatch, PaddedBatch, clip_offsets, pack_bshd
+from speechlm.packing.thd import IGNORE_INDEX, PackedBatch, PaddedBatch, clip_offsets
 
 
 @dataclass
@@ -192,18 +193,9 @@ class SpeechLLM(nn.Module):
             args = (self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed)
             gather = self.cp_layout.gather_slices
             return compressed_output(*args, embed, self.audio_gate, slices=sliced, gather=gather)
-        if not slices:
-            proj, proj_lens_B = self.projector(enc_hidden, enc_lens_B)
-            return whole_clips_output(proj, proj_lens_B, enc_hidden, enc_lens_B, packed)
-        # one projector call: the whole clips' frames, then each slice's (cut on the stack: exact)
-        lens_all = torch.cat([enc_lens_B, enc_lens_B.new_tensor([int(h.shape[0]) for h in slice_hidden])])
-        proj_all, proj_lens_all = self.projector(torch.cat([enc_hidden, *slice_hidden]), lens_all)
-        n_clips = int(enc_lens_B.numel())
-        rows = [int(n) for n in proj_lens_all.tolist()]
-        proj_parts = torch.split(proj_all, [sum(rows[:n_clips]), *rows[n_clips:]])
-        out = whole_clips_output(proj_parts[0], proj_lens_all[:n_clips], enc_hidden, enc_lens_B, packed)
-        out.slices = list(zip(slice_hidden, proj_parts[1:], strict=True))
-        return out
+        return projected_output(
+            self.projector, enc_hidden, enc_lens_B, packed, slice_hidden if slices else ()
+        )
 
     def audio_embed_lengths(self, audio_lens_B: Tensor) -> list[int]:
         """Projected audio frames per clip, from the sample counts alone (host integers): what
@@ -335,46 +327,15 @@ class SpeechLLM(nn.Module):
                 self, lay, enc, sharding, enc_plan, seq_of_clip=clip_sample, offsets=offsets
             )
         if oracle or self.cfg.audio_prefix == "oracle":  # the transcript's embeddings (`model.oracle`)
-            apply_oracle(
-                enc,
-                self.embed_tokens,
-                ctc_tokens,
-                ctc_lens,
-                skip=self.ctc_skip_leading,
-                one_row_per_token=self.cfg.audio_compression != "none",
-            )
+            fill_with_transcripts(self, enc, ctc_tokens, ctc_lens)
         if compressed:  # the LLM's lengths are known now: place again with them
             seq_lens, plan = cp_audio.place_encoded(lay, enc, prompts, clip_counts, clip_sample)
         ctc_sum = ctc.ctc_of(self, enc, ctc_tokens, ctc_lens) if self.ctc_head is not None else None
         labelled = [int(mask.sum()) for _, mask in prompts]
-        if self.cfg.packed_sequences:
-            packed = cp_audio.pack_for_layout(
-                lay,
-                prompts,
-                enc,
-                plan,
-                self.embed_tokens,
-                audio_id=self.audio_id,
-                clip_counts=clip_counts,
-                device=audio_BN.device,
-                align_skip=self.align_skip,
-            )
-            ce_sum, _, ce_local = self.forward_packed(packed, per_seq=per_seq)
-            n_labelled = sum(labelled)  # the whole micro-batch's
-            local, n_split, computed = plan.indices, plan.n_split, int(packed.inputs_embeds.shape[0])
-        else:
-            padded = pack_bshd(
-                prompts,
-                enc.embeds_of(range(len(enc.embeds))),
-                self.embed_tokens,
-                audio_id=self.audio_id,
-                pad_to_multiple=self.cfg.pad_to_multiple or lay.tp,
-                clip_counts=clip_counts,
-                align_skip=self.align_skip,
-            )
-            ce_sum, n_labelled, ce_local = self.forward_padded(padded, per_seq=per_seq)
-            local, n_split = list(range(len(prompts))), 0
-            computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
+        ce_sum, n_labelled, ce_local, local, n_split, computed = decoder_pass(
+            self, lay, prompts, enc, plan, clip_counts, device=audio_BN.device, per_seq=per_seq
+        )
+        n_labelled = sum(labelled) if self.cfg.packed_sequences else n_labelled  # the whole micro-batch's
         for e in enc.unused:  # weight 0: in the graph, counts nothing
             ce_sum = ce_sum + 0.0 * e.sum()
         placed = Placement(
