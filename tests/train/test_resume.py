@@ -26,20 +26,25 @@ def base_args(d: dict[str, str]) -> list[str]:
     ]
 
 
+def straight_and_resumed(base: list[str], tmp_path: Path, *, steps: int, stop: int) -> tuple[list, list]:
+    """The metrics of one run of ``steps`` steps, and of a run stopped at ``stop`` (checkpointed there) then
+    resumed to ``steps``."""
+    full = run_train([*base, f"trainer.max_steps={steps}", f"trainer.run_dir={tmp_path / 'full'}"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    p = tmp_path / "p"
+    part = run_train(
+        [*base, f"trainer.max_steps={stop}", f"trainer.ckpt_every={stop}", f"trainer.run_dir={p}"]
+    )
+    assert part.returncode == 0, part.stderr[-3000:]
+    resumed = run_train([*base, f"trainer.max_steps={steps}", f"trainer.run_dir={p}", "trainer.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return read_train_metrics(tmp_path / "full"), read_train_metrics(p)
+
+
 def test_resume_mid_epoch_keeps_full_epochs_after_the_boundary(demo_data, tmp_path):
     """Resumed at step 3 of a 4-step epoch: epochs 1 and 2 must still have all their 4 steps each."""
     base = base_args(demo_data)
-    full = run_train([*base, "trainer.max_steps=10", f"trainer.run_dir={tmp_path / 'full'}"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    part = run_train(
-        [*base, "trainer.max_steps=3", "trainer.ckpt_every=3", f"trainer.run_dir={tmp_path / 'p'}"]
-    )
-    assert part.returncode == 0, part.stderr[-3000:]
-    resumed = run_train(
-        [*base, "trainer.max_steps=10", f"trainer.run_dir={tmp_path / 'p'}", "trainer.resume=auto"]
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = read_train_metrics(tmp_path / "full"), read_train_metrics(tmp_path / "p")
+    a, b = straight_and_resumed(base, tmp_path, steps=10, stop=3)
     assert [m["epoch"] for m in a] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert [m["epoch"] for m in b] == [m["epoch"] for m in a], "epochs after the resume are cut short"
     assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
@@ -60,17 +65,7 @@ def test_resume_with_compressed_audio_and_an_oracle_warmup_is_exact(demo_data, t
     oracle warm-up (steps 1-4) resumed at step 3: the same batches and losses as one run, across the switch
     from the oracle to the audio."""
     base = [*base_args(demo_data), *COMPRESSED]
-    full = run_train([*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'full'}"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    part = run_train(
-        [*base, "trainer.max_steps=3", "trainer.ckpt_every=3", f"trainer.run_dir={tmp_path / 'p'}"]
-    )
-    assert part.returncode == 0, part.stderr[-3000:]
-    resumed = run_train(
-        [*base, "trainer.max_steps=6", f"trainer.run_dir={tmp_path / 'p'}", "trainer.resume=auto"]
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = read_train_metrics(tmp_path / "full"), read_train_metrics(tmp_path / "p")
+    a, b = straight_and_resumed(base, tmp_path, steps=6, stop=3)
     assert len(a) == 6 and [m["step"] for m in b] == [m["step"] for m in a]
     assert [m["rows_digest"] for m in b] == [m["rows_digest"] for m in a]
     assert [m["loss"] for m in b] == [m["loss"] for m in a]
