@@ -257,7 +257,14 @@ def test_demo_no_train_and_asr_only(tmp_path: Path, monkeypatch, capsys) -> None
     assert f"data.val_manifest={tmp_path / 'b' / 'val.parquet'}" in seen[3]
     assert not (tmp_path / "b" / MIX_FILE).exists() and not (tmp_path / "b" / "ast_train.parquet").exists()
     # after training, the CTC head alone on the held-out split (issue 38: beside the LLM-alone and joint WERs)
-    assert seen[4] == ["evaluate", "runs/demo", "--manifest", str(tmp_path / "b" / "val.parquet"), "--ctc-weight", "1"]
+    assert seen[4] == [
+        "evaluate",
+        "runs/demo",
+        "--manifest",
+        str(tmp_path / "b" / "val.parquet"),
+        "--ctc-weight",
+        "1",
+    ]
     rc, default = _demo_commands(
         monkeypatch, ["--out", str(tmp_path / "b")]
     )  # ASR only by default (issue 24)

@@ -296,7 +296,7 @@ def test_best_metric_may_name_a_train_key_kept_in_its_direction(demo_data):
     cfg.trainer.val_train_batches = 1
     preflight.check_eval_metrics(cfg, train, val)
     # validation off turns the training subset off with it (configs/demo.yaml trainer.val_every=0 must load)
-    assert load_config("configs/demo.yaml", ["trainer.val_every=0"]).trainer.val_train_batches == 1  # the demo's own
+    assert load_config("configs/demo.yaml", ["trainer.val_every=0"]).trainer.val_train_batches == 1
 
 
 # --------------------------------------------------------------------------- learning_curve.png
