@@ -72,17 +72,26 @@ def ctc_runs(labels_U: Tensor, lens_B: Tensor, blank: int) -> tuple[Tensor, Tens
 def compress_frames(frames_UE: Tensor, labels_U: Tensor, lens_B: Tensor, blank: int) -> tuple[Tensor, Tensor]:
     """Packed encoder frames ``[sum U_b, E]`` -> ``([sum R_b, E], R_b)``: the mean of each kept run
     (`ctc_runs`), clips in order."""
-    row_of_frame, rows_B, frames_of_row = ctc_runs(labels_U, lens_B, blank)
+    runs = ctc_runs(labels_U, lens_B, blank)
+    return _mean_of_runs(frames_UE, runs), runs[1]
+
+
+def _mean_of_runs(frames_UE: Tensor, runs: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    row_of_frame, _, frames_of_row = runs
     keep = row_of_frame >= 0
     out = frames_UE.new_zeros(int(frames_of_row.numel()), frames_UE.shape[1])
     out = out.index_add(0, row_of_frame[keep], frames_UE[keep])
-    return out / frames_of_row.clamp(min=1).to(out.dtype)[:, None], rows_B
+    return out / frames_of_row.clamp(min=1).to(out.dtype)[:, None]
 
 
 def heard_tokens(labels_U: Tensor, lens_B: Tensor, blank: int) -> Tensor:
     """Per kept row (`ctc_runs`), the token the CTC head heard there, or -1 for the one row of a clip that
     heard nothing."""
-    row_of_frame, _, frames_of_row = ctc_runs(labels_U, lens_B, blank)
+    return _token_of_runs(labels_U, ctc_runs(labels_U, lens_B, blank), blank)
+
+
+def _token_of_runs(labels_U: Tensor, runs: tuple[Tensor, Tensor, Tensor], blank: int) -> Tensor:
+    row_of_frame, _, frames_of_row = runs
     keep = row_of_frame >= 0
     out = labels_U.new_full((int(frames_of_row.numel()),), -1)
     out = out.index_copy(0, row_of_frame[keep].flip(0), labels_U[keep].flip(0))  # a run's frames share it
@@ -143,10 +152,11 @@ def compressed_output(
         frames_UE = torch.cat([frames_UE, *(f.to(frames_UE.dtype) for f, _ in sharded)])
         labels_U = torch.cat([labels_U, *(lab.to(labels_U.dtype) for _, lab in sharded)])
         lens_B = torch.cat([lens_B, lens_B.new_tensor([int(f.shape[0]) for f, _ in sharded])])
-    rows_RE, rows_B = compress_frames(frames_UE, labels_U, lens_B, blank)
-    proj_RH, _ = projector(rows_RE, rows_B)
+    runs = ctc_runs(labels_U, lens_B, blank)  # once: the rows' frames and their tokens both read it
+    rows_B = runs[1]
+    proj_RH, _ = projector(_mean_of_runs(frames_UE, runs), rows_B)
     if embed_tokens is not None:
-        heard_R = heard_tokens(labels_U, lens_B, blank)
+        heard_R = _token_of_runs(labels_U, runs, blank)
         tok_RH = embed_tokens(heard_R.clamp(min=0)) * (heard_R >= 0)[:, None]
         if gate is not None:
             proj_RH = proj_RH * gate.to(proj_RH.dtype)
