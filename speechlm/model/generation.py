@@ -59,6 +59,7 @@ from speechlm.model.oracle import fill_with_transcripts
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.packing.positions import align_audio_positions
 from speechlm.packing.prompt import PromptFormat
+from speechlm.packing.thd import expand_prompt
 
 KeepGoing = Callable[[bool], bool]
 # ``pick(rows, logits_RV) -> ids [R]``: the next token of each decoding row (``rows`` index the prompts) from
@@ -469,23 +470,15 @@ def prompt_positions(
     out = []
     for b, ids_L in enumerate(heads):
         ids_L = ids_L.cpu()
-        is_audio = ids_L == model.audio_id
-        repeats = torch.ones(ids_L.numel(), dtype=torch.long)
-        lens = [int(c.shape[0]) for c in clips[b][: int(is_audio.sum())]]
-        repeats[is_audio] = torch.tensor(lens, dtype=torch.long)
-        mask_L = torch.zeros_like(is_audio) if masks is None else masks[b].cpu().bool()
-        audio_T = torch.repeat_interleave(is_audio, repeats)
-        target_T = torch.repeat_interleave(mask_L & ~is_audio, repeats)
+        lens = [int(c.shape[0]) for c in clips[b][: int((ids_L == model.audio_id).sum())]]
+        mask_L = torch.zeros(ids_L.shape, dtype=torch.bool) if masks is None else masks[b].cpu().bool()
+        _, target_T, audio_T = expand_prompt(b, (ids_L, mask_L), lens, model.audio_id, one_clip=False)
         n = int(audio_T.numel())
+        positions = torch.arange(n)
+        seq_of = torch.zeros(n, dtype=torch.long)
         out.append(
             align_audio_positions(
-                torch.arange(n),
-                audio_T,
-                target_T,
-                torch.zeros(n, dtype=torch.long),
-                lens,
-                [n],
-                skip=align if skip is None else skip,
+                positions, audio_T, target_T, seq_of, lens, [n], skip=align if skip is None else skip
             )
         )
     return out

@@ -411,7 +411,7 @@ class PaddedBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-def _expand_prompt(
+def expand_prompt(
     i: int, prompt: Prompt, audio_lens: Sequence[int], audio_id: int, one_clip: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(ids, target_mask, audio_mask)`` of one utterance with each placeholder expanded to its
@@ -452,7 +452,7 @@ def pack_bshd(
     counts = [1] * B if clip_counts is None else [int(k) for k in clip_counts]
     starts = [sum(counts[:i]) for i in range(B)]
     rows = [
-        _expand_prompt(i, p, lens_audio[starts[i] : starts[i] + counts[i]], audio_id, clip_counts is None)
+        expand_prompt(i, p, lens_audio[starts[i] : starts[i] + counts[i]], audio_id, clip_counts is None)
         for i, p in enumerate(prompts)
     ]
     seq_lens = [r[0].shape[0] for r in rows]
