@@ -281,7 +281,7 @@ def ct2_encode(files: tuple[Path, ...], feats_BFT: Tensor) -> Tensor | None:
             intra_threads=torch.get_num_threads(),
             files=contents,
         )
-    out = model.encode(ctranslate2.StorageView.from_array(feats_BFT.numpy()), to_cpu=True)
+    out = model.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(feats_BFT.numpy())), to_cpu=True)
     return torch.from_numpy(np.asarray(out))[0].float()
 
 
