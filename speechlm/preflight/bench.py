@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "long-audio": "benchmarks/bench_long_audio.py",  # one long clip over cp 1/2/4: memory per rank (gloo/CPU)
     "mfu": "benchmarks/bench_mfu.py",  # ~1B speech LLM step: MFU THD vs BSHD, estimate vs peak memory
     "compression": "benchmarks/bench_compression.py",  # CTC-compressed audio rows: rows/s of speech, step time
+    "whisper-window": "benchmarks/bench_whisper_window.py",  # Whisper encoder: 30 s window vs the clip, ms per clip
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
