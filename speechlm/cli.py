@@ -53,6 +53,7 @@ SUBCOMMAND_MODULES = (
     "speechlm.data.shards_cli",  # shards write
     "speechlm.data.tokenizer",  # tokenizer train
     "speechlm.model.gguf_cli",  # llm import-gguf
+    "speechlm.model.encoder_cli",  # encoder import (CTranslate2 Whisper)
     "speechlm.data.plan",  # plan
     "speechlm.train.entry",  # train
     "speechlm.train.faults",  # faults (interrupt + resume vs straight, step by step)

@@ -62,6 +62,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, metavar="N", help="salt of the train/val hash (default 0)"
     )
     build.add_argument(
+        "--lang",
+        action="append",
+        metavar="xx",
+        help="keep only rows of this language (repeat for several; default: every language); the others "
+        "are counted as other_language in the report",
+    )
+    build.add_argument(
         "--skip-bad-shards",
         action="store_true",
         help="build without unusable shards (listed in the report) instead of failing",

@@ -173,6 +173,26 @@ def test_language_falls_back_to_the_shard_prefix(tmp_path: Path) -> None:
     assert report.dropped == {"missing_language": {m.UNKNOWN_LANG: 1}}
 
 
+def test_lang_keeps_only_the_languages_asked_for(tmp_path: Path) -> None:
+    """`manifest build --lang xx`: a recipe for one language (docs/pretrained.md: Whisper tiny.en on English)."""
+    from speechlm.cli import main
+
+    make_shard(tmp_path / "s", "hi_000", [row(f"h{i}") for i in range(6)])
+    make_shard(tmp_path / "s", "bn_000", [row(f"b{i}", "আমি বাংলায় গান গাই।", lang=" BN ") for i in range(4)])
+    report = build_manifest(tmp_path / "s", tmp_path / "out", val_fraction=0.0, languages=["bn"])
+    assert set(all_rows(tmp_path / "out")) == {f"b{i}" for i in range(4)}
+    assert report.dropped == {"other_language": {"hi": 6}}
+    assert report.settings["languages"] == ["bn"]
+    with pytest.raises(
+        ManifestError, match=r"--lang ta: no row of that language in the shards \(their languages: bn, hi\)"
+    ):
+        build_manifest(tmp_path / "s", tmp_path / "out2", languages=["ta"])
+    assert (
+        main(["manifest", "build", str(tmp_path / "s"), "--out", str(tmp_path / "cli"), "--lang", "hi"]) == 0
+    )
+    assert set(all_rows(tmp_path / "cli")) == {f"h{i}" for i in range(6)}
+
+
 def test_inner_join_on_segment_id(tmp_path: Path) -> None:
     # metadata a,b,c; index has c, a, a (duplicate entry), z (no metadata): b has no audio
     shard = make_shard(tmp_path / "s", "hi_000", [row("a"), row("b"), row("c")], indexed=["c", "a", "a", "z"])

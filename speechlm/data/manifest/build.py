@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +175,7 @@ def build_manifest(
     val_fraction: float = DEFAULT_VAL_FRACTION,
     seed: int = 0,
     skip_bad_shards: bool = False,
+    languages: Sequence[str] | None = None,
 ) -> BuildReport:
     """Build ``train.parquet``, ``val.parquet`` and ``build_report.json`` in `out_dir` (see module doc).
 
@@ -192,6 +193,7 @@ def build_manifest(
             "min_quality": min_quality,
             "val_fraction": val_fraction,
             "seed": seed,
+            **({"languages": sorted(languages)} if languages else {}),
         },
     )
     rows, shard, shard_names = read_shard_rows(shards_dir, report, skip_bad_shards=skip_bad_shards)
@@ -200,7 +202,12 @@ def build_manifest(
         bar.phase("filtering rows")
         duration = _as_float64(rows.column("duration"))
         reason = filter_rows(
-            rows, duration, min_duration=min_duration, max_duration=max_duration, min_quality=min_quality
+            rows,
+            duration,
+            min_duration=min_duration,
+            max_duration=max_duration,
+            min_quality=min_quality,
+            languages=languages,
         )
         bar.phase("cleaning texts")
         survivors, cleaned = clean_texts(rows, reason)
@@ -279,16 +286,36 @@ def _drop(reason: np.ndarray, mask: np.ndarray, name: str) -> None:
 
 
 def filter_rows(
-    rows: pa.Table, duration: np.ndarray, *, min_duration: float, max_duration: float, min_quality: float
+    rows: pa.Table,
+    duration: np.ndarray,
+    *,
+    min_duration: float,
+    max_duration: float,
+    min_quality: float,
+    languages: Sequence[str] | None = None,
 ) -> np.ndarray:
-    """Per row, the index into DROP_REASONS of the first filter that drops it, or -1 (kept so far)."""
+    """Per row, the index into DROP_REASONS of the first filter that drops it, or -1 (kept so far).
+    ``languages``: keep only rows of these language codes (``manifest build --lang``)."""
     reason = np.full(len(rows), -1, dtype=np.int8)
+    codes = pc.utf8_lower(pc.utf8_trim_whitespace(rows.column("lang")))  # as normalize_lang spells them
+    if languages:
+        languages = [normalize_lang(code) or code for code in languages]
+        present = set(pc.unique(codes.drop_null()).to_pylist())
+        absent = sorted(set(languages) - present)
+        if absent:
+            raise ManifestError(
+                f"--lang {' '.join(absent)}: no row of that language in the shards (their languages: "
+                f"{', '.join(sorted(present))}); give codes as the shards' metadata spells them"
+            )
     quality = _as_float64(rows.column("quality"))
     with np.errstate(invalid="ignore"):
         _drop(
             reason, rows.column("audio_filepath").is_null().to_numpy(zero_copy_only=False), "no_audio_index"
         )
         _drop(reason, rows.column("lang").is_null().to_numpy(zero_copy_only=False), "missing_language")
+        if languages:
+            chosen = pc.fill_null(pc.is_in(codes, value_set=pa.array(list(languages))), False)
+            _drop(reason, ~chosen.to_numpy(zero_copy_only=False), "other_language")
         _drop(reason, ~np.isfinite(duration) | (duration <= 0), "invalid_duration")
         _drop(reason, duration < min_duration, "too_short")
         _drop(reason, duration > max_duration, "too_long")

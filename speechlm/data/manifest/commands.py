@@ -44,13 +44,23 @@ def run_build(args: argparse.Namespace, options: dict[str, float]) -> int:
     by = command_identity(
         "manifest build",
         args.shards_dir,
-        {**options, "seed": args.seed, "skip_bad_shards": args.skip_bad_shards},
+        {
+            **options,
+            "seed": args.seed,
+            "skip_bad_shards": args.skip_bad_shards,
+            **({"languages": sorted(args.lang)} if args.lang else {}),
+        },
     )
     names = ("train.parquet", "val.parquet", "build_report.json")
     with owned_outputs([out / n for n in names], by, overwrite=args.overwrite):
         prepare_dir(args.out)  # an unusable --out fails before any shard is read
         report = build_manifest(
-            args.shards_dir, args.out, seed=args.seed, skip_bad_shards=args.skip_bad_shards, **options
+            args.shards_dir,
+            args.out,
+            seed=args.seed,
+            skip_bad_shards=args.skip_bad_shards,
+            languages=args.lang,
+            **options,
         )
     print(report.format())
     print(f"\nwrote {out / 'train.parquet'}, {out / 'val.parquet'}, {out / 'build_report.json'}")

@@ -14,6 +14,7 @@ from typing import Any
 DROP_REASONS = (
     "no_audio_index",
     "missing_language",
+    "other_language",  # `manifest build --lang`: a language not asked for
     "invalid_duration",
     "too_short",
     "too_long",

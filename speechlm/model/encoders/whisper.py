@@ -154,11 +154,32 @@ def build_whisper_encoder(
     )
 
 
+_ENCODER_PREFIXES = ("model.encoder.", "encoder.")  # WhisperForConditionalGeneration, WhisperModel
+
+
+def _full_model_encoder_weights(path: Path) -> dict[str, Tensor] | None:
+    """The encoder tensors of a full Whisper checkpoint (``model.encoder.*`` in ``model.safetensors``, as
+    `speechlm encoder import` and transformers' ``WhisperForConditionalGeneration`` save it; ``encoder.*`` for a
+    ``WhisperModel``), as float32, with the prefix removed; None for an encoder-only directory (or a sharded /
+    non-safetensors one, which transformers loads)."""
+    from safetensors import safe_open  # lazy: comes with transformers
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        names = list(f.keys())
+        for prefix in _ENCODER_PREFIXES:
+            keys = [k for k in names if k.startswith(prefix)]
+            if keys:
+                return {k[len(prefix) :]: f.get_tensor(k).float() for k in keys}
+    return None
+
+
 def load_whisper_encoder(path: str | Path, *, dropout: float, window: str = "full") -> WhisperAudioEncoder:
     """Load the encoder of a local Whisper directory (a saved ``WhisperEncoder`` or a full Whisper model)."""
-    from transformers import (  # lazy: transformers (seconds to import; commands that build no model skip it)
-        AutoConfig,
-        WhisperModel,
+    from transformers import (
+        AutoConfig,  # lazy: transformers (seconds to import; commands that build no model skip it)
     )
     from transformers.models.whisper.modeling_whisper import (
         WhisperEncoder,  # lazy: transformers (seconds to import; commands that build no model skip it)
@@ -173,14 +194,27 @@ def load_whisper_encoder(path: str | Path, *, dropout: float, window: str = "ful
     if cfg.model_type != "whisper":
         raise ValueError(f"{path}: model_type {cfg.model_type!r} is not 'whisper'")
     _set_whisper_dropout(cfg, dropout)
-    loaded: Any = WhisperEncoder.from_pretrained(
-        path, config=cfg, attn_implementation="sdpa", dtype=torch.float32, output_loading_info=True
-    )
-    model, info = loaded
-    if info.get("missing_keys"):  # a full encoder-decoder checkpoint: keys live under model.encoder.*
-        model = WhisperModel.from_pretrained(
-            path, config=cfg, attn_implementation="sdpa", dtype=torch.float32
-        ).get_encoder()
+    full = _full_model_encoder_weights(path)
+    if full is not None:  # an encoder-decoder checkpoint: only its model.encoder.* tensors are read
+        model = WhisperEncoder._from_config(
+            copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32
+        )
+        missing, unexpected = model.load_state_dict(full, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path}: its model.encoder.* tensors do not fit a Whisper encoder of its config.json "
+                f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
+            )
+    else:
+        loaded: Any = WhisperEncoder.from_pretrained(
+            path, config=cfg, attn_implementation="sdpa", dtype=torch.float32, output_loading_info=True
+        )
+        model, info = loaded
+        if info.get("missing_keys"):  # never train on an encoder left partly at random
+            raise ValueError(
+                f"{path}: has no weights for {sorted(info['missing_keys'])[:4]} of the Whisper encoder; give a "
+                "directory saved from a WhisperEncoder, WhisperModel or WhisperForConditionalGeneration"
+            )
     return WhisperAudioEncoder(
         model, _whisper_feature_settings(cfg.num_mel_bins, read_preprocessor_json(path)), window=window
     )
