@@ -4,7 +4,7 @@ Timing (random weights; the cost does not depend on them): one clip of 1..5 s of
 encoder call, the encoder the size of Whisper tiny (4 layers x 384) and of base (6 x 512), with
 ``model.encoder.whisper_window`` ``full`` (3000 frames, as trained) and ``clip`` (the clip's own frames,
 whisper.cpp's audio_ctx): encoder forward without autograd (a frozen encoder) and forward + backward
-(a trained one), milliseconds per clip, median of ``--repeats``. The front end is not timed. Run it on one
+(a trained one), CPU and wall milliseconds per clip, median of ``--repeats``. The front end is not timed. Run it on one
 thread (``OMP_NUM_THREADS=1``) for the figures in docs/benchmarks.md.
 
 Difference (``--pretrained DIR``, a transformers Whisper directory such as ``speechlm encoder import``
@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,8 +44,12 @@ def build(size: str, window: str) -> WhisperAudioEncoder:
     return build_whisper_encoder(cfg, dropout=0.0)
 
 
-def time_call(enc: WhisperAudioEncoder, feats: tuple[torch.Tensor, torch.Tensor], backward: bool) -> float:
-    t0 = time.perf_counter()
+def time_call(
+    enc: WhisperAudioEncoder, feats: tuple[torch.Tensor, torch.Tensor], backward: bool
+) -> tuple[float, float]:
+    """(wall ms, CPU ms of this process) of one encoder call; on one thread the CPU time is the work,
+    whatever else the machine runs."""
+    t0, c0 = time.perf_counter(), time.process_time()
     if backward:
         enc.zero_grad(set_to_none=True)
         h_BUE, _ = enc(*feats)
@@ -52,7 +57,7 @@ def time_call(enc: WhisperAudioEncoder, feats: tuple[torch.Tensor, torch.Tensor]
     else:
         with torch.no_grad():
             enc(*feats)
-    return (time.perf_counter() - t0) * 1000.0
+    return (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0
 
 
 def timing_lines(sizes: list[str], seconds: list[float], repeats: int) -> list[str]:
@@ -65,27 +70,34 @@ def timing_lines(sizes: list[str], seconds: list[float], repeats: int) -> list[s
             n = int(sec * 16000)
             audio = 0.1 * torch.randn(1, n, generator=torch.Generator().manual_seed(1))
             feats = front(audio, torch.tensor([n]))
-            cells = []
+            cells = {}
             for backward in (False, True):
                 for window in ("full", "clip"):
                     time_call(encs[window], feats, backward)  # warm-up
-                    ms = statistics.median(time_call(encs[window], feats, backward) for _ in range(repeats))
-                    cells.append(ms)
-            fwd_full, fwd_clip, bwd_full, bwd_clip = cells
+                    runs = [time_call(encs[window], feats, backward) for _ in range(repeats)]
+                    cells[backward, window] = [statistics.median(r[i] for r in runs) for i in (0, 1)]
+            parts = []
+            for backward, what in ((False, "forward"), (True, "forward+backward")):
+                (fw, fc), (cw, cc) = cells[backward, "full"], cells[backward, "clip"]
+                parts.append(
+                    f"{what} full {fc:.0f} ms, clip {cc:.0f} ms ({fc / cc:.1f}x) [wall {fw:.0f} / {cw:.0f} ms]"
+                )
             lines.append(
-                f"{size} ({SIZES[size]['num_layers']}x{SIZES[size]['hidden_size']}), {sec:g} s clip: "
-                f"forward full {fwd_full:.0f} ms, clip {fwd_clip:.0f} ms ({fwd_full / fwd_clip:.1f}x); "
-                f"forward+backward full {bwd_full:.0f} ms, clip {bwd_clip:.0f} ms ({bwd_full / bwd_clip:.1f}x)"
+                f"{size} ({SIZES[size]['num_layers']}x{SIZES[size]['hidden_size']}), {sec:g} s clip, CPU ms "
+                f"per clip: {'; '.join(parts)}"
             )
             print(lines[-1], flush=True)
     return lines
 
 
+def english_files(limit: int) -> list[Path]:
+    return sorted((REPO / "data/demo/shards").glob("en_*/audio/*.flac"))[:limit]
+
+
 def english_clips(limit: int) -> list[np.ndarray]:
     import soundfile as sf  # lazy: only the difference measurement reads audio
 
-    files = sorted((REPO / "data/demo/shards").glob("en_*/audio/*.flac"))[:limit]
-    return [sf.read(f, dtype="float32")[0] for f in files]
+    return [sf.read(f, dtype="float32")[0] for f in english_files(limit)]
 
 
 def difference_line(pretrained: Path, limit: int) -> str:
@@ -108,6 +120,45 @@ def difference_line(pretrained: Path, limit: int) -> str:
     )
 
 
+def decode_line(pretrained: Path, limit: int) -> str:
+    """WER of the directory's own Whisper decoder (greedy) on the English demo clips, reading the encoder's
+    30 s output (Whisper as used), the full window's output cut to the clip (what speechlm's projector
+    reads), and the clip window's output (whisper.cpp's audio_ctx)."""
+    import jiwer  # lazy: only --decode scores
+    import pyarrow.parquet as pq
+    from transformers import PreTrainedTokenizerFast, WhisperForConditionalGeneration
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from speechlm.data.text import clean_text
+
+    model: Any = WhisperForConditionalGeneration.from_pretrained(pretrained).float().eval()
+    model.generation_config.max_length = 48
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(pretrained / "tokenizer.json"))
+    full = load_whisper_encoder(pretrained, dropout=0.0, window="full").eval()
+    clip = load_whisper_encoder(pretrained, dropout=0.0, window="clip").eval()
+    front = LogMelFeatures(full.feature_settings)
+    texts = {}
+    for meta in sorted((REPO / "data/demo/shards").glob("en_*/metadata.parquet")):
+        texts.update({r["segment_id"]: r["transcription_native"] for r in pq.read_table(meta).to_pylist()})
+    refs: list[str] = []
+    hyps: dict[str, list[str]] = {"30 s window": [], "full cut to the clip": [], "clip window": []}
+    for f, audio in zip(english_files(limit), english_clips(limit)):
+        if not texts.get(f.stem):
+            continue
+        feats = front(torch.from_numpy(audio)[None], torch.tensor([len(audio)]))
+        with torch.no_grad():
+            outs = [model.model.encoder(input_features=full.window_input(*feats)).last_hidden_state]
+            outs += [full(*feats)[0], clip(*feats)[0]]
+            for name, h_1UE in zip(hyps, outs):
+                ids = model.generate(encoder_outputs=BaseModelOutput(last_hidden_state=h_1UE))
+                hyps[name].append(clean_text(tok.decode(ids[0], skip_special_tokens=True)).lower())
+        refs.append(clean_text(texts[f.stem]).lower())
+    wers = ", ".join(f"{name} {100 * jiwer.wer(refs, h):.1f}%" for name, h in hyps.items())
+    return (
+        f"{pretrained.name}: its own greedy decoder on {len(refs)} English demo clips, WER reading the {wers}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=["tiny", "base"], default=["tiny", "base"])
@@ -117,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrained", type=Path, help="also measure clip vs full with these weights")
     p.add_argument("--clips", type=int, default=40, help="English demo clips for --pretrained")
     p.add_argument("--no-timing", action="store_true", help="only the --pretrained difference")
+    p.add_argument(
+        "--decode", action="store_true", help="with --pretrained: its own decoder's WER per window"
+    )
     args = p.parse_args(argv)
     if not args.no_timing:
         timing_lines(["test"] if args.tiny else args.sizes, args.seconds, args.repeats)
     if args.pretrained is not None:
         print(difference_line(args.pretrained, args.clips), flush=True)
+        if args.decode:
+            print(decode_line(args.pretrained, args.clips), flush=True)
     return 0
 
 
