@@ -17,7 +17,10 @@ import bench_whisper_window  # noqa: E402
 def test_bench_whisper_window_times_both_windows_and_measures_the_difference(tmp_path, capsys) -> None:
     assert bench_whisper_window.main(["--tiny", "--seconds", "1", "--repeats", "1"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("test (2x64), 1 s clip, CPU ms per clip: forward full") and "forward+backward full" in line
+    assert (
+        line.startswith("test (2x64), 1 s clip, CPU ms per clip: forward full")
+        and "forward+backward full" in line
+    )
     enc = bench_whisper_window.build("test", "full")
     torch.manual_seed(0)
     for p in enc.model.embed_positions.parameters():  # saved with positions (random ones here)
