@@ -154,12 +154,15 @@ def test_the_clip_window_shapes_batch_independence_and_its_difference() -> None:
         )
 
 
-def test_the_clip_window_trains() -> None:
+def test_the_clip_window_trains_beside_a_clip_of_no_frame() -> None:
     enc = whisper_encoder("clip").train()
-    feats_BTF, feat_lens_B = LogMelFeatures(enc.feature_settings)(*padded_batch(speech_clips()[:2]))
-    h_BUE, _ = enc(feats_BTF, feat_lens_B)
+    clips = speech_clips()
+    feats_BTF, feat_lens_B = LogMelFeatures(enc.feature_settings)(*padded_batch([clips[0], clips[6]]))
+    h_BUE, u_B = enc(feats_BTF, feat_lens_B)
+    assert u_B.tolist() == [100, 0] and torch.all(h_BUE[1] == 0) and torch.isfinite(h_BUE).all()
     h_BUE.square().mean().backward()
     assert enc.model.conv1.weight.grad is not None and enc.model.layers[0].fc1.weight.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in enc.parameters() if p.grad is not None)
     assert enc.model.embed_positions.weight.grad is None  # frozen, as in WhisperEncoder
 
 

@@ -69,6 +69,9 @@ class WhisperAudioEncoder(AudioEncoder):
         (each clip's own, its tail, its floor), then each clip's floor (the row's minimum: the front end's
         last frame reads only zeros) up to the window, as Whisper's zero-padded 30 s give."""
         self._clip_frames(feat_lens_B)
+        return self._window(feats_BTF)
+
+    def _window(self, feats_BTF: Tensor) -> Tensor:
         B, _, F = feats_BTF.shape
         x_BTF = feats_BTF[:, : self.input_frames]
         floor_B11 = x_BTF.amin(dim=(1, 2), keepdim=True)
@@ -86,7 +89,7 @@ class WhisperAudioEncoder(AudioEncoder):
         if self.window == "clip":
             hidden = self._forward_clip(feats_BTF, out_lens_B, U)
         else:
-            hidden = self.model(input_features=self.window_input(feats_BTF, lens_B)).last_hidden_state[:, :U]
+            hidden = self.model(input_features=self._window(feats_BTF)).last_hidden_state[:, :U]
         return self._finish(hidden, out_lens_B, n)
 
     def _forward_clip(self, feats_BTF: Tensor, out_lens_B: Tensor, U: int) -> Tensor:
@@ -98,7 +101,8 @@ class WhisperAudioEncoder(AudioEncoder):
         x_BEU = nn.functional.gelu(m.conv2(nn.functional.gelu(m.conv1(x_BFT))))
         h_BUE = x_BEU.transpose(1, 2)[:, :U] + m.embed_positions.weight[:U]
         h_BUE = nn.functional.dropout(h_BUE, p=m.dropout, training=self.training)
-        keep_BU = torch.arange(U, device=h_BUE.device)[None, :] < out_lens_B[:, None]
+        # a clip of no frame keeps key 0 (its output is zeroed by _finish): a fully masked row would be NaN
+        keep_BU = torch.arange(U, device=h_BUE.device)[None, :] < out_lens_B.clamp(min=1)[:, None]
         mask_B11U = torch.zeros(keep_BU.shape, dtype=h_BUE.dtype, device=h_BUE.device)
         mask_B11U = mask_B11U.masked_fill(~keep_BU, torch.finfo(h_BUE.dtype).min)[:, None, None, :]
         for layer in m.layers:
