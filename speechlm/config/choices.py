@@ -27,6 +27,9 @@ AudioPrefix = Literal["audio", "oracle"]  # what fills the audio rows: the proje
 LLMFamily = Literal["llama", "qwen2"]  # speechlm/model/llm.py builds these from a config
 LLMTrain = Literal["full", "frozen", "lora"]  # what trains in the LLM (speechlm/model/trainable.py)
 EncoderTrain = Literal["full", "frozen"]
+WhisperWindow = Literal[
+    "full", "clip"
+]  # a Whisper encoder's input: its 30 s window, or the clip's own frames
 CTCReduction = Literal["clip", "token"]  # the auxiliary CTC's normaliser (speechlm/train/step.py)
 # the capability table (parallel/backend_caps.py) owns the backends; this type must name the same ones
 AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "sdpa"]

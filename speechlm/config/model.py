@@ -19,6 +19,7 @@ from speechlm.config.choices import (
     EncoderTrain,
     LLMFamily,
     LLMTrain,
+    WhisperWindow,
 )
 from speechlm.config.keys import Section, key
 from speechlm.config.rules import POS_INT, Flag, Names, Num, Seq, Text
@@ -66,6 +67,12 @@ class EncoderConfig(Section):
         "full: the encoder trains (from optim.unfreeze_step); frozen: it never trains and runs without "
         "gradients (checkpoints hold a fingerprint of it, not its weights)",
     )
+    whisper_window: WhisperWindow = key(
+        "full",
+        "kind=whisper: full runs the encoder on its 30 s window (as trained; exact); clip on each clip's own "
+        "frames with the positional embedding sliced (whisper.cpp's audio_ctx): much faster on short clips, "
+        "outputs differ (docs/pretrained.md)",
+    )
     # NeMo's att_context_size, e.g. [128, 128] for long-form audio
     att_context_size: list[int] | None = key(
         None,
@@ -108,6 +115,11 @@ class EncoderConfig(Section):
             out.append(
                 f"model.encoder.conv_norm='layer_norm' with model.encoder.pretrained={self.pretrained!r}: the "
                 "pretrained BatchNorm weights would be discarded; use conv_norm=auto or batch_norm"
+            )
+        if self.whisper_window != "full" and self.kind != "whisper":
+            out.append(
+                f"model.encoder.whisper_window={self.whisper_window!r} applies to kind='whisper' only "
+                f"(kind={self.kind!r}): remove it"
             )
         factor = self.subsampling_factor
         if factor is not None and (self.kind != "parakeet" or self.pretrained is not None):

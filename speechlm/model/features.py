@@ -8,13 +8,19 @@ Recipe (the defaults match the FastConformer/Parakeet front end):
 2. ``torch.stft``: Hann window of ``win_length`` (25 ms = 400 samples at 16 kHz) centred in an
    ``n_fft`` (512) frame, hop 10 ms (160), centred frames with zero padding at both ends;
 3. power spectrum ``|X|^2`` -> mel filterbank (slaney or HTK scale, built here) -> ``[B, T, F]``;
-4. log, one of two styles:
-   - ``"ln"`` (Parakeet/NeMo): ``ln(mel + 2**-24)``, then per-utterance, per-bin mean/variance
-     normalisation over the clip's own frames (``(x - mean) / (std + 1e-5)``, unbiased std);
-   - ``"whisper"``: ``log10(max(mel, 1e-10))``, floored at the clip's maximum minus 8, then
-     ``(x + 4) / 4``;
-5. frame count per clip ``feat_len = audio_len // hop``; frames past it are set to 0 (``"ln"``) or
-   to the clip's floor value (``"whisper"``, the value silence would take).
+4. log: ``ln(mel + 2**-24)``, then per-utterance, per-bin mean/variance normalisation over the
+   clip's own frames (``(x - mean) / (std + 1e-5)``, unbiased std);
+5. frame count per clip ``feat_len = audio_len // hop``; frames past it are set to 0.
+
+Whisper (``log_style="whisper"``, `LogMelFeatures._forward_whisper`) computes what Whisper's own
+extractor (transformers' ``WhisperFeatureExtractor``) computes on the clip padded with zeros to 30 s,
+frame for frame: the STFT pads the start by reflecting the clip's first ``n_fft // 2`` samples (the
+zero padding of 30 s makes the end's padding zeros), the power spectrum goes through the slaney mel
+bank, then ``log10(max(mel, 1e-10))``, floored at the maximum minus 8 over the whole window, then
+``(x + 4) / 4``. The tensor holds `whisper_tail_frames` frames past the longest clip's ``feat_len``:
+the frames whose window still reads the end of a clip, then one that reads only zeros (the floor,
+exactly). Frames past a clip's end keep these values (its tail, then its floor), as in Whisper's
+window; the encoder fills the rest of the 30 s with the floor (`speechlm.model.encoders.whisper`).
 
 Packed variant (`LogMelFeatures.packed`, ``"ln"`` style): instead of an STFT over the padded
 batch, the clips are laid out in one stream, clip b starting ``n_fft // 2`` samples into a segment
@@ -125,6 +131,13 @@ def build_mel_filterbank(
     return fb_KF
 
 
+def whisper_tail_frames(settings: FeatureSettings) -> int:
+    """Frames a whisper-style feature tensor holds past the longest clip's ``feat_len``: frame
+    ``feat_len + j`` reads samples up to ``(feat_len + j) * hop + n_fft // 2``, so the last ones to read the
+    clip's end are ``j <= (n_fft // 2) // hop + 1``; one more reads only zeros (the floor)."""
+    return (settings.n_fft // 2) // settings.hop_length + 3
+
+
 def compute_feature_lengths(audio_lens_B: Tensor, hop_length: int) -> Tensor:
     """Frames per clip: ``audio_len // hop`` (the centred STFT's extra last frame is dropped)."""
     return torch.div(audio_lens_B.to(torch.long), hop_length, rounding_mode="floor")
@@ -138,6 +151,11 @@ class LogMelFeatures(nn.Module):
         s = settings or FeatureSettings()
         if s.log_style not in ("ln", "whisper"):
             raise ValueError(f"log_style {s.log_style!r} is not known; use 'ln' or 'whisper'")
+        if s.log_style == "whisper" and s.preemphasis:
+            raise ValueError(
+                f"log_style='whisper' has no pre-emphasis (Whisper's front end), got preemphasis={s.preemphasis}; "
+                "set preemphasis=0"
+            )
         if s.win_length > s.n_fft:
             raise ValueError(f"win_length {s.win_length} is longer than n_fft {s.n_fft}")
         self.settings = s
@@ -164,6 +182,8 @@ class LogMelFeatures(nn.Module):
             x_BN = audio_BN.float()
             valid_BN = torch.arange(x_BN.shape[1], device=device)[None, :] < lens_B[:, None]
             x_BN = x_BN.masked_fill(~valid_BN, 0.0)
+            if s.log_style == "whisper":
+                return self._forward_whisper(x_BN, lens_B)
             if s.preemphasis:
                 x_BN = torch.cat([x_BN[:, :1], x_BN[:, 1:] - s.preemphasis * x_BN[:, :-1]], dim=1)
                 x_BN = x_BN.masked_fill(~valid_BN, 0.0)
@@ -183,11 +203,28 @@ class LogMelFeatures(nn.Module):
             T = int(feat_lens_B.max()) if feat_lens_B.numel() else 0
             mel_BTF = mel_BTF[:, :T]
             valid_BT1 = (torch.arange(T, device=device)[None, :] < feat_lens_B[:, None]).unsqueeze(-1)
-            if s.log_style == "ln":
-                feats_BTF = self._log_ln(mel_BTF, valid_BT1, feat_lens_B)
-            else:
-                feats_BTF = self._log_whisper(mel_BTF, valid_BT1)
+            feats_BTF = self._log_ln(mel_BTF, valid_BT1, feat_lens_B)
         return feats_BTF, feat_lens_B
+
+    def _forward_whisper(self, x_BN: Tensor, lens_B: Tensor) -> tuple[Tensor, Tensor]:
+        """Whisper's log-mel of each clip (zeros past its length), as in its zero-padded 30 s window: the
+        start padded by reflection, ``feat_len + whisper_tail_frames`` frames (module docstring)."""
+        s = self.settings
+        half, hop = s.n_fft // 2, s.hop_length
+        feat_lens_B = compute_feature_lengths(lens_B, hop)
+        B = x_BN.shape[0]
+        T = (int(feat_lens_B.max()) if B else 0) + whisper_tail_frames(s)
+        # frame t reads padded samples [t hop, t hop + n_fft): half reflected samples, the clip, zeros
+        width = (T - 1) * hop + s.n_fft
+        x_BN = nn.functional.pad(x_BN, (0, max(half + 1 - x_BN.shape[1], 0)))
+        stream_BN = torch.cat([x_BN[:, 1 : half + 1].flip(1), x_BN], dim=1)
+        stream_BN = nn.functional.pad(stream_BN, (0, max(width - stream_BN.shape[1], 0)))[:, :width]
+        spec_BKT = self._stft_uncentred(stream_BN)
+        mel_BTF = spec_BKT.abs().pow(2).transpose(1, 2) @ self.mel_fb_KF
+        log_BTF = torch.clamp(mel_BTF, min=1e-10).log10()
+        peak_B11 = log_BTF.amax(dim=(1, 2), keepdim=True)
+        log_BTF = torch.maximum(log_BTF, peak_B11 - 8.0)
+        return (log_BTF + 4.0) / 4.0, feat_lens_B
 
     def packed(self, audio_BN: Tensor, audio_lens_B: Tensor) -> tuple[Tensor, Tensor]:
         """Packed features ``(feats_TF [sum T_b, F], feat_lens_B)`` from padded audio (module docstring)."""
@@ -309,13 +346,3 @@ class LogMelFeatures(nn.Module):
             var_B1F = var_B1F / (n_B11 - 1).clamp(min=1)
             x_BTF = (x_BTF - mean_B1F) / (var_B1F.sqrt() + NORM_EPS)
         return x_BTF.masked_fill(~valid_BT1, 0.0)
-
-    @staticmethod
-    def _log_whisper(mel_BTF: Tensor, valid_BT1: Tensor) -> Tensor:
-        x_BTF = torch.log10(torch.clamp(mel_BTF, min=1e-10))
-        peak_B11 = x_BTF.masked_fill(~valid_BT1, float("-inf")).amax(dim=(1, 2), keepdim=True)
-        peak_B11 = torch.where(torch.isfinite(peak_B11), peak_B11, torch.zeros_like(peak_B11))
-        floor_B11 = peak_B11 - 8.0
-        x_BTF = torch.maximum(x_BTF, floor_B11)
-        x_BTF = torch.where(valid_BT1, x_BTF, floor_B11)
-        return (x_BTF + 4.0) / 4.0

@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "mfu": "benchmarks/bench_mfu.py",  # ~1B speech LLM step: MFU THD vs BSHD, estimate vs peak memory
     "compression": "benchmarks/bench_compression.py",  # CTC-compressed audio rows: rows/s of speech, step time
     "whisper-reference": "benchmarks/bench_whisper_reference.py",  # faster-whisper zero-shot WER on a manifest
+    "whisper-window": "benchmarks/bench_whisper_window.py",  # Whisper encoder: 30 s window vs the clip, ms per clip
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -93,7 +93,7 @@ def _build_encoder(enc_cfg: EncoderConfig, *, dropout: float, freeze_batchnorm: 
         return build_parakeet_encoder(enc_cfg, dropout=dropout, freeze_batchnorm=freeze_batchnorm)
     if kind == "whisper":
         if enc_cfg.pretrained:
-            return load_whisper_encoder(enc_cfg.pretrained, dropout=dropout)
+            return load_whisper_encoder(enc_cfg.pretrained, dropout=dropout, window=enc_cfg.whisper_window)
         return build_whisper_encoder(enc_cfg, dropout=dropout)
     if kind == "nemo":
         if not enc_cfg.pretrained:

@@ -1,7 +1,16 @@
-"""``whisper``: transformers' ``WhisperEncoder``. It only accepts exactly ``2 * max_source_positions``
-frames (3000 = 30 s by default), so the features are padded to that length with each clip's floor
-value and the output is cut back to ``(L - 1) // 2 + 1`` frames (2x subsampling). Whisper has no
-padding mask: pad frames are attended to, as in Whisper's own training. Clips over 30 s are errors.
+"""``whisper``: transformers' ``WhisperEncoder``, in one of two windows (``model.encoder.whisper_window``).
+
+``full`` (the default; Whisper as trained): the encoder reads exactly ``2 * max_source_positions`` frames
+(3000 = 30 s). `window_input` builds that input from the front end's frames, which are Whisper's own
+(`speechlm.model.features`: each clip's frames, its tail, then its floor) followed by the floor value up to
+the window (the value Whisper's zero-padded audio gives there), so the encoder sees what it sees behind
+transformers' ``WhisperFeatureExtractor``. Whisper has no padding mask: every clip attends to its 30 s,
+silence included. The output is cut back to ``(L - 1) // 2 + 1`` frames per clip (2x subsampling).
+
+``clip`` (opt-in, whisper.cpp's ``audio_ctx``): the convolutions run on the clip's frames, the positional
+embedding is sliced to the clip's ``U`` encoder frames, and each clip attends to its own ``U`` frames only
+(a key mask, so a clip's output does not depend on its batch). Far cheaper on short clips, but not what the
+encoder was trained on: docs/pretrained.md has the measured difference. Clips over 30 s are errors in both.
 
 Letters: B batch, T feature frames, F mel bins, U encoder frames (T / 2), E encoder width.
 """
@@ -17,19 +26,16 @@ from torch import Tensor, nn
 
 from parallel.frames import ENCODER_SUBSAMPLING, HOP_SAMPLES, SAMPLE_RATE
 from speechlm.config import EncoderConfig
-from speechlm.model.encoders.base import (
-    AudioEncoder,
-    lengths_to_mask,
-    read_preprocessor_json,
-    stride2_conv_lengths,
-)
+from speechlm.model.encoders.base import AudioEncoder, read_preprocessor_json, stride2_conv_lengths
 from speechlm.model.features import FeatureSettings
+
+WHISPER_WINDOWS = ("full", "clip")
 
 
 class WhisperAudioEncoder(AudioEncoder):
     kind = "whisper"
 
-    def __init__(self, model: nn.Module, feature_settings: FeatureSettings):
+    def __init__(self, model: nn.Module, feature_settings: FeatureSettings, *, window: str = "full"):
         cfg: Any = model.config
         super().__init__(
             output_dim=int(cfg.d_model),
@@ -37,34 +43,71 @@ class WhisperAudioEncoder(AudioEncoder):
             feature_settings=feature_settings,
             freeze_batchnorm=False,
         )
+        if window not in WHISPER_WINDOWS:
+            raise ValueError(f"whisper window {window!r} is not known; use one of {WHISPER_WINDOWS}")
         self.model = model
+        self.window = window
         self.input_frames = 2 * int(cfg.max_source_positions)
 
     def output_lengths(self, feat_lens_B: Tensor) -> Tensor:
         return stride2_conv_lengths(feat_lens_B, 1)
 
+    def _clip_frames(self, feat_lens_B: Tensor) -> int:
+        """The longest clip's frames (one host read), refused past the window."""
+        n = int(feat_lens_B.max()) if feat_lens_B.numel() else 0
+        if n > self.input_frames:
+            s = self.feature_settings
+            raise ValueError(
+                f"whisper encoder takes at most {self.input_frames} frames "
+                f"({self.input_frames * s.hop_length / s.sample_rate:.0f} s), got {n}; drop longer clips in "
+                "the manifest or use encoder.kind='parakeet'"
+            )
+        return n
+
+    def window_input(self, feats_BTF: Tensor, feat_lens_B: Tensor) -> Tensor:
+        """``[B, F, input_frames]``: what the ``full`` window feeds ``WhisperEncoder``: the front end's frames
+        (each clip's own, its tail, its floor), then each clip's floor (the row's minimum: the front end's
+        last frame reads only zeros) up to the window, as Whisper's zero-padded 30 s give."""
+        self._clip_frames(feat_lens_B)
+        return self._window(feats_BTF)
+
+    def _window(self, feats_BTF: Tensor) -> Tensor:
+        B, _, F = feats_BTF.shape
+        x_BTF = feats_BTF[:, : self.input_frames]
+        floor_B11 = x_BTF.amin(dim=(1, 2), keepdim=True)
+        pad_BTF = floor_B11.expand(B, self.input_frames - x_BTF.shape[1], F)
+        return torch.cat([x_BTF, pad_BTF], dim=1).transpose(1, 2)
+
     def forward(
         self, feats_BTF: Tensor, feat_lens_B: Tensor, *, packed: bool = False
     ) -> tuple[Tensor, Tensor]:
         self._refuse_packed(packed)
-        B, T, F = feats_BTF.shape
-        if T > self.input_frames:
-            raise ValueError(
-                f"whisper encoder takes at most {self.input_frames} frames "
-                f"({self.input_frames * self.feature_settings.hop_length / self.feature_settings.sample_rate:.0f} s)"
-                f", got {T}; drop longer clips in the manifest or use encoder.kind='parakeet'"
-            )
         lens_B = feat_lens_B.to(feats_BTF.device)
-        valid_BT1 = lengths_to_mask(lens_B, T).unsqueeze(-1)
-        floor_B11 = feats_BTF.masked_fill(~valid_BT1, float("inf")).amin(dim=(1, 2), keepdim=True)
-        floor_B11 = torch.where(torch.isfinite(floor_B11), floor_B11, torch.zeros_like(floor_B11))
-        x_BTF = torch.where(valid_BT1, feats_BTF, floor_B11)
-        pad_B_F = floor_B11.expand(B, self.input_frames - T, F)
-        x_BFT = torch.cat([x_BTF, pad_B_F], dim=1).transpose(1, 2)
-        hidden = self.model(input_features=x_BFT).last_hidden_state
+        n = self._clip_frames(lens_B)
         out_lens_B = self.output_lengths(lens_B)
-        hidden = hidden[:, : int(self.output_lengths(torch.tensor([T]))[0])]
-        return self._finish(hidden, out_lens_B, T)
+        U = int(self.output_lengths(torch.tensor([n]))[0])
+        if self.window == "clip":
+            hidden = self._forward_clip(feats_BTF, out_lens_B, U)
+        else:
+            hidden = self.model(input_features=self._window(feats_BTF)).last_hidden_state[:, :U]
+        return self._finish(hidden, out_lens_B, n)
+
+    def _forward_clip(self, feats_BTF: Tensor, out_lens_B: Tensor, U: int) -> Tensor:
+        """``WhisperEncoder.forward`` on the clips' own ``U`` encoder frames: the convolutions read the
+        front end's frames (the tail frames included, so the clip's frames get what the full window gives
+        them), positions ``0..U-1``, attention over each clip's own frames."""
+        m: Any = self.model
+        x_BFT = feats_BTF[:, : self.input_frames].transpose(1, 2)
+        x_BEU = nn.functional.gelu(m.conv2(nn.functional.gelu(m.conv1(x_BFT))))
+        h_BUE = x_BEU.transpose(1, 2)[:, :U] + m.embed_positions.weight[:U]
+        h_BUE = nn.functional.dropout(h_BUE, p=m.dropout, training=self.training)
+        # a clip of no frame keeps key 0 (its output is zeroed by _finish): a fully masked row would be NaN
+        keep_BU = torch.arange(U, device=h_BUE.device)[None, :] < out_lens_B.clamp(min=1)[:, None]
+        mask_B11U = torch.zeros(keep_BU.shape, dtype=h_BUE.dtype, device=h_BUE.device)
+        mask_B11U = mask_B11U.masked_fill(~keep_BU, torch.finfo(h_BUE.dtype).min)[:, None, None, :]
+        for layer in m.layers:
+            h_BUE = layer(h_BUE, mask_B11U)
+        return m.layer_norm(h_BUE)
 
 
 def _set_whisper_dropout(cfg: Any, dropout: float) -> None:
@@ -110,7 +153,9 @@ def build_whisper_encoder(
     )
     _set_whisper_dropout(cfg, dropout)
     model = WhisperEncoder._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32)
-    return WhisperAudioEncoder(model, _whisper_feature_settings(enc_cfg.num_mel_bins, {}))
+    return WhisperAudioEncoder(
+        model, _whisper_feature_settings(enc_cfg.num_mel_bins, {}), window=enc_cfg.whisper_window
+    )
 
 
 _ENCODER_PREFIXES = ("model.encoder.", "encoder.")  # WhisperForConditionalGeneration, WhisperModel
@@ -135,7 +180,7 @@ def _full_model_encoder_weights(path: Path) -> dict[str, Tensor] | None:
     return None
 
 
-def load_whisper_encoder(path: str | Path, *, dropout: float) -> WhisperAudioEncoder:
+def load_whisper_encoder(path: str | Path, *, dropout: float, window: str = "full") -> WhisperAudioEncoder:
     """Load the encoder of a local Whisper directory (a saved ``WhisperEncoder`` or a full Whisper model)."""
     from transformers import (
         AutoConfig,  # lazy: transformers (seconds to import; commands that build no model skip it)
@@ -175,7 +220,7 @@ def load_whisper_encoder(path: str | Path, *, dropout: float) -> WhisperAudioEnc
                 "directory saved from a WhisperEncoder, WhisperModel or WhisperForConditionalGeneration"
             )
     return WhisperAudioEncoder(
-        model, _whisper_feature_settings(cfg.num_mel_bins, read_preprocessor_json(path))
+        model, _whisper_feature_settings(cfg.num_mel_bins, read_preprocessor_json(path)), window=window
     )
 
 
