@@ -5,7 +5,8 @@ each step in its own subprocess with its own timeout (`gpu_steps`):
 
     kit        python -m pytest -m gpu -n 0              the one-GPU test kit (tests/test_gpu_kit.py, ...)
     attention  speechlm bench attention                  one decoder layer per attention backend
-    mfu        speechlm bench mfu --size 1b              THD vs BSHD, MFU, `estimate` vs max_memory_allocated
+    mfu        speechlm bench mfu --size 1b              THD vs BSHD, MFU, `estimate` vs max_memory_allocated,
+                                                         the profile of one THD step (mfu_profile.txt)
     recipe     configs/whisper_smollm2.yaml, bf16, 500 steps: tokens/s, peak memory, LLM-alone WER
                (imports the Whisper encoder and SmolLM2 from the installed wheels first)
     long-clip  a 30-minute clip, limited context, through a Parakeet-sized encoder: seconds, peak memory
@@ -264,7 +265,8 @@ def gpu_steps(out: Path) -> list[Step]:
         ),
         Step(
             "mfu", "~1B speech LLM step: THD vs BSHD, MFU, estimate vs max_memory_allocated", 150.0,
-            (Command(speechlm("bench", "mfu", "--size", "1b", "--device", "cuda", "--json", str(out / "mfu.json")),
+            (Command(speechlm("bench", "mfu", "--size", "1b", "--device", "cuda", "--json", str(out / "mfu.json"),
+                              "--profile", str(out / "mfu_profile.txt")),
                      probes=(probe_cli("bench", "mfu"),)),),
             figures=mfu_figures,
         ),
