@@ -37,6 +37,8 @@ from speechlm.use.transcribe import (
     add_checkpoint_argument,
     add_decoding_arguments,
     check_decoding_arguments,
+    init_process_group,
+    rank_device,
     write_records,
 )
 
@@ -82,9 +84,9 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     metrics = parse_metric_arguments(args.metric)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    device = args.device or evaluation.default_device()
+    device = args.device or rank_device()
     if world_size > 1:
-        evaluation.init_process_group(device)
+        init_process_group(device)
     try:
         result = evaluation.evaluate_checkpoint(
             args.checkpoint,

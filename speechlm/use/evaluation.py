@@ -5,7 +5,6 @@ training's validation runs (`speechlm.use.evaluator`); the counts are gathered a
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,20 +37,6 @@ def check_tasks_have_metrics(cfg: ExperimentConfig, table: pa.Table, manifest: s
             f"--manifest {manifest}",
             how=f"give it one with --metric, e.g. `speechlm evaluate ... --metric {task}=accuracy`",
         )
-
-
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cpu"
-
-
-def init_process_group(device: str) -> None:
-    if dist.is_initialized():
-        return
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
 
 def evaluate_checkpoint(

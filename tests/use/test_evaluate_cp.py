@@ -1,6 +1,7 @@
-"""`speechlm evaluate --cp-size 2` (issue 40, item 4): two gloo processes decode one share together under
-dynamic CP; a clip longer than 30 s is encoded slice by slice over the pair (not whole on each process), and
-the hypotheses, counts and table equal one process's."""
+"""`speechlm evaluate --cp-size 2` and `speechlm transcribe --cp-size 2` (issue 40, item 4): two gloo
+processes decode together under dynamic CP; a clip longer than 30 s is encoded slice by slice over the pair
+(not whole on each process), and the hypotheses (evaluate: also the counts and table) equal one process's,
+written by one process."""
 
 from __future__ import annotations
 
@@ -56,12 +57,12 @@ def long_manifest(demo_data, tmp_path_factory) -> str:
     return str(path)
 
 
-def _evaluate_rank(rank: int, world_size: int, run_dir: str, manifest: str, cp_size: int) -> dict:
+def count_decoding_slices() -> list[tuple[int, int]]:
+    """The bounds of the slices this process encodes while decoding, from now on (the teacher-forced loss
+    encodes its own: not counted)."""
     import speechlm.model.cp_audio as cp_audio
     import speechlm.model.generation as generation
-    from speechlm.use.evaluation import evaluate_checkpoint
 
-    # the slices this process encodes while decoding (the teacher-forced loss encodes its own: not counted)
     decoding, slices = [False], []
     prepare, encode = cp_audio.prepare_slices, generation.encode_for_decoding
 
@@ -79,6 +80,13 @@ def _evaluate_rank(rank: int, world_size: int, run_dir: str, manifest: str, cp_s
             decoding[0] = False
 
     cp_audio.prepare_slices, generation.encode_for_decoding = counting_prepare, flagged_encode
+    return slices
+
+
+def _evaluate_rank(rank: int, world_size: int, run_dir: str, manifest: str, cp_size: int) -> dict:
+    from speechlm.use.evaluation import evaluate_checkpoint
+
+    slices = count_decoding_slices()
     out = evaluate_checkpoint(run_dir, manifest, rank=rank, world_size=world_size, cp_size=cp_size)
     return {"record": out["record"], "decodes": out["decodes"], "table": out["table"], "slices": slices}
 
@@ -124,4 +132,52 @@ def test_the_evaluate_command_takes_cp_size_and_names_a_bad_one(limited_run, lon
     from speechlm.cli import main
 
     assert main(["evaluate", str(limited_run), "--manifest", long_manifest, "--cp-size", "2"]) != 0
+    assert "--cp-size 2 with 1 process(es)" in capsys.readouterr().err
+
+
+def _transcribe_rank(rank: int, world_size: int, run_dir: str, manifest: str, out: str) -> dict:
+    import os
+
+    from speechlm.cli import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    slices = count_decoding_slices()
+    args = ["transcribe", run_dir, "--manifest", manifest, "--max-duration", "40", "--device", "cpu"]
+    code = main([*args, "--cp-size", str(world_size), "--out", out])
+    return {"code": code, "slices": slices}
+
+
+@pytest.mark.multiproc
+def test_transcribe_at_cp_2_shards_the_long_clip_and_writes_one_processs_lines(
+    limited_run, long_manifest, tmp_path
+):
+    from speechlm.cli import main
+
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    args = [
+        "transcribe",
+        str(limited_run),
+        "--manifest",
+        long_manifest,
+        "--max-duration",
+        "40",
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--out", str(one)]) == 0
+    got = run_distributed(
+        _transcribe_rank, 2, "gloo", str(limited_run), long_manifest, str(two), timeout_s=400
+    )
+    assert [g["code"] for g in got] == [0, 0]
+    lines = one.read_text().splitlines()
+    assert len(lines) == 3 and any(json.loads(line)["text"] for line in lines)
+    assert two.read_text() == one.read_text()
+    assert [len(g["slices"]) for g in got] == [1, 1]  # each process encoded one slice of the long clip
+    assert got[0]["slices"][0][1] == got[1]["slices"][0][0]
+
+
+def test_transcribe_refuses_a_cp_size_other_than_the_processes(limited_run, long_manifest, capsys):
+    from speechlm.cli import main
+
+    assert main(["transcribe", str(limited_run), "--manifest", long_manifest, "--cp-size", "2"]) != 0
     assert "--cp-size 2 with 1 process(es)" in capsys.readouterr().err
