@@ -120,18 +120,22 @@ def test_evaluate_at_cp_2_shards_the_long_clip_and_equals_one_process(limited_ru
     assert lo0 == 0 and hi0 == lo1 < hi1
 
 
-def test_evaluate_refuses_a_cp_size_that_does_not_divide_the_processes(limited_run, long_manifest):
+# the layout is checked before anything loads: no run is needed to refuse it
+def test_evaluate_refuses_a_cp_size_that_does_not_divide_the_processes(tmp_path):
     from speechlm.errors import UsageError
     from speechlm.use.evaluation import evaluate_checkpoint
 
     with pytest.raises(UsageError, match="--cp-size 2 with 3 process"):
-        evaluate_checkpoint(limited_run, long_manifest, rank=0, world_size=3, cp_size=2)
+        evaluate_checkpoint(tmp_path / "run", tmp_path / "m.json", rank=0, world_size=3, cp_size=2)
 
 
-def test_the_evaluate_command_takes_cp_size_and_names_a_bad_one(limited_run, long_manifest, capsys):
+def test_the_evaluate_command_takes_cp_size_and_names_a_bad_one(tmp_path, capsys):
     from speechlm.cli import main
 
-    assert main(["evaluate", str(limited_run), "--manifest", long_manifest, "--cp-size", "2"]) != 0
+    assert (
+        main(["evaluate", str(tmp_path / "run"), "--manifest", str(tmp_path / "m.json"), "--cp-size", "2"])
+        != 0
+    )
     assert "--cp-size 2 with 1 process(es)" in capsys.readouterr().err
 
 
@@ -176,8 +180,11 @@ def test_transcribe_at_cp_2_shards_the_long_clip_and_writes_one_processs_lines(
     assert got[0]["slices"][0][1] == got[1]["slices"][0][0]
 
 
-def test_transcribe_refuses_a_cp_size_other_than_the_processes(limited_run, long_manifest, capsys):
+def test_transcribe_refuses_a_cp_size_other_than_the_processes(tmp_path, capsys):
     from speechlm.cli import main
 
-    assert main(["transcribe", str(limited_run), "--manifest", long_manifest, "--cp-size", "2"]) != 0
+    assert (
+        main(["transcribe", str(tmp_path / "run"), "--manifest", str(tmp_path / "m.json"), "--cp-size", "2"])
+        != 0
+    )
     assert "--cp-size 2 with 1 process(es)" in capsys.readouterr().err
