@@ -18,6 +18,11 @@ MAX_NEW = 6
 
 def _model(extra: tuple[str, ...]):
     model = build_model(tiny_config(ctc_weight=0.3, overrides=WINDOW + extra))
+    return model, spy_slices(model)
+
+
+def spy_slices(model) -> list[tuple[int, int]]:
+    """The bounds of every slice the encoder runs from now on."""
     calls: list[tuple[int, int]] = []
     inner = model.encoder.forward_with_slices
 
@@ -26,7 +31,7 @@ def _model(extra: tuple[str, ...]):
         return inner(feats, lens, slices)
 
     model.encoder.forward_with_slices = spy
-    return model, calls
+    return calls
 
 
 def _decode(model) -> dict:
@@ -66,3 +71,31 @@ def test_a_long_clip_is_encoded_sharded_and_decodes_as_one_process(extra):
     (a0, b0), (a1, b1) = got[0]["calls"][0], got[1]["calls"][0]
     assert a0 == 0 and b0 == a1 and b1 > a1  # contiguous slices of one clip
     assert any(len(h) > 0 for h in ref["rows"])  # something was decoded
+
+
+def _fsdp_worker(rank: int, world: int) -> dict:
+    """Training's layout (`build_distributed_context`: FSDP2 over both ranks, dynamic CP over them): the
+    decoding that validation runs, with its lockstep flag."""
+    from parallel.mesh import ParallelDims
+    from speechlm.train.distributed import build_distributed_context
+
+    torch.set_num_threads(1)
+    cfg = tiny_config(cp=world, ctc_weight=0.3, overrides=WINDOW)
+    model = build_model(cfg)
+    dims = ParallelDims(world, cp=world)
+    dims.build_mesh("cpu")
+    ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
+    calls = spy_slices(model)
+    batch = global_steps(1, 1, batches="long")[0][0]
+    rows = model.generate_for_batch(batch, max_new_tokens=MAX_NEW, keep_going=ctx.collectives.any)
+    return {"rows": rows, "calls": calls}
+
+
+@pytest.mark.multiproc
+def test_validation_under_fsdp_and_cp_decodes_a_sharded_clip_as_one_process():
+    ref_model, _ = _model(())
+    ref = _decode(ref_model)
+    got = run_distributed(_fsdp_worker, 2, "gloo", timeout_s=300)
+    for r, res in enumerate(got):
+        assert len(res["calls"]) == 1, f"rank {r}: {res['calls']}"
+        assert res["rows"] == ref["rows"], f"rank {r}"
