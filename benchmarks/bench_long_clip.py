@@ -1,14 +1,17 @@
 """One long clip through a FastConformer the size of Parakeet's (random weights): features, encoder
 forward and backward under bf16 autocast, wall time and peak CUDA memory, with full and with limited
 self-attention context (`model.encoder.att_context_size`). Each clip length in its own process for a
-clean peak: ``python benchmarks/bench_long_clip.py 10`` then ``... 60 --contexts limited``.
+clean peak: ``speechlm bench long-clip 10`` then ``... 60 --contexts limited`` (``--json FILE`` writes the records).
 ``--tiny`` uses a 2-layer 64-wide encoder (what the test runs on a CPU). docs/benchmarks.md has the
 H100 figures (2026-11-27)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +26,8 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, su
 CONTEXTS = {"full": None, "limited": [128, 128]}
 
 
-def measure(minutes: float, context: str, *, tiny: bool, device: str) -> str:
+def measure(minutes: float, context: str, *, tiny: bool, device: str) -> dict[str, Any]:
+    """One clip's features, encoder forward and backward: its record (``error`` when out of memory)."""
     n = int(minutes * 60 * 16000)
     audio = torch.randn(1, n, device=device) * 0.1
     lens = torch.tensor([n], device=device)
@@ -35,6 +39,7 @@ def measure(minutes: float, context: str, *, tiny: bool, device: str) -> str:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    record: dict[str, Any] = {"minutes": minutes, "context": context, "device": device}
     t0 = time.time()
     try:
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cuda):
@@ -44,23 +49,41 @@ def measure(minutes: float, context: str, *, tiny: bool, device: str) -> str:
         if cuda:
             torch.cuda.synchronize()
     except torch.OutOfMemoryError as e:
-        return f"{minutes:g} min clip, context {context}: out of memory ({str(e).splitlines()[0][:100]})"
-    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else "n/a on CPU"
+        return {**record, "error": f"out of memory ({str(e).splitlines()[0][:100]})"}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {**record, "frames": int(olens[0]), "seconds": time.time() - t0, "peak_gib": peak}
+
+
+def describe(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['minutes']:g} min clip, context {r['context']}: {r['error']}"
+    peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "n/a on CPU"
     return (
-        f"{minutes:g} min clip, {int(olens[0])} encoder frames, context {context}: "
-        f"fwd+bwd {time.time() - t0:.2f} s, peak {peak}"
+        f"{r['minutes']:g} min clip, {r['frames']} encoder frames, context {r['context']}: "
+        f"fwd+bwd {r['seconds']:.2f} s, peak {peak}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="speechlm bench long-clip",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("minutes", type=float)
     p.add_argument("--contexts", nargs="+", choices=sorted(CONTEXTS), default=["full", "limited"])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="also write the records (one per context) here"
+    )
     args = p.parse_args(argv)
+    records = []
     for context in args.contexts:
-        print(measure(args.minutes, context, tiny=args.tiny, device=args.device), flush=True)
+        records.append(measure(args.minutes, context, tiny=args.tiny, device=args.device))
+        print(describe(records[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=2) + "\n")
     return 0
 
 

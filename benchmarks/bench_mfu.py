@@ -28,6 +28,9 @@ computed encoder frames, decoder tokens and analytic FLOPs of the padded work, t
 position, over THD's, as ``speechlm bench packing`` reports it) and the share of the bound reached. A
 layout that runs out of device memory is reported as such and the other one still runs.
 
+``--profile FILE`` runs one more THD step (untimed) under `torch.profiler` and writes its operator table,
+the most expensive first (self device time on CUDA): where the time goes when MFU falls short of the goal.
+
 ``--dry-run`` prints the parameter counts, the batches and the predicted device time of the run at
 ``--assume-mfu`` (from the FLOP count) and exits without building the model.
 Usage: ``speechlm bench mfu --size 1b --device cuda --json mfu.json`` (docs/benchmarks.md).
@@ -36,6 +39,7 @@ Usage: ``speechlm bench mfu --size 1b --device cuda --json mfu.json`` (docs/benc
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -202,6 +206,15 @@ def run_layout(
             + (" (warm-up)" if k < args.warmup else ""),
             flush=True,
         )
+    if args.profile and name == "thd":  # one more step, untimed, under the profiler
+        k = args.warmup + args.steps
+        write_profile(
+            functools.partial(
+                run_optimizer_step, model, [batches[0]], ctx, opt, sched, cfg, step=k, flop_count=flop_count
+            ),
+            device,
+            args.profile,
+        )
     # all timed steps as one: the rates of step_metrics over their summed work and time
     total = StepWork(real, computed, flops, optim_s, real, computed, flops)
     peak = device_peak_tflops(device)
@@ -240,6 +253,24 @@ def run_layout(
     }
 
 
+def write_profile(step: Any, device: Any, path: str) -> None:
+    """Run ``step`` once under `torch.profiler` and write its operators, the most expensive first (self time
+    on the device on CUDA, on the host on a CPU): where a step's time goes when MFU falls short."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    Path(path).write_text(f"one THD optimizer step on {device}, sorted by {sort}\n{table}\n")
+    print(f"wrote the profile of one THD step to {path}")
+
+
 def estimate_figures(est: Any, measured_gib: float | None, *, cuda: bool) -> dict[str, float | None]:
     """The estimate beside the measurement (None: not measured): on CUDA without the runtime (the CUDA
     context is not allocated memory)."""
@@ -271,6 +302,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and predicted time; build nothing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="also profile one more THD step; its operator table here",
+    )
     args = ap.parse_intermixed_args(argv)
     _, _, budget, n_batches, warmup = PRESETS[args.size]
     args.budget = budget if args.budget is None else args.budget
@@ -329,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "batches": len(batches),
         "warmup": args.warmup,
         "steps": args.steps,
+        "profile": args.profile,
         **plan_figures(cfg, dims, batches, args),
     }
     if args.dry_run:

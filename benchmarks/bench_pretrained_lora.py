@@ -13,9 +13,12 @@ What it needs, all local (a lent GPU machine reaches no network):
 - the encoder: the recipe's `model.encoder.pretrained` directory when `--encoder DIR` is given; by
   default the demo config's encoder sizes from scratch (a pretrained Parakeet directory is a download).
 
+`--config FILE` trains another recipe the same way (configs/whisper_smollm2.yaml with `--encoder` naming
+the directory `speechlm encoder import` made: `speechlm bench gpu`'s recipe step).
+
 Usage:
   python benchmarks/bench_pretrained_lora.py --steps 300 [--precision bf16] [--attention flex]
-      [--encoder DIR] [--json FILE] [KEY.PATH=VALUE ...]
+      [--config FILE] [--encoder DIR] [--json FILE] [KEY.PATH=VALUE ...]
 """
 
 from __future__ import annotations
@@ -108,10 +111,13 @@ def ensure_inputs(llm: Path, data: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--config", type=Path, default=RECIPE, help="the recipe (default configs/pretrained_lora.yaml)"
+    )
     p.add_argument("--llm", type=Path, default=REPO / "models/smollm2-135m-instruct")
     p.add_argument("--data", type=Path, default=REPO / "data/demo_manifest")
     p.add_argument(
-        "--encoder", type=Path, default=None, help="pretrained Parakeet dir (default: demo encoder)"
+        "--encoder", type=Path, default=None, help="pretrained encoder dir (default: demo encoder)"
     )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the timing")
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     start = time.monotonic()
-    rc = train_main([str(RECIPE), *overrides])
+    rc = train_main([str(args.config), *overrides])
     if rc:
         return int(rc)
     rows = [json.loads(ln) for ln in (args.run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]

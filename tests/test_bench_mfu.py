@@ -111,3 +111,13 @@ def test_bench_mfu_compares_cuda_allocated_memory_with_the_estimate_without_the_
     assert extra == pytest.approx(
         3 * 2 * dims.llm.hidden * dims.llm.vocab * (seqs - sum(k + 1 for k in w.text_tokens))
     )
+
+
+def test_bench_mfu_profile_writes_the_operators_of_one_thd_step(tmp_path):
+    prof = tmp_path / "profile.txt"
+    argv = ["bench", "mfu", "--size", "tiny", "--batches", "1", "--steps", "1", "--warmup", "0"]
+    assert cli_main([*argv, "--json", str(tmp_path / "mfu.json"), "--profile", str(prof)]) == 0
+    text = prof.read_text()
+    assert text.startswith("one THD optimizer step on cpu, sorted by self_cpu_time_total")
+    assert "Self CPU" in text and "aten::" in text
+    assert json.loads((tmp_path / "mfu.json").read_text())["profile"] == str(prof)

@@ -147,6 +147,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/benchmarks.md", "speechlm bench attention --repeats 5 --json attention.json"): (
         "times CUDA attention kernels: needs a CUDA device"
     ),
+    ("docs/benchmarks.md", "speechlm bench gpu --out gpu-acceptance"): (
+        "the GPU acceptance run: needs a CUDA device (its --dry-run beside it runs here)"
+    ),
     (
         "docs/parallelism.md",
         "torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "

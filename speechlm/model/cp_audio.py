@@ -24,6 +24,11 @@ cut into ``cp`` contiguous slices of encoder frames (cut on the projector's stac
 from the feature frames its subsampling reads (`sharded_encoder.feature_span`), with the clip's
 normalisation statistics summed over the group.
 
+Greedy decoding (`encode_for_decoding`): every CP peer decodes the same batch, so each needs every clip's
+rows. A clip the layout would shard is still encoded slice by slice over the group (a long clip does not fit
+one rank any better in evaluation than in training), then its projected rows and encoder frames are
+gathered to every rank; the other clips are encoded whole on each rank.
+
 CTC-compressed audio (``model.audio_compression: ctc``): a clip's LLM rows are known only after the encoder,
 so under CP every clip's rows are gathered to every rank (`encoding_plan`) and the sequences are placed
 from them (`place_encoded`); a sharded clip is gathered and compressed whole on every rank
@@ -42,7 +47,7 @@ from torch import Tensor
 
 from parallel.clip_handover import Handover, clip_needs
 from parallel.clip_placement import ClipSharding, shard_bounds, short_clip_frames
-from parallel.cp_layout import CPLayout, CPPlan, plan_for_clips
+from parallel.cp_layout import CPLayout, CPPlan, dummy_clip, plan_for_clips
 from speechlm.model.conversation_inputs import conversation_seq_lens
 from speechlm.model.ctc import CTCModel
 from speechlm.model.encoder_output import EncoderOutput
@@ -301,3 +306,45 @@ def pack_for_layout(
     return PackedBatch(
         parts["x"], parts["labels"], parts["pos"], cu, max_len, packed.seq_lens, cp_split_seqs=plan.n_split
     )
+
+
+def encode_for_decoding(
+    model: AudioModel, layout: CPLayout, audio_BN: Tensor, audio_lens_B: Tensor
+) -> EncoderOutput:
+    """Every clip's projected rows and encoder frames on this rank, for greedy decoding under ``layout``
+    (module docstring): the clips it shards (`clip_sharding`) encoded slice by slice over the CP group in the
+    same encoder call as the other clips (whole on this rank), their rows and frames gathered (`gather_slices`;
+    compressed audio gathers them in `encode_audio` already). One CP rank or no clip long enough:
+    `encode_audio` of the whole batch. The result reads as one process's: ``ctc_rows`` every clip, in order."""
+    lens = audio_lengths(model, audio_lens_B)
+    sharding = clip_sharding(model, layout, lens.encoder)
+    if sharding is None:
+        return model.encode_audio(audio_BN, audio_lens_B)
+    slices = prepare_slices(model, layout, audio_BN, lens, sharding)
+    sharded = set(sharding.sharded_indices)
+    whole = [c for c in range(len(lens.samples)) if c not in sharded]
+    if whole:
+        index = torch.tensor(whole, device=audio_BN.device)
+        audio, audio_lens = audio_BN[index], audio_lens_B[index]
+    else:  # only sharded clips: a dummy clip keeps the encoder call (and FSDP's collectives) as usual
+        audio, audio_lens = dummy_clip(audio_BN, audio_lens_B)
+    out = model.encode_audio(audio, audio_lens, slices=slices)
+    hidden = out.enc_hidden
+    if not isinstance(hidden, PackedFrames):  # clip_sharding shards for the padding-free encoder only
+        raise TypeError("a sharded clip needs the padding-free encoder (PackedFrames)")
+    embeds: list[Tensor | None] = [None] * len(lens.samples)
+    frames: list[Tensor | None] = [None] * len(lens.samples)
+    for c, e, f in zip(whole, out.embeds, hidden.split(), strict=False):
+        embeds[c], frames[c] = e, f
+    stack = model.projector.stack
+    for c, (hidden_UE, proj_PH) in zip(sharding.sharded_indices, out.slices, strict=True):
+        if out.slices_whole:  # compressed audio: the whole clip's frames and rows already
+            embeds[c], frames[c] = proj_PH, hidden_UE
+            continue
+        bounds = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)
+        rows = [-(-b // stack) - a // stack for a, b in bounds]
+        embeds[c] = layout.gather_slices(proj_PH, rows)
+        frames[c] = layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+    present = [f for f in frames if f is not None]
+    lens_B = torch.tensor([f.shape[0] for f in present], dtype=torch.long, device=hidden.lens_B.device)
+    return EncoderOutput(embeds, PackedFrames(torch.cat(present), lens_B), lens_B, list(range(len(present))))

@@ -25,6 +25,10 @@ row's text ids embedded in one call (`embed_pieces`), each audio placeholder rep
 embeddings (`splice_prompts`); a transcription is the one-turn case (``[*prefix, audio, *middle]`` of the
 model's `PromptFormat`, then the forced language tag if any).
 
+Under CP (``model.cp_layout``) every peer decodes the same batch: a clip the layout shards is encoded slice
+by slice over the group and gathered (`speechlm.model.cp_audio.encode_for_decoding`), so a long clip is
+encoded as training encodes it and every peer then decodes it whole.
+
 Lockstep (``keep_going``). Under FSDP every forward of a sharded unit is a collective, so every rank
 of the mesh must run the same number of forwards. With sharded validation the ranks decode different
 utterances that finish at different steps. ``keep_going(local_active) -> bool`` (an all-reduce of a
@@ -41,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from parallel.cp_layout import dummy_clip
+from parallel.cp_layout import CPLayout, dummy_clip
 from speechlm.config import ModelConfig
 from speechlm.model.conversation_inputs import (
     as_conversation,
@@ -51,7 +55,7 @@ from speechlm.model.conversation_inputs import (
     last_answer_start,
     optional_field,
 )
-from speechlm.model.cp_audio import AudioModel
+from speechlm.model.cp_audio import AudioModel, encode_for_decoding
 from speechlm.model.ctc import ctc_log_prob_rows
 from speechlm.model.ctc_prefix import JointCTCScorer
 from speechlm.model.encoder_output import EncoderOutput
@@ -72,6 +76,7 @@ class DecodingModel(AudioModel, Protocol):
 
     training: bool
     cfg: ModelConfig
+    cp_layout: CPLayout  # a long clip the layout would shard is encoded sharded (`encode_for_decoding`)
 
     @property
     def prompt(self) -> PromptFormat: ...
@@ -285,7 +290,7 @@ def generate_greedy(
                 "model.audio_prefix=oracle decodes from the transcript, which new audio does not have: "
                 "evaluate a manifest (speechlm evaluate), or set model.audio_prefix=audio"
             )
-        enc = model.encode_audio(audio_BN.to(device), audio_lens_B.to(device))
+        enc = encode_for_decoding(model, model.cp_layout, audio_BN.to(device), audio_lens_B.to(device))
         head_ids, tail_ids = model.prompt.generation_prompt
         forced = lang_id is not None and max_new_tokens > 0
         tag_ids = [int(lang_id)] if forced and lang_id is not None else []
@@ -323,7 +328,7 @@ def generate_for_batch(
         audio, audio_lens = batch.audio.to(device), batch.audio_lens.to(device)
         if not clip_sample:  # rows without audio: a dummy keeps FSDP's encoder collectives in step
             audio, audio_lens = dummy_clip(audio, audio_lens)
-        enc = model.encode_audio(audio, audio_lens)
+        enc = encode_for_decoding(model, model.cp_layout, audio, audio_lens)
         if model.cfg.audio_prefix == "oracle" and clip_sample:  # as training's forward (`model.oracle`)
             fill_with_transcripts(model, enc, *conversation_ctc_targets(batch, len(clip_sample)))
         embeds = enc.embeds_of(range(len(clip_sample)))

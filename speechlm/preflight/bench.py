@@ -32,10 +32,12 @@ BENCHMARKS: dict[str, str] = {
     "attention-calls": "benchmarks/bench_attention_calls.py",  # varlen kernel calls per layer (CPU/gloo)
     "pretrained-lora": "benchmarks/bench_pretrained_lora.py",  # SmolLM2 LoRA recipe: tokens/s, peak memory
     "long-audio": "benchmarks/bench_long_audio.py",  # one long clip over cp 1/2/4: memory per rank (gloo/CPU)
+    "long-clip": "benchmarks/bench_long_clip.py",  # one long clip through a Parakeet-sized encoder (CUDA)
     "mfu": "benchmarks/bench_mfu.py",  # ~1B speech LLM step: MFU THD vs BSHD, estimate vs peak memory
     "compression": "benchmarks/bench_compression.py",  # CTC-compressed audio rows: rows/s of speech, step time
     "whisper-reference": "benchmarks/bench_whisper_reference.py",  # faster-whisper zero-shot WER on a manifest
     "whisper-window": "benchmarks/bench_whisper_window.py",  # Whisper encoder: 30 s window vs the clip, ms per clip
+    "gpu": "benchmarks/bench_gpu.py",  # the GPU acceptance run: kit, attention, mfu, recipe, long clip (one GPU)
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,10 @@ evaluated here gives the figures its run's final evaluation gives on the same ma
 Under ``torchrun`` every process holds the whole model and decodes a share of the evaluation batches
 (`shard_eval_batches`: round-robin by its rank, explicit rank and world); the per-utterance counts are
 gathered and summed, which makes the table equal to the one-process table, and rank 0 prints it. Each
-process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo).
+process uses ``cuda:LOCAL_RANK`` where there are GPUs (NCCL), else the CPU (gloo). ``--cp-size N``: groups
+of N processes decode one share together under dynamic CP (`speechlm.use.evaluation.cp_collectives`): a
+clip the layout shards (longer than 30 s, with limited-context attention) is encoded slice by slice over
+the group instead of whole on one process, and the group's first process reports its hypotheses.
 
 ``--json`` prints one object instead of the table: ``checkpoint``, ``step``, ``manifest``, ``loss``
 (teacher-forced), ``<task>/<metric>`` and ``<task>/<metric>_<lang>`` (``asr/wer``, ``ast/bleu``, ...),
@@ -34,6 +37,8 @@ from speechlm.use.transcribe import (
     add_checkpoint_argument,
     add_decoding_arguments,
     check_decoding_arguments,
+    init_process_group,
+    rank_device,
     write_records,
 )
 
@@ -63,6 +68,13 @@ def add_parser(sub: Any) -> None:
         "--decodes", default=None, help="also write one JSON line per utterance (row, task, lang, ref, hyp)"
     )
     add_decoding_arguments(p, device_help="cpu or cuda (default: cuda:LOCAL_RANK when available)")
+    p.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="under torchrun: groups of this many processes decode one share together under context "
+        "parallelism, a clip longer than 30 s encoded sharded over the group (default 1)",
+    )
     p.set_defaults(func=run_evaluate_command)
 
 
@@ -72,9 +84,9 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     metrics = parse_metric_arguments(args.metric)
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    device = args.device or evaluation.default_device()
+    device = args.device or rank_device()
     if world_size > 1:
-        evaluation.init_process_group(device)
+        init_process_group(device)
     try:
         result = evaluation.evaluate_checkpoint(
             args.checkpoint,
@@ -87,6 +99,7 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
             batch_seconds=args.batch_seconds,
             ctc_weight=args.ctc_weight,
             metrics=metrics,
+            cp_size=args.cp_size,
         )
     finally:
         if world_size > 1:

@@ -5,7 +5,6 @@ training's validation runs (`speechlm.use.evaluator`); the counts are gathered a
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from parallel.collectives import Collectives
+from parallel.cp_layout import DynamicCPLayout
+from parallel.mesh import ParallelDims
 from speechlm.config import ExperimentConfig
 from speechlm.data.run_inputs import RunTokenizer
 from speechlm.data.sources.mmap_cache import open_index
 from speechlm.data.tokenizer_checks import check_table, uncovered_targets
-from speechlm.errors import DataError
+from speechlm.errors import DataError, UsageError
 from speechlm.metrics import MetricSpec, table_pairs
 from speechlm.use.checkpoint import load_checkpoint
 from speechlm.use.eval_report import count_record, format_eval_table
@@ -38,20 +39,6 @@ def check_tasks_have_metrics(cfg: ExperimentConfig, table: pa.Table, manifest: s
         )
 
 
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cpu"
-
-
-def init_process_group(device: str) -> None:
-    if dist.is_initialized():
-        return
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-
-
 def evaluate_checkpoint(
     checkpoint: str | Path,
     manifest: str | Path,
@@ -64,11 +51,14 @@ def evaluate_checkpoint(
     batch_seconds: float | None = None,
     ctc_weight: float | None = None,
     metrics: dict[str, list[str]] | None = None,
+    cp_size: int = 1,
 ) -> dict[str, Any]:
     """Evaluate on this rank's share, gather; returns {record, table, decodes} (the same on every rank).
     `metrics` ({task: [metric, ...]}, ``--metric``) replace those tasks' entries of trainer.eval_metrics.
+    `cp_size` > 1: groups of `cp_size` ranks decode one share together under dynamic CP (`cp_collectives`).
 
     With `world_size` > 1 the default process group must be initialised (torchrun, or a test harness)."""
+    check_cp_size(cp_size, world_size)
     quiet = rank != 0
     loaded = load_checkpoint(checkpoint, device=device, log=(lambda m: None) if quiet else _stderr)
     cfg = loaded.cfg
@@ -86,11 +76,13 @@ def evaluate_checkpoint(
     module = loaded.module
 
     apply_ctc_weight(module.model, ctc_weight)
-    module.step_ctx = EvalContext(
-        collectives=Collectives(
+    if cp_size > 1:
+        collectives = cp_collectives(module.model, cfg, rank, world_size, cp_size, device)
+    else:
+        collectives = Collectives(
             rank=rank, world_size=world_size, dp_rank=rank, dp_size=world_size, device=device
-        ),
-    )
+        )
+    module.step_ctx = EvalContext(collectives=collectives)
     evaluator = Evaluator(
         cfg,
         loaded.tokenizer,
@@ -102,7 +94,7 @@ def evaluate_checkpoint(
     )
     if not quiet:
         _stderr(f"evaluating {loaded.ckpt} (step {loaded.step}) on {manifest}: {len(table)} utterances, "
-                f"{world_size} process(es)")  # fmt: skip
+                f"{world_size} process(es)" + (f", CP groups of {cp_size}" if cp_size > 1 else ""))  # fmt: skip
     metrics = evaluator(module, display=True)  # a progress display on a terminal (rank 0)
     counts = evaluator.last_counts
     scores = {k: v for k, v in metrics.items() if k not in ("utterances", "dropped")}
@@ -115,6 +107,38 @@ def evaluate_checkpoint(
         )
     ]
     return {"record": record, "table": format_eval_table(metrics, counts), "decodes": decodes}
+
+
+def check_cp_size(cp_size: int, world_size: int) -> None:
+    if cp_size < 1 or world_size % cp_size:
+        raise UsageError(
+            f"--cp-size {cp_size} with {world_size} process(es): the number of processes must be a multiple of "
+            "the CP size (e.g. torchrun --nproc-per-node 4 ... --cp-size 2)"
+        )
+
+
+def cp_collectives(
+    model: Any, cfg: ExperimentConfig, rank: int, world_size: int, cp_size: int, device: str
+) -> Collectives:
+    """Put `model` under dynamic CP over this rank's CP group (`ParallelDims(world_size, cp=cp_size)`: the
+    ranks of one data-parallel share, as training groups them) with the checkpoint's `parallel.cp_attention`
+    and `parallel.cp_split_threshold`, and return this rank's collectives: the group decodes its share
+    together, a clip the layout shards encoded over it (`speechlm.model.cp_audio.encode_for_decoding`), the
+    teacher-forced loss computed under CP, and only the group's first rank reports its rows."""
+    dims = ParallelDims(world_size, cp=cp_size)
+    dims.build_mesh(torch.device(device).type)
+    model.set_cp_layout(
+        DynamicCPLayout(
+            group=dims.mesh["cp"].get_group(),
+            cp_size=cp_size,
+            cp_rank=dims.cp_rank(rank),
+            kind=cfg.parallel.cp_attention,
+            threshold=cfg.parallel.cp_split_threshold,
+            pair_cost=1.0 / (6 * model.llm.config.hidden_size),
+            pad_to_multiple=cfg.model.pad_to_multiple,
+        )
+    )
+    return dims.collectives(rank, device)
 
 
 def warn_uncovered(table: pa.Table, name: str, tokenizer: RunTokenizer, rule: str) -> None:

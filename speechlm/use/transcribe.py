@@ -29,6 +29,11 @@ transcribed, and the command exits 1 after writing everything. An input list tha
 (exit 1). A progress display goes to stderr when there is more than one batch and the output is a
 terminal (`speechlm.progress`; none in logs or pipes).
 
+Under ``torchrun --nproc-per-node N ... --cp-size N`` the N processes form one CP group that decodes every
+batch together: a clip the CP layout shards (longer than 30 s, limited-context encoder) is encoded slice by
+slice over the group (`speechlm.model.cp_audio.encode_for_decoding`) instead of whole on one GPU, and rank 0
+writes the lines (raise ``--max-duration`` for such clips).
+
 Interruption: ``--out`` is written once, at the end, into a temporary file renamed over it; a
 process stopped by SIGTERM or SIGKILL leaves ``--out`` as it was before (absent, or the previous
 complete file), never a partial one. That temporary file is created (and removed) before the model
@@ -43,6 +48,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,6 +97,13 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="cut clips longer than this into equal windows of at most SECONDS, decode each and join their "
         "texts with a space (docs/use.md)",
+    )
+    p.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="under torchrun with this many processes: one CP group decodes every batch together, a clip "
+        "longer than 30 s encoded sharded over it; rank 0 writes the lines (default 1)",
     )
     p.set_defaults(func=run_transcribe_command)
 
@@ -207,11 +220,68 @@ def check_args(args: argparse.Namespace) -> None:
         check_out_writable(out)  # last: every usage error comes first
 
 
+def rank_device() -> str:
+    """This process's device under torchrun: ``cuda:LOCAL_RANK`` where there are GPUs, else the CPU."""
+    import torch  # lazy: torch (CLI start-up)
+
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def init_process_group(device: str) -> None:
+    """The default process group of a torchrun launch (NCCL on CUDA, else gloo), unless one exists."""
+    import torch  # lazy: torch (CLI start-up)
+    import torch.distributed as dist  # lazy: torch (CLI start-up)
+
+    if dist.is_initialized():
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def check_cp_group(cp_size: int, world_size: int) -> None:
+    if cp_size < 1 or ((cp_size > 1 or world_size > 1) and cp_size != world_size):
+        raise UsageError(
+            f"--cp-size {cp_size} with {world_size} process(es): transcribe runs one CP group, so under torchrun "
+            "give --cp-size equal to the number of processes (torchrun --nproc-per-node N ... --cp-size N)"
+        )
+
+
+def join_cp_group(model: Any, rank: int, world_size: int, device: str) -> None:
+    """Put `model` under dynamic CP over all `world_size` processes (one group; every process decodes every
+    batch): a clip the layout shards is encoded slice by slice over them
+    (`speechlm.model.cp_audio.encode_for_decoding`). Decoding runs no CP attention, so the layout's attention
+    kind does not matter here."""
+    import torch.distributed as dist  # lazy: torch (CLI start-up)
+
+    from parallel.cp_layout import DynamicCPLayout  # lazy: torch (CLI start-up)
+
+    init_process_group(device)
+
+    model.set_cp_layout(
+        DynamicCPLayout(
+            group=dist.group.WORLD,
+            cp_size=world_size,
+            cp_rank=rank,
+            kind="ring",
+            pad_to_multiple=model.cfg.pad_to_multiple,
+        )
+    )
+
+
 def run_transcribe_command(args: argparse.Namespace) -> int:
     from speechlm.use.inputs import file_inputs, manifest_inputs  # lazy: torch (CLI start-up)
 
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    check_cp_group(args.cp_size, world_size)
     check_args(args)
+    if args.cp_size > 1 and args.device is None:
+        args.device = rank_device()  # cuda:LOCAL_RANK
     um = load_model(args.model, args.device or default_device())
+    if args.cp_size > 1:
+        join_cp_group(um.model, rank, world_size, args.device)
     apply_ctc_weight(um.model, args.ctc_weight)
     lang_id = None
     if args.lang is not None:
@@ -236,6 +306,8 @@ def run_transcribe_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         lang_id=lang_id,
     )
+    if rank > 0:  # the CP group's processes hold the same lines: rank 0 writes them
+        return 0
     write_records(records, args.out)
     failed = [r for r in records if "error" in r]
     if failed:
