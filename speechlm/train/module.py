@@ -231,10 +231,17 @@ class SpeechLLMModule(L.LightningModule):
                 SIGTERM_FLAG.requested,
                 error is not None,
                 self.deadline is not None and time.time() > self.deadline,
+                any(getattr(b, "local_failure", None) for b in step_batch.micro_batches),
             ],
             skip=error is not None,
         )
-        sigterm, data_error, time_up = agreed.flags
+        sigterm, data_error, time_up, redecode = agreed.flags
+        if redecode and not data_error and self.data_pipeline is not None:
+            # a clip failed to decode on the one rank that read it (data.decode_local): every rank reads
+            # the step's rows again, every clip decoded, and agrees on those counts instead
+            again = self.data_pipeline.redecode(step_batch)
+            step_batch.micro_batches, step_batch.dropped = again.micro_batches, again.dropped
+            return self._agree_step(step_batch)
         if data_error:
             parts = self.step_ctx.collectives.gather_objects(error)
             rank, first = next((r, e) for r, e in enumerate(parts) if e)
