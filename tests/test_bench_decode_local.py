@@ -27,8 +27,7 @@ def test_bench_decode_local_reports_each_rank_decoding_its_share(demo_data, tmp_
         assert len(r["ranks"]) == r["cp"] and all(x["cpu_s"] > 0 and x["data_wait_s"] > 0 for x in r["ranks"])
     every, own = results["cp2 every clip"]["ranks"], results["cp2 its clips"]["ranks"]
     assert all(x["decoded"] == x["clips"] for x in every)
-    assert own[0]["redecoded_steps"] == 0  # the demo's broken clip is not in the first two micro-batches
-    # each clip on one rank: the ranks' shares add up to the micro-batches'
-    assert (
-        sum(x["decoded"] for x in own) == own[0]["clips"] and max(x["decoded"] for x in own) < own[0]["clips"]
-    )
+    # the demo's broken FLAC (its header reads, its stream does not) is in one of the first micro-batches:
+    # that step is read again whole on every rank (the agreement); the others, each clip on one rank only
+    assert [x["redecoded_steps"] for x in own] == [1, 1]
+    assert all(x["decoded"] < x["clips"] for x in own) and sum(x["decoded"] for x in own) > own[0]["clips"]
