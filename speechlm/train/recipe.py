@@ -107,6 +107,10 @@ def run_recipe(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any
         hidden = module.model.llm.config.hidden_size
         layout = build_cp_layout(cfg, inputs.dims, rank, hidden, planning=True)
         loader.decode_local(ClipPlanner.of(module.model, layout))
+        if rank == 0:
+            print(
+                f"data: each of the {inputs.dims.cp} CP ranks decodes only the clips it encodes (data.decode_local)"
+            )
     announce_model(cfg, module, run_dir, rank)
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here
