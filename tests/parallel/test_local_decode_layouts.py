@@ -4,7 +4,8 @@ Each rank's conversation micro-batches keep the audio of the clips its `ClipPlan
 other clip's row is cut to nothing and filled with NaN where it still has samples (a clip read there would
 turn the loss NaN), as `speechlm.data.local_decode.LocalCollator` leaves them. The losses of 3 steps and the
 gradients after the first must be those of one process with every clip (`parallel_harness.reference_run`),
-at cp 2 and cp 2 x tp 2; each clip is decoded by exactly one CP rank (and by its TP peers). A clip decoded
+at cp 2 and cp 2 x tp 2; each clip is decoded by exactly one CP rank (and by its TP peers), a long clip the
+encoder shards over the group (limited context) by every rank. A clip decoded
 on one rank only that fails there makes every rank read the step whole (`module._agree_step`): the row is
 dropped and counted on every rank, or, past ``data.max_dropped_fraction``, the step fails on every rank
 with the row named."""
@@ -17,6 +18,7 @@ import functools
 import pytest
 import torch
 from parallel_harness import build_model, global_steps, reference_run, run_steps, tiny_config
+from test_long_clip_training import _assert_steps_match as assert_steps_match
 from test_parallel_equivalence import assert_matches
 
 from parallel.testing import run_distributed
@@ -39,18 +41,26 @@ def localize(batch: Batch, needed: list[bool]) -> Batch:
     return dataclasses.replace(batch, audio=audio, audio_present=present)
 
 
-def _rank(rank: int, world: int, cp: int, tp: int) -> dict:
+WINDOW = ("model.encoder.att_context_size=[6,4]",)  # limited context: a 33-37 s clip is sharded over CP
+CASES = {  # name -> (config overrides, harness batches, split threshold)
+    "conversations": ((), "conversations", THRESHOLD),
+    "long": (WINDOW, "long", "auto"),
+}
+
+
+def _rank(rank: int, world: int, cp: int, tp: int, case: str = "conversations") -> dict:
     from parallel.mesh import ParallelDims
     from speechlm.train.distributed import build_distributed_context
 
     torch.set_num_threads(1)
     dims = ParallelDims(world, 1, -1, cp, tp)
     dims.build_mesh("cpu")
-    cfg = tiny_config(cp, tp, "ring", 0.3, THRESHOLD)
+    overrides, batches, threshold = CASES[case]
+    cfg = tiny_config(cp, tp, "ring", 0.3, threshold, overrides)
     model = build_model(cfg)
     ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     planner = ClipPlanner.of(model, model.cp_layout.for_planning())
-    steps = global_steps(N_STEPS, 1, batches="conversations")
+    steps = global_steps(N_STEPS, 1, batches=batches)
     needed = [planner(s[0]) for s in steps]
     out = run_steps(model, ctx, cfg, [[localize(s[0], w)] for s, w in zip(steps, needed)])
     out["needed"] = needed
@@ -59,23 +69,31 @@ def _rank(rank: int, world: int, cp: int, tp: int) -> dict:
 
 
 @functools.cache
-def _reference() -> dict:
-    return reference_run(tiny_config(), global_steps(N_STEPS, 1, batches="conversations"))
+def _reference(case: str) -> dict:
+    overrides, batches, _ = CASES[case]
+    return reference_run(tiny_config(overrides=overrides), global_steps(N_STEPS, 1, batches=batches))
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp, tp", [(2, 1), (2, 2)])
-def test_each_rank_decoding_its_clips_gives_the_losses_and_gradients_of_one_process(cp, tp):
-    got = run_distributed(_rank, cp * tp, "gloo", cp, tp, timeout_s=800)
-    assert_matches(_reference(), got)
+@pytest.mark.parametrize("cp, tp, case", [(2, 1, "conversations"), (2, 2, "conversations"), (2, 1, "long")])
+def test_each_rank_decoding_its_clips_gives_the_losses_and_gradients_of_one_process(cp, tp, case):
+    got = run_distributed(_rank, cp * tp, "gloo", cp, tp, case, timeout_s=800)
+    if case == "long":  # later steps to 1e-4, as test_long_clip_training holds them (Adam on rounding noise)
+        assert_steps_match(_reference(case), got)
+    else:
+        assert_matches(_reference(case), got)
     for step in range(N_STEPS):
         by_cp: dict[int, list[bool]] = {}
         for res in got:  # TP peers decode the same clips
             assert by_cp.setdefault(res["cp_rank"], res["needed"][step]) == res["needed"][step]
         per_clip = [sum(col) for col in zip(*by_cp.values())]
-        assert per_clip == [1] * len(per_clip)  # each clip decoded on one CP rank only
-        assert all(not all(w) for w in by_cp.values())  # and no rank decodes the whole micro-batch
+        # each clip decoded on one CP rank only; a long clip sharded over the group (the first of a "long"
+        # micro-batch) on every rank, each encoding its slice
+        assert per_clip == [cp if case == "long" and c == 0 else 1 for c in range(len(per_clip))]
+        if case != "long":  # no rank decodes the whole micro-batch (a long one has few short clips to deal)
+            assert all(not all(w) for w in by_cp.values())
+        assert sum(per_clip) < cp * len(per_clip)  # fewer decodes than every peer decoding everything
 
 
 def test_a_clip_the_rank_did_not_decode_is_never_encoded_as_silence():
