@@ -221,3 +221,23 @@ def test_a_resumed_loader_gives_the_same_next_batch_on_every_rank(demo_data, tok
             assert torch.equal(a.audio, b.audio) and torch.equal(a.audio_present, b.audio_present)
     today = next(iter(_step_loader(demo_data, tok, shape, None)))
     assert today.rows_digest() == first.rows_digest()  # the rows are today's
+
+
+def test_the_planner_travels_to_a_loader_worker_without_the_model(demo_data, tok, shape):
+    """A DataLoader worker started by spawn gets the collate_fn pickled: the planner holds lengths only (no
+    weights, no process group) and answers the same there; a worker process decodes the same clips."""
+    import pickle
+
+    today, local = datasets(demo_data, tok)
+    rows = _micro_batches(len(today), 6)[1]
+    plan = planner(shape, tok, 2, 1)
+    blob = pickle.dumps(LocalCollator(tok.pad_id, plan))
+    assert len(blob) < 20_000
+    want = LocalCollator(tok.pad_id, plan)(local.__getitems__(rows))
+    got = pickle.loads(blob)(local.__getitems__(rows))
+    assert torch.equal(got.audio_present, want.audio_present) and torch.equal(got.audio, want.audio)
+    from speechlm.data.dataset import build_dataloader
+
+    loader = build_dataloader(local, [rows], num_workers=1, collate_fn=LocalCollator(tok.pad_id, plan))
+    (batch,) = list(loader)
+    assert torch.equal(batch.audio_present, want.audio_present) and torch.equal(batch.audio, want.audio)

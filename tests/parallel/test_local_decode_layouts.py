@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from parallel_harness import build_model, global_steps, reference_run, run_steps, tiny_config
+from parallel_harness import COMPRESSED, build_model, global_steps, reference_run, run_steps, tiny_config
 from test_long_clip_training import _assert_steps_match as assert_steps_match
 from test_parallel_equivalence import assert_matches
 
@@ -42,9 +42,11 @@ def localize(batch: Batch, needed: list[bool]) -> Batch:
 
 
 WINDOW = ("model.encoder.att_context_size=[6,4]",)  # limited context: a 33-37 s clip is sharded over CP
-CASES = {  # name -> (config overrides, harness batches, split threshold)
-    "conversations": ((), "conversations", THRESHOLD),
-    "long": (WINDOW, "long", "auto"),
+CASES = {  # name -> (config overrides, harness batches, split threshold, model tweak)
+    "conversations": ((), "conversations", THRESHOLD, ""),
+    "long": (WINDOW, "long", "auto", ""),
+    # CTC-compressed audio: every clip's rows gathered, the clips dealt over the encoders (`encoding_plan`)
+    "compressed": (COMPRESSED, "clips", 8, "ctc-mixed"),
 }
 
 
@@ -55,9 +57,9 @@ def _rank(rank: int, world: int, cp: int, tp: int, case: str = "conversations") 
     torch.set_num_threads(1)
     dims = ParallelDims(world, 1, -1, cp, tp)
     dims.build_mesh("cpu")
-    overrides, batches, threshold = CASES[case]
+    overrides, batches, threshold, tweak = CASES[case]
     cfg = tiny_config(cp, tp, "ring", 0.3, threshold, overrides)
-    model = build_model(cfg)
+    model = build_model(cfg, tweak=tweak)
     ctx = build_distributed_context(model, dims, cfg, torch.device("cpu"))
     planner = ClipPlanner.of(model, model.cp_layout.for_planning())
     steps = global_steps(N_STEPS, 1, batches=batches)
@@ -70,13 +72,17 @@ def _rank(rank: int, world: int, cp: int, tp: int, case: str = "conversations") 
 
 @functools.cache
 def _reference(case: str) -> dict:
-    overrides, batches, _ = CASES[case]
-    return reference_run(tiny_config(overrides=overrides), global_steps(N_STEPS, 1, batches=batches))
+    overrides, batches, _, tweak = CASES[case]
+    cfg = tiny_config(overrides=overrides)
+    return reference_run(cfg, global_steps(N_STEPS, 1, batches=batches), tweak=tweak)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp, tp, case", [(2, 1, "conversations"), (2, 2, "conversations"), (2, 1, "long")])
+@pytest.mark.parametrize(
+    "cp, tp, case",
+    [(2, 1, "conversations"), (2, 2, "conversations"), (2, 1, "long"), (2, 1, "compressed")],
+)
 def test_each_rank_decoding_its_clips_gives_the_losses_and_gradients_of_one_process(cp, tp, case):
     got = run_distributed(_rank, cp * tp, "gloo", cp, tp, case, timeout_s=800)
     if case == "long":  # later steps to 1e-4, as test_long_clip_training holds them (Adam on rounding noise)
