@@ -72,7 +72,9 @@ def test_the_header_gives_the_decoded_length(tmp_path, sr, cut):
                                               ("OGG", "OPUS", 48000), ("FLAC", "PCM_16", 48000)])  # fmt: skip
 def test_compressed_formats_give_their_decoded_length_in_the_header(tmp_path, fmt, subtype, sr):
     path = tmp_path / f"x.{subtype.lower()}"
-    sf.write(path, np.random.default_rng(1).uniform(-0.3, 0.3, int(3.7 * sr)), sr, format=fmt, subtype=subtype)
+    sf.write(
+        path, np.random.default_rng(1).uniform(-0.3, 0.3, int(3.7 * sr)), sr, format=fmt, subtype=subtype
+    )
     for start, duration in ((0.0, None), (0.5, 1.25)):
         got = probe_length(str(path), "x", 16000, start=start, duration=duration)
         assert got == decode_audio(str(path), "x", 16000, start=start, duration=duration).size
