@@ -5,8 +5,10 @@ N audio samples, P prompt tokens, K transcript tokens of a clip.
 
     conversation_sample(ds, i)   row i -> Conversation (`SpeechDataset.conversation`) -> checks of its
                                  texts -> every clip decoded (any failing drops the whole sample, the
-                                 message naming the clip) -> rendered (`ConversationRenderer.render`)
-                                 -> Sample with clips, prompt_ids/prompt_mask, ctc_tokens, task
+                                 message naming the clip; ``ds.defer_audio``: its length read from the
+                                 header instead, the clip left to `speechlm.data.local_decode`) ->
+                                 rendered (`ConversationRenderer.render`) -> Sample with clips,
+                                 prompt_ids/prompt_mask, ctc_tokens, task
     conversation_fields(kept)    the Batch's clip_sample, audio [C, N], prompt_ids/mask/lens,
                                  ctc_tokens/ctc_token_lens, tasks
 
