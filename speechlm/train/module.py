@@ -211,8 +211,9 @@ class SpeechLLMModule(L.LightningModule):
         """The step's one small all-reduce (before any forward, `step.agree_step`): labelled tokens and
         clips (the objective's normalisers; clips are the utterances), audio seconds and drop counts
         summed over data-parallel ranks, and the stop flags of every rank (SIGTERM received, data error
-        found, `trainer.max_minutes` passed), so that all ranks act on them at the same step
-        (`speechlm/train/preempt.py`).
+        found, `trainer.max_minutes` passed, a clip failed on the one rank that decoded it: then every rank
+        reads the step again with every clip decoded, `StepLoader.redecode`, and agrees once more), so that
+        all ranks act on them at the same step (`speechlm/train/preempt.py`).
 
         Returns the totals, whether to stop for SIGTERM (before this step) and whether the time limit
         has passed (after this step); raises the DroppedDataError of the rank
