@@ -36,6 +36,7 @@ __all__ = [
     "FEATURE_FRAMES_PER_SECOND",
     "SHORT_CLIP_SECONDS",
     "ClipSharding",
+    "clip_readers",
     "place_clips",
     "shard_bounds",
     "short_clip_frames",
@@ -112,3 +113,20 @@ def place_clips(frames: Sequence[int], cp: int, *, min_frames: int, min_slice: i
     total = sum(lens)
     sharded = tuple(cp > 1 and n > min_frames and n * cp > total and n // cp >= min_slice for n in lens)
     return ClipSharding(cp, lens, sharded, int(min_frames))
+
+
+def clip_readers(owners: Sequence[int], sharded: Sequence[bool], cp: int) -> list[tuple[int, ...]]:
+    """Per clip of a micro-batch, the CP ranks whose encoder reads its audio: its owner (``owners[c]``, the
+    rank that encodes it whole, `CPPlan.clip_owners`), or every rank of the group when ``sharded[c]`` (each
+    encodes its slice; ``sharded`` may be empty: nothing is). The one answer to "which ranks need clip c"
+    that the data pipeline decodes by (`speechlm.data.local_decode`) and the model checks against; a clip
+    sharded over a CP sub-group would name that sub-group's ranks here."""
+    if sharded and len(sharded) != len(owners):
+        raise ValueError(f"got {len(sharded)} sharding flags for {len(owners)} clips")
+    everyone = tuple(range(cp))
+    out = []
+    for c, o in enumerate(owners):
+        if not 0 <= int(o) < cp:
+            raise ValueError(f"clip {c} is owned by rank {o}, outside the CP group of {cp}")
+        out.append(everyone if sharded and sharded[c] else (int(o),))
+    return out

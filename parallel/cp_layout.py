@@ -42,7 +42,7 @@ as a callable ``encode_fn(audio_bN, lens_b) -> (embeds, extra)``, the packed str
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
@@ -116,6 +116,10 @@ class CPLayout(Protocol):
         ...
 
     def place(self, seq_lens: Sequence[int]) -> CPPlan: ...
+
+    def for_planning(self) -> CPLayout:
+        """A copy that places and shards clips but holds no process group (the data pipeline's)."""
+        ...
 
     def encode(
         self,
@@ -290,6 +294,9 @@ class NullCPLayout:
         embeds, extra = encode_fn(audio_BN, audio_lens_B)
         return PlacedEncoding(list(embeds), list(range(len(embeds))), extra)
 
+    def for_planning(self) -> NullCPLayout:
+        return self
+
     def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
         return place_clips(frames, 1, min_frames=min_frames)  # nothing is sharded on one rank
 
@@ -338,6 +345,11 @@ class DynamicCPLayout:
     def __post_init__(self) -> None:
         attention = CPAttention(self.group, self.cp_size, self.cp_rank, self.kind)
         object.__setattr__(self, "cp_attention", attention)
+
+    def for_planning(self) -> DynamicCPLayout:
+        """This layout without its process group: `place` and `clip_sharding` only (pure functions of
+        lengths), for the data pipeline, which decodes the clips this rank encodes (picklable)."""
+        return replace(self, group=None)
 
     def place(self, seq_lens: Sequence[int]) -> LocalPlacement:
         placement = place_sequences(

@@ -94,6 +94,14 @@ class DataConfig(Section):
         "the run stops (1: never stop)",
         Num(lo=0, hi=1),
     )
+    # speechlm.data.local_decode: under CP, the placement is computed where the batch is built
+    decode_local: bool = key(
+        True,
+        "under context parallelism, each CP rank decodes only the clips its encoder reads (its own, and the "
+        "clips sharded over the group), their lengths read from the audio headers first; false: every CP and "
+        "TP peer decodes the whole micro-batch. A clip whose decode fails on its rank stops the step on "
+        "every rank, naming the row",
+    )
     # speechlm.data.manifest.schema.duration_mismatch
     duration_tolerance: float = key(
         0.5,

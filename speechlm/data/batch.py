@@ -54,6 +54,13 @@ class Batch:
     ctc_tokens: torch.Tensor | None = None  # [C, K] int64, each clip's transcript ids (tag first), pad_id
     ctc_token_lens: torch.Tensor | None = None  # [C] int64, 0: no transcript, the clip gets no CTC loss
     tasks: list[str] = field(default_factory=list)  # [B] each row's task ([] = all "asr")
+    # `speechlm.data.local_decode` (data.decode_local under CP): [C] bool, True where this rank decoded the clip
+    # (its encoder reads it); a False row of `audio` holds no samples. None: every clip is decoded.
+    audio_present: torch.Tensor | None = None
+    # `local_decode`: the sampler's rows of this micro-batch, and why a clip this rank decodes failed (None: none
+    # did); the ranks then decode the step's rows whole, as today (`speechlm.train.data.StepLoader.redecode`)
+    source_rows: list[int] | None = None
+    local_failure: str | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -82,7 +89,15 @@ class Batch:
         return int(self.audio_lens.numel())
 
     def _map_tensors(self, fn: Any) -> Batch:
-        opt = ("clip_sample", "prompt_ids", "prompt_mask", "prompt_lens", "ctc_tokens", "ctc_token_lens")
+        opt = (
+            "clip_sample",
+            "prompt_ids",
+            "prompt_mask",
+            "prompt_lens",
+            "ctc_tokens",
+            "ctc_token_lens",
+            "audio_present",
+        )
         return replace(
             self,
             **{k: fn(getattr(self, k)) for k in opt if getattr(self, k) is not None},

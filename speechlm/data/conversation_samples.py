@@ -5,8 +5,10 @@ N audio samples, P prompt tokens, K transcript tokens of a clip.
 
     conversation_sample(ds, i)   row i -> Conversation (`SpeechDataset.conversation`) -> checks of its
                                  texts -> every clip decoded (any failing drops the whole sample, the
-                                 message naming the clip) -> rendered (`ConversationRenderer.render`)
-                                 -> Sample with clips, prompt_ids/prompt_mask, ctc_tokens, task
+                                 message naming the clip; ``ds.defer_audio``: its length read from the
+                                 header instead, the clip left to `speechlm.data.local_decode`) ->
+                                 rendered (`ConversationRenderer.render`) -> Sample with clips,
+                                 prompt_ids/prompt_mask, ctc_tokens, task
     conversation_fields(kept)    the Batch's clip_sample, audio [C, N], prompt_ids/mask/lens,
                                  ctc_tokens/ctc_token_lens, tasks
 
@@ -27,8 +29,9 @@ from typing import Any
 
 import torch
 
+from speechlm.data.audio import decode_audio, probe_length
 from speechlm.data.conversation import Conversation
-from speechlm.data.samples import DroppedSample, Sample
+from speechlm.data.samples import DroppedSample, PendingClip, Sample
 from speechlm.data.special_tokens import format_lang_tag
 from speechlm.data.text import check_transcript
 
@@ -112,41 +115,57 @@ def conversation_sample(ds: SpeechDataset, i: int) -> Sample | DroppedSample:
                 f"its rendered conversation has {n_text} text tokens, more than data.max_tokens="
                 f"{ds.max_tokens}: raise data.max_tokens or shorten the conversation",
             )
-    decoded = []
+    decoded, pending = [], []
+    read = probe_length if ds.defer_audio else decode_audio  # defer: the header's length, decoded later
     for k, clip in enumerate(conv.clips):
         if plain:  # the row's one clip, read as today (the row's locators)
-            path, start = str(ds.resolve_path(i)), ds._locators.start_of(i)
-            audio = ds._decoded(i, lambda: ds._load(i), path, start, clip.duration)
+            name, start = str(ds.resolve_path(i)), ds._locators.start_of(i)
+            load = functools.partial(ds._load, i)
+            what = ""
         else:
-            name = f"{clip.tar}:{clip.path}" if clip.tar else clip.path
+            name, start = (f"{clip.tar}:{clip.path}" if clip.tar else clip.path), clip.offset
             load = functools.partial(ds.load_clip, clip)
-            audio = ds._decoded(
-                i, load, name, clip.offset, clip.duration, what=f"clip {k} of {len(conv.clips)}: "
-            )
+            what = f"clip {k} of {len(conv.clips)}: "
+        audio = ds._decoded(i, functools.partial(load, read=read), name, start, clip.duration, what=what)
         if isinstance(audio, DroppedSample):
             return audio
         decoded.append(audio)
+        seg = ds._describe(i)
+        row = f"row {i}" if seg == f"row {i}" else f"row {i} ({seg})"
+        where = f"manifest {ds._source_of(i)}, {row}, {what or 'clip '}{name}"
+        pending.append(PendingClip(load, where, audio) if ds.defer_audio else None)
     order = conv.audio_order
-    clips = tuple(torch.from_numpy(decoded[k]) for k in order)
+    if ds.defer_audio:  # lengths only (`speechlm.data.local_decode.LocalCollator` decodes)
+        lens = [int(decoded[k]) for k in order]
+        clips = tuple(torch.zeros(0) for _ in order)
+        n_samples = sum(lens)
+    else:
+        clips = tuple(torch.from_numpy(decoded[k]) for k in order)
+        n_samples = sum(a.size for a in decoded)
     return Sample(
         index=i,
         audio=clips[0],
         tokens=torch.tensor(ids, dtype=torch.int64),
-        duration=float(sum(a.size for a in decoded)) / ds.sample_rate,
+        duration=float(n_samples) / ds.sample_rate,
         lang=conv.lang,
         clips=clips,
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         ctc_tokens=tuple(torch.tensor(ctc[k], dtype=torch.int64) for k in order),
         task=conv.task,
+        pending=tuple(pending[k] for k in order) if ds.defer_audio else (),
     )
 
 
 def conversation_fields(kept: list[Sample], pad_id: int) -> dict[str, Any]:
     """The Batch fields of conversation samples (module docstring): audio/audio_lens per clip too."""
     clips = [c for s in kept for c in s.clips]
-    audio_lens_C = torch.tensor([c.numel() for c in clips], dtype=torch.int64)
-    audio_CN = torch.zeros(len(clips), int(audio_lens_C.max()), dtype=torch.float32)
+    if kept[0].pending:  # lengths from the headers, no sample yet (`speechlm.data.local_decode`)
+        audio_lens_C = torch.tensor([p.samples for s in kept for p in s.pending], dtype=torch.int64)
+        audio_CN = torch.zeros(len(clips), 0, dtype=torch.float32)
+    else:
+        audio_lens_C = torch.tensor([c.numel() for c in clips], dtype=torch.int64)
+        audio_CN = torch.zeros(len(clips), int(audio_lens_C.max()), dtype=torch.float32)
     for c, clip in enumerate(clips):
         audio_CN[c, : clip.numel()] = clip
     prompts = [s.prompt_ids for s in kept]

@@ -97,7 +97,7 @@ class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
+def load_audio(path: str | Path, target_sr: int = 16000, *, read: Any = decode_audio) -> Any:
     """Decode an audio file to float32 mono at `target_sr` (channels averaged, soxr HQ resampling).
 
     Raises FileNotFoundError when there is no such file and AudioDecodeError when libsndfile cannot
@@ -107,7 +107,7 @@ def load_audio(path: str | Path, target_sr: int = 16000) -> np.ndarray:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
-    return decode_audio(path, path, target_sr)
+    return read(path, path, target_sr)
 
 
 def _read_table(path: Path) -> pa.Table:
@@ -160,6 +160,10 @@ class SpeechDataset(Dataset):
     a conversation (`conversation`), every clip decoded and the whole rendered (`conversation_samples`);
     ``instruction`` is the instruction of rows that give none (data.instruction). Without one, today's
     Samples.
+
+    ``defer_audio`` (with a renderer): each clip's length is read from its header (`audio.probe_length`),
+    and its checks (missing, empty, cut beyond the end, duration mismatch) run on that length; the clip is
+    decoded later, by `speechlm.data.local_decode.LocalCollator`, on the CP ranks that encode it.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class SpeechDataset(Dataset):
         source: str | None = None,
         renderer: ConversationRenderer | None = None,
         instruction: str = "",
+        defer_audio: bool = False,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
@@ -215,6 +220,9 @@ class SpeechDataset(Dataset):
         # issue 23: the sample as a conversation (`conversation`), rendered when a renderer is given
         self.renderer = renderer
         self.instruction = instruction
+        if defer_audio and renderer is None:
+            raise ValueError("defer_audio=True reads rows as conversations: pass the run's renderer too")
+        self.defer_audio = defer_audio  # `speechlm.data.local_decode`
         self._optional = {
             f.name: _strings(table.column(f.name))
             for f in CONVERSATION_SCHEMA
@@ -268,8 +276,9 @@ class SpeechDataset(Dataset):
         """Row `i`'s own audio (a whole file, a segment of one, or a tar member), as training reads it."""
         return self._load(i)
 
-    def _load(self, i: int) -> np.ndarray:
-        """Row `i`'s audio: a whole file, a segment of one, or a tar member read by position."""
+    def _load(self, i: int, read: Any = decode_audio) -> Any:
+        """Row `i`'s audio: a whole file, a segment of one, or a tar member read by position (``read``:
+        `audio.decode_audio`, or `audio.probe_length` for its length only)."""
         loc = self._locators
         tar = loc.tar(i)
         if tar is not None:
@@ -277,14 +286,14 @@ class SpeechDataset(Dataset):
             data = loc.reader.read(
                 tar, member, int(loc.offset[i]), int(loc.nbytes[i]), int(loc.header_bytes[i])
             )
-            return decode_audio(io.BytesIO(data), f"{tar}:{member}", self.sample_rate)
+            return read(io.BytesIO(data), f"{tar}:{member}", self.sample_rate)
         start = loc.start_of(i)
         if start is None:
-            return load_audio(self.resolve_path(i), self.sample_rate)
+            return load_audio(self.resolve_path(i), self.sample_rate, read=read)
         path = self.resolve_path(i)
         if not path.is_file():
             raise FileNotFoundError(f"audio file {path} does not exist: fix audio_filepath in the manifest")
-        return decode_audio(str(path), str(path), self.sample_rate, start=start, duration=loc.duration_of(i))
+        return read(str(path), str(path), self.sample_rate, start=start, duration=loc.duration_of(i))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample | DroppedSample]:
         """A micro-batch's rows, read grouped by tar and offset (sequential within a shard), in order."""
@@ -323,11 +332,11 @@ class SpeechDataset(Dataset):
 
     def _decoded(
         self, i: int, load: Any, path: str, start: float | None, claimed: float | None, what: str = ""
-    ) -> np.ndarray | DroppedSample:
-        """`load()`'s audio, or the DroppedSample of row `i` saying why it cannot be used (`what` names the
-        clip of a conversation in the message)."""
+    ) -> Any:
+        """`load()`'s audio (or its length in samples, from a header: `probe_length`), or the DroppedSample
+        of row `i` saying why it cannot be used (`what` names the clip of a conversation in the message)."""
         try:
-            audio_N: np.ndarray = load()
+            audio_N = load()
         except FileNotFoundError as e:
             return self._drop(i, "missing_file", f"{what}{e}")
         except SegmentOutOfRangeError as e:
@@ -336,11 +345,12 @@ class SpeechDataset(Dataset):
             return self._drop(i, "undecodable", f"{what}{e}")
         except MemberError as e:
             return self._drop(i, e.reason, f"{what}{e}")
-        if audio_N.size == 0:
+        n = audio_N if isinstance(audio_N, int) else audio_N.size
+        if n == 0:
             return self._drop(
                 i, "empty_audio", f"{what}{path} decodes to no samples: restore or remove the file"
             )
-        real = audio_N.size / self.sample_rate
+        real = n / self.sample_rate
         if claimed is not None and duration_mismatch(claimed, real, tolerance_s=self.duration_tolerance):
             cut = "" if start is None else f" (the segment from {start:.2f} s)"
             return self._drop(
@@ -397,22 +407,23 @@ class SpeechDataset(Dataset):
             id=str(seg or ""),
         )
 
-    def load_clip(self, clip: Clip) -> np.ndarray:
-        """One clip of a conversation: a tar member by position, a segment of a file, or a whole file."""
+    def load_clip(self, clip: Clip, read: Any = decode_audio) -> Any:
+        """One clip of a conversation: a tar member by position, a segment of a file, or a whole file
+        (``read``: as `_load`'s)."""
         if clip.tar is not None:
             if clip.member_offset is None or clip.member_nbytes is None or clip.header_bytes is None:
                 raise MemberError("stale_index", f"{clip.tar}:{clip.path}: the clip has no member locator")
             data = self._locators.reader.read(
                 clip.tar, clip.path, clip.member_offset, clip.member_nbytes, clip.header_bytes
             )
-            return decode_audio(io.BytesIO(data), f"{clip.tar}:{clip.path}", self.sample_rate)
+            return read(io.BytesIO(data), f"{clip.tar}:{clip.path}", self.sample_rate)
         if clip.offset is None:
-            return load_audio(clip.path, self.sample_rate)
+            return load_audio(clip.path, self.sample_rate, read=read)
         if not os.path.isfile(clip.path):
             raise FileNotFoundError(
                 f"audio file {clip.path} does not exist: fix the clip's path in the manifest"
             )
-        return decode_audio(clip.path, clip.path, self.sample_rate, start=clip.offset, duration=clip.duration)
+        return read(clip.path, clip.path, self.sample_rate, start=clip.offset, duration=clip.duration)
 
     def _tokens(self, i: int) -> list[int] | DroppedSample:
         """Row `i`'s token ids, or the DroppedSample saying why its text cannot be trained on."""

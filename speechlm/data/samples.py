@@ -6,11 +6,23 @@ conversation samples for it, does not import the dataset back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["DroppedSample", "Sample"]
+__all__ = ["DroppedSample", "PendingClip", "Sample"]
+
+
+@dataclass(frozen=True)
+class PendingClip:
+    """A clip whose length is known (its header) and whose samples are not decoded yet
+    (`SpeechDataset(defer_audio=True)`; `speechlm.data.local_decode` decodes it where it is encoded)."""
+
+    load: Callable[..., Any]  # load(read=decode_audio) -> float32 samples
+    where: str  # the manifest, row and clip, for messages
+    samples: int  # what the header says decoding will return
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class Sample:
     prompt_mask: torch.Tensor | None = None  # [P] bool, True on the supervised tokens
     ctc_tokens: tuple[torch.Tensor, ...] = ()  # per clip, [K] int64
     task: str = "asr"
+    pending: tuple[PendingClip, ...] = ()  # defer_audio: per clip, in ``clips``' order; ``clips`` are empty
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ Functions of (model, layout): ``model`` is the `SpeechLLM` (its features, encode
 ``layout`` its `parallel.cp_layout.CPLayout` (``NullCPLayout`` with one CP rank). `SpeechLLM.forward` calls
 them in this order, once per micro-batch:
 
+    plan_audio(model, layout, batch, ...)          the lengths, the sequences' plan, the encoding plan and
+                                                   the clip sharding, from lengths alone (the data pipeline
+                                                   runs it too: `speechlm.model.clip_planner`)
+    check_clips_present(batch, audio_plan, layout) every clip this rank's encoder reads was decoded here
     encoding_plan(layout, plan, ...)               which rank encodes each clip, which clips are gathered
     clip_sharding(model, layout, frames)           which clips the encoder shards over the CP group
     prepare_slices(model, layout, audio, sharding)  this rank's slice of each (features of its span)
@@ -46,17 +50,52 @@ import torch
 from torch import Tensor
 
 from parallel.clip_handover import Handover, clip_needs
-from parallel.clip_placement import ClipSharding, shard_bounds, short_clip_frames
+from parallel.clip_placement import ClipSharding, clip_readers, shard_bounds, short_clip_frames
 from parallel.cp_layout import CPLayout, CPPlan, dummy_clip, plan_for_clips
-from speechlm.model.conversation_inputs import conversation_seq_lens
+from speechlm.model.conversation_inputs import (
+    batch_field,
+    clips_per_sample,
+    conversation_prompts,
+    conversation_seq_lens,
+    optional_field,
+)
 from speechlm.model.ctc import CTCModel
 from speechlm.model.encoder_output import EncoderOutput
 from speechlm.model.encoders.base import AudioEncoder
-from speechlm.model.features import LogMelFeatures, compute_feature_lengths
+from speechlm.model.features import FeatureSettings, LogMelFeatures, compute_feature_lengths
 from speechlm.model.packed_encoder import PackedFrames
 from speechlm.model.projector import FrameStackProjector, compute_stacked_lengths
 from speechlm.model.sharded_encoder import ClipSlice, feature_span
 from speechlm.packing.thd import PackedBatch, pack_thd
+
+
+class EncoderLengths(Protocol):
+    """What the placement reads of an encoder: its frame arithmetic (`AudioEncoder` has it)."""
+
+    @property
+    def feature_settings(self) -> FeatureSettings: ...
+    @property
+    def subsampling(self) -> int: ...
+    @property
+    def slice_halo(self) -> int | None: ...
+    def output_lengths(self, feat_lens_B: Tensor) -> Tensor: ...
+
+
+class ProjectorStack(Protocol):
+    @property
+    def stack(self) -> int: ...
+
+
+class AudioShape(Protocol):
+    """What the placement reads of the model (`plan_audio`): lengths only (a `SpeechLLM`, or the data
+    pipeline's `speechlm.model.clip_planner.ModelShape`)."""
+
+    @property
+    def encoder(self) -> EncoderLengths: ...
+    @property
+    def projector(self) -> ProjectorStack: ...
+    @property
+    def encoder_packed(self) -> bool: ...
 
 
 class AudioModel(CTCModel, Protocol):
@@ -90,7 +129,7 @@ class AudioLengths:
     embeds: list[int]  # projected rows, what each clip takes in the LLM's stream
 
 
-def audio_lengths(model: AudioModel, audio_lens_B: Tensor) -> AudioLengths:
+def audio_lengths(model: AudioShape, audio_lens_B: Tensor) -> AudioLengths:
     """Every length of the audio side from the sample counts alone (one copy to the host): what the
     encoder and projector will return, known before they run (dynamic CP places sequences with it)."""
     samples_B = audio_lens_B.cpu()
@@ -98,6 +137,63 @@ def audio_lengths(model: AudioModel, audio_lens_B: Tensor) -> AudioLengths:
     enc_B = model.encoder.output_lengths(feat_B)
     rows_B = compute_stacked_lengths(enc_B, model.projector.stack)
     return AudioLengths(*([int(n) for n in t.tolist()] for t in (samples_B, feat_B, enc_B, rows_B)))
+
+
+@dataclass(frozen=True)
+class AudioPlan:
+    """Where a micro-batch's audio goes under the layout, known before any clip is decoded (`plan_audio`)."""
+
+    lens: AudioLengths
+    prompts: list[tuple[Tensor, Tensor]]  # each row's rendered prompt and target mask
+    clip_sample: list[int]  # the row of each clip
+    clip_counts: list[int]  # clips per row
+    seq_lens: list[int]  # packed length per row (compressed audio: an upper bound)
+    plan: CPPlan  # per sequence (`CPLayout.place`)
+    enc_plan: CPPlan  # per clip (`encoding_plan`)
+    sharding: ClipSharding | None  # the clips sharded over the CP group, or None
+
+    def readers(self, cp_size: int) -> list[tuple[int, ...]]:
+        """Per clip, the CP ranks whose encoder reads its audio (`parallel.clip_placement.clip_readers`)."""
+        sharded = self.sharding.sharded if self.sharding is not None else ()
+        return clip_readers(self.enc_plan.clip_owners, sharded, cp_size)
+
+
+def plan_audio(
+    model: AudioShape, layout: CPLayout, batch: Any, *, audio_id: int, compressed: bool
+) -> AudioPlan:
+    """A conversation batch's `AudioPlan`: a pure function of its clip lengths (``audio_lens``) and rendered
+    prompts, so the same on every CP rank, in the model and where the batch is built."""
+    lens = audio_lengths(model, batch_field(batch, "audio_lens"))
+    prompts, clip_sample = conversation_prompts(batch, audio_id)
+    clip_counts = clips_per_sample(clip_sample, len(prompts))
+    seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)
+    plan = layout.place(seq_lens)
+    enc_plan = encoding_plan(layout, plan, clip_sample, lens.embeds, compressed=compressed)
+    sharding = clip_sharding(model, layout, lens.encoder)
+    return AudioPlan(lens, prompts, clip_sample, clip_counts, seq_lens, plan, enc_plan, sharding)
+
+
+def check_clips_present(batch: Any, audio_plan: AudioPlan, layout: CPLayout) -> None:
+    """Refuse to encode a clip that was not decoded on this rank (``batch.audio_present`` False: the data
+    pipeline decoded only the clips its placement gave this rank, `speechlm.data.local_decode`); its row of
+    ``audio`` holds no samples and must never be encoded as silence. No ``audio_present``: every clip is."""
+    present = optional_field(batch, "audio_present")
+    if present is None:
+        return
+    have = [bool(x) for x in present.tolist()]
+    rank = layout.cp_rank
+    missing = [
+        c for c, ranks in enumerate(audio_plan.readers(layout.cp_size)) if rank in ranks and not have[c]
+    ]
+    if missing:
+        c = missing[0]
+        rows = optional_field(batch, "indices") or []
+        row = rows[audio_plan.clip_sample[c]] if rows else audio_plan.clip_sample[c]
+        raise RuntimeError(
+            f"clip {c} (manifest row {row}) is encoded on CP rank {rank}, but the data pipeline did not decode "
+            f"it there ({len(missing)} such clip(s)): its placement and the model's disagree. Build the loader's "
+            "planner from this model and layout (speechlm.model.clip_planner), or set data.decode_local=false"
+        )
 
 
 def encoding_plan(
@@ -158,7 +254,7 @@ def encode_for_layout(
     return enc
 
 
-def clip_sharding(model: AudioModel, layout: CPLayout, enc_frames: Sequence[int]) -> ClipSharding | None:
+def clip_sharding(model: AudioShape, layout: CPLayout, enc_frames: Sequence[int]) -> ClipSharding | None:
     """Which clips of a micro-batch (``enc_frames``: encoder frames per clip) the encoder shards over the
     CP group (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP
     rank, an encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""

@@ -55,10 +55,7 @@ from speechlm.model.compression import compressed_output
 from speechlm.model.conversation_inputs import (
     as_conversation,
     batch_field,
-    clips_per_sample,
     conversation_ctc_targets,
-    conversation_prompts,
-    conversation_seq_lens,
 )
 from speechlm.model.cp_audio import audio_lengths
 from speechlm.model.encoder_output import EncoderOutput, projected_output
@@ -300,15 +297,14 @@ class SpeechLLM(nn.Module):
             )
         batch = as_conversation(batch, self.prompt)
         audio_BN, audio_lens_B = batch_field(batch, "audio"), batch_field(batch, "audio_lens")
-        lens = audio_lengths(self, audio_lens_B)  # placement first, from lengths known before encoding
-        prompts, clip_sample = conversation_prompts(batch, self.audio_id)
-        clip_counts = clips_per_sample(clip_sample, len(prompts))
-        seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)  # compressed: an upper bound
-        plan = lay.place(seq_lens)
         compressed = self.cfg.audio_compression != "none"
-        enc_plan = cp_audio.encoding_plan(lay, plan, clip_sample, lens.embeds, compressed=compressed)
+        # placement first, from lengths known before encoding (and before decoding: the data pipeline
+        # decodes on each rank only the clips this plan gives it, `speechlm.data.local_decode`)
+        ap = cp_audio.plan_audio(self, lay, batch, audio_id=self.audio_id, compressed=compressed)
+        cp_audio.check_clips_present(batch, ap, lay)
+        lens, prompts, clip_sample, clip_counts = ap.lens, ap.prompts, ap.clip_sample, ap.clip_counts
+        seq_lens, plan, enc_plan, sharding = ap.seq_lens, ap.plan, ap.enc_plan, ap.sharding
         ctc_tokens, ctc_lens = conversation_ctc_targets(batch, len(clip_sample))
-        sharding = cp_audio.clip_sharding(self, lay, lens.encoder)
         skip = sharding.sharded if sharding is not None else ()
         slices = cp_audio.prepare_slices(self, lay, audio_BN, lens, sharding) if sharding is not None else []
         enc = cp_audio.encode_for_layout(

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "packing": "benchmarks/bench_packing.py",  # BSHD / THD + padded encoder / THD end to end
     "eval": "benchmarks/bench_eval.py",  # greedy decoding: KV cache vs prefix recompute
     "decode": "benchmarks/bench_decode.py",  # joint CTC decoding at 49k ids: LLM alone / every token / top-K
+    "decode-local": "benchmarks/bench_decode_local.py",  # audio decoded per CP rank: every clip vs its own
     "cp": "benchmarks/bench_cp.py",  # CP step time on gloo/CPU, cp=1/2/4 on the same global batch
     "cp-placement": "benchmarks/bench_cp_placement.py",  # dynamic CP: padding, balance, ring traffic
     "attention": "benchmarks/bench_attention.py",  # one decoder layer per attention backend (CUDA)

@@ -15,15 +15,17 @@ saved epoch, and later epochs start at position 0 as in an uninterrupted run.
 
 from __future__ import annotations
 
+import copy
 import time
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from speechlm.data.dataset import Batch, SpeechDataset, build_dataloader
+from speechlm.data.dataset import Batch, Collator, SpeechDataset, build_dataloader
 from speechlm.data.drops import drop_advice, drop_listing, drop_reasons
+from speechlm.data.local_decode import LocalCollator, Planner
 from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.errors import DataError
 
@@ -63,6 +65,7 @@ class StepLoader:
         seed: int = 0,
         dp_rank: int = 0,
         max_dropped_fraction: float = 1.0,
+        collate_fn: Any = None,
     ):
         self._sampler = sampler  # ours alone: see the `sampler` property
         self.dataset = dataset
@@ -74,6 +77,38 @@ class StepLoader:
         self.consumed = {"epoch": sampler.epoch, "position": sampler.position}
         self.max_dropped_fraction = max_dropped_fraction
         self._active: Any = None  # the open epoch iterator (one at a time: see close())
+        # None: `Collator` (every clip decoded); `speechlm.data.local_decode.LocalCollator`: this rank's only
+        self.collate_fn = collate_fn
+
+    def decode_local(self, planner: Planner) -> None:
+        """Decode on this rank only the clips ``planner`` says its encoder reads (``data.decode_local``:
+        `speechlm.data.local_decode`; ``planner`` a `speechlm.model.clip_planner.ClipPlanner`)."""
+        if getattr(self.dataset, "renderer", None) is None:
+            raise ValueError("decode_local reads rows as conversations: the dataset needs the run's renderer")
+        self.dataset.defer_audio = True
+        self.collate_fn = LocalCollator(self.dataset.tokenizer.pad_id, planner)
+
+    def redecode(self, step: StepBatch) -> StepBatch:
+        """``step`` with its micro-batches read again from their sampler rows, every clip decoded (today's
+        `Collator`): what every rank does, at the same step, when a clip failed to decode on the one rank
+        that read it (`speechlm.data.local_decode`; agreed in the step's all-reduce, `module._agree_step`).
+        The rows, drops and checks are then those of decoding everything, identical on every rank."""
+        full = copy.copy(self.dataset)
+        full.defer_audio = False
+        collate = Collator(self.dataset.tokenizer.pad_id)
+        first = int(step.position["position"]) - len(step.micro_batches)
+        out, dropped = [], dict[str, int]()
+        for k, mb in enumerate(step.micro_batches):
+            if mb.source_rows is not None:
+                device = mb.audio.device
+                mb = collate(full.__getitems__(mb.source_rows)).to(device)
+            check_dropped_fraction(
+                mb, self.max_dropped_fraction, epoch=step.position["epoch"], position=first + k
+            )
+            for r, n in mb.dropped.items():
+                dropped[r] = dropped.get(r, 0) + n
+            out.append(mb)
+        return replace(step, micro_batches=out, dropped=dropped)
 
     @property
     def sampler(self) -> Any:
@@ -147,6 +182,7 @@ class StepLoader:
             pin_memory=self.pin_memory,
             persistent_workers=False,
             seed=self.seed + 1000 * epoch + 1_000_003 * self.dp_rank,
+            collate_fn=self.collate_fn,
         )
         buf: list[Any] = []
         wait = 0.0

@@ -109,13 +109,16 @@ def build_distributed_context(
     )
 
 
-def build_cp_layout(cfg: ExperimentConfig, dims: ParallelDims, rank: int, hidden: int) -> CPLayout:
+def build_cp_layout(
+    cfg: ExperimentConfig, dims: ParallelDims, rank: int, hidden: int, *, planning: bool = False
+) -> CPLayout:
     """The model's CP layout on this rank (`parallel.cp_layout`): the null one at cp = 1, else dynamic
-    CP over the mesh's CP group (``parallel.cp_split_threshold``; 0 splits every sequence)."""
+    CP over the mesh's CP group (``parallel.cp_split_threshold``; 0 splits every sequence). ``planning``:
+    without the group (placement only, `CPLayout.for_planning`: the data pipeline's, built before the mesh)."""
     if dims.cp == 1:
         return NullCPLayout(tp=dims.tp, pad_to_multiple=cfg.model.pad_to_multiple)
     return DynamicCPLayout(
-        group=dims.mesh["cp"].get_group(),
+        group=None if planning else dims.mesh["cp"].get_group(),
         cp_size=dims.cp,
         cp_rank=dims.cp_rank(rank),
         kind=cfg.parallel.cp_attention,

@@ -211,8 +211,9 @@ class SpeechLLMModule(L.LightningModule):
         """The step's one small all-reduce (before any forward, `step.agree_step`): labelled tokens and
         clips (the objective's normalisers; clips are the utterances), audio seconds and drop counts
         summed over data-parallel ranks, and the stop flags of every rank (SIGTERM received, data error
-        found, `trainer.max_minutes` passed), so that all ranks act on them at the same step
-        (`speechlm/train/preempt.py`).
+        found, `trainer.max_minutes` passed, a clip failed on the one rank that decoded it: then every rank
+        reads the step again with every clip decoded, `StepLoader.redecode`, and agrees once more), so that
+        all ranks act on them at the same step (`speechlm/train/preempt.py`).
 
         Returns the totals, whether to stop for SIGTERM (before this step) and whether the time limit
         has passed (after this step); raises the DroppedDataError of the rank
@@ -231,10 +232,17 @@ class SpeechLLMModule(L.LightningModule):
                 SIGTERM_FLAG.requested,
                 error is not None,
                 self.deadline is not None and time.time() > self.deadline,
+                any(getattr(b, "local_failure", None) for b in step_batch.micro_batches),
             ],
             skip=error is not None,
         )
-        sigterm, data_error, time_up = agreed.flags
+        sigterm, data_error, time_up, redecode = agreed.flags
+        if redecode and not data_error and self.data_pipeline is not None:
+            # a clip failed to decode on the one rank that read it (data.decode_local): every rank reads
+            # the step's rows again, every clip decoded, and agrees on those counts instead
+            again = self.data_pipeline.redecode(step_batch)
+            step_batch.micro_batches, step_batch.dropped = again.micro_batches, again.dropped
+            return self._agree_step(step_batch)
         if data_error:
             parts = self.step_ctx.collectives.gather_objects(error)
             rank, first = next((r, e) for r, e in enumerate(parts) if e)

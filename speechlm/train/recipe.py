@@ -37,6 +37,7 @@ from speechlm.data.run_inputs import (
 )
 from speechlm.data.sampler.stateful import DurationBucketBatchSampler
 from speechlm.metrics import lower_is_better
+from speechlm.model.clip_planner import ClipPlanner
 from speechlm.packing.prompt import PromptFormat
 from speechlm.preflight import checks as preflight
 from speechlm.preflight.rules import EPOCH_PLAN_RULE
@@ -50,6 +51,7 @@ from speechlm.train.callbacks import (
 )
 from speechlm.train.checkpoint import COMPLETE_NAME, resume_run, step_dir_name
 from speechlm.train.data import DroppedDataError, StepLoader
+from speechlm.train.distributed import build_cp_layout
 from speechlm.train.eval_rows import periodic_train_rows
 from speechlm.train.evaluate import final_evaluation, with_train_split
 from speechlm.train.faults import active_faults
@@ -101,6 +103,14 @@ def run_recipe(cfg: ExperimentConfig, *, dry_run: bool = False) -> dict[str, Any
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     loader = build_step_loader(cfg, inputs)
     module = SpeechLLMModule(cfg, inputs.tok, dims=inputs.dims, data_pipeline=loader)
+    if cfg.data.decode_local and inputs.dims.cp > 1:  # each CP rank decodes the clips it encodes
+        hidden = module.model.llm.config.hidden_size
+        layout = build_cp_layout(cfg, inputs.dims, rank, hidden, planning=True)
+        loader.decode_local(ClipPlanner.of(module.model, layout))
+        if rank == 0:
+            print(
+                f"data: each of the {inputs.dims.cp} CP ranks decodes only the clips it encodes (data.decode_local)"
+            )
     announce_model(cfg, module, run_dir, rank)
     metrics, trainer = build_trainer(cfg, inputs, run_dir)
     # 3. resume: model, optimizer and loops through fit; data position and RNG states per rank here

@@ -160,6 +160,7 @@ def test_demo_config_under_dynamic_cp_matches_one_process(demo_data, tmp_path, c
     r = torchrun(cp, [*common, "--cp-size", str(cp), f"trainer.run_dir={tmp_path / 'cp'}"])
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert f"cp={cp}" in r.stdout
+    assert "decodes only the clips it encodes" in r.stdout  # data.decode_local: the same losses (issue 40)
     ref, got = demo_losses(tmp_path / "one"), demo_losses(tmp_path / "cp")
     assert len(ref) == len(got) == 3
     assert got == pytest.approx(ref, rel=1e-5)
