@@ -281,7 +281,9 @@ def ct2_encode(files: tuple[Path, ...], feats_BFT: Tensor) -> Tensor | None:
             intra_threads=torch.get_num_threads(),
             files=contents,
         )
-    out = model.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(feats_BFT.numpy())), to_cpu=True)
+    out = model.encode(
+        ctranslate2.StorageView.from_array(np.ascontiguousarray(feats_BFT.numpy())), to_cpu=True
+    )
     return torch.from_numpy(np.asarray(out))[0].float()
 
 
@@ -312,7 +314,8 @@ def import_ct2_whisper(
     dtypes = {t.dtype for t in sd.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     cfg.dtype = dtype
-    model = WhisperForConditionalGeneration(cfg).to(dtype)
+    model: Any = WhisperForConditionalGeneration(cfg)
+    model = model.to(dtype)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     missing = [k for k in missing if k != "proj_out.weight"]  # tied to the token embedding
     if missing or unexpected:

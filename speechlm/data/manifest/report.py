@@ -33,7 +33,7 @@ class BuildReport:
 
     shards_dir: str
     out_dir: str
-    settings: dict[str, float | int] = field(default_factory=dict)
+    settings: dict[str, float | int | list[str]] = field(default_factory=dict)
     shards_read: int = 0
     rows_read: int = 0
     kept: dict[str, dict[str, int]] = field(default_factory=dict)  # lang -> {"train": n, "val": n}
