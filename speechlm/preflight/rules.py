@@ -285,11 +285,15 @@ TRAINING_RULES: tuple[Rule, ...] = (
         when="model.encoder.packed is unset and the encoder kind has no padding-free path",
         applies=lambda c: c.encoder_packed is None and c.encoder_kind not in PACKED_ENCODER_KINDS,
         reason=lambda c, d: (
-            f"encoder.kind={c.encoder_kind!r} runs on padded clips: its cost grows with "
+            "encoder.kind='whisper' runs every clip in Whisper's 30 s window (model.encoder.whisper_window="
+            "full): a 2 s clip costs the encoder what a 30 s one does"
+            if c.encoder_kind == "whisper"
+            else f"encoder.kind={c.encoder_kind!r} runs on padded clips: its cost grows with "
             "the longest clip of each micro-batch, not with the audio"
         ),
         fix="nothing to change for correctness; set model.encoder.packed=false to silence this, or use "
-        "encoder.kind=parakeet for a padding-free encoder",
+        "encoder.kind=parakeet for a padding-free encoder (whisper: model.encoder.whisper_window=clip is "
+        "cheaper but not the representation Whisper was trained with, docs/pretrained.md)",
         doc="A reminder that the padding-free encoder is Parakeet-only: with Whisper or NeMo encoders the "
         "encoder, projector input and CTC head compute padding frames, so a wide duration mix wastes "
         "encoder FLOPs (see docs/benchmarks.md).",
