@@ -276,7 +276,7 @@ def gpu_steps(out: Path) -> list[Step]:
                 Command(speechlm("encoder", "import", "--from", "tiny.en", "--out", str(models / "whisper")),
                         unless="models/whisper/config.json"),
                 Command(speechlm("manifest", "build", str(REPO / "data/demo/shards"), "--lang", "en",
-                                 "--out", str(manifest)),
+                                 "--val-fraction", "0.2", "--out", str(manifest)),
                         probes=(probe_cli("manifest", "build"),), unless="demo_en/train.parquet"),
                 Command(speechlm("bench", "pretrained-lora", "--config", str(REPO / RECIPE_CONFIG),
                                  "--encoder", str(models / "whisper"), "--llm", str(models / "smollm2"),
