@@ -33,7 +33,7 @@ from parallel.ring_attention import plan_ring, ring_attention_thd
 from parallel.varlen import varlen_attention
 from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
-__all__ = ["CPAttention", "CPAttentionContext", "PlacedCPAttention"]
+__all__ = ["CPAttention", "CPAttentionContext", "PlacedCPAttention", "attention_by_degree"]
 
 SplitFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 WholeFn = Callable[[Tensor, Tensor, Tensor, VarlenMeta], Tensor]
@@ -168,3 +168,52 @@ class PlacedCPAttention:
             lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
             lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
         )
+
+
+def attention_by_degree(
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    segments: list[tuple[int, list[int]]],
+    groups: dict[int, Any],
+    cp_rank: int,
+    kind: str,
+    scale: float | None,
+) -> Tensor:
+    """Hybrid CP degrees (`parallel.cp_placement.HybridPlacement`): attention over a local stream of
+    segments, one per degree, largest first, ``segments[j] = (d, cu_local)`` with ``cu_local`` the host
+    boundaries of this rank's rows of the segment's sequences (each sharded over its aligned sub-group of d
+    ranks as `parallel.cp_shard.shard_thd` does; d = 1: whole sequences, attended locally). A degree-d
+    segment runs ring or all-gather attention over ``groups[d]`` (this rank's aligned sub-group of that
+    degree, `ParallelDims.build_cp_subgroups`; the whole CP group for d = cp) as rank ``cp_rank % d``.
+    Every rank walks the degrees in the same order and the members of a sub-group share one placement,
+    so they skip an empty segment together and no collective waits on a rank that is elsewhere."""
+    fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
+    parts, start = [], 0
+    for d, cu in segments:
+        rows = cu[-1] if cu else 0
+        if rows == 0:
+            continue
+        q, k, v = q_THD[start : start + rows], k_TGD[start : start + rows], v_TGD[start : start + rows]
+        if d == 1:
+            meta = build_varlen_meta(cu, device=q_THD.device)
+            parts.append(varlen_attention(q, k, v, meta, causal=True, scale=scale))
+        else:
+            cu_local = torch.tensor(cu, dtype=torch.int32, device=q_THD.device)
+            parts.append(
+                fn(
+                    q,
+                    k,
+                    v,
+                    cu_local,
+                    group=groups[d],
+                    cp_size=d,
+                    cp_rank=cp_rank % d,
+                    scale=scale,
+                    causal=True,
+                )
+            )
+        start += rows
+    if start != q_THD.shape[0]:
+        raise ValueError(f"the segments cover {start} rows, the local stream has {q_THD.shape[0]}")
+    return torch.cat(parts)
