@@ -398,7 +398,7 @@ def place_hybrid(
        higher), for the smallest k that balances (k = 0, 1, ... in turn).
 
     The balanced candidate with the fewest computed tokens wins (ties: fewer tokens whose K/V travel, then
-    the earlier candidate); if none balances, every sequence is split over all cp ranks (balanced exactly).
+    the earlier candidate; a candidate whose own padding already exceeds the best is not packed); if none balances, every sequence is split over all cp ranks (balanced exactly).
     A pure function of the lengths: every rank, and a resumed run, finds the same plan."""
     lens = _checked_lengths(lengths, cp, tp, pad_to_multiple)
     degrees = cp_degrees(cp)
@@ -410,10 +410,17 @@ def place_hybrid(
 
     tried: dict[tuple[int, ...], bool] = {}
 
-    def balanced(degree: list[int]) -> bool:
+    def settled(degree: list[int]) -> bool:
+        """Pack ``degree`` and keep it if it balances with fewer tokens than the best so far. True when it
+        balances, or when its sequences' own padding alone already exceeds the best plan's tokens (so no
+        plan that splits more at this level can win either, and it is not packed)."""
         nonlocal best
         key = tuple(degree)
         if key not in tried:
+            floor = sum(-(-n // sequence_multiple(d)) * sequence_multiple(d) for n, d in zip(lens, degree))
+            if best is not None and floor > sum(best.padded):
+                tried[key] = True
+                return True
             p = _pack_hybrid(lens, degree, cp, tp, pair_cost, pad_to_multiple)
             # a rank's load is 0 only when it holds no token (every sequence costs at least 1)
             tried[key] = p.max_over_mean() <= tolerance and min(p.loads) > 0
@@ -421,18 +428,18 @@ def place_hybrid(
                 best = p
         return tried[key]
 
-    balanced(least)
+    settled(least)
     for k in range(1, min(cp, len(lens) + 1)):
         spread = _spread_degrees(k, degrees)
         for picked in (longest[:k], longest[::-1][:k], _least_padded(lens, spread, longest)):
             degree = list(least)
             for i, d in zip(picked, spread):
                 degree[i] = max(d, least[i])
-            balanced(degree)
+            settled(degree)
     for level in degrees[1:]:
         for k in range(len(lens) + 1):
             chosen = set(longest[:k])
-            if balanced([max(level, least[i]) if i in chosen else least[i] for i in range(len(lens))]):
+            if settled([max(level, least[i]) if i in chosen else least[i] for i in range(len(lens))]):
                 break
     return best or _pack_hybrid(lens, [cp] * len(lens), cp, tp, pair_cost, pad_to_multiple)
 
