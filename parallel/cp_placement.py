@@ -138,8 +138,24 @@ class CPPlacement:
             work[r] += self.lengths[i]
         return owners
 
+    def sequence_ranks(self, i: int) -> range:
+        """The CP ranks that compute sequence i: all of them when it is split, else its owner."""
+        return range(self.cp) if self.split[i] else range(self.owner[i], self.owner[i] + 1)
+
+    def clip_readers(self, i: int, *, sharded: bool = False) -> range:
+        """The CP ranks that need sequence i's audio: its clip owner alone, or with ``sharded`` (the encoder
+        shards a long clip over the CP group) every rank (`HybridPlacement.clip_readers` likewise)."""
+        return _readers(self, i, sharded)
+
     def local(self, rank: int) -> LocalPlacement:
         return LocalPlacement(self, rank)
+
+
+def _readers(placement: CPPlacement | HybridPlacement, i: int, sharded: bool) -> range:
+    if sharded:
+        return placement.sequence_ranks(i)
+    owner = placement.clip_owners()[i]
+    return range(owner, owner + 1)
 
 
 @dataclass(frozen=True)
@@ -367,10 +383,7 @@ class HybridPlacement:
     def clip_readers(self, i: int, *, sharded: bool = False) -> range:
         """The CP ranks that need sequence i's audio: its clip owner alone, or with ``sharded`` (the
         encoder shards a long clip over the sequence's sub-group) every rank of the sub-group."""
-        if sharded:
-            return self.sequence_ranks(i)
-        owner = self.clip_owners()[i]
-        return range(owner, owner + 1)
+        return _readers(self, i, sharded)
 
 
 def place_hybrid(

@@ -126,6 +126,15 @@ def test_clip_owners_and_readers_stay_inside_the_sub_group():
             assert owners[i] == p.first[i]
 
 
+def test_whole_or_all_says_which_ranks_need_a_clip_the_same_way():
+    p = place_sequences([400, 30, 35, 28, 33], 4, threshold=100)
+    owners = p.clip_owners()
+    assert list(p.sequence_ranks(0)) == [0, 1, 2, 3] and list(p.clip_readers(0)) == [owners[0]]
+    assert list(p.clip_readers(0, sharded=True)) == [0, 1, 2, 3]
+    for i in range(1, 5):
+        assert list(p.sequence_ranks(i)) == list(p.clip_readers(i)) == [p.owner[i]]
+
+
 def bucketed_micro_batches(rows: int, seconds: float, seed: int = 0) -> list[list[int]]:
     """Packed lengths of the micro-batches of a fixed ``seconds`` budget, made as the sampler makes them:
     log-normal durations (median 5 s, sigma 0.8, 0.5-20 s: `speechlm bench cp-placement`'s mix), 30 duration
