@@ -17,7 +17,7 @@ import torch
 from parallel.attention_ops import varlen_attention_reference
 from parallel.cp_attention import attention_by_degree
 from parallel.cp_placement import HybridPlacement, place_hybrid
-from parallel.cp_shard import shard_thd
+from parallel.cp_shard import shard_by_degree, shard_thd
 from parallel.mesh import ParallelDims
 from parallel.testing import run_distributed
 
@@ -41,17 +41,13 @@ def _stream(p: HybridPlacement) -> tuple[list[int], tuple[torch.Tensor, ...]]:
 
 
 def _local_rows(p: HybridPlacement, starts: list[int], rank: int) -> tuple[torch.Tensor, list]:
-    """Rank's global row indices, segment by segment, and the segments' local host boundaries."""
-    rows, segments = [], []
-    for d, seqs in p.segments(rank):
-        idx = torch.cat([torch.arange(starts[i], starts[i] + p.padded[i]) for i in seqs]) if seqs else None
-        cu = torch.tensor([0, *torch.tensor([p.padded[i] for i in seqs]).cumsum(0).tolist()])
-        if idx is not None and d > 1:
-            idx, cu, _ = shard_thd(idx, cu.to(torch.int32), d, rank % d)
-        if idx is not None:
-            rows.append(idx)
-        segments.append((d, [int(c) for c in cu.tolist()] if seqs else []))
-    return torch.cat(rows), segments
+    """Rank's global row indices, segment by segment (`shard_by_degree`), and the segments' local host
+    boundaries."""
+    by_segment = [(d, [p.padded[i] for i in seqs]) for d, seqs in p.segments(rank)]
+    order = [i for _, seqs in p.segments(rank) for i in seqs]
+    rows = [torch.arange(starts[i], starts[i] + p.padded[i]) for i in order]
+    local, segments = shard_by_degree({"idx": torch.cat(rows)}, by_segment, rank)
+    return local["idx"], segments
 
 
 def _worker(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
@@ -107,3 +103,30 @@ def test_every_rank_creates_the_sub_groups_in_one_order() -> None:
                       (2, [8, 10]), (2, [12, 14]), (2, [9, 11]), (2, [13, 15])]  # fmt: skip
     assert [d for d, _ in ParallelDims(8, cp=8).cp_subgroup_ranks()] == [4, 4, 2, 2, 2, 2]
     assert ParallelDims(4, cp=2, tp=2).cp_subgroup_ranks() == [] == ParallelDims(4).cp_subgroup_ranks()
+
+
+def test_shard_by_degree_keeps_each_rank_its_chunks_of_every_segment() -> None:
+    p = place_hybrid(LENGTHS[8], 8)
+    starts, _ = _stream(p)
+    seen = []
+    for rank in range(8):
+        idx, segments = _local_rows(p, starts, rank)
+        assert [d for d, _ in segments] == [8, 4, 2, 1]  # largest first, the whole part last
+        assert sum(cu[-1] for _, cu in segments if cu) == idx.numel() == p.local_tokens(rank)
+        pos = 0
+        for d, seqs in p.segments(rank):  # each degree-d segment: the rows shard_thd keeps
+            if not seqs:
+                continue
+            rows = torch.cat([torch.arange(starts[i], starts[i] + p.padded[i]) for i in seqs])
+            cu = torch.tensor(
+                [0, *torch.tensor([p.padded[i] for i in seqs]).cumsum(0).tolist()], dtype=torch.int32
+            )
+            want = shard_thd(rows, cu, d, rank % d)[0] if d > 1 else rows
+            assert torch.equal(idx[pos : pos + want.numel()], want)
+            pos += want.numel()
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(starts[-1]))
+    with pytest.raises(ValueError, match="must divide by 4"):
+        shard_by_degree({"x": torch.zeros(6)}, [(2, [6])], 0)
+    with pytest.raises(ValueError, match="the segments hold 8"):
+        shard_by_degree({"x": torch.zeros(9)}, [(2, [8])], 0)
