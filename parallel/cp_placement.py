@@ -18,8 +18,9 @@ Hybrid degrees (`place_hybrid`, `HybridPlacement`): a sequence whole on one rank
 sub-group of degree 2, 4, ..., cp (ranks ``[k·d, k·d + d)``), whichever the balance needs, padded to a
 multiple of 2·d only. A fixed micro-batch of speech holds only one or two utterances per rank at cp = 8,
 where splitting over all eight pads every split one to a multiple of 16: whole-or-all computes ~3% padding
-there, hybrid degrees under 1% (`speechlm plan` prints both). Training does not run it yet: the attention
-and encoder sharding over sub-groups are still to come (`place_sequences` is what `DynamicCPLayout` runs).
+there, hybrid degrees under 1% (`speechlm plan` prints both). Training runs it with
+``parallel.cp_degrees=hybrid`` (`parallel.hybrid_layout.HybridCPLayout`); `place_sequences` is what
+`DynamicCPLayout` runs.
 
 Whole sequences are dealt to ranks by longest-processing-time first: in order of decreasing
 modelled cost (ties: lower index first), each goes to the rank with the least load so far (ties:
@@ -138,6 +139,11 @@ class CPPlacement:
             work[r] += self.lengths[i]
         return owners
 
+    @property
+    def degree(self) -> tuple[int, ...]:
+        """Per sequence: the ranks it is split over (cp, or 1: whole), as `HybridPlacement.degree`."""
+        return tuple(self.cp if s else 1 for s in self.split)
+
     def sequence_ranks(self, i: int) -> range:
         """The CP ranks that compute sequence i: all of them when it is split, else its owner."""
         return range(self.cp) if self.split[i] else range(self.owner[i], self.owner[i] + 1)
@@ -160,9 +166,10 @@ def _readers(placement: CPPlacement | HybridPlacement, i: int, sharded: bool) ->
 
 @dataclass(frozen=True)
 class LocalPlacement:
-    """One rank's view of a `CPPlacement`: what it packs, in which order, to which lengths."""
+    """One rank's view of a `CPPlacement` or `HybridPlacement` (the `parallel.cp_layout.CPPlan` of dynamic CP
+    and of hybrid degrees): what it packs, in which order, to which lengths."""
 
-    placement: CPPlacement
+    placement: CPPlacement | HybridPlacement
     rank: int
 
     @property
@@ -174,8 +181,16 @@ class LocalPlacement:
         return [self.placement.padded[i] for i in self.indices]
 
     @property
+    def local_degrees(self) -> list[int]:
+        return [self.placement.degree[i] for i in self.indices]
+
+    @property
     def n_split(self) -> int:
-        return len(self.placement.split_indices)
+        return sum(d > 1 for d in self.local_degrees)
+
+    @property
+    def degrees(self) -> list[int]:
+        return list(self.placement.degree)
 
     @property
     def clip_owners(self) -> list[int]:
@@ -184,7 +199,7 @@ class LocalPlacement:
     @property
     def gathered(self) -> list[bool]:
         """Per clip: its sequence is split, so its embeddings go to every rank."""
-        return list(self.placement.split)
+        return [d > 1 for d in self.placement.degree]
 
 
 def place_sequences(
@@ -384,6 +399,9 @@ class HybridPlacement:
         """The CP ranks that need sequence i's audio: its clip owner alone, or with ``sharded`` (the
         encoder shards a long clip over the sequence's sub-group) every rank of the sub-group."""
         return _readers(self, i, sharded)
+
+    def local(self, rank: int) -> LocalPlacement:
+        return LocalPlacement(self, rank)
 
 
 def place_hybrid(

@@ -76,6 +76,11 @@ def test_layouts_match_single_process(world, backend):
     skip_unless_backend(backend, world)
     layouts = [lay for lay in LAYOUTS if lay.world == world]
     got = run_distributed(rank_layouts, world, backend, layouts, N_STEPS, backend, timeout_s=1100)
+    assert_layouts_match(layouts, got)
+
+
+def assert_layouts_match(layouts: list[Layout], got: list) -> None:
+    """Every layout's results (``got[rank][i]`` for ``layouts[i]``) match one process, failures listed."""
     failed = []
     for i, lay in enumerate(layouts):
         try:
