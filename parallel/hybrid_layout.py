@@ -33,6 +33,7 @@ this; the validator refuses ``model.attention_backend=te`` with hybrid degrees (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import groupby
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 
 from parallel.clip_placement import ClipSharding, place_clips
-from parallel.cp_attention import SplitFn, WholeFn, attention_by_degree
+from parallel.cp_attention import SplitFn, WholeFn, attention_by_degree, prepare_by_degree
 from parallel.cp_layout import CPPlan, DynamicCPLayout
 from parallel.cp_placement import LocalPlacement, place_hybrid
 from parallel.cp_shard import shard_by_degree
@@ -75,10 +76,17 @@ class HybridAttention:
         cp_rank: int,
         kind: str,
         global_ranks: list[int],
+        device: torch.device,
     ):
         self.segments, self.groups = segments, dict(groups)
         self.kind, self.cp_size, self.cp_rank = kind, cp_size, cp_rank
         self.group, self.global_ranks = self.groups.get(cp_size), global_ranks
+        self.device = device
+
+    @functools.cached_property
+    def prepared(self) -> list[dict[str, Any]]:
+        """Built by the first layer, from host integers, for every layer (`prepare_by_degree`)."""
+        return prepare_by_degree(self.segments, self.cp_rank, self.kind, self.device)
 
     @property
     def split_cu_global(self) -> Tensor:
@@ -92,7 +100,7 @@ class HybridAttention:
         self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
     ) -> Tensor:
         return attention_by_degree(
-            q_THD, k_TGD, v_TGD, self.segments, self.groups, self.cp_rank, self.kind, scale
+            q_THD, k_TGD, v_TGD, self.segments, self.groups, self.cp_rank, self.kind, scale, self.prepared
         )
 
     def run(
@@ -161,6 +169,5 @@ class HybridCPLayout(DynamicCPLayout):
             segments.append((d, [c - cu[k] for c in cu[k : k + len(lengths) + 1]]))
             k += len(lengths)
         groups = {**self.subgroups, self.cp_size: self.group}
-        return HybridAttention(
-            segments, groups, self.cp_size, self.cp_rank, self.kind, self.cp_attention.global_ranks
-        )
+        ranks, device = self.cp_attention.global_ranks, meta.cu_seqlens_q.device
+        return HybridAttention(segments, groups, self.cp_size, self.cp_rank, self.kind, ranks, device)

@@ -68,10 +68,13 @@ def test_plan_and_shard_follow_the_segments():
 
 
 def test_attention_context_segments_from_the_local_stream():
-    meta = build_varlen_meta(torch.tensor([0, 4, 6, 9, 14, 20], dtype=torch.int32))
+    meta = build_varlen_meta(torch.tensor([0, 4, 6, 10, 15, 21], dtype=torch.int32))
     ctx = _layout(4, 1).attention_context(meta, 3, (4, 2, 2, 1, 1))
-    assert ctx.segments == [(4, [0, 4]), (2, [0, 2, 5]), (1, [0, 5, 11])]
+    assert ctx.segments == [(4, [0, 4]), (2, [0, 2, 6]), (1, [0, 5, 11])]
     assert ctx.group is None and set(ctx.groups) == {2, 4}
+    prepared = ctx.prepared  # once per micro-batch: the ring plans and boundaries of each segment
+    assert "plans" in prepared[0] and prepared[0]["cu_local"].tolist() == [0, 4]
+    assert prepared[1]["cu_local"].tolist() == [0, 2, 6] and list(prepared[2]["meta"].cu_q) == [0, 5, 11]
     with pytest.raises(ValueError, match="degree"):
         _layout(4, 1).attention_context(meta, 3, ())
     with pytest.raises(ValueError, match="must not increase"):
