@@ -135,7 +135,19 @@ GROUPS = {
         Layout("cp8-hybrid", 1, 8, 1, split_threshold="auto", overrides=HYBRID),
         Layout("dp2-cp4-hybrid", 2, 4, 1, "allgather", split_threshold="auto", overrides=HYBRID),
     ],
+    # samples of several clips or none (`plan_for_clips` over a hybrid plan), and TP rounding of a degree
+    "world4-mixed": [
+        Layout("cp4-hybrid-conv", 1, 4, 1, split_threshold="auto", overrides=HYBRID, batches="conversations"),
+        Layout("cp4-hybrid-text", 1, 4, 1, split_threshold="auto", overrides=HYBRID, batches="text+audio"),
+        Layout("cp2-tp2-hybrid", 1, 2, 2, split_threshold="auto", overrides=HYBRID),
+    ],
 }
+
+
+def _layout_reference(lay: Layout) -> dict:
+    from test_multiclip_layouts import reference
+
+    return reference(lay.dp, lay.batches)
 
 
 @pytest.mark.multiproc
@@ -146,9 +158,10 @@ GROUPS = {
         "cp4-ring",
         pytest.param("cp4-allgather", marks=pytest.mark.slow),
         pytest.param("world8", marks=pytest.mark.slow),
+        pytest.param("world4-mixed", marks=pytest.mark.slow),
     ],
 )
 def test_hybrid_layouts_match_single_process(group):
     layouts = GROUPS[group]
     got = run_distributed(rank_layouts, layouts[0].world, "gloo", layouts, N_STEPS, "gloo", timeout_s=1100)
-    assert_layouts_match(layouts, got)
+    assert_layouts_match(layouts, got, _layout_reference)
