@@ -11,6 +11,9 @@ layout before dynamic CP), and prints, side by side:
 - the tokens whose K/V travel on the ring, as a share of all computed tokens, and the ratio of K/V
   bytes sent per layer against splitting everything (ring bytes are proportional to those tokens:
   ``(cp - 1) * tokens * 2 * kv_heads * head_dim * bytes`` over the group, for either layout);
+- the same three for hybrid CP degrees (`parallel.cp_placement.place_hybrid`: each utterance whole or
+  split over an aligned sub-group of 2, 4, ..., cp ranks; ``THD hyb``, ``(hyb)``), which training does not
+  run yet;
 - the training path's placement cost: the mean wall time of one `place_sequences` call (what
   `DynamicCPLayout.place` runs on every rank for every micro-batch) over the plan's micro-batches,
   with ``auto``, in microseconds, and the most sequences one micro-batch holds (``--time-placement``;
@@ -91,7 +94,8 @@ def plan(manifest: Path, cp: int, threshold: str, budget_s: float, out: Path) ->
             "--max-batch-duration", str(budget_s), "--json", str(out)]  # fmt: skip
     if main(argv) != 0:
         raise RuntimeError(f"speechlm {' '.join(argv)} failed")
-    return json.loads(out.read_text())["padding"]
+    summary = json.loads(out.read_text())
+    return {**summary["padding"], "hybrid": summary["cp_layouts"]["hybrid"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cp_max_over_mean": dyn["cp_max_over_mean"],
                     "cp_max_over_mean_split_all": old["cp_max_over_mean"],
                     "ring_token_share": dyn["cp_ring_token_share"],
+                    "thd_efficiency_hybrid": dyn["hybrid"]["efficiency"],
+                    "cp_max_over_mean_hybrid": dyn["hybrid"]["max_over_mean"],
+                    "ring_token_share_hybrid": dyn["hybrid"]["ring_token_share"],
                     "kv_bytes_vs_split_all": ring_dyn / max(ring_old, 1.0),
                     "place_us_per_micro_batch": timer.microseconds_per_call,
                     "placed_micro_batches": timer.calls,
@@ -152,14 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.rows:,} utterances, log-normal median 5 s clipped to 0.5-{args.max_seconds:g} s, "
         f"{args.max_batch_duration:g} s micro-batches" + (" per CP rank" if args.per_rank else "")
     )
-    print(f"{'cp':>3} {'split >':>8} {'THD dyn':>8} {'THD all':>8} {'BSHD':>6} {'max/mean':>9} "
-          f"{'(all)':>6} {'ring tok':>9} {'K/V vs all':>11}")  # fmt: skip
+    print(f"{'cp':>3} {'split >':>8} {'THD dyn':>8} {'THD all':>8} {'THD hyb':>8} {'BSHD':>6} {'max/mean':>9} "
+          f"{'(all)':>6} {'(hyb)':>6} {'ring tok':>9} {'(hyb)':>6} {'K/V vs all':>11}")  # fmt: skip
     for r in rows:
         print(
             f"{r['cp']:>3} {r['threshold_tokens']:>8} {100 * r['thd_efficiency']:>7.1f}% "
-            f"{100 * r['thd_efficiency_split_all']:>7.1f}% {100 * r['bshd_efficiency']:>5.1f}% "
-            f"{r['cp_max_over_mean']:>9.3f} {r['cp_max_over_mean_split_all']:>6.3f} "
-            f"{100 * r['ring_token_share']:>8.1f}% {r['kv_bytes_vs_split_all']:>10.3f}x"
+            f"{100 * r['thd_efficiency_split_all']:>7.1f}% {100 * r['thd_efficiency_hybrid']:>7.1f}% "
+            f"{100 * r['bshd_efficiency']:>5.1f}% {r['cp_max_over_mean']:>9.3f} "
+            f"{r['cp_max_over_mean_split_all']:>6.3f} {r['cp_max_over_mean_hybrid']:>6.3f} "
+            f"{100 * r['ring_token_share']:>8.1f}% {100 * r['ring_token_share_hybrid']:>5.1f}% "
+            f"{r['kv_bytes_vs_split_all']:>10.3f}x"
         )
     if args.time_placement:  # a measurement, so not in the table above (docs/benchmarks.md checks that)
         print("\nplacement per micro-batch (`place_sequences`, auto), as training runs it on every rank:")

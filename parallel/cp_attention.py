@@ -21,7 +21,7 @@ placement is identical on every CP rank, so either all ranks run the collective 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +33,14 @@ from parallel.ring_attention import plan_ring, ring_attention_thd
 from parallel.varlen import varlen_attention
 from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
-__all__ = ["CPAttention", "CPAttentionContext", "PlacedCPAttention"]
+__all__ = [
+    "CPAttention",
+    "CPAttentionContext",
+    "PlacedCPAttention",
+    "attention_by_degree",
+    "plan_cp",
+    "prepare_by_degree",
+]
 
 SplitFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 WholeFn = Callable[[Tensor, Tensor, Tensor, VarlenMeta], Tensor]
@@ -63,6 +70,16 @@ class CPAttentionContext(Protocol):
     ) -> Tensor: ...
 
 
+def plan_cp(
+    kind: str, host_cu: list[int], cp_size: int, cp_rank: int, device: torch.device
+) -> dict[str, Any]:
+    """The keyword arguments that spare ring (``plans``) or all-gather (``plan``) attention over ``cp_size``
+    ranks any read of ``cu_seqlens_local`` from the device: built once per micro-batch from host integers."""
+    if kind == "ring":
+        return {"plans": plan_ring(host_cu, host_cu[-1], cp_size, cp_rank, True, device)}
+    return {"plan": plan_allgather(host_cu, cp_size, cp_rank, True, device)}
+
+
 class CPAttention:
     """Ring or all-gather-KV attention over one CP group; `for_split_prefix` places it on a stream."""
 
@@ -79,9 +96,7 @@ class CPAttention:
     def prepare(self, host_cu: list[int], device: torch.device) -> dict[str, Any]:
         """What every layer of one micro-batch needs beyond the tensors, from host integers, once:
         the ring's step plans, or the all-gather's calls and permutation. No device sync in any layer."""
-        if self.kind == "ring":
-            return {"plans": plan_ring(host_cu, host_cu[-1], self.cp_size, self.cp_rank, True, device)}
-        return {"plan": plan_allgather(host_cu, self.cp_size, self.cp_rank, True, device)}
+        return plan_cp(self.kind, host_cu, self.cp_size, self.cp_rank, device)
 
     def attention(
         self,
@@ -168,3 +183,66 @@ class PlacedCPAttention:
             lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
             lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
         )
+
+
+def attention_by_degree(
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    segments: list[tuple[int, list[int]]],
+    groups: dict[int, Any],
+    cp_rank: int,
+    kind: str,
+    scale: float | None,
+    prepared: Sequence[Mapping[str, Any]] = (),
+) -> Tensor:
+    """Hybrid CP degrees (`parallel.cp_placement.HybridPlacement`): attention over a local stream of
+    segments, one per degree, largest first, ``segments[j] = (d, cu_local)`` with ``cu_local`` the host
+    boundaries of this rank's rows of the segment's sequences (each sharded over its aligned sub-group of d
+    ranks as `parallel.cp_shard.shard_thd` does; d = 1: whole sequences, attended locally). A degree-d
+    segment runs ring or all-gather attention over ``groups[d]`` (this rank's aligned sub-group of that
+    degree, `ParallelDims.build_cp_subgroups`; the whole CP group for d = cp) as rank ``cp_rank % d``.
+    Every rank walks the degrees in the same order and the members of a sub-group share one placement,
+    so they skip an empty segment together and no collective waits on a rank that is elsewhere.
+    ``prepared[j]`` (`prepare_by_degree`, once per micro-batch): segment j's varlen ``meta`` (d = 1) or its
+    ring/all-gather plan (`plan_cp`), so that no layer reads boundaries back from the device."""
+    fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
+    parts, start = [], 0
+    for j, (d, cu) in enumerate(segments):
+        rows = cu[-1] if cu else 0
+        if rows == 0:
+            continue
+        q, k, v = q_THD[start : start + rows], k_TGD[start : start + rows], v_TGD[start : start + rows]
+        extra = dict(prepared[j]) if prepared else {}
+        if d == 1:
+            meta = extra["meta"] if "meta" in extra else build_varlen_meta(cu, device=q_THD.device)
+            parts.append(varlen_attention(q, k, v, meta, causal=True, scale=scale))
+        else:
+            cu_local = extra.pop("cu_local", None)
+            if cu_local is None:
+                cu_local = torch.tensor(cu, dtype=torch.int32, device=q_THD.device)
+            group, rank = groups[d], cp_rank % d
+            parts.append(
+                fn(q, k, v, cu_local, group=group, cp_size=d, cp_rank=rank, scale=scale, causal=True, **extra)
+            )
+        start += rows
+    if start != q_THD.shape[0]:
+        raise ValueError(f"the segments cover {start} rows, the local stream has {q_THD.shape[0]}")
+    return torch.cat(parts)
+
+
+def prepare_by_degree(
+    segments: list[tuple[int, list[int]]], cp_rank: int, kind: str, device: torch.device
+) -> list[dict[str, Any]]:
+    """Per segment of `attention_by_degree`, what every layer needs from host integers, once: the whole
+    part's varlen ``meta``; a split segment's local boundaries (``cu_local``) and ring/all-gather plan."""
+    out: list[dict[str, Any]] = []
+    for d, cu in segments:
+        if not cu or cu[-1] == 0:
+            out.append({})
+        elif d == 1:
+            out.append({"meta": build_varlen_meta(cu, device=device)})
+        else:
+            cu_local = torch.tensor(cu, dtype=torch.int32, device=device)
+            out.append({"cu_local": cu_local, **plan_cp(kind, cu, d, cp_rank % d, device)})
+    return out

@@ -23,7 +23,7 @@ Audio whose LLM lengths are known only after the encoder (CTC compression) is en
 `plan_for_clips(..., gather_all=True)`: every clip gathered to every rank, then `place` runs again on
 the encoded lengths (`speechlm.model.cp_audio.place_encoded`).
 
-`CPLayout` is the protocol; two implementations:
+`CPLayout` is the protocol; three implementations:
 - `NullCPLayout` (one CP rank, the default of every model): every sequence whole here, encoding in
   one call, no sharding, no CP attention context (None). ``round_cp``/``tp``/``pad_to_multiple`` say
   how the packed lengths are rounded (`parallel.rounding.round_lengths`): a one-process reference can
@@ -31,6 +31,9 @@ the encoded lengths (`speechlm.model.cp_audio.place_encoded`).
 - `DynamicCPLayout` (cp > 1): dynamic CP (`parallel.cp_placement`), placed encoding
   (`parallel.dist_encode`), sharding (`parallel.cp_shard.shard_placed_thd`) and ring/all-gather
   attention (`parallel.cp_attention`), over a CP process group that stays opaque to the model.
+- `parallel.hybrid_layout.HybridCPLayout` (cp > 1, ``parallel.cp_degrees=hybrid``): a split sequence spans
+  an aligned sub-group of 2, 4, ..., cp ranks (`parallel.cp_placement.place_hybrid`); the plan's
+  ``local_degrees`` tell `attention_context` each local sequence's degree.
 
 The model never touches ``torch.distributed`` and never tests which layout it holds: the training
 layer builds the layout from the mesh and the config (`speechlm.train.distributed`) and hands it to
@@ -87,12 +90,22 @@ class CPPlan(Protocol):
 
     @property
     def n_split(self) -> int:
-        """How many of them (the first ones) are split over the CP group."""
+        """How many of them (the first ones) are split over the CP group (or a sub-group of it)."""
+        ...
+
+    @property
+    def local_degrees(self) -> list[int]:
+        """Per sequence of `indices`: the CP ranks it is split over (1: whole on this rank)."""
         ...
 
     @property
     def clip_owners(self) -> list[int]:
         """Per clip of the micro-batch: the CP rank that encodes it."""
+        ...
+
+    @property
+    def degrees(self) -> list[int]:
+        """Per clip of the micro-batch: the CP ranks its sequence is split over (1: whole)."""
         ...
 
     @property
@@ -133,8 +146,12 @@ class CPLayout(Protocol):
         whole clips by `encode_fn`; its entry is left None)."""
         ...
 
-    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
-        """Which clips the encoder shards over the CP group (`parallel.clip_placement.place_clips`)."""
+    def clip_sharding(
+        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+    ) -> ClipSharding:
+        """Which clips the encoder shards over the CP group (`parallel.clip_placement.place_clips`);
+        ``degrees``: `CPPlan.degrees` (hybrid degrees shard only a clip whose sequence is whole or split
+        over every CP rank)."""
         ...
 
     def halo(self) -> Exchange:
@@ -161,7 +178,11 @@ class CPLayout(Protocol):
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
     ) -> tuple[dict[str, Tensor], Tensor, int]: ...
 
-    def attention_context(self, meta: VarlenMeta, n_split: int) -> CPAttentionContext | None: ...
+    def attention_context(
+        self, meta: VarlenMeta, n_split: int, degrees: Sequence[int] = ()
+    ) -> CPAttentionContext | None:
+        """What the attention backends receive; ``degrees``: `CPPlan.local_degrees` (hybrid degrees)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,14 @@ class WholePlan:
     @property
     def n_split(self) -> int:
         return 0
+
+    @property
+    def local_degrees(self) -> list[int]:
+        return [1] * len(self.padded_lengths)
+
+    @property
+    def degrees(self) -> list[int]:
+        return [1] * len(self.padded_lengths)
 
     @property
     def clip_owners(self) -> list[int]:
@@ -215,6 +244,15 @@ class ClipPlan:
     @property
     def n_split(self) -> int:
         return self.plan.n_split
+
+    @property
+    def local_degrees(self) -> list[int]:
+        return self.plan.local_degrees
+
+    @property
+    def degrees(self) -> list[int]:
+        per_seq = self.plan.degrees
+        return [per_seq[s] for s in self.clip_sample]
 
     @property
     def clip_owners(self) -> list[int]:
@@ -297,7 +335,9 @@ class NullCPLayout:
     def for_planning(self) -> NullCPLayout:
         return self
 
-    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
+    def clip_sharding(
+        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+    ) -> ClipSharding:
         return place_clips(frames, 1, min_frames=min_frames)  # nothing is sharded on one rank
 
     def halo(self) -> Exchange:
@@ -320,7 +360,7 @@ class NullCPLayout:
     ) -> tuple[dict[str, Tensor], Tensor, int]:
         return dict(tensors), cu_seqlens, max_seqlen
 
-    def attention_context(self, meta: VarlenMeta, n_split: int) -> None:
+    def attention_context(self, meta: VarlenMeta, n_split: int, degrees: Sequence[int] = ()) -> None:
         return None
 
 
@@ -382,7 +422,9 @@ class DynamicCPLayout:
             skip=skip,
         )
 
-    def clip_sharding(self, frames: Sequence[int], *, min_frames: int, min_slice: int) -> ClipSharding:
+    def clip_sharding(
+        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+    ) -> ClipSharding:
         return place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice)
 
     def halo(self) -> Exchange:
@@ -408,5 +450,7 @@ class DynamicCPLayout:
         )
         return parts, cu_local, int(max_local)
 
-    def attention_context(self, meta: VarlenMeta, n_split: int) -> CPAttentionContext:
+    def attention_context(
+        self, meta: VarlenMeta, n_split: int, degrees: Sequence[int] = ()
+    ) -> CPAttentionContext:
         return self.cp_attention.for_split_prefix(n_split, meta)

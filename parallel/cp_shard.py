@@ -40,6 +40,8 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from parallel.rounding import sequence_multiple
+
 __all__ = [
     "check_cp_args",
     "cp_shard_indices_thd",
@@ -195,3 +197,37 @@ def shard_placed_thd(
     lengths = cu_seqlens[n_split + 1 :] - cu_seqlens[n_split:-1]
     max_local = max(max_split, int(lengths.max()) if lengths.numel() else 0)
     return out, cu_local, max_local
+
+
+def shard_by_degree(
+    tensors: Mapping[str, Tensor], lengths_by_segment: list[tuple[int, list[int]]], cp_rank: int
+) -> tuple[dict[str, Tensor], list[tuple[int, list[int]]]]:
+    """Hybrid CP degrees (`parallel.cp_placement.HybridPlacement.segments`): this rank's stream before
+    sharding is one segment per degree, ``lengths_by_segment[j] = (d, padded lengths of its sequences)``;
+    a degree-d segment is cut like `shard_thd` over its aligned sub-group of d ranks (this rank is rank
+    ``cp_rank % d`` of it), the degree-1 segment (whole sequences) is kept. Returns the local tensors and
+    the segments' local host boundaries, ``(d, cu_local)`` each (empty for an empty segment), which is
+    what `parallel.cp_attention.attention_by_degree` takes."""
+    parts: dict[str, list[Tensor]] = {k: [] for k in tensors}
+    segments: list[tuple[int, list[int]]] = []
+    start = 0
+    for d, lengths in lengths_by_segment:
+        rows = sum(lengths)
+        if any(n % sequence_multiple(d) for n in lengths):
+            raise ValueError(f"degree-{d} sequence lengths {lengths} must divide by {sequence_multiple(d)}")
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n // d)
+        for k, v in tensors.items():
+            piece = v[start : start + rows]
+            if d > 1 and rows:
+                piece = shard_thd(
+                    piece, torch.tensor([c * d for c in cu], dtype=torch.int32), d, cp_rank % d
+                )[0]
+            parts[k].append(piece)
+        segments.append((d, cu if lengths else []))
+        start += rows
+    for k, v in tensors.items():
+        if v.shape[0] != start:
+            raise ValueError(f"{k} has {v.shape[0]} rows along dim 0 but the segments hold {start}")
+    return {k: torch.cat(p) for k, p in parts.items()}, segments

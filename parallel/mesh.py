@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from parallel.cp_placement import cp_degrees  # standard library only, like this module
+
 
 class LayoutError(ValueError):
     """The requested layout does not fit the world size."""
@@ -135,6 +137,32 @@ class ParallelDims:
                 + cc["tp"]
             )
         return out
+
+    def cp_subgroup_ranks(self) -> list[tuple[int, list[int]]]:
+        """Every aligned CP sub-group that hybrid CP degrees use (`parallel.cp_placement.cp_degrees`, the
+        degrees between 1 and cp), as (degree, global ranks), in the one global order in which every rank
+        must create them (``torch.distributed.new_group`` is collective over the whole world): degree
+        descending, then each CP group in rank order (every dp coordinate and tp rank), then its aligned
+        blocks ``[k·d, k·d + d)`` of CP ranks. Empty at cp = 1 and cp = 2 (the CP group is the only one)."""
+        out = []
+        for d in reversed(cp_degrees(self.cp)[1:-1]):
+            for g in range(0, self.world_size, self.cp * self.tp):  # each (dp_replicate, dp_shard) block
+                for r_tp in range(self.tp):
+                    cp_group = [g + r_cp * self.tp + r_tp for r_cp in range(self.cp)]
+                    out += [(d, cp_group[lo : lo + d]) for lo in range(0, self.cp, d)]
+        return out
+
+    def build_cp_subgroups(self, rank: int) -> dict[int, Any]:
+        """Create every group of `cp_subgroup_ranks` (all ranks call this once, at mesh setup, in the same
+        order) and return rank's own, by degree (its aligned sub-group of each degree)."""
+        import torch.distributed as dist  # lazy: torch (CLI start-up reads ParallelDims)
+
+        mine = {}
+        for d, ranks in self.cp_subgroup_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[d] = group
+        return mine
 
     def collectives(self, rank: int, device: Any = "cpu") -> Any:
         """Rank `rank`'s `parallel.collectives.Collectives`: the step's, evaluation's and the counts'

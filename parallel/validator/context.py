@@ -105,6 +105,7 @@ class ValidationContext:
     encoder_packed: bool | None = None  # model.encoder.packed (None: on where supported)
     precision: str = "auto"  # trainer.precision
     cp_attention: str = "ring"  # parallel.cp_attention: "ring" or "allgather"
+    cp_degrees: str = "all"  # parallel.cp_degrees: "all" (whole or split over all) or "hybrid"
     llm_train: str = "full"  # model.llm.train: "full", "frozen" or "lora"
     llm_pretrained: bool = False  # model.llm.pretrained is set
     llm_train_added_rows: bool = True  # model.llm.train_added_rows (frozen/lora: added tokens' rows train)
@@ -191,6 +192,7 @@ class ValidationContext:
             "cp_size": self.cp,
             "tp_size": self.tp,
             "cp_attention": self.cp_attention,
+            "cp_degrees": self.cp_degrees,
             "packed_sequences": self.packed,
             "attention_backend": self.backend,
             "validate_only": self.validate_only,
@@ -257,6 +259,7 @@ def build_context(
         encoder_packed=getattr(model.encoder, "packed", None),
         precision=str(getattr(trainer, "precision", "auto")),
         cp_attention=str(getattr(par, "cp_attention", "ring")),
+        cp_degrees=str(getattr(par, "cp_degrees", "all")),
         llm_train=str(getattr(model.llm, "train", "full")),
         llm_pretrained=getattr(model.llm, "pretrained", None) is not None,
         llm_train_added_rows=bool(getattr(model.llm, "train_added_rows", True)),

@@ -245,6 +245,19 @@ def _split_threshold_problem(ctx: ValidationContext) -> str:
     return ""
 
 
+def _hybrid_degrees_idle(ctx: ValidationContext) -> str:
+    if ctx.cp_degrees != "hybrid":
+        return ""
+    if ctx.cp == 1:
+        return "parallel.cp_degrees=hybrid has no effect without context parallelism (cp=1)"
+    if ctx.cp_split_threshold != "auto":
+        return (
+            f"parallel.cp_split_threshold={ctx.cp_split_threshold} is not read with parallel.cp_degrees=hybrid "
+            "(the placement chooses each sequence's degree from the balance)"
+        )
+    return ""
+
+
 PARALLEL_RULES: tuple[Rule, ...] = (
     Rule(
         id="world-size-mismatch",
@@ -485,6 +498,31 @@ PARALLEL_RULES: tuple[Rule, ...] = (
         "cp > 1, fp32 kernels under trainer.precision=32). In half precision the reference backend's THD "
         "path (one process, ring or all-gather CP) already calls the fastest varlen kernel registered "
         "for the GPU (parallel/varlen.py: torch's or flash-attn's), so it is not flagged.",
+    ),
+    Rule(
+        id="cp-degrees-te",
+        level=ERROR,
+        when="transformer-engine with cp > 1 and parallel.cp_degrees=hybrid",
+        applies=lambda c: _te_cp(c) and c.cp_degrees == "hybrid",
+        reason="model.attention_backend=te with cp={cp} and parallel.cp_degrees=hybrid: transformer-engine's "
+        "context parallelism runs over one CP group per call, hybrid degrees need one call per sub-group",
+        fix="set model.attention_backend=reference (ring or all-gather per sub-group), or "
+        "parallel.cp_degrees=all",
+        doc="Hybrid CP degrees (parallel/hybrid_layout.py) split a sequence over an aligned sub-group of "
+        "2, 4, ..., cp ranks; the reference backend runs ring or all-gather attention per sub-group. A "
+        "degree needs nothing of the heads (the ring and the all-gather keep every head on every rank) and "
+        "its rounding, a multiple of lcm(2d, d*tp), divides the cp one that pad_to_multiple is checked "
+        "against.",
+    ),
+    Rule(
+        id="cp-degrees-idle",
+        level=WARNING,
+        when="parallel.cp_degrees=hybrid where it changes nothing or overrides a setting",
+        applies=_hybrid_degrees_idle,
+        reason="{details}",
+        fix="set parallel.cp_degrees=all, or parallel.cp_split_threshold=auto",
+        doc="With hybrid degrees every sequence's degree (1: whole, 2, 4, ..., cp) comes from the balance "
+        "of the ranks' modelled cost (parallel/cp_placement.py, place_hybrid); no token threshold is read.",
     ),
     Rule(
         id="cp-split-threshold",

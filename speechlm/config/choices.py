@@ -34,6 +34,7 @@ CTCReduction = Literal["clip", "token"]  # the auxiliary CTC's normaliser (speec
 # the capability table (parallel/backend_caps.py) owns the backends; this type must name the same ones
 AttentionBackend = Literal["reference", "torch_varlen", "flex", "flash", "te", "sdpa"]
 CPAttention = Literal["ring", "allgather"]
+CPDegrees = Literal["all", "hybrid"]  # a split sequence over every CP rank, or over a sub-group of 2, 4, ...
 Precision = Literal["auto", "32", "bf16"]
 ResumeData = Literal["exact", "next_epoch"]
 FinalEvalSplit = Literal["auto", "val", "train", "both", "none"]

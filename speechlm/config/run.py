@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speechlm.config.choices import CPAttention, FinalEvalSplit, Precision, ResumeData, SplitAuto, choices_of
+from speechlm.config.choices import (
+    CPAttention,
+    CPDegrees,
+    FinalEvalSplit,
+    Precision,
+    ResumeData,
+    SplitAuto,
+    choices_of,
+)
 from speechlm.config.keys import Section, key
 from speechlm.config.rules import (
     POS_INT,
@@ -39,6 +47,10 @@ class ParallelConfig(Section):
         "auto",
         "sequences longer than this many tokens are split over the CP group (0: all; auto: per micro-batch)",
         Either(rules=(OneOf(choices=choices_of(SplitAuto)), Num(lo=0, integer=True))),
+    )
+    cp_degrees: CPDegrees = key(
+        "all",
+        "a split sequence spans every CP rank (all), or an aligned sub-group of 2, 4, ..., cp (hybrid)",
     )
     activation_checkpointing: bool = key(False, "recompute activations in the backward pass")
 

@@ -11,7 +11,7 @@ them in this order, once per micro-batch:
                                                    runs it too: `speechlm.model.clip_planner`)
     check_clips_present(batch, audio_plan, layout) every clip this rank's encoder reads was decoded here
     encoding_plan(layout, plan, ...)               which rank encodes each clip, which clips are gathered
-    clip_sharding(model, layout, frames)           which clips the encoder shards over the CP group
+    clip_sharding(model, layout, frames, degrees)  which clips the encoder shards over the CP group
     prepare_slices(model, layout, audio, sharding)  this rank's slice of each (features of its span)
     encode_for_layout(model, layout, ..., plan)    this rank's clips (split sequences' gathered) and slices,
                                                    one encoder call and one projector call
@@ -169,7 +169,7 @@ def plan_audio(
     seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)
     plan = layout.place(seq_lens)
     enc_plan = encoding_plan(layout, plan, clip_sample, lens.embeds, compressed=compressed)
-    sharding = clip_sharding(model, layout, lens.encoder)
+    sharding = clip_sharding(model, layout, lens.encoder, enc_plan.degrees)
     return AudioPlan(lens, prompts, clip_sample, clip_counts, seq_lens, plan, enc_plan, sharding)
 
 
@@ -211,18 +211,13 @@ def place_encoded(
     enc: EncoderOutput,
     prompts: list[tuple[Tensor, Tensor]],
     clip_counts: Sequence[int],
-    clip_sample: Sequence[int],
 ) -> tuple[list[int], CPPlan]:
     """``(seq_lens, plan)`` of compressed audio: the sequences' lengths from the rows each clip got, placed
     again (`CPLayout.place`, a pure function of them: the same on every CP rank, which holds every clip:
-    `encoding_plan`). The clips no sequence of this rank holds join ``enc.unused`` (weight 0 in the loss):
-    the gather's backward must run on every rank."""
+    `encoding_plan`). The clips no sequence of this rank holds join ``enc.unused`` in `pack_for_layout`."""
     rows = [int(e.shape[0]) for e in enc.embeds_of(range(len(enc.embeds)))]
     seq_lens = conversation_seq_lens(prompts, clip_counts, rows)
-    plan = layout.place(seq_lens)
-    local = set(plan.indices)
-    enc.unused.extend(e for c, e in enumerate(enc.embeds) if e is not None and clip_sample[c] not in local)
-    return seq_lens, plan
+    return seq_lens, layout.place(seq_lens)
 
 
 def encode_for_layout(
@@ -254,10 +249,13 @@ def encode_for_layout(
     return enc
 
 
-def clip_sharding(model: AudioShape, layout: CPLayout, enc_frames: Sequence[int]) -> ClipSharding | None:
-    """Which clips of a micro-batch (``enc_frames``: encoder frames per clip) the encoder shards over the
-    CP group (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP
-    rank, an encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""
+def clip_sharding(
+    model: AudioShape, layout: CPLayout, enc_frames: Sequence[int], degrees: Sequence[int] = ()
+) -> ClipSharding | None:
+    """Which clips of a micro-batch (``enc_frames``: encoder frames per clip; ``degrees``: the CP degree of
+    each one's sequence, `CPPlan.degrees`) the encoder shards over the CP group
+    (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP rank, an
+    encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""
     halo = model.encoder.slice_halo
     if layout.cp_size == 1 or halo is None or not model.encoder_packed:
         return None
@@ -265,6 +263,7 @@ def clip_sharding(model: AudioShape, layout: CPLayout, enc_frames: Sequence[int]
         list(enc_frames),
         min_frames=short_clip_frames(model.encoder.subsampling),
         min_slice=halo + model.projector.stack,  # a slice's halo, after the cut's stack alignment
+        degrees=degrees,
     )
     return sharding if sharding.sharded_indices else None
 
@@ -383,6 +382,11 @@ def pack_for_layout(
     for k in clip_counts:
         starts.append(starts[-1] + k)
     clips = [c for i in local for c in range(starts[i], starts[i + 1])]
+    # clips this rank received but does not decode (compressed audio: every clip is gathered; hybrid degrees:
+    # a split sequence's clip reaches ranks outside its sub-group) join ``enc.unused`` (weight 0 in the
+    # loss), so that the gather's backward runs on every rank whatever its stream holds
+    decoded = set(clips)
+    enc.unused.extend(e for c, e in enumerate(enc.embeds) if e is not None and c not in decoded)
     packed = pack_thd(
         [prompts[i] for i in local],
         enc.embeds_of(clips),
@@ -400,7 +404,14 @@ def pack_for_layout(
         plan,
     )
     return PackedBatch(
-        parts["x"], parts["labels"], parts["pos"], cu, max_len, packed.seq_lens, cp_split_seqs=plan.n_split
+        parts["x"],
+        parts["labels"],
+        parts["pos"],
+        cu,
+        max_len,
+        packed.seq_lens,
+        cp_split_seqs=plan.n_split,
+        cp_degrees=tuple(plan.local_degrees),
     )
 
 
@@ -413,7 +424,8 @@ def encode_for_decoding(
     compressed audio gathers them in `encode_audio` already). One CP rank or no clip long enough:
     `encode_audio` of the whole batch. The result reads as one process's: ``ctc_rows`` every clip, in order."""
     lens = audio_lengths(model, audio_lens_B)
-    sharding = clip_sharding(model, layout, lens.encoder)
+    # decoding places no sequence: every clip counts as split over the whole group (hybrid degrees too)
+    sharding = clip_sharding(model, layout, lens.encoder, [layout.cp_size] * len(lens.encoder))
     if sharding is None:
         return model.encode_audio(audio_BN, audio_lens_B)
     slices = prepare_slices(model, layout, audio_BN, lens, sharding)

@@ -192,10 +192,15 @@ def record_work(
     *,
     clip_frames: list[int],
     computed_tokens: int,
+    degrees: Sequence[int] = (),
 ) -> MicroWork:
     """The `MicroWork` of a micro-batch: of its sequences (`seq_lens`, `labelled` tokens each), this rank
-    runs `local` (in stream order), the first `n_split` of them split over the `cp` ranks."""
-    shares = [1.0 / cp if k < n_split else 1.0 for k in range(len(local))]
+    runs `local` (in stream order), the first `n_split` of them split over the `cp` ranks; ``degrees``
+    (hybrid CP degrees): per local sequence, the ranks it is split over instead (1: whole)."""
+    if degrees:
+        shares = [1.0 / d for d in degrees]
+    else:
+        shares = [1.0 / cp if k < n_split else 1.0 for k in range(len(local))]
     return MicroWork(
         clip_frames=clip_frames,
         seq_lens=[int(seq_lens[i]) for i in local],
@@ -213,7 +218,7 @@ class Placement:
     seq_lens: list[int]  # real length of every sequence of the micro-batch (audio + prompt tokens)
     labelled: list[int]  # labelled tokens of every sequence
     local: list[int]  # the sequences this rank runs, in stream order
-    n_split: int  # the first n_split of them are split over the cp ranks
+    degrees: list[int]  # per local sequence: the CP ranks it is split over (1: whole here)
     cp: int
     clip_frames: list[int]  # feature frames of each clip (or sharded clip's slice) this rank encoded
     computed_tokens: int  # rows of the stream the LLM ran (THD after rounding and CP sharding; BSHD B*S)
@@ -225,10 +230,11 @@ def work_of(placed: Placement) -> MicroWork:
         placed.seq_lens,
         placed.labelled,
         placed.local,
-        placed.n_split,
+        0,  # the degrees say which are split
         placed.cp,
         clip_frames=list(placed.clip_frames),
         computed_tokens=placed.computed_tokens,
+        degrees=placed.degrees,
     )
 
 

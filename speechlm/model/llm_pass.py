@@ -46,6 +46,7 @@ class DecoderPass(NamedTuple):
     local: list[int]  # the sequences this rank decoded, in stream order
     n_split: int  # how many of them (the first) are split over the CP group
     computed: int  # the positions the LLM computed (padding included)
+    degrees: list[int]  # per local sequence: the CP ranks it is split over (1: whole here)
 
 
 def decoder_pass(
@@ -79,7 +80,9 @@ def decoder_pass(
             raise TypeError("forward_packed returned logits where the loss sums were asked for")
         ce_sum, n_labelled, ce_local = out
         computed = int(packed.inputs_embeds.shape[0])
-        return DecoderPass(ce_sum, n_labelled, ce_local, plan.indices, plan.n_split, computed)
+        return DecoderPass(
+            ce_sum, n_labelled, ce_local, plan.indices, plan.n_split, computed, plan.local_degrees
+        )
     padded = pack_bshd(
         prompts,
         enc.embeds_of(range(len(enc.embeds))),
@@ -91,4 +94,5 @@ def decoder_pass(
     )
     ce_sum, n_labelled, ce_local = model.forward_padded(padded, per_seq=per_seq)
     computed = int(padded.inputs_embeds.shape[0] * padded.inputs_embeds.shape[1])
-    return DecoderPass(ce_sum, n_labelled, ce_local, list(range(len(prompts))), 0, computed)
+    rows = list(range(len(prompts)))
+    return DecoderPass(ce_sum, n_labelled, ce_local, rows, 0, computed, [1] * len(rows))

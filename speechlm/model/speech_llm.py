@@ -236,7 +236,7 @@ class SpeechLLM(nn.Module):
             max_length_q=int(packed.max_seqlen),
             max_length_k=int(packed.max_seqlen),
             varlen_meta=meta,
-            cp_context=self.cp_layout.attention_context(meta, n_split),
+            cp_context=self.cp_layout.attention_context(meta, n_split, packed.cp_degrees),
         )
         if return_logits:
             return self.llm(**kwargs).logits[0]
@@ -325,10 +325,10 @@ class SpeechLLM(nn.Module):
         if oracle or self.cfg.audio_prefix == "oracle":  # the transcript's embeddings (`model.oracle`)
             fill_with_transcripts(self, enc, ctc_tokens, ctc_lens)
         if compressed:  # the LLM's lengths are known now: place again with them
-            seq_lens, plan = cp_audio.place_encoded(lay, enc, prompts, clip_counts, clip_sample)
+            seq_lens, plan = cp_audio.place_encoded(lay, enc, prompts, clip_counts)
         ctc_sum = ctc.ctc_of(self, enc, ctc_tokens, ctc_lens) if self.ctc_head is not None else None
         labelled = [int(mask.sum()) for _, mask in prompts]
-        ce_sum, n_labelled, ce_local, local, n_split, computed = decoder_pass(
+        ce_sum, n_labelled, ce_local, local, _, computed, degrees = decoder_pass(
             self, lay, prompts, enc, plan, clip_counts, device=audio_BN.device, per_seq=per_seq
         )
         n_labelled = sum(labelled) if self.cfg.packed_sequences else n_labelled  # the whole micro-batch's
@@ -338,7 +338,7 @@ class SpeechLLM(nn.Module):
             seq_lens=seq_lens,
             labelled=labelled,
             local=list(local),
-            n_split=n_split,
+            degrees=list(degrees),
             cp=lay.cp_size,
             clip_frames=[lens.features[i] for i in enc.ctc_rows] + enc.slice_feature_frames,
             computed_tokens=computed,

@@ -349,6 +349,8 @@ class PackedBatch:
     # dynamic CP (after sharding): the first cp_split_seqs sequences are CP-split, the rest whole on
     # this rank; None: every sequence is split (or there is no CP)
     cp_split_seqs: int | None = None
+    # each sequence's CP degree, in stream order (hybrid CP degrees: `CPPlan.local_degrees`); empty: unknown
+    cp_degrees: tuple[int, ...] = ()
 
     def num_labelled(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())

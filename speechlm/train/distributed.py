@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from parallel.cp_layout import CPLayout, DynamicCPLayout, NullCPLayout
 from parallel.fsdp import clip_grad_norm_
+from parallel.hybrid_layout import HybridCPLayout
 from parallel.mesh import ParallelDims
 from parallel.parallelize import parallelize
 from parallel.tp import apply_tp, check_tp_heads, find_decoder_layers
@@ -113,17 +114,21 @@ def build_cp_layout(
     cfg: ExperimentConfig, dims: ParallelDims, rank: int, hidden: int, *, planning: bool = False
 ) -> CPLayout:
     """The model's CP layout on this rank (`parallel.cp_layout`): the null one at cp = 1, else dynamic
-    CP over the mesh's CP group (``parallel.cp_split_threshold``; 0 splits every sequence). ``planning``:
-    without the group (placement only, `CPLayout.for_planning`: the data pipeline's, built before the mesh)."""
+    CP over the mesh's CP group (``parallel.cp_split_threshold``; 0 splits every sequence), or hybrid
+    degrees over its aligned sub-groups (``parallel.cp_degrees=hybrid``, `parallel.hybrid_layout`).
+    ``planning``: without the groups (placement only, `CPLayout.for_planning`: the data pipeline's, built
+    before the mesh)."""
     if dims.cp == 1:
         return NullCPLayout(tp=dims.tp, pad_to_multiple=cfg.model.pad_to_multiple)
-    return DynamicCPLayout(
+    common: dict[str, Any] = dict(
         group=None if planning else dims.mesh["cp"].get_group(),
         cp_size=dims.cp,
         cp_rank=dims.cp_rank(rank),
         kind=cfg.parallel.cp_attention,
         tp=dims.tp,
-        threshold=cfg.parallel.cp_split_threshold,  # "auto" or tokens
         pair_cost=1.0 / (6 * hidden),
         pad_to_multiple=cfg.model.pad_to_multiple,
     )
+    if cfg.parallel.cp_degrees == "hybrid":  # every rank creates every sub-group, in one order
+        return HybridCPLayout(**common, subgroups={} if planning else dims.build_cp_subgroups(rank))
+    return DynamicCPLayout(**common, threshold=cfg.parallel.cp_split_threshold)  # "auto" or tokens

@@ -140,6 +140,38 @@ def test_plan_with_text_estimates_tokens_and_thd_rounding(tmp_path, capsys):
     assert "text ~ chars/3" in out_text and "CP placement (cp_split_threshold=auto)" in out_text
 
 
+def test_plan_prints_whole_or_all_split_all_and_hybrid_side_by_side(tmp_path, capsys, monkeypatch):
+    """Issue 40: `speechlm plan --cp-size N` shows the three CP placements (real/computed tokens, max/mean
+    rank cost, share of tokens whose K/V travel); hybrid degrees pad least on a fixed micro-batch."""
+    import speechlm.data.plan.figures as plan_module
+    from benchmarks.bench_cp_placement import write_manifest
+
+    path, out = tmp_path / "m.parquet", tmp_path / "plan.json"
+    write_manifest(path, 3000, 20.0)
+    argv = ["plan", "--manifest", str(path), "--cp-size", "8", "--max-batch-duration", "90"]
+    assert main([*argv, "--json", str(out)]) == 0
+    layouts = json.loads(out.read_text())["cp_layouts"]
+    assert set(layouts) == {"whole_or_all", "split_all", "hybrid"}
+    assert layouts["split_all"]["ring_token_share"] == 1.0 and layouts["split_all"]["max_over_mean"] == 1.0
+    assert layouts["split_all"]["efficiency"] < layouts["whole_or_all"]["efficiency"]
+    assert layouts["whole_or_all"]["efficiency"] < layouts["hybrid"]["efficiency"]
+    assert layouts["hybrid"]["efficiency"] >= 0.99 and layouts["hybrid"]["max_over_mean"] <= 1.05
+    assert layouts["hybrid"]["micro_batches"] == layouts["hybrid"]["of_micro_batches"]
+    text = capsys.readouterr().out
+    assert "CP placements side by side (cp 8, tp 1):" in text
+    hybrid = next(line for line in text.splitlines() if "hybrid degrees" in line)
+    assert f"{100 * layouts['hybrid']['efficiency']:.1f}%" in hybrid
+    # a long epoch: hybrid placement is estimated on an evenly strided sample of the micro-batches
+    monkeypatch.setattr(plan_module, "HYBRID_MICRO_BATCHES", 5)
+    assert main([*argv, "--json", str(out)]) == 0
+    sampled = json.loads(out.read_text())["cp_layouts"]["hybrid"]
+    assert sampled["micro_batches"] == 5 < sampled["of_micro_batches"]
+    assert f"(5 of {sampled['of_micro_batches']:,} micro-batches)" in capsys.readouterr().out
+    assert main(["plan", "--manifest", str(path), "--json", str(out)]) == 0  # cp 1: nothing to compare
+    assert json.loads(out.read_text())["cp_layouts"] == {}
+    assert "side by side" not in capsys.readouterr().out
+
+
 def test_thd_rounding_matches_the_packing_module():
     packing = pytest.importorskip("speechlm.packing.thd")
     lengths = np.array([5, 9, 1, 12, 7, 3])

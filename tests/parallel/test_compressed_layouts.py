@@ -88,6 +88,10 @@ LAYOUTS_4 = [
     Layout(
         "dp2-cp2-edge", 2, 2, 1, split_threshold=THRESHOLD, overrides=COMPRESSED, batches="edge", tweak=MIXED
     ),
+    # hybrid CP degrees: placed again from the compressed lengths with place_hybrid (`parallel.hybrid_layout`)
+    Layout(
+        "cp4-hybrid-compressed", 1, 4, 1, overrides=(*COMPRESSED, "parallel.cp_degrees=hybrid"), tweak=MIXED
+    ),
 ]
 
 

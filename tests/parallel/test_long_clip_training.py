@@ -15,6 +15,8 @@ from parallel_harness import Layout, build_model, global_steps, rank_layouts, re
 from test_parallel_equivalence import assert_matches
 
 from parallel.cp_layout import DynamicCPLayout
+from parallel.hybrid_layout import HybridCPLayout
+from parallel.mesh import ParallelDims
 from parallel.testing import run_distributed
 from speechlm.model.flops import work_of
 
@@ -27,10 +29,11 @@ def _config(ctc: float = 0.3, extra: tuple[str, ...] = ()):
 
 
 def _forward_worker(
-    rank: int, world: int, threshold: int | str, extra: tuple[str, ...], tweak: str = ""
+    rank: int, world: int, threshold: int | str, extra: tuple[str, ...], tweak: str = "", hybrid: bool = False
 ) -> dict:
     """One forward and backward of the long batch at cp ``world``: the losses and gradients summed over the
-    CP ranks, this rank's encoder slices and what it placed (``tweak``: `parallel_harness.TWEAKS`)."""
+    CP ranks, this rank's encoder slices and what it placed (``tweak``: `parallel_harness.TWEAKS`;
+    ``hybrid``: hybrid CP degrees, `parallel.hybrid_layout`, instead of dynamic CP)."""
     torch.set_num_threads(1)
     batch = global_steps(1, 1, batches="long")[0][0]
     model = build_model(_config(extra=extra), tweak=tweak)
@@ -43,9 +46,12 @@ def _forward_worker(
 
     model.encoder.forward_with_slices = spy
     group = dist.new_group(list(range(world)))
-    model.set_cp_layout(
-        DynamicCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", threshold=threshold)
-    )
+    if hybrid:
+        subgroups = ParallelDims(world, cp=world).build_cp_subgroups(rank)
+        layout = HybridCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", subgroups=subgroups)
+    else:
+        layout = DynamicCPLayout(group=group, cp_size=world, cp_rank=rank, kind="ring", threshold=threshold)
+    model.set_cp_layout(layout)
     out = model(batch)
     loss = out.ce_sum + out.ctc_sum
     loss.backward()

@@ -10,6 +10,7 @@ check runs on gloo/CPU and, marked `gpu`, on NCCL/cuda (one GPU per rank).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,10 +77,19 @@ def test_layouts_match_single_process(world, backend):
     skip_unless_backend(backend, world)
     layouts = [lay for lay in LAYOUTS if lay.world == world]
     got = run_distributed(rank_layouts, world, backend, layouts, N_STEPS, backend, timeout_s=1100)
+    assert_layouts_match(layouts, got)
+
+
+def assert_layouts_match(
+    layouts: list[Layout], got: list, ref: Callable[[Layout], dict] | None = None
+) -> None:
+    """Every layout's results (``got[rank][i]`` for ``layouts[i]``) match one process (``ref(layout)``;
+    default: `reference` of its dp), failures listed."""
     failed = []
     for i, lay in enumerate(layouts):
         try:
-            assert_matches(reference(lay.dp), [per_rank[i] for per_rank in got])
+            want = ref(lay) if ref is not None else reference(lay.dp)
+            assert_matches(want, [per_rank[i] for per_rank in got])
         except AssertionError as e:
             failed.append(f"{lay.id} (dp={lay.dp}, cp={lay.cp}, tp={lay.tp}, {lay.cp_attention}): {e}")
     assert not failed, "\n".join(failed)

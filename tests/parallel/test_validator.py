@@ -135,6 +135,14 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 4}),
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 16}),
     ),
+    "cp-degrees-te": (
+        Case(("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_degrees=hybrid"), world=2),
+        Case(("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_degrees=all"), world=2),
+    ),
+    "cp-degrees-idle": (
+        Case(("parallel.cp_size=2", "parallel.cp_degrees=hybrid", "parallel.cp_split_threshold=40"), world=2),
+        Case(("parallel.cp_size=2", "parallel.cp_degrees=hybrid"), world=2),
+    ),
     "cp-split-threshold": (
         Case(("parallel.cp_size=4", "parallel.cp_split_threshold=5"), world=4),
         Case(("parallel.cp_size=4", "parallel.cp_split_threshold=200"), world=4),

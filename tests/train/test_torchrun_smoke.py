@@ -60,6 +60,19 @@ def test_torchrun_cp2_tp2_on_4_ranks(demo_data, tmp_path):
     assert len(list((run_dir / "checkpoints/step_000003").glob("*.distcp"))) == 4
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow  # layout equivalence of hybrid degrees stays in tests/parallel/test_cp_hybrid_training.py
+def test_torchrun_cp4_with_hybrid_degrees(demo_data, tmp_path):
+    """``parallel.cp_degrees=hybrid`` from the command line through preflight, the strategy and the step."""
+    run_dir = tmp_path / "run"
+    args = [SMOKE, "--cp-size", "4", *data_overrides(demo_data), "parallel.cp_degrees=hybrid"]
+    r = torchrun(4, [*args, "trainer.max_steps=2", f"trainer.run_dir={run_dir}"])
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    train = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in train if m["kind"] == "train"] == [1, 2]
+    assert "layout: world=4 dp_replicate=1 dp_shard=1 cp=4 tp=1" in r.stdout
+
+
 @pytest.mark.gpu
 def test_torchrun_cp2_tp2_on_4_gpus(demo_data, tmp_path):
     import torch

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parallel.clip_placement import short_clip_frames  # stdlib only
-from parallel.cp_placement import place_sequences  # stdlib only
+from parallel.cp_placement import place_hybrid, place_sequences  # stdlib only
 from parallel.frames import planned_encoder_frames  # stdlib only
 from parallel.rounding import rounding_unit, sequence_multiple
 from speechlm.data.sampler import EpochPlan, SamplerSettings, assign_buckets, compute_language_targets
@@ -76,22 +76,74 @@ def cp_padding(
             "max_over_mean": 1.0,
             "ring_tokens": split_all if cp > 1 else 0,
         }
-    computed = ring = 0
-    worst = mean = 0.0
+    figures = {"computed": 0, "ring_tokens": 0, "worst": 0.0, "mean": 0.0}
     for lo, hi in zip(batch_offsets[:-1].tolist(), batch_offsets[1:].tolist()):
         if hi == lo:
             continue
         p = place_sequences(lengths[lo:hi].tolist(), cp, threshold=threshold, tp=tp, pair_cost=pair_cost)
-        computed += p.computed_tokens()
-        ring += p.ring_tokens()
-        worst += max(p.loads)
-        mean += sum(p.loads) / cp
+        _add_placement(figures, p.computed_tokens(), p.ring_tokens(), p.loads)
     return {
-        "computed": computed,
+        "computed": figures["computed"],
         "computed_split_all": split_all,
-        "max_over_mean": worst / mean if mean else 1.0,
-        "ring_tokens": ring,
+        "max_over_mean": figures["worst"] / figures["mean"] if figures["mean"] else 1.0,
+        "ring_tokens": figures["ring_tokens"],
     }
+
+
+def _add_placement(figures: dict[str, Any], computed: int, ring: int, loads: tuple[float, ...]) -> None:
+    figures["computed"] += computed
+    figures["ring_tokens"] += ring
+    figures["worst"] += max(loads)
+    figures["mean"] += sum(loads) / len(loads)
+
+
+def cp_layouts(
+    lengths: np.ndarray,
+    batch_offsets: np.ndarray,
+    cp: int,
+    tp: int,
+    pair_cost: float,
+    known: dict[int | str, dict[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The three CP placements of every micro-batch side by side (cp > 1), each as real/computed tokens
+    (``efficiency``), the busiest rank's modelled cost over the mean summed over micro-batches
+    (``max_over_mean``) and the share of computed tokens whose K/V travel between ranks
+    (``ring_token_share``): ``whole_or_all`` (`parallel.cp_placement.place_sequences` with "auto": each
+    sequence whole on one rank or split over all cp), ``split_all`` (every sequence over all cp) and
+    ``hybrid`` (`place_hybrid`: whole, or split over an aligned sub-group of the degree it needs).
+    ``known``: `cp_padding`'s figures already computed, by threshold (the plan's own), not computed again.
+    Hybrid placement is pure Python, about 1-5 ms a micro-batch at cp = 8: past `HYBRID_MICRO_BATCHES` it
+    places an evenly strided sample of them (``micro_batches`` of ``of_micro_batches``)."""
+    real = int(lengths.sum(dtype=np.int64))
+    out: dict[str, dict[str, Any]] = {}
+    for name, threshold in (("whole_or_all", "auto"), ("split_all", 0)):
+        figures = (known or {}).get(threshold) or cp_padding(
+            lengths, batch_offsets, cp, tp, threshold, pair_cost
+        )
+        out[name] = {
+            "efficiency": real / max(figures["computed"], 1),
+            "max_over_mean": figures["max_over_mean"],
+            "ring_token_share": figures["ring_tokens"] / max(figures["computed"], 1),
+        }
+    bounds = [(lo, hi) for lo, hi in zip(batch_offsets[:-1].tolist(), batch_offsets[1:].tolist()) if hi > lo]
+    step = -(-len(bounds) // HYBRID_MICRO_BATCHES)  # a 10M-row epoch: every step-th micro-batch
+    hybrid = {"computed": 0, "ring_tokens": 0, "worst": 0.0, "mean": 0.0}
+    placed_real = 0
+    for lo, hi in bounds[::step]:
+        p = place_hybrid(lengths[lo:hi].tolist(), cp, tp=tp, pair_cost=pair_cost)
+        _add_placement(hybrid, p.computed_tokens(), p.ring_tokens(), p.loads)
+        placed_real += p.real_tokens()
+    out["hybrid"] = {
+        "efficiency": placed_real / max(hybrid["computed"], 1),
+        "max_over_mean": hybrid["worst"] / hybrid["mean"] if hybrid["mean"] else 1.0,
+        "ring_token_share": hybrid["ring_tokens"] / max(hybrid["computed"], 1),
+        "micro_batches": len(bounds[::step]),
+        "of_micro_batches": len(bounds),
+    }
+    return out
+
+
+HYBRID_MICRO_BATCHES = 10_000  # `cp_layouts` places at most this many micro-batches with hybrid degrees
 
 
 def packed_tokens(lengths: np.ndarray, batch_offsets: np.ndarray, cp: int, tp: int) -> int:
@@ -169,6 +221,10 @@ def summarize_plan(
     languages, datasets = mix_figures(used, inputs, settings.temperature)
     tokens = planned_tokens(used, inputs, settings, max_text_tokens)
     total_hours = float(used.durations.sum(dtype=np.float64)) / 3600
+    padding = padding_figures(
+        tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
+    )
+    layouts = padding.pop("cp_layouts")
     return {
         "mode": plan.mode,
         "epoch": plan.epoch,
@@ -192,12 +248,8 @@ def summarize_plan(
         "tasks": task_figures(used, inputs),
         "datasets": datasets,
         "buckets": bucket_figures(used, inputs, settings.boundaries),
-        "padding": {
-            **padding_figures(
-                tokens, used, cp_size, tp_size, cp_split_threshold, pair_cost, inputs.text_chars is not None
-            ),
-            "bshd_audio_efficiency": padded_audio_efficiency(used),
-        },
+        "padding": {**padding, "bshd_audio_efficiency": padded_audio_efficiency(used)},
+        "cp_layouts": layouts,  # cp > 1: the three CP placements side by side (`cp_layouts`)
     }
 
 
@@ -430,13 +482,19 @@ def padding_figures(
     pair_cost: float,
     text_estimated: bool,
 ) -> dict[str, Any]:
-    """Real over computed tokens of padded BSHD and packed THD micro-batches, and the CP placement's."""
+    """Real over computed tokens of padded BSHD and packed THD micro-batches, and the CP placement's; with
+    ``cp_layouts`` (`summarize_plan` moves it to the top level of the summary)."""
     real = int(tokens.sum(dtype=np.int64))
     offsets = used.offsets
     longest = np.maximum.reduceat(tokens, offsets[:-1]) if len(tokens) else np.zeros(0, np.int64)
     bshd = int((used.lengths * longest.astype(np.int64)).sum())
     cp = cp_padding(tokens, offsets, cp_size, tp_size, cp_split_threshold, pair_cost)
     thd = cp["computed"]
+    layouts = (
+        cp_layouts(tokens, offsets, cp_size, tp_size, pair_cost, {cp_split_threshold: cp})
+        if cp_size > 1
+        else {}
+    )
     return {
         "real_tokens": real,
         "bshd_computed_tokens": bshd,
@@ -449,6 +507,7 @@ def padding_figures(
         "thd_efficiency_split_all": real / max(cp["computed_split_all"], 1),
         "cp_max_over_mean": cp["max_over_mean"],
         "cp_ring_token_share": cp["ring_tokens"] / max(thd, 1),
+        "cp_layouts": layouts,
         "text_tokens_estimated": text_estimated,
         "chars_per_token": CHARS_PER_TOKEN,
     }

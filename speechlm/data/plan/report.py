@@ -114,6 +114,27 @@ def format_summary(s: dict[str, Any], manifest: str, budget: str) -> str:
             f"{p['cp_max_over_mean']:.3f}; {100 * p['cp_ring_token_share']:.1f}% of the tokens on the ring; "
             f"splitting every utterance: THD {100 * p['thd_efficiency_split_all']:.1f}%",
         ]
+    if s.get("cp_layouts"):
+        lines += [
+            f"  CP placements side by side (cp {p['cp_size']}, tp {p['tp_size']}):",
+            f"    {'placement':<34}{'real/computed':>14}{'max/mean':>10}{'K/V travels':>13}",
+        ]
+        names = {
+            "whole_or_all": "whole, or split over all cp ranks",
+            "split_all": "every utterance over all cp ranks",
+            "hybrid": "hybrid degrees (2, 4, ..., cp)",
+        }
+        for key, name in names.items():
+            f = s["cp_layouts"][key]
+            sample = (
+                f"  ({f['micro_batches']:,} of {f['of_micro_batches']:,} micro-batches)"
+                if f.get("micro_batches", 0) < f.get("of_micro_batches", 0)
+                else ""
+            )
+            lines.append(
+                f"    {name:<34}{100 * f['efficiency']:>13.1f}%{f['max_over_mean']:>10.3f}"
+                f"{100 * f['ring_token_share']:>12.1f}%{sample}"
+            )
     return "\n".join(lines)
 
 

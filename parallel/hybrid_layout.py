@@ -1,0 +1,177 @@
+"""Hybrid CP degrees in training (``parallel.cp_degrees=hybrid``): the `CPLayout` of
+`parallel.cp_placement.place_hybrid`.
+
+Letters: T local tokens, H query heads, G key/value heads, D head dim.
+
+A sequence lives whole on one CP rank or is split over an aligned sub-group of degree d in 2, 4, ..., cp
+(ranks ``[k·d, k·d + d)``). Rank r's local stream before sharding is one segment per degree, largest
+first, whole sequences last (`HybridPlacement.segments`):
+
+    [ degree-cp sequences | degree-cp/2 of r's sub-group | ... | degree-2 of r's pair | r's whole ones ]
+
+`HybridCPLayout` differs from `parallel.cp_layout.DynamicCPLayout` in three decisions only:
+
+- ``place``: `place_hybrid` (the plan's `HybridLocalPlacement.local_degrees` says each local sequence's
+  degree; the split ones are the first `n_split`, as under dynamic CP);
+- ``shard``: each degree-d segment cut into the load-balanced chunk pairs of `parallel.cp_shard` over its
+  sub-group (`shard_by_degree`), the whole sequences kept;
+- ``attention_context``: ring or all-gather attention per segment over the sub-group of its degree
+  (`attention_by_degree`), the groups built once at mesh setup (`ParallelDims.build_cp_subgroups`).
+
+Encoding is dynamic CP's (`parallel.dist_encode.encode_placed` over the whole CP group): each clip is
+encoded on one rank of its sequence's sub-group (`HybridPlacement.clip_owners`), a split sequence's clip
+is all-gathered to every CP rank, and a rank outside the sub-group keeps it in its loss with weight 0
+(`speechlm.model.cp_audio.pack_for_layout`). A long clip is sharded over the whole CP group as under
+dynamic CP (`parallel.clip_placement`, ``clip_sharding``) when its sequence is whole or split over every
+CP rank, which is where `place_hybrid` puts a sequence longer than a rank's share; a clip whose sequence
+is split over a smaller sub-group is encoded whole on its owner (sharding over a sub-group is still to
+come).
+
+Backends with CP kernels of their own (transformer-engine) take one CP group per call and so cannot run
+this; the validator refuses ``model.attention_backend=te`` with hybrid degrees (``run`` raises too).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import groupby
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parallel.clip_placement import ClipSharding, place_clips
+from parallel.cp_attention import SplitFn, WholeFn, attention_by_degree, prepare_by_degree
+from parallel.cp_layout import CPPlan, DynamicCPLayout
+from parallel.cp_placement import LocalPlacement, place_hybrid
+from parallel.cp_shard import shard_by_degree
+from parallel.varlen_meta import VarlenMeta
+
+__all__ = ["HybridAttention", "HybridCPLayout", "local_segments"]
+
+
+def local_segments(degrees: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(d, lengths of its sequences)`` per degree segment of a local stream whose sequences have these
+    degrees and lengths, in stream order. The degrees must not increase along the stream (each degree one
+    segment, largest first: `HybridPlacement.segments`)."""
+    if list(degrees) != sorted(degrees, reverse=True):
+        raise ValueError(f"local degrees {list(degrees)} must not increase along the stream")
+    if len(degrees) != len(lengths):
+        raise ValueError(f"got {len(degrees)} degrees for {len(lengths)} sequences")
+    pairs = list(zip(degrees, lengths))
+    return [(int(d), [n for _, n in run]) for d, run in groupby(pairs, key=lambda p: p[0])]
+
+
+class HybridAttention:
+    """The `parallel.cp_attention.CPAttentionContext` of one micro-batch under hybrid degrees: the local
+    stream's segments (``(d, host cu_local)`` each), attended by `attention_by_degree`."""
+
+    def __init__(
+        self,
+        segments: list[tuple[int, list[int]]],
+        groups: Mapping[int, Any],
+        cp_size: int,
+        cp_rank: int,
+        kind: str,
+        global_ranks: list[int],
+        device: torch.device,
+    ):
+        self.segments, self.groups = segments, dict(groups)
+        self.kind, self.cp_size, self.cp_rank = kind, cp_size, cp_rank
+        self.group, self.global_ranks = self.groups.get(cp_size), global_ranks
+        self.device = device
+
+    @functools.cached_property
+    def prepared(self) -> list[dict[str, Any]]:
+        """Built by the first layer, from host integers, for every layer (`prepare_by_degree`)."""
+        return prepare_by_degree(self.segments, self.cp_rank, self.kind, self.device)
+
+    @property
+    def split_cu_global(self) -> Tensor:
+        raise NotImplementedError(_NO_OWN_KERNELS)
+
+    @property
+    def split_max_global(self) -> int:
+        raise NotImplementedError(_NO_OWN_KERNELS)
+
+    def attention(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
+    ) -> Tensor:
+        return attention_by_degree(
+            q_THD, k_TGD, v_TGD, self.segments, self.groups, self.cp_rank, self.kind, scale, self.prepared
+        )
+
+    def run(
+        self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split_fn: SplitFn, whole_fn: WholeFn
+    ) -> Tensor:
+        raise NotImplementedError(_NO_OWN_KERNELS)
+
+
+_NO_OWN_KERNELS = (
+    "parallel.cp_degrees=hybrid runs ring/all-gather attention per CP sub-group; a backend with CP kernels "
+    "of its own (transformer-engine) takes one CP group: use model.attention_backend=reference, or "
+    "parallel.cp_degrees=all"
+)
+
+
+@dataclass(frozen=True)
+class HybridCPLayout(DynamicCPLayout):
+    """cp > 1 with hybrid degrees (module docstring). ``subgroups``: this rank's aligned sub-group of each
+    degree between 2 and cp/2 (`ParallelDims.build_cp_subgroups`); the degree-cp one is ``group``."""
+
+    subgroups: Mapping[int, Any] = field(default_factory=dict)
+
+    def for_planning(self) -> HybridCPLayout:
+        """This layout without any process group (placement only, picklable: the data pipeline's)."""
+        return replace(self, group=None, subgroups={})
+
+    def place(self, seq_lens: Sequence[int]) -> LocalPlacement:
+        placement = place_hybrid(
+            seq_lens, self.cp_size, tp=self.tp, pair_cost=self.pair_cost, pad_to_multiple=self.pad_to_multiple
+        )
+        return placement.local(self.cp_rank)
+
+    def clip_sharding(
+        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+    ) -> ClipSharding:
+        """`place_clips` over the whole CP group, kept only for a clip whose sequence is whole (its rows go
+        to one rank) or split over every CP rank (module docstring); ``degrees``: `CPPlan.degrees`."""
+        sharding = place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice)
+        if len(degrees) != len(sharding.frames):
+            raise ValueError(
+                f"hybrid CP needs each clip's sequence degree: got {len(degrees)} for {len(frames)}"
+            )
+        ok = (1, self.cp_size)
+        return replace(sharding, sharded=tuple(s and d in ok for s, d in zip(sharding.sharded, degrees)))
+
+    def shard(
+        self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan
+    ) -> tuple[dict[str, Tensor], Tensor, int]:
+        segments = local_segments(plan.local_degrees, plan.padded_lengths)
+        total = sum(sum(lengths) for _, lengths in segments)
+        if int(cu_seqlens[-1]) != total:
+            raise ValueError(f"the packed stream has {int(cu_seqlens[-1])} rows, the plan {total}")
+        parts, local = shard_by_degree(tensors, segments, self.cp_rank)
+        cu, longest = [0], 0
+        for _, seg_cu in local:
+            cu += [cu[-1] + c for c in seg_cu[1:]]
+            longest = max([longest, *(b - a for a, b in zip(seg_cu, seg_cu[1:]))])
+        return parts, torch.tensor(cu, dtype=torch.int32, device=cu_seqlens.device), longest
+
+    def attention_context(
+        self, meta: VarlenMeta, n_split: int, degrees: Sequence[int] = ()
+    ) -> HybridAttention:
+        cu = list(meta.cu_q)
+        if len(degrees) != len(cu) - 1:
+            raise ValueError(
+                f"hybrid CP needs each local sequence's degree: got {len(degrees)} for {len(cu) - 1}"
+            )
+        segments, k = [], 0
+        for d, lengths in local_segments(degrees, [b - a for a, b in zip(cu, cu[1:])]):
+            segments.append((d, [c - cu[k] for c in cu[k : k + len(lengths) + 1]]))
+            k += len(lengths)
+        groups = {**self.subgroups, self.cp_size: self.group}
+        ranks, device = self.cp_attention.global_ranks, meta.cu_seqlens_q.device
+        return HybridAttention(segments, groups, self.cp_size, self.cp_rank, self.kind, ranks, device)
