@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "compression": "benchmarks/bench_compression.py",  # CTC-compressed audio rows: rows/s of speech, step time
     "whisper-reference": "benchmarks/bench_whisper_reference.py",  # faster-whisper zero-shot WER on a manifest
     "whisper-window": "benchmarks/bench_whisper_window.py",  # Whisper encoder: 30 s window vs the clip, ms per clip
+    "encoder-share": "benchmarks/bench_encoder_share.py",  # a frozen Whisper's share of a speech-LLM step (cache?)
     "gpu": "benchmarks/bench_gpu.py",  # the GPU acceptance run: kit, attention, mfu, recipe, long clip (one GPU)
 }
 
