@@ -50,6 +50,7 @@ def test_whisper_smollm2_recipe_trains_evaluates_exports_transcribes(parts, tmp_
             f"model.llm.pretrained={parts['llm']}",
             f"trainer.max_steps={STEPS}",
             "trainer.val_every=0",
+            "trainer.log_every=1",
             "trainer.final_eval_split=none",
             "optim.warmup_steps=2",
             f"trainer.run_dir={run_dir}",
