@@ -99,8 +99,9 @@ class DataConfig(Section):
         True,
         "under context parallelism, each CP rank decodes only the clips its encoder reads (its own, and the "
         "clips sharded over the group), their lengths read from the audio headers first; false: every CP and "
-        "TP peer decodes the whole micro-batch. A clip whose decode fails on its rank stops the step on "
-        "every rank, naming the row",
+        "TP peer decodes the whole micro-batch. A clip whose decode fails on its rank is agreed over every "
+        "rank, which re-read that step with every clip decoded and drop the row as without it (past "
+        "data.max_dropped_fraction the step fails on every rank, naming the row)",
     )
     # speechlm.data.manifest.schema.duration_mismatch
     duration_tolerance: float = key(
