@@ -136,6 +136,32 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A hidden ``.<out name>.partial-*`` sibling of ``out`` to write an imported model into (its missing parent
+    folders created). When the block ends, the directory gets a plain create's modes and is renamed to ``out``
+    (empty or absent, `check_out_dir`); on any error, SIGINT or SIGTERM (made a KeyboardInterrupt for the
+    block) it is removed and ``out`` is left as it was. Shared by `import_gguf` and `speechlm encoder import`."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e
+    try:
+        with _sigterm_as_interrupt():
+            yield tmp
+            _as_umask_allows(tmp)
+            try:
+                if out.is_dir():
+                    out.rmdir()  # empty (checked above); rename needs the name free
+                tmp.rename(out)
+            except OSError as e:  # something was put there during the import
+                raise OutputError(f"--out {out}: cannot be replaced ({e}); nothing was written") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _check_ids(tokenizer: Any) -> list[int]:
     """A short prompt's ids: the chat template's user turn and assistant header where there is one."""
     if getattr(tokenizer, "chat_template", None):
@@ -197,55 +223,37 @@ def import_gguf(gguf: Path, out: Path, *, log: Callable[[str], None] = print) ->
         raise DataError(f"--gguf {gguf}: the model gives non-finite logits; the file is corrupt")
     model = _plain_copy(gguf_model)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as e:
-        raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e
-    try:
-        with _sigterm_as_interrupt():
-            try:
-                model.save_pretrained(tmp, safe_serialization=True)
-                tokenizer.save_pretrained(tmp)
-            except OSError as e:  # disk full, quota, permissions
-                raise OutputError(
-                    f"--out {out}: writing the model into {tmp} failed ({e}); nothing kept"
-                ) from e
-            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-            reloaded_tok = AutoTokenizer.from_pretrained(tmp)
-            reloaded_ids = _check_ids(reloaded_tok)
-            if reloaded_ids != ids:
-                raise DataError(
-                    f"--gguf {gguf}: the saved tokenizer encodes the check prompt differently "
-                    f"({reloaded_ids[:12]}... against {ids[:12]}...); nothing was written to {out}"
-                )
-            diff = float((_logits(reloaded, ids) - reference).abs().max())
-            if not diff <= LOGITS_ATOL:
-                raise DataError(
-                    f"--gguf {gguf}: the saved model's logits differ from the GGUF model's by {diff:.3g} "
-                    f"(> {LOGITS_ATOL}); nothing was written to {out}"
-                )
-            report = ImportReport(
-                source=str(gguf.resolve()),
-                sha256=sha256_of(gguf),
-                out=str(out),
-                architecture=type(reloaded).__name__,
-                parameters=sum(p.numel() for p in reloaded.parameters()),
-                vocab_size=len(reloaded_tok),
-                chat_template=bool(getattr(reloaded_tok, "chat_template", None)),
-                check_tokens=len(ids),
-                max_logit_diff=diff,
-                seconds=round(time.monotonic() - start, 1),
+    with staged_dir(out) as tmp:
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        except OSError as e:  # disk full, quota, permissions
+            raise OutputError(f"--out {out}: writing the model into {tmp} failed ({e}); nothing kept") from e
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        reloaded_tok = AutoTokenizer.from_pretrained(tmp)
+        reloaded_ids = _check_ids(reloaded_tok)
+        if reloaded_ids != ids:
+            raise DataError(
+                f"--gguf {gguf}: the saved tokenizer encodes the check prompt differently "
+                f"({reloaded_ids[:12]}... against {ids[:12]}...); nothing was written to {out}"
             )
-            (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
-            _as_umask_allows(tmp)
-            try:
-                if out.is_dir():
-                    out.rmdir()  # empty (checked above); rename needs the name free
-                tmp.rename(out)
-            except OSError as e:  # something was put there during the import
-                raise OutputError(f"--out {out}: cannot be replaced ({e}); nothing was written") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        diff = float((_logits(reloaded, ids) - reference).abs().max())
+        if not diff <= LOGITS_ATOL:
+            raise DataError(
+                f"--gguf {gguf}: the saved model's logits differ from the GGUF model's by {diff:.3g} "
+                f"(> {LOGITS_ATOL}); nothing was written to {out}"
+            )
+        report = ImportReport(
+            source=str(gguf.resolve()),
+            sha256=sha256_of(gguf),
+            out=str(out),
+            architecture=type(reloaded).__name__,
+            parameters=sum(p.numel() for p in reloaded.parameters()),
+            vocab_size=len(reloaded_tok),
+            chat_template=bool(getattr(reloaded_tok, "chat_template", None)),
+            check_tokens=len(ids),
+            max_logit_diff=diff,
+            seconds=round(time.monotonic() - start, 1),
+        )
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,9 +39,9 @@ import torch
 from torch import Tensor
 
 from speechlm.errors import DataError, OutputError
-from speechlm.io import apply_umask, sha256_of
+from speechlm.io import sha256_of
 from speechlm.model.ct2_format import CT2Model, read_ct2
-from speechlm.model.gguf_import import _sigterm_as_interrupt, check_out_dir, stale_partials
+from speechlm.model.gguf_import import check_out_dir, staged_dir, stale_partials
 
 PROVENANCE_FILE = "speechlm_import.json"
 TOKENIZER_FILES = ("tokenizer.json", "vocabulary.txt", "vocabulary.json")
@@ -107,6 +106,16 @@ def _layers(ct2: CT2Model, stack: str) -> int:
     return n
 
 
+def _self_attention_and_ffn(sd: dict[str, Tensor], ct2: CT2Model, src: str, dst: str) -> None:
+    """What an encoder layer and a decoder layer share: self-attention (q/k/v fused in ``linear_0``) and FFN."""
+    _norm(sd, ct2, f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
+    _fused(sd, ct2, f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}_proj" for p in "qkv"])
+    _linear(sd, ct2, f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
+    _norm(sd, ct2, f"{src}/ffn/layer_norm", f"{dst}.final_layer_norm")
+    _linear(sd, ct2, f"{src}/ffn/linear_0", f"{dst}.fc1")
+    _linear(sd, ct2, f"{src}/ffn/linear_1", f"{dst}.fc2")
+
+
 def whisper_state_dict(ct2: CT2Model) -> dict[str, Tensor]:
     """The transformers ``WhisperForConditionalGeneration`` state dict of a CTranslate2 ``WhisperSpec``."""
     sd: dict[str, Tensor] = {}
@@ -115,28 +124,17 @@ def whisper_state_dict(ct2: CT2Model) -> dict[str, Tensor]:
         _linear(sd, ct2, f"encoder/{conv}", f"{enc}.{conv}")
     sd[f"{enc}.embed_positions.weight"] = ct2.get("encoder/position_encodings/encodings")
     for i in range(_layers(ct2, "encoder")):
-        src, dst = f"encoder/layer_{i}", f"{enc}.layers.{i}"
-        _norm(sd, ct2, f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
-        _fused(sd, ct2, f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}_proj" for p in "qkv"])
-        _linear(sd, ct2, f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
-        _norm(sd, ct2, f"{src}/ffn/layer_norm", f"{dst}.final_layer_norm")
-        _linear(sd, ct2, f"{src}/ffn/linear_0", f"{dst}.fc1")
-        _linear(sd, ct2, f"{src}/ffn/linear_1", f"{dst}.fc2")
+        _self_attention_and_ffn(sd, ct2, f"encoder/layer_{i}", f"{enc}.layers.{i}")
     _norm(sd, ct2, "encoder/layer_norm", f"{enc}.layer_norm")
     sd[f"{dec}.embed_tokens.weight"] = ct2.get("decoder/embeddings/weight")
     sd[f"{dec}.embed_positions.weight"] = ct2.get("decoder/position_encodings/encodings")
     for i in range(_layers(ct2, "decoder")):
         src, dst = f"decoder/layer_{i}", f"{dec}.layers.{i}"
-        _norm(sd, ct2, f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
-        _fused(sd, ct2, f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}_proj" for p in "qkv"])
-        _linear(sd, ct2, f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
+        _self_attention_and_ffn(sd, ct2, src, dst)
         _norm(sd, ct2, f"{src}/attention/layer_norm", f"{dst}.encoder_attn_layer_norm")
         _linear(sd, ct2, f"{src}/attention/linear_0", f"{dst}.encoder_attn.q_proj")
         _fused(sd, ct2, f"{src}/attention/linear_1", [f"{dst}.encoder_attn.{p}_proj" for p in "kv"])
         _linear(sd, ct2, f"{src}/attention/linear_2", f"{dst}.encoder_attn.out_proj")
-        _norm(sd, ct2, f"{src}/ffn/layer_norm", f"{dst}.final_layer_norm")
-        _linear(sd, ct2, f"{src}/ffn/linear_0", f"{dst}.fc1")
-        _linear(sd, ct2, f"{src}/ffn/linear_1", f"{dst}.fc2")
     _norm(sd, ct2, "decoder/layer_norm", f"{dec}.layer_norm")
     projection = ct2.aliases.get("decoder/projection/weight")
     if projection not in (None, "decoder/embeddings/weight"):
@@ -337,61 +335,45 @@ def import_ct2_whisper(
             "the renaming does not fit this model: nothing was written"
         )
     model = model.to(dtype)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as e:
-        raise OutputError(f"--out {out}: cannot create a directory in {out.parent} ({e})") from e
-    try:
-        with _sigterm_as_interrupt():
-            try:
-                model.save_pretrained(tmp, safe_serialization=True)
-                (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-                (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
-                for name in TOKENIZER_FILES:
-                    found = [f / name for f in folders if (f / name).is_file()]
-                    if found:
-                        shutil.copyfile(found[0], tmp / name)
-            except OSError as e:  # disk full, quota, permissions
-                raise OutputError(f"--out {out}: writing into {tmp} failed ({e}); nothing kept") from e
-            reloaded = load_whisper_encoder(tmp, dropout=0.0)
-            reloaded.eval()
-            got = _encode(reloaded.model, feats)
-            reload_diff = float((got - expected).abs().max())
-            if not reload_diff <= RELOAD_ATOL:
-                raise DataError(
-                    f"{ct2.files[0]}: the saved encoder's output differs from the converted one by {reload_diff:.3g} "
-                    f"(> {RELOAD_ATOL}); nothing was written to {out}"
-                )
-            report = WhisperImportReport(
-                source=[str(f.resolve()) for f in ct2.files],
-                sha256=[sha256_of(f) for f in ct2.files],
-                out=str(out),
-                multilingual=bool(generation["is_multilingual"]),
-                dims={
-                    "d_model": cfg.d_model,
-                    "encoder_layers": cfg.encoder_layers,
-                    "encoder_heads": cfg.encoder_attention_heads,
-                    "decoder_layers": cfg.decoder_layers,
-                    "num_mel_bins": cfg.num_mel_bins,
-                    "vocab_size": cfg.vocab_size,
-                },
-                encoder_parameters=sum(p.numel() for p in encoder.parameters()),
-                parameters=sum(p.numel() for p in model.parameters()),
-                dtype=str(dtype).replace("torch.", ""),
-                reload_max_diff=reload_diff,
-                ct2_max_diff=ct2_diff,
-                seconds=round(time.monotonic() - start, 1),
+    with staged_dir(out) as tmp:
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+            (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+            for name in TOKENIZER_FILES:
+                found = [f / name for f in folders if (f / name).is_file()]
+                if found:
+                    shutil.copyfile(found[0], tmp / name)
+        except OSError as e:  # disk full, quota, permissions
+            raise OutputError(f"--out {out}: writing into {tmp} failed ({e}); nothing kept") from e
+        reloaded = load_whisper_encoder(tmp, dropout=0.0)
+        reloaded.eval()
+        got = _encode(reloaded.model, feats)
+        reload_diff = float((got - expected).abs().max())
+        if not reload_diff <= RELOAD_ATOL:
+            raise DataError(
+                f"{ct2.files[0]}: the saved encoder's output differs from the converted one by {reload_diff:.3g} "
+                f"(> {RELOAD_ATOL}); nothing was written to {out}"
             )
-            (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
-            apply_umask(tmp)
-            try:
-                if out.is_dir():
-                    out.rmdir()  # empty (checked above); rename needs the name free
-                tmp.rename(out)
-            except OSError as e:  # something was put there during the import
-                raise OutputError(f"--out {out}: cannot be replaced ({e}); nothing was written") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        report = WhisperImportReport(
+            source=[str(f.resolve()) for f in ct2.files],
+            sha256=[sha256_of(f) for f in ct2.files],
+            out=str(out),
+            multilingual=bool(generation["is_multilingual"]),
+            dims={
+                "d_model": cfg.d_model,
+                "encoder_layers": cfg.encoder_layers,
+                "encoder_heads": cfg.encoder_attention_heads,
+                "decoder_layers": cfg.decoder_layers,
+                "num_mel_bins": cfg.num_mel_bins,
+                "vocab_size": cfg.vocab_size,
+            },
+            encoder_parameters=sum(p.numel() for p in encoder.parameters()),
+            parameters=sum(p.numel() for p in model.parameters()),
+            dtype=str(dtype).replace("torch.", ""),
+            reload_max_diff=reload_diff,
+            ct2_max_diff=ct2_diff,
+            seconds=round(time.monotonic() - start, 1),
+        )
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from speechlm.errors import DataError, OutputError, UsageError
-from speechlm.model import whisper_import
+from speechlm.model import gguf_import, whisper_import
 from speechlm.model.ct2_format import read_ct2
 from speechlm.model.encoders import load_whisper_encoder
 
@@ -212,7 +212,7 @@ def test_sigterm_while_writing_leaves_no_directory(converted, tmp_path, monkeypa
     def sigterm(_root: Path) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(whisper_import, "apply_umask", sigterm)
+    monkeypatch.setattr(gguf_import, "_as_umask_allows", sigterm)  # the staged directory's last step
     with pytest.raises(KeyboardInterrupt):
         whisper_import.import_ct2_whisper([converted[1]["float32"]], tmp_path / "w", log=lambda _: None)
     assert sorted(os.listdir(tmp_path)) == []
