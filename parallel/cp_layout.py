@@ -5,7 +5,8 @@ Letters: B clips of a micro-batch, N audio samples, T packed tokens, H hidden.
 Clips and sequences. A plan is per sequence (`place` sees sequence lengths); with one clip per sample
 clip i is sequence i. Samples with several clips (conversations) see the plan through
 `plan_for_clips(plan, clip_sample)`: each clip is encoded by its sequence's clip owner and gathered to
-every rank when its sequence is split, so a whole sequence's clips all stay on the rank that decodes it.
+every rank of its sequence's (sub-)group when its sequence is split, so a whole sequence's clips all stay
+on the rank that decodes it.
 
 A speech LLM's micro-batch goes through four CP decisions, in this order (`SpeechLLM.forward`):
 
@@ -52,7 +53,7 @@ from torch import Tensor
 
 from parallel import sharded_clip
 from parallel.clip_handover import Handover
-from parallel.clip_placement import ClipSharding, place_clips
+from parallel.clip_placement import ClipGroup, ClipSharding, place_clips
 from parallel.cp_attention import CPAttention, CPAttentionContext
 from parallel.cp_placement import LocalPlacement, place_sequences
 from parallel.cp_shard import shard_placed_thd
@@ -110,7 +111,13 @@ class CPPlan(Protocol):
 
     @property
     def gathered(self) -> list[bool]:
-        """Per clip of the micro-batch: whether its embeddings go to every CP rank (a split sequence)."""
+        """Per clip of the micro-batch: whether its embeddings go to other CP ranks (a split sequence)."""
+        ...
+
+    @property
+    def gather_groups(self) -> list[ClipGroup]:
+        """Per clip of the micro-batch: ``(first, d)``, the aligned CP ranks ``[first, first + d)`` that
+        receive its embeddings (its sequence's group; d = 1: it stays on its owner)."""
         ...
 
 
@@ -147,31 +154,38 @@ class CPLayout(Protocol):
         ...
 
     def clip_sharding(
-        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+        self,
+        frames: Sequence[int],
+        *,
+        min_frames: int,
+        min_slice: int,
+        groups: Sequence[ClipGroup] = (),
     ) -> ClipSharding:
-        """Which clips the encoder shards over the CP group (`parallel.clip_placement.place_clips`);
-        ``degrees``: `CPPlan.degrees` (hybrid degrees shard only a clip whose sequence is whole or split
-        over every CP rank)."""
+        """Which clips the encoder shards (`parallel.clip_placement.place_clips`); ``groups``: per clip the
+        aligned CP ranks it would be sharded over (its sequence's sub-group under hybrid degrees; empty:
+        the whole CP group)."""
         ...
 
-    def halo(self) -> Exchange:
-        """The halo exchange of a sharded clip's slices (`parallel.halo`)."""
+    def halo(self, group: ClipGroup) -> Exchange:
+        """The halo exchange of the slices of a clip sharded over ``group`` (`parallel.halo`)."""
         ...
 
-    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
-        """A sharded clip's projected rows to the ranks whose streams hold them (`parallel.sharded_clip`)."""
+    def hand_over(self, x_PH: Tensor, handover: Handover, group: ClipGroup) -> Tensor:
+        """A sharded clip's projected rows to the ranks of ``group`` whose streams hold them
+        (`parallel.sharded_clip`; ``handover`` is over the group's ranks, in order)."""
         ...
 
-    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
-        """A sharded clip's encoder frames, every rank's slice, on every rank (`parallel.sharded_clip`)."""
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int], group: ClipGroup) -> Tensor:
+        """A sharded clip's encoder frames, the slice of every rank of ``group``, on each of them
+        (`parallel.sharded_clip`)."""
         ...
 
     def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """The audio side's outputs through one autograd node (`parallel.sharded_clip.tie`)."""
         ...
 
-    def reduce_sum(self, x: Tensor) -> Tensor:
-        """``x`` summed over the CP group (no gradient): a sharded clip's feature statistics."""
+    def reduce_sum(self, x: Tensor, group: ClipGroup) -> Tensor:
+        """``x`` summed over the ranks of ``group`` (no gradient): a sharded clip's feature statistics."""
         ...
 
     def shard(
@@ -215,17 +229,22 @@ class WholePlan:
     def gathered(self) -> list[bool]:
         return [False] * len(self.padded_lengths)
 
+    @property
+    def gather_groups(self) -> list[ClipGroup]:
+        return [(0, 1)] * len(self.padded_lengths)
+
 
 @dataclass(frozen=True)
 class ClipPlan:
     """A plan whose samples hold any number of clips (conversations): the sequences are ``plan``'s, the
     clips those of ``clip_sample`` (the sequence of each clip, non-decreasing). A clip lives where its
     sequence lives: a whole sequence's clips are encoded by its owner and stay there; a split
-    sequence's clips are gathered to every rank. With ``clip_lens`` (frames per clip) the gathered
-    clips are dealt one by one, longest first, to the rank with the least encoding work so far (ties:
-    lower clip, lower rank), so that the clips of one long conversation do not all land on one
-    encoder; without, each goes to its sequence's clip owner. A function of the plan, ``clip_sample``
-    and ``clip_lens`` only, so identical on every CP rank."""
+    sequence's clips are gathered to every rank of its sequence's group (the whole CP group, or its
+    sub-group under hybrid degrees). With ``clip_lens`` (frames per clip) the gathered clips are dealt one
+    by one, longest first, to the rank of that group with the least encoding work so far (ties: lower
+    clip, lower rank), so that the clips of one long conversation do not all land on one encoder;
+    without, each goes to its sequence's clip owner. ``gather_all``: every clip's group is the whole CP
+    group. A function of the plan, ``clip_sample`` and ``clip_lens`` only, so identical on every CP rank."""
 
     plan: CPPlan
     clip_sample: tuple[int, ...]
@@ -260,21 +279,28 @@ class ClipPlan:
         owners = [per_seq[s] for s in self.clip_sample]
         if not self.clip_lens or self.cp_size <= 1:
             return owners
-        gathered = self.gathered
+        groups = self.gather_groups
         work = [0] * self.cp_size
         for c, o in enumerate(owners):
-            if not gathered[c]:
+            if groups[c][1] == 1:
                 work[o] += self.clip_lens[c]
-        for c in sorted((c for c, g in enumerate(gathered) if g), key=lambda c: (-self.clip_lens[c], c)):
-            r = min(range(self.cp_size), key=lambda r: (work[r], r))
+        for c in sorted((c for c, g in enumerate(groups) if g[1] > 1), key=lambda c: (-self.clip_lens[c], c)):
+            first, d = groups[c]
+            r = min(range(first, first + d), key=lambda r: (work[r], r))
             owners[c] = r
             work[r] += self.clip_lens[c]
         return owners
 
     @property
     def gathered(self) -> list[bool]:
-        gathered = self.plan.gathered
-        return [self.gather_all or gathered[s] for s in self.clip_sample]
+        return [d > 1 for _, d in self.gather_groups]
+
+    @property
+    def gather_groups(self) -> list[ClipGroup]:
+        if self.gather_all and self.cp_size > 1:
+            return [(0, self.cp_size)] * len(self.clip_sample)
+        per_seq = self.plan.gather_groups
+        return [per_seq[s] for s in self.clip_sample]
 
 
 def plan_for_clips(
@@ -336,23 +362,28 @@ class NullCPLayout:
         return self
 
     def clip_sharding(
-        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+        self,
+        frames: Sequence[int],
+        *,
+        min_frames: int,
+        min_slice: int,
+        groups: Sequence[ClipGroup] = (),
     ) -> ClipSharding:
         return place_clips(frames, 1, min_frames=min_frames)  # nothing is sharded on one rank
 
-    def halo(self) -> Exchange:
+    def halo(self, group: ClipGroup) -> Exchange:
         raise RuntimeError("one CP rank shards no clip: there is no halo to exchange")
 
-    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
+    def hand_over(self, x_PH: Tensor, handover: Handover, group: ClipGroup) -> Tensor:
         raise RuntimeError("one CP rank shards no clip: there is nothing to hand over")
 
-    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int], group: ClipGroup) -> Tensor:
         raise RuntimeError("one CP rank shards no clip: there are no slices to gather")
 
     def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(tensors)  # one rank: no collective to keep in order
 
-    def reduce_sum(self, x: Tensor) -> Tensor:
+    def reduce_sum(self, x: Tensor, group: ClipGroup) -> Tensor:
         return x
 
     def shard(
@@ -402,6 +433,22 @@ class DynamicCPLayout:
         )
         return placement.local(self.cp_rank)
 
+    def process_groups(self) -> dict[int, Any]:
+        """This rank's process group of each size a clip can be gathered or sharded over: the CP group."""
+        return {self.cp_size: self.group}
+
+    def process_group(self, group: ClipGroup) -> tuple[Any, int]:
+        """``(process group, this rank's place in it)`` of the aligned ranks ``group = (first, d)``, which
+        must hold this rank (`process_groups` has one per size d)."""
+        first, d = group
+        mine = self.process_groups()
+        if d not in mine or not first <= self.cp_rank < first + d or first % d:
+            raise ValueError(
+                f"CP rank {self.cp_rank} has no process group for the ranks [{first}, {first + d}) "
+                f"(sizes {sorted(mine)}): a clip is sharded or gathered only over a group that holds it"
+            )
+        return mine[d], self.cp_rank - first
+
     def encode(
         self,
         encode_fn: EncodeFn[E],
@@ -420,27 +467,36 @@ class DynamicCPLayout:
             cp_rank=self.cp_rank,
             cp_size=self.cp_size,
             skip=skip,
+            gather_groups=plan.gather_groups,
+            subgroups=self.process_groups(),
         )
 
     def clip_sharding(
-        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
+        self,
+        frames: Sequence[int],
+        *,
+        min_frames: int,
+        min_slice: int,
+        groups: Sequence[ClipGroup] = (),
     ) -> ClipSharding:
-        return place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice)
+        return place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice, groups=groups)
 
-    def halo(self) -> Exchange:
-        return HaloExchange(self.group)
+    def halo(self, group: ClipGroup) -> Exchange:
+        return HaloExchange(self.process_group(group)[0])
 
-    def hand_over(self, x_PH: Tensor, handover: Handover) -> Tensor:
-        return sharded_clip.hand_over(x_PH, handover, self.cp_rank, self.group)
+    def hand_over(self, x_PH: Tensor, handover: Handover, group: ClipGroup) -> Tensor:
+        pg, rank = self.process_group(group)
+        return sharded_clip.hand_over(x_PH, handover, rank, pg)
 
-    def gather_slices(self, x_UE: Tensor, counts: Sequence[int]) -> Tensor:
-        return sharded_clip.gather_slices(x_UE, counts, self.cp_rank, self.group)
+    def gather_slices(self, x_UE: Tensor, counts: Sequence[int], group: ClipGroup) -> Tensor:
+        pg, rank = self.process_group(group)
+        return sharded_clip.gather_slices(x_UE, counts, rank, pg)
 
     def tie(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return sharded_clip.tie(tensors)
 
-    def reduce_sum(self, x: Tensor) -> Tensor:
-        return sharded_clip.reduce_sum(x, self.group)
+    def reduce_sum(self, x: Tensor, group: ClipGroup) -> Tensor:
+        return sharded_clip.reduce_sum(x, self.process_group(group)[0])
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

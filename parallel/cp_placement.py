@@ -198,8 +198,15 @@ class LocalPlacement:
 
     @property
     def gathered(self) -> list[bool]:
-        """Per clip: its sequence is split, so its embeddings go to every rank."""
+        """Per clip: its sequence is split, so its embeddings go to every rank of its (sub-)group."""
         return [d > 1 for d in self.placement.degree]
+
+    @property
+    def gather_groups(self) -> list[tuple[int, int]]:
+        """Per clip: ``(first, d)``, the CP ranks ``[first, first + d)`` that compute its sequence (d = 1:
+        whole on ``first``), which receive its embeddings."""
+        seqs = (self.placement.sequence_ranks(i) for i in range(len(self.placement.degree)))
+        return [(r.start, len(r)) for r in seqs]
 
 
 def place_sequences(

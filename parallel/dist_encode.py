@@ -17,7 +17,10 @@ clip (`CPPlacement.clip_owners`). Then `encode_placed`:
    the caller to keep in its loss with weight 0. A rank whose clips all hold 0 samples encodes the
    dummy too, and gives each of them 0 rows cut from the dummy's output (an encoder run on no frame
    leaves it out of that rank's backward: FSDP's collectives fall out of step).
-2. Gather. Frame counts U_i differ per clip, so each rank first all-gathers the frame counts of the
+2. Gather. A gathered clip goes to the ranks of its sequence's group (the whole CP group, or under
+   hybrid CP degrees its aligned sub-group: ``gather_groups``), one gather per group size, largest first,
+   each over the rank's own group of that size (skipped where that group gathers nothing). Frame counts
+   U_i differ per clip, so each rank first all-gathers the frame counts of the
    clips it sends (a fixed-size int tensor), pads its sent rows to ``P = max_r`` and runs one
    DIFFERENTIABLE exchange (``parallel.collectives.gather_head_dim0``: all-gather forward,
    reduce-scatter backward) whose input is all of this rank's rows: the sent head, the kept tail and
@@ -41,7 +44,7 @@ clip. Dummies pass through batch statistics if the encoder has BatchNorm in trai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -102,6 +105,8 @@ def encode_placed(
     cp_size: int,
     dummy_len: int = DUMMY_CLIP_SAMPLES,
     skip: Sequence[bool] = (),
+    gather_groups: Sequence[tuple[int, int]] = (),
+    subgroups: Mapping[int, Any] | None = None,
 ) -> PlacedEncoding[E]:
     """Encode the clips this rank owns, in one ``encode_fn`` call, and all-gather only the ``gathered``
     ones (the clips of split sequences); a whole sequence's clip stays on its owner (module docstring).
@@ -109,13 +114,16 @@ def encode_placed(
     ``owners[i]`` is the rank that encodes clip i; ``owners`` and ``gathered`` must be identical on
     every CP rank (they come from `parallel.cp_placement`, a pure function of the micro-batch);
     ``skip[i]``: clip i is sharded over the group and encoded by the caller (`parallel.clip_placement`),
-    so it is neither encoded nor gathered here and its entry stays None. Every
-    rank calls ``encode_fn`` exactly once (a rank that owns no clip encodes a dummy; the placement
-    only leaves a rank without a clip when some clip is gathered), so FSDP2's collectives of the
-    encoder stay in lockstep. When some clip is gathered, all of this rank's outputs (its gathered
-    clips, its whole clips, its dummy) pass through one autograd node (`gather_head_dim0`), so the
-    backward reaches the encoder at the same point on every rank; the dummy's rows are unused there
-    and receive a zero gradient, which keeps the encoder in that rank's backward.
+    so it is neither encoded nor gathered here and its entry stays None. ``gather_groups[i] = (first, d)``:
+    the aligned ranks a gathered clip goes to (hybrid CP degrees: its sequence's sub-group; empty: the
+    whole group), its owner among them; ``subgroups[d]``: this rank's process group of size d (default:
+    ``{cp_size: group}``). Every rank calls ``encode_fn`` exactly once (a rank that owns no clip encodes a
+    dummy; the placement only leaves a rank without a clip when some clip is gathered), so FSDP2's
+    collectives of the encoder stay in lockstep. Gathers run one group size at a time, largest first, each
+    over this rank's group of that size (`_gather_levels`); all of this rank's outputs (its gathered clips,
+    its whole clips, its dummy) pass through them in one chain of autograd nodes (`gather_head_dim0`), so
+    the backward reaches the encoder at the same point on every rank; the dummy's rows are unused there and
+    receive a zero gradient, which keeps the encoder in that rank's backward.
     """
     num_clips = audio_BN.shape[0]
     if len(owners) != num_clips or len(gathered) != num_clips:
@@ -126,10 +134,18 @@ def encode_placed(
         raise ValueError(f"skip has {len(skip)} entries for {num_clips} clips")
     elsewhere = [bool(x) for x in skip] or [False] * num_clips  # sharded clips: encoded by the caller
     gathered = [g and not e for g, e in zip(gathered, elsewhere)]
-    any_gathered = cp_size > 1 and any(gathered)
-    sent = [[i for i, o in enumerate(owners) if o == r and gathered[i]] for r in range(cp_size)]
+    groups = _gather_groups(gather_groups, gathered, owners, cp_size)
+    # per group size d that this rank's aligned group of d ranks gathers over, largest first: the clips
+    # each rank of that group sends (the members of a group see the same plan, so they agree on its levels)
+    sent = {
+        d: _sent_by_rank(d, groups, gathered, owners, cp_rank)
+        for d in _gather_levels(groups, gathered, cp_size)
+    }
+    sent = {d: by_rank for d, by_rank in sent.items() if any(by_rank)}
+    levels = list(sent)
+    any_gathered = bool(levels)
     kept = [i for i, o in enumerate(owners) if o == cp_rank and not gathered[i] and not elsewhere[i]]
-    mine = sent[cp_rank] + kept  # gathered ones first: the head of the exchange below
+    mine = [i for d in levels for i in sent[d][cp_rank % d]] + kept  # gathered ones first, by level
     heard = False  # some clip of mine has audio
     if mine:
         idx = torch.tensor(mine, dtype=torch.long, device=audio_BN.device)
@@ -153,18 +169,69 @@ def encode_placed(
         for i, e in zip(mine, local_embeds):
             embeds[i] = e
         return result
+    pgs = dict(subgroups) if subgroups is not None else {cp_size: group}
     counts = [int(e.shape[0]) for e in local_embeds]
-    n_head = sum(counts[: len(sent[cp_rank])])
-    width = max(len(x) for x in sent)
-    head_counts = counts[: len(sent[cp_rank])] + [0] * (width - len(sent[cp_rank]))
-    all_counts = _gather_frame_counts(head_counts, group, cp_size, audio_lens_B.device)
-    pad_to = max(1, max(sum(c) for c in all_counts))
-    flat = torch.cat(list(local_embeds), dim=0)
-    gathered_PH, tail = gather_head_dim0(flat, n_head, pad_to, group)
-    for r, (rank_counts, rank_PH) in enumerate(zip(all_counts, gathered_PH.split(pad_to, dim=0))):
-        real = rank_counts[: len(sent[r])]
-        for i, e in zip(sent[r], torch.split(rank_PH[: sum(real)], real, dim=0)):
-            embeds[i] = e
-    for i, e in zip(kept, torch.split(tail, counts[len(sent[cp_rank]) :], dim=0)):
+    rest = torch.cat(list(local_embeds), dim=0)  # this rank's rows not gathered yet, in `mine` order
+    done = 0  # clips of `mine` gathered so far
+    for d in levels:
+        if d not in pgs:
+            raise ValueError(f"a clip is gathered over {d} CP ranks, but rank {cp_rank} has no such group")
+        by_rank = sent[d]
+        n_mine = len(by_rank[cp_rank % d])
+        head_counts = counts[done : done + n_mine]
+        width = max(1, *(len(x) for x in by_rank))
+        all_counts = _gather_frame_counts(
+            head_counts + [0] * (width - n_mine), pgs[d], d, audio_lens_B.device
+        )
+        pad_to = max(1, max(sum(c) for c in all_counts))
+        gathered_PH, rest = gather_head_dim0(rest, sum(head_counts), pad_to, pgs[d])
+        for clips, rank_counts, rank_PH in zip(by_rank, all_counts, gathered_PH.split(pad_to, dim=0)):
+            real = rank_counts[: len(clips)]
+            for i, e in zip(clips, torch.split(rank_PH[: sum(real)], real, dim=0)):
+                embeds[i] = e
+        done += n_mine
+    for i, e in zip(kept, torch.split(rest, counts[done:], dim=0)):
         embeds[i] = e
     return result
+
+
+def _gather_groups(
+    gather_groups: Sequence[tuple[int, int]], gathered: Sequence[bool], owners: Sequence[int], cp_size: int
+) -> list[tuple[int, int]]:
+    """Per clip, the aligned ranks ``(first, d)`` it is gathered to (``gather_groups``, or the whole group for
+    every gathered clip), checked: its owner among them."""
+    if not gather_groups:
+        return [(0, cp_size) if g else (o, 1) for g, o in zip(gathered, owners)]
+    if len(gather_groups) != len(owners):
+        raise ValueError(f"gather_groups has {len(gather_groups)} entries for {len(owners)} clips")
+    out = [(int(f), int(d)) for f, d in gather_groups]
+    for i, ((f, d), o, g) in enumerate(zip(out, owners, gathered)):
+        if g and (d < 2 or f % d or not f <= o < f + d or f + d > cp_size):
+            raise ValueError(
+                f"clip {i} is gathered to the ranks [{f}, {f + d}), which must be an aligned group of 2 or "
+                f"more of the {cp_size} CP ranks holding its owner {o}"
+            )
+    return out
+
+
+def _gather_levels(groups: Sequence[tuple[int, int]], gathered: Sequence[bool], cp_size: int) -> list[int]:
+    """The group sizes some clip of the micro-batch is gathered over, largest first: a rank runs one gather
+    per size where its own aligned group of that size gathers a clip, in this order, so the collectives of
+    every group run in the same order on all its members. A group that gathers nothing at a size skips it
+    on every member (a gather whose output no member uses would run its backward on some members only)."""
+    if cp_size <= 1:
+        return []
+    return sorted({d for (_, d), g in zip(groups, gathered) if g}, reverse=True)
+
+
+def _sent_by_rank(
+    d: int, groups: Sequence[tuple[int, int]], gathered: Sequence[bool], owners: Sequence[int], cp_rank: int
+) -> list[list[int]]:
+    """Per rank of ``cp_rank``'s aligned group of size d (in group order): the clips it sends at this level,
+    in clip order."""
+    first = cp_rank // d * d
+    out: list[list[int]] = [[] for _ in range(d)]
+    for i, ((f, size), g) in enumerate(zip(groups, gathered)):
+        if g and size == d and f == first:
+            out[owners[i] - first].append(i)
+    return out

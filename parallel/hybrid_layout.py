@@ -18,14 +18,17 @@ first, whole sequences last (`HybridPlacement.segments`):
 - ``attention_context``: ring or all-gather attention per segment over the sub-group of its degree
   (`attention_by_degree`), the groups built once at mesh setup (`ParallelDims.build_cp_subgroups`).
 
-Encoding is dynamic CP's (`parallel.dist_encode.encode_placed` over the whole CP group): each clip is
-encoded on one rank of its sequence's sub-group (`HybridPlacement.clip_owners`), a split sequence's clip
-is all-gathered to every CP rank, and a rank outside the sub-group keeps it in its loss with weight 0
-(`speechlm.model.cp_audio.pack_for_layout`). A long clip is sharded over the whole CP group as under
-dynamic CP (`parallel.clip_placement`, ``clip_sharding``) when its sequence is whole or split over every
-CP rank, which is where `place_hybrid` puts a sequence longer than a rank's share; a clip whose sequence
-is split over a smaller sub-group is encoded whole on its owner (sharding over a sub-group is still to
-come).
+Encoding follows the sub-groups too (`process_groups`: degree -> this rank's process group of that size):
+
+- each clip is encoded on one rank of its sequence's sub-group (`parallel.cp_layout.ClipPlan.clip_owners`
+  deals a split sequence's clips over that sub-group's ranks) and all-gathered to that sub-group only
+  (`parallel.dist_encode.encode_placed`, one gather per degree, largest first);
+- a long clip (`parallel.clip_placement`) is sharded over its sequence's sub-group: its contiguous slices,
+  halo exchange, feature statistics, hand-over to the sequence's chunk pairs and CTC gather all run over
+  those d ranks (`speechlm.model.cp_audio`); a whole sequence's long clip is sharded over the whole CP
+  group and handed to its rank, as under dynamic CP;
+- CTC-compressed audio gathers every clip to every CP rank as under dynamic CP (its sequences are placed
+  only after the encoder).
 
 Backends with CP kernels of their own (transformer-engine) take one CP group per call and so cannot run
 this; the validator refuses ``model.attention_backend=te`` with hybrid degrees (``run`` raises too).
@@ -42,7 +45,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallel.clip_placement import ClipSharding, place_clips
 from parallel.cp_attention import SplitFn, WholeFn, attention_by_degree, prepare_by_degree
 from parallel.cp_layout import CPPlan, DynamicCPLayout
 from parallel.cp_placement import LocalPlacement, place_hybrid
@@ -133,18 +135,10 @@ class HybridCPLayout(DynamicCPLayout):
         )
         return placement.local(self.cp_rank)
 
-    def clip_sharding(
-        self, frames: Sequence[int], *, min_frames: int, min_slice: int, degrees: Sequence[int] = ()
-    ) -> ClipSharding:
-        """`place_clips` over the whole CP group, kept only for a clip whose sequence is whole (its rows go
-        to one rank) or split over every CP rank (module docstring); ``degrees``: `CPPlan.degrees`."""
-        sharding = place_clips(frames, self.cp_size, min_frames=min_frames, min_slice=min_slice)
-        if len(degrees) != len(sharding.frames):
-            raise ValueError(
-                f"hybrid CP needs each clip's sequence degree: got {len(degrees)} for {len(frames)}"
-            )
-        ok = (1, self.cp_size)
-        return replace(sharding, sharded=tuple(s and d in ok for s, d in zip(sharding.sharded, degrees)))
+    def process_groups(self) -> dict[int, Any]:
+        """This rank's aligned sub-group of every degree, the whole CP group for degree cp: a split
+        sequence's clips are gathered, and a long clip of it sharded, over its sequence's sub-group."""
+        return {**self.subgroups, self.cp_size: self.group}
 
     def shard(
         self, tensors: Mapping[str, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: CPPlan

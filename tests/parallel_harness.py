@@ -136,6 +136,30 @@ def make_long_clip_batch(seed: int, n_rows: int) -> Batch:
     )
 
 
+def make_long_clips_batch(seed: int, n_rows: int, seconds: tuple[float, ...]) -> Batch:
+    """`make_batch` of ``n_rows`` short clips after ``len(seconds)`` long ones of those durations, each with a
+    40-token transcript: under hybrid CP degrees at cp 4, (34, 34) places the two long sequences over the
+    two pairs of ranks (degrees 2, 2) and (32, 31, 31) the first over all four and the others over the two
+    pairs (degrees 4, 2, 2: ranks hold slices of clips sharded over different, nested groups)."""
+    g = torch.Generator().manual_seed(seed + 13)
+    k = len(seconds)
+    batch = make_batch(seed, n_rows + k)
+    longs = [int(sec * 16000) for sec in seconds]
+    audio = torch.zeros(n_rows + k, max(*longs, batch.audio.shape[1]))
+    audio[:, : batch.audio.shape[1]] = batch.audio
+    lens, tlens = batch.audio_lens.clone(), batch.token_lens.clone()
+    tokens = torch.zeros(n_rows + k, 40, dtype=torch.long)
+    tokens[:, : batch.tokens.shape[1]] = batch.tokens
+    for i, n in enumerate(longs):
+        audio[i] = 0.0
+        audio[i, :n] = 0.3 * torch.randn(n, generator=g)
+        lens[i], tlens[i] = n, 40
+        tokens[i, 1:40] = torch.randint(5, VOCAB, (39,), generator=g)
+    return dataclasses.replace(
+        batch, audio=audio, audio_lens=lens, tokens=tokens, token_lens=tlens, durations=lens.float() / 16000
+    )
+
+
 def make_edge_batch(seed: int, n_rows: int, more: int = 2) -> Batch:
     """`make_batch` whose last clip holds no audio: a clip of 0 frames, which CTC compression keeps as 0
     rows (issue 38), beside clips that compress to one row or to fewer rows than their transcripts (with
@@ -152,13 +176,16 @@ def global_steps(n_steps: int, dp: int, seed: int = 0, batches: str = "clips") -
     """Micro-batch d of step s goes to data-parallel rank d; sizes differ so ranks hold unequal work.
     ``batches``: "clips" (one clip per row, `make_batch`), "conversations" (`make_conversation_batch`),
     "untranscribed" (`make_untranscribed_batch`), "text+audio" (`make_text_and_audio_batch`), "long"
-    (`make_long_clip_batch`), "edge" or "edge-small" (`make_edge_batch`)."""
+    (`make_long_clip_batch`), "two-long" or "three-long" (`make_long_clips_batch`), "edge" or "edge-small"
+    (`make_edge_batch`)."""
     make = {
         "clips": make_batch,
         "conversations": make_conversation_batch,
         "untranscribed": make_untranscribed_batch,
         "text+audio": make_text_and_audio_batch,
         "long": make_long_clip_batch,
+        "two-long": functools.partial(make_long_clips_batch, seconds=(34.0, 34.0)),
+        "three-long": functools.partial(make_long_clips_batch, seconds=(32.0, 31.0, 31.0)),
         "edge": make_edge_batch,
         "edge-small": functools.partial(make_edge_batch, more=0),
     }[batches]

@@ -114,8 +114,8 @@ def compressed_output(
     embed_tokens: Callable[[Tensor], Tensor] | None = None,
     gate: Tensor | None = None,
     *,
-    slices: Sequence[tuple[Tensor, Sequence[int]]] = (),
-    gather: Callable[[Tensor, Sequence[int]], Tensor] | None = None,
+    slices: Sequence[tuple[Tensor, Sequence[int], tuple[int, int]]] = (),
+    gather: Callable[[Tensor, Sequence[int], tuple[int, int]], Tensor] | None = None,
 ) -> EncoderOutput:
     """`SpeechLLM.encode_audio`'s result with ``model.audio_compression: ctc``: the encoder's frames kept as
     they are (the CTC loss and joint decoding read them), the projector run on the compressed frames.
@@ -124,7 +124,7 @@ def compressed_output(
     the projected frames are scaled by ``gate`` (a learnt scalar that starts at 0: the rows start as the
     heard tokens' embeddings, at the scale the decoder knows, and the acoustic side grows in as it helps).
     ``slices``: this rank's slice ``[U_r, E]`` of each clip sharded over the CP group, with the encoder
-    frames of every rank's slice (rank order); ``gather`` (`CPLayout.gather_slices`, differentiable) brings
+    frames of every rank's slice (rank order) and the group's ranks (`ClipSlice.group`); ``gather`` (`CPLayout.gather_slices`, differentiable) brings
     each whole clip's frames and labels to every rank, where it is compressed and projected in the same
     calls as the whole clips; ``(frames [U, E], rows)`` of each comes back in ``EncoderOutput.slices`` with
     ``slices_whole`` set. The head runs once (FSDP: one call per micro-batch, whatever it holds)."""
@@ -139,15 +139,15 @@ def compressed_output(
         valid_BU = torch.arange(enc_hidden.shape[1], device=enc_hidden.device)[None, :] < lens_B[:, None]
         frames_UE = enc_hidden[valid_BU]
     n_whole, n_frames = int(lens_B.numel()), int(frames_UE.shape[0])
-    labels_U = frame_labels(ctc_head, torch.cat([frames_UE, *(h.to(frames_UE.dtype) for h, _ in slices)]))
+    labels_U = frame_labels(ctc_head, torch.cat([frames_UE, *(h.to(frames_UE.dtype) for h, _, _ in slices)]))
     sharded = []  # each sharded clip whole: (frames, labels), every rank's slice gathered
     if slices:
         if gather is None:
             raise ValueError("compressing a clip sharded over the CP group needs the layout's gather")
-        cuts = [n_frames, *(int(h.shape[0]) for h, _ in slices)]
+        cuts = [n_frames, *(int(h.shape[0]) for h, _, _ in slices)]
         labels_U, *slice_labels = torch.split(labels_U, cuts)
-        for (h, counts), lab in zip(slices, slice_labels, strict=True):
-            sharded.append((gather(h, counts), gather(lab[:, None], counts)[:, 0]))
+        for (h, counts, group), lab in zip(slices, slice_labels, strict=True):
+            sharded.append((gather(h, counts, group), gather(lab[:, None], counts, group)[:, 0]))
         # the sharded clips after the whole ones, as further clips of the same calls
         frames_UE = torch.cat([frames_UE, *(f.to(frames_UE.dtype) for f, _ in sharded)])
         labels_U = torch.cat([labels_U, *(lab.to(labels_U.dtype) for _, lab in sharded)])

@@ -11,7 +11,7 @@ them in this order, once per micro-batch:
                                                    runs it too: `speechlm.model.clip_planner`)
     check_clips_present(batch, audio_plan, layout) every clip this rank's encoder reads was decoded here
     encoding_plan(layout, plan, ...)               which rank encodes each clip, which clips are gathered
-    clip_sharding(model, layout, frames, degrees)  which clips the encoder shards over the CP group
+    clip_sharding(model, layout, frames, groups)   which clips the encoder shards, each over which ranks
     prepare_slices(model, layout, audio, sharding)  this rank's slice of each (features of its span)
     encode_for_layout(model, layout, ..., plan)    this rank's clips (split sequences' gathered) and slices,
                                                    one encoder call and one projector call
@@ -24,9 +24,12 @@ them in this order, once per micro-batch:
                                                    rank's share (`CPLayout.shard`)
 
 A sharded clip (`parallel.clip_placement`): a long clip of a padding-free encoder with limited context is
-cut into ``cp`` contiguous slices of encoder frames (cut on the projector's stack); rank r encodes slice r
-from the feature frames its subsampling reads (`sharded_encoder.feature_span`), with the clip's
-normalisation statistics summed over the group.
+cut into contiguous slices of encoder frames (cut on the projector's stack), one per rank of its group
+(`ClipSharding.group`: the CP group, or under hybrid CP degrees its sequence's sub-group of d ranks); the
+group's k-th rank encodes slice k from the feature frames its subsampling reads
+(`sharded_encoder.feature_span`), with the clip's normalisation statistics summed over the group, its
+halos exchanged within the group and its rows handed over within the group. A rank outside the group holds
+nothing of the clip.
 
 Greedy decoding (`encode_for_decoding`): every CP peer decodes the same batch, so each needs every clip's
 rows. A clip the layout would shard is still encoded slice by slice over the group (a long clip does not fit
@@ -50,7 +53,7 @@ import torch
 from torch import Tensor
 
 from parallel.clip_handover import Handover, clip_needs
-from parallel.clip_placement import ClipSharding, clip_readers, shard_bounds, short_clip_frames
+from parallel.clip_placement import ClipGroup, ClipSharding, clip_readers, short_clip_frames
 from parallel.cp_layout import CPLayout, CPPlan, dummy_clip, plan_for_clips
 from speechlm.model.conversation_inputs import (
     batch_field,
@@ -150,12 +153,11 @@ class AudioPlan:
     seq_lens: list[int]  # packed length per row (compressed audio: an upper bound)
     plan: CPPlan  # per sequence (`CPLayout.place`)
     enc_plan: CPPlan  # per clip (`encoding_plan`)
-    sharding: ClipSharding | None  # the clips sharded over the CP group, or None
+    sharding: ClipSharding | None  # the clips sharded (each over its group), or None
 
     def readers(self, cp_size: int) -> list[tuple[int, ...]]:
         """Per clip, the CP ranks whose encoder reads its audio (`parallel.clip_placement.clip_readers`)."""
-        sharded = self.sharding.sharded if self.sharding is not None else ()
-        return clip_readers(self.enc_plan.clip_owners, sharded, cp_size)
+        return clip_readers(self.enc_plan.clip_owners, self.sharding, cp_size)
 
 
 def plan_audio(
@@ -169,7 +171,7 @@ def plan_audio(
     seq_lens = conversation_seq_lens(prompts, clip_counts, lens.embeds)
     plan = layout.place(seq_lens)
     enc_plan = encoding_plan(layout, plan, clip_sample, lens.embeds, compressed=compressed)
-    sharding = clip_sharding(model, layout, lens.encoder, enc_plan.degrees)
+    sharding = clip_sharding(model, layout, lens.encoder, sharding_groups(enc_plan, layout.cp_size))
     return AudioPlan(lens, prompts, clip_sample, clip_counts, seq_lens, plan, enc_plan, sharding)
 
 
@@ -249,11 +251,19 @@ def encode_for_layout(
     return enc
 
 
+def sharding_groups(enc_plan: CPPlan, cp_size: int) -> list[ClipGroup]:
+    """Per clip, the aligned CP ranks a long clip would be sharded over: its sequence's group when the
+    sequence is split (the whole CP group under dynamic CP, its sub-group under hybrid degrees; every clip's
+    is the whole group with CTC-compressed audio, `encoding_plan`), the whole CP group for a whole
+    sequence (the hand-over then brings every row to its rank)."""
+    return [g if g[1] > 1 else (0, cp_size) for g in enc_plan.gather_groups]
+
+
 def clip_sharding(
-    model: AudioShape, layout: CPLayout, enc_frames: Sequence[int], degrees: Sequence[int] = ()
+    model: AudioShape, layout: CPLayout, enc_frames: Sequence[int], groups: Sequence[ClipGroup] = ()
 ) -> ClipSharding | None:
-    """Which clips of a micro-batch (``enc_frames``: encoder frames per clip; ``degrees``: the CP degree of
-    each one's sequence, `CPPlan.degrees`) the encoder shards over the CP group
+    """Which clips of a micro-batch (``enc_frames``: encoder frames per clip; ``groups``: the ranks each
+    would be sharded over, `sharding_groups`; empty: the whole CP group) the encoder shards
     (`parallel.clip_placement.place_clips`, through the layout), or None when none is: one CP rank, an
     encoder that cannot shard a clip (full context, not padding-free), or no clip long enough."""
     halo = model.encoder.slice_halo
@@ -263,7 +273,7 @@ def clip_sharding(
         list(enc_frames),
         min_frames=short_clip_frames(model.encoder.subsampling),
         min_slice=halo + model.projector.stack,  # a slice's halo, after the cut's stack alignment
-        degrees=degrees,
+        groups=groups,
     )
     return sharding if sharding.sharded_indices else None
 
@@ -275,22 +285,28 @@ def prepare_slices(
     lens: AudioLengths,
     sharding: ClipSharding,
 ) -> list[ClipSlice]:
-    """This rank's slice of every clip ``sharding`` shards over the CP group, ready for the encoder: its
-    contiguous encoder frames (`parallel.clip_placement.shard_bounds`, cut on the projector's stack) and the
-    feature frames its subsampling reads (`LogMelFeatures.frames_of_clip`, the clip's normalisation
-    statistics summed over the group; no gradient: features have no parameters)."""
+    """This rank's slice of every clip ``sharding`` shards over a group that holds this rank, ready for the
+    encoder (in clip order, `ClipSharding.local_indices`): its contiguous encoder frames
+    (`ClipSharding.bounds`, cut on the projector's stack) and the feature frames its subsampling reads
+    (`LogMelFeatures.frames_of_clip`, the clip's normalisation statistics summed over the group; no
+    gradient: features have no parameters)."""
     stack, sub = model.projector.stack, model.encoder.subsampling
     out = []
-    for c in sharding.sharded_indices:
+    for c in sharding.local_indices(layout.cp_rank):
+        group = sharding.group(c)
         n, total = lens.samples[c], lens.features[c]  # the clip's samples and feature frames
-        bounds = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)
-        lo, hi = bounds[layout.cp_rank]
+        bounds = sharding.bounds(c, align=stack)
+        lo, hi = bounds[layout.cp_rank - group[0]]
         span = feature_span(lo, hi, (sub - 1).bit_length(), total)  # sub = 2 ** n_convs
         own = (min(lo * sub, total), min(hi * sub, total))  # the ranks' own frames partition the clip's
+
+        def reduce_sum(x: Tensor, group: ClipGroup = group) -> Tensor:
+            return layout.reduce_sum(x, group)
+
         with torch.no_grad():
-            feats = model.features.frames_of_clip(audio_BN[c], n, span, own, layout.reduce_sum)
+            feats = model.features.frames_of_clip(audio_BN[c], n, span, own, reduce_sum)
         counts = tuple(b - a for a, b in bounds)
-        out.append(ClipSlice(feats, (lo, hi), layout.halo(), span[0], total, counts))
+        out.append(ClipSlice(feats, (lo, hi), layout.halo(group), span[0], total, counts, group))
     return out
 
 
@@ -305,41 +321,49 @@ def finish_sharded(
     offsets: Sequence[int],
 ) -> None:
     """The sharded clips' side of ``enc`` once the encoder and projector ran on this rank's slices (in the
-    same calls as its whole clips: `encode_for_layout`, ``enc.slices``): the layout hands each clip's
-    projected rows to the ranks whose LLM stream holds them (`parallel.clip_handover`) and, with a CTC head,
-    gathers the slices' encoder frames for the rank that scores the clip's CTC (its owner in ``plan``).
+    same calls as its whole clips: `encode_for_layout`, ``enc.slices``, the clips of
+    `ClipSharding.local_indices`): the layout hands each clip's projected rows to the ranks of its group
+    whose LLM stream holds them (`parallel.clip_handover`) and, with a CTC head, gathers the slices'
+    encoder frames for the rank that scores the clip's CTC (its owner in ``plan``, one of the group).
     ``seq_of_clip[c]``: the sequence of clip c; ``offsets[c]``: the row of that sequence where the clip's
     first frame sits. Finally every output of the audio side passes through one autograd node
     (`tie_audio_side`), which keeps the CP collectives of the backward in one order on every rank
     (docs/parallelism.md)."""
-    stack, cp, rank = model.projector.stack, layout.cp_size, layout.cp_rank
+    stack, rank = model.projector.stack, layout.cp_rank
     padded = dict(zip(plan.indices, plan.padded_lengths))
     gathered, owners = plan.gathered, plan.clip_owners
-    for c, (hidden_UE, proj_PH) in zip(sharding.sharded_indices, enc.slices, strict=True):
-        bounds = shard_bounds(sharding.frames[c], cp, align=stack)
+    local = sharding.local_indices(rank)
+    for c, (hidden_UE, proj_PH) in zip(local, enc.slices, strict=True):
+        group = sharding.group(c)
+        first, d = group
+        bounds = sharding.bounds(c, align=stack)
         if enc.slices_whole:  # compressed: every rank holds the whole clip's frames and rows already
             enc.embeds[c] = proj_PH
         else:
             rows = int(compute_stacked_lengths(torch.tensor([sharding.frames[c]]), stack)[0])
             have = [(a // stack, -(-b // stack)) for a, b in bounds]
+            # a split sequence spans exactly the clip's group (`sharding_groups`); a whole one sits on its
+            # owner, somewhere in the group
             need = clip_needs(
                 rows,
                 int(offsets[c]),
-                cp,
+                d,
                 split=bool(gathered[c]),
                 padded_len=padded[seq_of_clip[c]] if gathered[c] else 0,
-                owner=int(owners[c]),
+                owner=int(owners[c]) - first,
             )
-            enc.embeds[c] = layout.hand_over(proj_PH, Handover.build(rows, have, need))
+            enc.embeds[c] = layout.hand_over(proj_PH, Handover.build(rows, have, need), group)
         if model.ctc_head is not None:
             full_UE = (
-                hidden_UE if enc.slices_whole else layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+                hidden_UE
+                if enc.slices_whole
+                else layout.gather_slices(hidden_UE, [b - a for a, b in bounds], group)
             )
             if owners[c] == rank:
                 enc.ctc_extra.append((c, full_UE))
             else:
                 enc.unused.append(full_UE)
-        lo, hi = bounds[rank]
+        lo, hi = bounds[rank - first]
         enc.slice_feature_frames.append((hi - lo) * model.encoder.subsampling)
     enc.slices = []
     tie_audio_side(layout, enc)
@@ -382,9 +406,9 @@ def pack_for_layout(
     for k in clip_counts:
         starts.append(starts[-1] + k)
     clips = [c for i in local for c in range(starts[i], starts[i + 1])]
-    # clips this rank received but does not decode (compressed audio: every clip is gathered; hybrid degrees:
-    # a split sequence's clip reaches ranks outside its sub-group) join ``enc.unused`` (weight 0 in the
-    # loss), so that the gather's backward runs on every rank whatever its stream holds
+    # clips this rank received but does not decode (compressed audio: every clip is gathered to every rank)
+    # join ``enc.unused`` (weight 0 in the loss), so that the gather's backward runs on every rank whatever
+    # its stream holds
     decoded = set(clips)
     enc.unused.extend(e for c, e in enumerate(enc.embeds) if e is not None and c not in decoded)
     packed = pack_thd(
@@ -424,8 +448,8 @@ def encode_for_decoding(
     compressed audio gathers them in `encode_audio` already). One CP rank or no clip long enough:
     `encode_audio` of the whole batch. The result reads as one process's: ``ctc_rows`` every clip, in order."""
     lens = audio_lengths(model, audio_lens_B)
-    # decoding places no sequence: every clip counts as split over the whole group (hybrid degrees too)
-    sharding = clip_sharding(model, layout, lens.encoder, [layout.cp_size] * len(lens.encoder))
+    # decoding places no sequence: every clip is sharded over the whole group (hybrid degrees too)
+    sharding = clip_sharding(model, layout, lens.encoder)
     if sharding is None:
         return model.encode_audio(audio_BN, audio_lens_B)
     slices = prepare_slices(model, layout, audio_BN, lens, sharding)
@@ -449,10 +473,10 @@ def encode_for_decoding(
         if out.slices_whole:  # compressed audio: the whole clip's frames and rows already
             embeds[c], frames[c] = proj_PH, hidden_UE
             continue
-        bounds = shard_bounds(sharding.frames[c], layout.cp_size, align=stack)
+        bounds, group = sharding.bounds(c, align=stack), sharding.group(c)
         rows = [-(-b // stack) - a // stack for a, b in bounds]
-        embeds[c] = layout.gather_slices(proj_PH, rows)
-        frames[c] = layout.gather_slices(hidden_UE, [b - a for a, b in bounds])
+        embeds[c] = layout.gather_slices(proj_PH, rows, group)
+        frames[c] = layout.gather_slices(hidden_UE, [b - a for a, b in bounds], group)
     present = [f for f in frames if f is not None]
     lens_B = torch.tensor([f.shape[0] for f in present], dtype=torch.long, device=hidden.lens_B.device)
     return EncoderOutput(embeds, PackedFrames(torch.cat(present), lens_B), lens_B, list(range(len(present))))

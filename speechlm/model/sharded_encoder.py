@@ -53,8 +53,10 @@ class ClipSlice:
     """One rank's slice of a clip sharded over the CP group, as the encoder takes it
     (`ParakeetAudioEncoder.forward_with_slices`): encoder frames ``bounds = (lo, hi)``, the clip's feature
     frames ``[feat_offset, feat_offset + len(feats_TF))`` of ``feat_total`` (at least `feature_span`), the
-    halo exchange of the group, and the encoder frames of every rank's slice of the clip, in rank order
-    (what a gather of the whole clip's frames needs: CTC compression, `speechlm.model.compression`)."""
+    halo exchange of the group, the encoder frames of every rank's slice of the clip, in rank order
+    (what a gather of the whole clip's frames needs: CTC compression, `speechlm.model.compression`), and the
+    group: ``(first, d)``, the CP ranks ``[first, first + d)`` it is sharded over
+    (`parallel.clip_placement.ClipSharding.group`)."""
 
     feats_TF: Tensor
     bounds: tuple[int, int]
@@ -62,6 +64,7 @@ class ClipSlice:
     feat_offset: int
     feat_total: int
     counts: tuple[int, ...] = ()
+    group: tuple[int, int] = (0, 1)
 
 
 def feature_span(lo: int, hi: int, n_convs: int, total: int) -> tuple[int, int]:

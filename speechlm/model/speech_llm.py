@@ -185,7 +185,7 @@ class SpeechLLM(nn.Module):
             else:
                 enc_hidden, enc_lens_B = self.encoder(feats, feat_lens_B, packed=packed)
         if self.cfg.audio_compression == "ctc":  # a sharded clip's slices: gathered, compressed whole
-            sliced = [(h, s.counts) for h, s in zip(slice_hidden, slices)] if slices else []
+            sliced = [(h, s.counts, s.group) for h, s in zip(slice_hidden, slices)] if slices else []
             embed = self.embed_tokens if self.cfg.audio_token_embedding else None
             args = (self.ctc_head, self.projector, self.ctc_blank_id, enc_hidden, enc_lens_B, packed)
             gather = self.cp_layout.gather_slices

@@ -14,7 +14,7 @@ import soundfile as sf
 import torch
 from local_decode_helpers import nan_clip_table
 
-from parallel.clip_placement import clip_readers
+from parallel.clip_placement import clip_readers, place_clips
 from parallel.cp_layout import DynamicCPLayout, NullCPLayout
 from speechlm.data import audio as audio_mod
 from speechlm.data.audio import decode_audio, probe_length
@@ -166,11 +166,17 @@ def _readers(planner_: ClipPlanner, batch: Batch) -> list[tuple[int, ...]]:
     return ap.readers(planner_.layout.cp_size)
 
 
-def test_clip_readers_name_the_owner_or_the_whole_group_for_a_sharded_clip():
-    assert clip_readers([1, 0, 1], [False, True, False], 2) == [(1,), (0, 1), (1,)]
-    assert clip_readers([0, 0], (), 1) == [(0,), (0,)]
+def test_clip_readers_name_the_owner_or_the_group_of_a_sharded_clip():
+    whole = place_clips([10, 900, 10], 2, min_frames=100)
+    assert whole.sharded == (False, True, False)
+    assert clip_readers([1, 0, 1], whole, 2) == [(1,), (0, 1), (1,)]
+    assert clip_readers([0, 0], None, 1) == [(0,), (0,)]
+    # hybrid CP degrees: a long clip of a sequence over ranks 2-3 of 4 is read there only
+    sub = place_clips([900, 900, 10], 4, min_frames=100, groups=[(2, 2), (0, 4), (0, 4)])
+    assert sub.sharded == (True, True, False)
+    assert clip_readers([3, 1, 0], sub, 4) == [(2, 3), (0, 1, 2, 3), (0,)]
     with pytest.raises(ValueError, match="clip 1 is owned by rank 2"):
-        clip_readers([0, 2], (), 2)
+        clip_readers([0, 2], None, 2)
 
 
 def test_a_clip_that_fails_only_when_decoded_marks_its_ranks_batch_and_redecoding_gives_todays(

@@ -83,17 +83,22 @@ def test_attention_context_segments_from_the_local_stream():
         ctx.run(None, None, None, None, None)  # type: ignore[arg-type]
 
 
-def test_a_long_clip_is_sharded_only_when_its_sequence_is_whole_or_over_every_rank():
-    """`clip_sharding` keeps `place_clips`' decision over the whole group for a clip whose sequence has degree
-    1 or cp (its rows go to one rank, or to every rank's chunk pairs, as under dynamic CP); a clip whose
-    sequence spans a smaller sub-group is encoded whole."""
+def test_a_long_clip_is_sharded_over_its_sequences_sub_group():
+    """`clip_sharding` through the layout: a clip is sharded over the group `sharding_groups` gives it (its
+    sequence's sub-group when split, the whole CP group when whole), and only where every rank of that
+    group gets at least ``min_slice`` frames."""
     frames = [4000, 4000, 4000, 10]
     kw = {"min_frames": 100, "min_slice": 8}
-    assert all(_layout(4, 0).clip_sharding(frames, degrees=[1, 4, 1, 1], **kw).sharded[:3])
-    got = _layout(4, 0).clip_sharding(frames, degrees=[2, 4, 1, 2], **kw)
-    assert got.sharded == (False, True, True, False)
-    with pytest.raises(ValueError, match="degree"):
-        _layout(4, 0).clip_sharding(frames, **kw)
+    got = _layout(4, 0).clip_sharding(frames, groups=[(2, 2), (0, 4), (0, 4), (0, 2)], **kw)
+    assert got.sharded == (True, True, True, False)
+    assert [list(got.ranks(c)) for c in range(3)] == [[2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert got.local_indices(0) == [1, 2] and got.local_indices(3) == [0, 1, 2]
+    assert got.slices(3) == [(0, 2000, 4000), (1, 3000, 4000), (2, 3000, 4000)]
+    # a slice shorter than the halo over 2 ranks, but not over 4: sharded over 4 only
+    tight = _layout(4, 0).clip_sharding([50, 50], min_frames=10, min_slice=20, groups=[(0, 2), (0, 4)])
+    assert tight.sharded == (True, False)
+    with pytest.raises(ValueError, match="not an aligned group"):
+        _layout(4, 0).clip_sharding(frames, groups=[(1, 2), (0, 4), (0, 4), (0, 4)], **kw)
 
 
 @pytest.mark.multiproc
@@ -110,6 +115,43 @@ def test_a_long_clip_sharded_over_every_rank_trains_like_one_process():
         assert len(res["calls"]) == 1, f"rank {r} must encode one slice of the long clip, got {res['calls']}"
         assert res["ce"] == pytest.approx(ref["ce"], rel=1e-5)
         assert res["ctc"] == pytest.approx(ref["ctc"], rel=1e-5)
+    total = torch.sqrt(sum(g.double().norm() ** 2 for g in ref["grads"].values()))
+    for name, g in ref["grads"].items():
+        err = (got[0]["grads"][name].double() - g.double()).norm()
+        assert err <= 1e-5 * g.double().norm() + 1e-6 * total, (name, float(err), float(g.norm()))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "batches, degrees, groups",
+    [
+        # two long sequences, one over each pair of ranks: each pair shards its own clip
+        ("two-long", (2, 2, 1, 1), [[(0, 2)], [(0, 2)], [(2, 2)], [(2, 2)]]),
+        # one over all four ranks and one over each pair: every rank holds slices of two nested groups
+        (
+            "three-long",
+            (4, 2, 2, 1, 1),
+            [[(0, 4), (0, 2)], [(0, 4), (0, 2)], [(0, 4), (2, 2)], [(0, 4), (2, 2)]],
+        ),
+    ],
+)
+def test_a_long_clip_is_sharded_over_its_sub_group_and_trains_like_one_process(batches, degrees, groups):
+    """cp 4 with hybrid degrees: a long clip whose sequence spans a pair of ranks is sharded over that pair
+    only (its slices, halos, feature statistics, hand-over and CTC gather stay there), and beside a clip
+    sharded over all four; one forward and backward equal one process (fp32, 1e-5)."""
+    from test_long_clip_training import _forward_worker, _reference
+
+    ref = _reference(batches=batches)
+    assert place_hybrid(ref["seq_lens"], 4, pair_cost=1 / (6 * 32)).degree == degrees
+    got = run_distributed(_forward_worker, 4, "gloo", "auto", (), "", True, batches)
+    assert [res["groups"] for res in got] == groups
+    for r, res in enumerate(got):
+        assert res["ce"] == pytest.approx(ref["ce"], rel=1e-5), f"rank {r}"
+        assert res["ctc"] == pytest.approx(ref["ctc"], rel=1e-5), f"rank {r}"
+    for first, d in {g for res in got for g in res["groups"]}:  # each group's slices tile its clip
+        members = range(first, first + d)
+        bounds = [got[r]["calls"][got[r]["groups"].index((first, d))] for r in members]
+        assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), bounds
     total = torch.sqrt(sum(g.double().norm() ** 2 for g in ref["grads"].values()))
     for name, g in ref["grads"].items():
         err = (got[0]["grads"][name].double() - g.double()).norm()

@@ -47,10 +47,10 @@ class TinyEncoder(nn.Module):
         return [out_BUH[i, : int(n)] for i, n in enumerate(out_lens_B)], (hidden_BUC, out_lens_B)
 
 
-def build_case(name: str) -> tuple[TinyEncoder, Tensor, Tensor, list[Tensor]]:
+def build_case(name: str, cases: dict[str, Any] = CASES) -> tuple[TinyEncoder, Tensor, Tensor, list[Tensor]]:
     torch.manual_seed(0)
     enc = TinyEncoder()
-    lens = CASES[name][0]
+    lens = cases[name][0]
     audio_BN = torch.randn(len(lens), max(lens))
     for i, n in enumerate(lens):
         audio_BN[i, n:] = 0.0
@@ -167,3 +167,86 @@ def test_encode_placed_cp2_matches_single_process() -> None:
         for got in results:
             for key, want in ref["grads"].items():
                 torch.testing.assert_close(got[f"fsdp_{name}"]["grads"][key], want, rtol=1e-5, atol=1e-5)
+
+
+# hybrid CP degrees at cp 4 (issue 40): per case (audio lengths, owners, gather groups (first, d); d = 1:
+# whole on its owner). "nested": a clip over all four ranks, one over each pair; "one-pair": only ranks
+# 0-1 gather at degree 2 (ranks 2-3 skip that level), rank 3 owns no clip with audio but still takes the
+# degree-4 gather.
+SUB_CASES = {
+    "nested": (
+        [40, 27, 33, 21, 12, 16],
+        [0, 1, 3, 2, 2, 3],
+        [(0, 4), (0, 2), (2, 2), (2, 1), (2, 2), (3, 1)],
+    ),
+    "one-pair": ([40, 27, 33, 21], [1, 0, 2, 2], [(0, 4), (0, 2), (2, 1), (2, 1)]),
+}
+
+
+def _sub_holders(name: str, rank: int) -> list[int]:
+    """The clips rank ``rank`` must hold: those gathered to a group it is in, and its own whole ones."""
+    _, owners, groups = SUB_CASES[name]
+    return [i for i, (o, (f, d)) in enumerate(zip(owners, groups)) if f <= rank < f + d or o == rank]
+
+
+def _sub_worker(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard_cp",))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    subgroups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    out: dict[str, Any] = {}
+    for name, fsdp in [(n, False) for n in SUB_CASES] + [(n, True) for n in SUB_CASES]:
+        enc, audio_BN, lens_B, weights = build_case(name, SUB_CASES)
+        _, owners, groups = SUB_CASES[name]
+        if fsdp:  # FSDP2 over the four ranks: its collectives must not cross the sub-groups' gathers
+            apply_fsdp(enc, mesh, blocks=[enc.conv], mp_policy=None)
+        res = encode_placed(
+            enc,
+            audio_BN,
+            lens_B,
+            owners=owners,
+            gathered=[d > 1 for _, d in groups],
+            group=dist.group.WORLD,
+            cp_rank=rank,
+            cp_size=world_size,
+            dummy_len=DUMMY_LEN,
+            gather_groups=groups,
+            subgroups=subgroups,
+        )
+        hidden_bUC, out_lens_b = res.extra
+        loss = rank_loss(res.embeds, weights, _sub_holders(name, rank), rank)
+        (
+            loss + ctc_like(hidden_bUC, out_lens_b) * res.weight + sum(u.sum() * 0 for u in res.unused)
+        ).backward()
+        grads = {k: p.grad for k, p in enc.named_parameters()}
+        if fsdp:
+            grads = {k: g.full_tensor() * world_size for k, g in grads.items()}
+        out[f"{name}{'-fsdp' if fsdp else ''}"] = {
+            "embeds": [None if e is None else e.detach() for e in res.embeds],
+            "grads": {k: (None if g is None else g.detach().clone()) for k, g in grads.items()},
+        }
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_split_sequences_clip_is_gathered_to_its_sub_group_only() -> None:
+    """cp 4 with hybrid degrees: a clip goes to the ranks of its sequence's group only (None elsewhere), with
+    its owner's values; the CP sum of the encoder gradients is one process's gradient of the sum of the
+    ranks' losses, with and without FSDP2 over the four ranks (no hang where one pair skips a level)."""
+    results = run_distributed(_sub_worker, 4)
+    for name in SUB_CASES:
+        enc, audio_BN, lens_B, weights = build_case(name, SUB_CASES)
+        embeds, (hidden_BUC, out_lens_B) = enc(audio_BN, lens_B)
+        total = sum(rank_loss(list(embeds), weights, _sub_holders(name, r), r) for r in range(4))
+        (total + ctc_like(hidden_BUC, out_lens_B)).backward()
+        for key in (name, f"{name}-fsdp"):
+            for r, got in enumerate(results):
+                held = [i for i, e in enumerate(got[key]["embeds"]) if e is not None]
+                assert held == _sub_holders(name, r), (key, r)
+                for i in held:
+                    torch.testing.assert_close(
+                        got[key]["embeds"][i], embeds[i].detach(), rtol=1e-6, atol=1e-6
+                    )
+            for k, p in enc.named_parameters():
+                ranks = [got[key]["grads"][k] for got in results]
+                got_sum = ranks[0] if key.endswith("fsdp") else sum(ranks)  # FSDP2 returns the sum already
+                torch.testing.assert_close(got_sum, p.grad, rtol=1e-5, atol=1e-5)

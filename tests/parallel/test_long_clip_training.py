@@ -29,19 +29,27 @@ def _config(ctc: float = 0.3, extra: tuple[str, ...] = ()):
 
 
 def _forward_worker(
-    rank: int, world: int, threshold: int | str, extra: tuple[str, ...], tweak: str = "", hybrid: bool = False
+    rank: int,
+    world: int,
+    threshold: int | str,
+    extra: tuple[str, ...],
+    tweak: str = "",
+    hybrid: bool = False,
+    batches: str = "long",
 ) -> dict:
     """One forward and backward of the long batch at cp ``world``: the losses and gradients summed over the
-    CP ranks, this rank's encoder slices and what it placed (``tweak``: `parallel_harness.TWEAKS`;
-    ``hybrid``: hybrid CP degrees, `parallel.hybrid_layout`, instead of dynamic CP)."""
+    CP ranks, this rank's encoder slices (bounds, and the group of each: ``groups``) and what it placed
+    (``tweak``: `parallel_harness.TWEAKS`; ``hybrid``: hybrid CP degrees, `parallel.hybrid_layout`, instead
+    of dynamic CP; ``batches``: the `global_steps` kind of the batch)."""
     torch.set_num_threads(1)
-    batch = global_steps(1, 1, batches="long")[0][0]
+    batch = global_steps(1, 1, batches=batches)[0][0]
     model = build_model(_config(extra=extra), tweak=tweak)
-    calls = []
+    calls, groups = [], []
     inner = model.encoder.forward_with_slices
 
     def spy(feats, lens, slices):
         calls.extend(s.bounds for s in slices)
+        groups.extend(s.group for s in slices)
         return inner(feats, lens, slices)
 
     model.encoder.forward_with_slices = spy
@@ -69,6 +77,7 @@ def _forward_worker(
         "ctc": float(ctc),
         "grads": grads,
         "calls": calls,
+        "groups": groups,
         "clip_frames": work.clip_frames,
         "seq_lens": out.placed.seq_lens,
         "real": work.real_tokens,
@@ -76,8 +85,8 @@ def _forward_worker(
     }
 
 
-def _reference(extra: tuple[str, ...] = (), tweak: str = "") -> dict:
-    batch = global_steps(1, 1, batches="long")[0][0]
+def _reference(extra: tuple[str, ...] = (), tweak: str = "", batches: str = "long") -> dict:
+    batch = global_steps(1, 1, batches=batches)[0][0]
     model = build_model(_config(extra=extra), tweak=tweak)
     out = model(batch)
     (out.ce_sum + out.ctc_sum).backward()
