@@ -102,6 +102,11 @@ def test_hybrid_sub_groups_are_the_mesh_groups_and_an_empty_degree_calls_no_core
     assert [c["cp"] for c in log["calls"][1::2]] == [None] * 4
     with pytest.raises(ValueError, match="4 ranks has 2 global ranks"):
         HybridAttention([], {}, 4, 0, "ring", [0, 1], cpu)
+    gathered = HybridAttention(segments, {2: None, 4: None}, 4, 0, "allgather", cp_ranks, cpu)
+    with pytest.raises(ValueError, match="parallel.cp_attention=ring"):  # TE has no THD all-gather CP
+        attend_te(
+            None, q, q[:, :G], q[:, :G], None, scaling=SCALE, cp_context=gathered, **thd_kwargs([0, 4, 6])
+        )
     _CORES.clear()
 
 
