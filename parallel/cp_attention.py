@@ -13,15 +13,18 @@ placement is identical on every CP rank, so either all ranks run the collective 
 `CPAttentionContext` is the declared protocol the backends consume (speechlm/model/attention/):
 - a backend without CP kernels of its own (the reference) calls ``attention(q, k, v, cu_local, scale)``;
 - a backend with its own CP kernels (transformer-engine) calls ``run(q, k, v, split_fn, whole_fn)``
-  with its two calls and reads the split part's *global* boundaries (``split_cu_global``,
-  ``split_max_global``: each split sequence's full length, the local one times cp) and the group
-  (``group``, ``global_ranks``, ``kind``).
+  with its two calls: ``split_fn(q, k, v, split)`` once per part of the stream that is split over one
+  group, with that part's `CPSplit` (the group, its global ranks, this rank's place in it and the part's
+  *global* boundaries: each split sequence's full length, the local one times the group's size), and
+  ``whole_fn(q, k, v, meta)`` over the whole sequences. Dynamic CP has one split part (the CP group);
+  hybrid degrees (`parallel.hybrid_layout.HybridAttention`) one per degree, each over its sub-group.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -36,13 +39,51 @@ from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 __all__ = [
     "CPAttention",
     "CPAttentionContext",
+    "CPSplit",
     "PlacedCPAttention",
     "attention_by_degree",
     "plan_cp",
     "prepare_by_degree",
+    "run_by_segment",
+    "split_over",
 ]
 
-SplitFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+@dataclass(frozen=True)
+class CPSplit:
+    """One part of a local stream whose sequences are all split over one CP group (or sub-group), as a
+    backend with CP kernels of its own needs it: the group, its members as global ranks (in group rank
+    order), its size and this rank's place in it, and the part's *global* boundaries on the device
+    (``cu_global``: each local boundary times ``cp_size``, int32) and longest global sequence."""
+
+    kind: str  # "ring" or "allgather" (parallel.cp_attention)
+    group: Any  # opaque to the model
+    global_ranks: tuple[int, ...]
+    cp_size: int
+    cp_rank: int
+    cu_global: Tensor
+    max_global: int
+
+
+def split_over(
+    kind: str,
+    group: Any,
+    global_ranks: Sequence[int],
+    cp_rank: int,
+    cu_local: Sequence[int],
+    device: torch.device,
+) -> CPSplit:
+    """The `CPSplit` of a part with host boundaries ``cu_local`` (this rank's rows of each sequence) over
+    the group of ``global_ranks``, in which this rank is ``cp_rank``."""
+    d = len(global_ranks)
+    if not 0 <= cp_rank < d:
+        raise ValueError(f"CP rank {cp_rank} is outside a group of {d} ranks {list(global_ranks)}")
+    longest = max((b - a for a, b in zip(cu_local, cu_local[1:])), default=0)
+    cu_global = torch.tensor([c * d for c in cu_local], dtype=torch.int32, device=device)
+    return CPSplit(kind, group, tuple(global_ranks), d, cp_rank, cu_global, d * longest)
+
+
+SplitFn = Callable[[Tensor, Tensor, Tensor, CPSplit], Tensor]
 WholeFn = Callable[[Tensor, Tensor, Tensor, VarlenMeta], Tensor]
 
 
@@ -54,12 +95,6 @@ class CPAttentionContext(Protocol):
     global_ranks: list[int]  # the group's members as global ranks
     cp_size: int
     cp_rank: int
-
-    @property
-    def split_cu_global(self) -> Tensor: ...
-
-    @property
-    def split_max_global(self) -> int: ...
 
     def attention(
         self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
@@ -148,25 +183,21 @@ class PlacedCPAttention:
         return self.cp.prepare(self._split_cu, self._device) if self.n_split else None
 
     @functools.cached_property
-    def split_cu_global(self) -> Tensor:
-        return torch.tensor(
-            [c * self.cp_size for c in self._split_cu], dtype=torch.int32, device=self._device
+    def split(self) -> CPSplit:
+        """The split prefix over the whole CP group."""
+        return split_over(
+            self.kind, self.group, self.global_ranks, self.cp_rank, self._split_cu, self._device
         )
-
-    @functools.cached_property
-    def split_max_global(self) -> int:
-        cu = self._split_cu
-        return self.cp_size * max((b - a for a, b in zip(cu, cu[1:], strict=False)), default=0)
 
     def run(
         self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split_fn: SplitFn, whole_fn: WholeFn
     ) -> Tensor:
-        """``split_fn(q, k, v)`` over the split prefix's rows, ``whole_fn(q, k, v, meta)`` over the whole
-        sequences' rows (with their local boundaries), concatenated in the local stream's order."""
+        """``split_fn(q, k, v, self.split)`` over the split prefix's rows, ``whole_fn(q, k, v, meta)`` over
+        the whole sequences' rows (with their local boundaries), concatenated in the local stream's order."""
         t = self.t_split
         parts = []
         if self.n_split:
-            parts.append(split_fn(q_THD[:t], k_TGD[:t], v_TGD[:t]))
+            parts.append(split_fn(q_THD[:t], k_TGD[:t], v_TGD[:t], self.split))
         if q_THD.shape[0] > t:
             parts.append(whole_fn(q_THD[t:], k_TGD[t:], v_TGD[t:], self.whole))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -180,7 +211,7 @@ class PlacedCPAttention:
             q_THD,
             k_TGD,
             v_TGD,
-            lambda q, k, v: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
+            lambda q, k, v, _: self.cp.attention(q, k, v, cu_seqlens_local[: n + 1], scale, self.prepared),
             lambda q, k, v, meta: varlen_attention(q, k, v, meta, causal=True, scale=scale),
         )
 
@@ -207,25 +238,39 @@ def attention_by_degree(
     ``prepared[j]`` (`prepare_by_degree`, once per micro-batch): segment j's varlen ``meta`` (d = 1) or its
     ring/all-gather plan (`plan_cp`), so that no layer reads boundaries back from the device."""
     fn = ring_attention_thd if kind == "ring" else allgather_attention_thd
-    parts, start = [], 0
-    for j, (d, cu) in enumerate(segments):
-        rows = cu[-1] if cu else 0
-        if rows == 0:
-            continue
-        q, k, v = q_THD[start : start + rows], k_TGD[start : start + rows], v_TGD[start : start + rows]
+
+    def attend(j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        d, cu = segments[j]
         extra = dict(prepared[j]) if prepared else {}
         if d == 1:
             meta = extra["meta"] if "meta" in extra else build_varlen_meta(cu, device=q_THD.device)
-            parts.append(varlen_attention(q, k, v, meta, causal=True, scale=scale))
-        else:
-            cu_local = extra.pop("cu_local", None)
-            if cu_local is None:
-                cu_local = torch.tensor(cu, dtype=torch.int32, device=q_THD.device)
-            group, rank = groups[d], cp_rank % d
-            parts.append(
-                fn(q, k, v, cu_local, group=group, cp_size=d, cp_rank=rank, scale=scale, causal=True, **extra)
-            )
-        start += rows
+            return varlen_attention(q, k, v, meta, causal=True, scale=scale)
+        cu_local = extra.pop("cu_local", None)
+        if cu_local is None:
+            cu_local = torch.tensor(cu, dtype=torch.int32, device=q_THD.device)
+        group, rank = groups[d], cp_rank % d
+        return fn(q, k, v, cu_local, group=group, cp_size=d, cp_rank=rank, scale=scale, causal=True, **extra)
+
+    return run_by_segment(q_THD, k_TGD, v_TGD, segments, attend)
+
+
+def run_by_segment(
+    q_THD: Tensor,
+    k_TGD: Tensor,
+    v_TGD: Tensor,
+    segments: Sequence[tuple[int, Sequence[int]]],
+    fn: Callable[[int, Tensor, Tensor, Tensor], Tensor],
+) -> Tensor:
+    """``fn(j, q, k, v)`` over the rows of each non-empty segment ``j`` of a local stream
+    (``segments[j] = (d, cu_local)`` as in `attention_by_degree`), concatenated in stream order."""
+    parts, start = [], 0
+    for j, (_, cu) in enumerate(segments):
+        rows = cu[-1] if cu else 0
+        if rows == 0:
+            continue
+        end = start + rows
+        parts.append(fn(j, q_THD[start:end], k_TGD[start:end], v_TGD[start:end]))
+        start = end
     if start != q_THD.shape[0]:
         raise ValueError(f"the segments cover {start} rows, the local stream has {q_THD.shape[0]}")
     return torch.cat(parts)

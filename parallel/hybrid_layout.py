@@ -15,8 +15,10 @@ first, whole sequences last (`HybridPlacement.segments`):
   degree; the split ones are the first `n_split`, as under dynamic CP);
 - ``shard``: each degree-d segment cut into the load-balanced chunk pairs of `parallel.cp_shard` over its
   sub-group (`shard_by_degree`), the whole sequences kept;
-- ``attention_context``: ring or all-gather attention per segment over the sub-group of its degree
-  (`attention_by_degree`), the groups built once at mesh setup (`ParallelDims.build_cp_subgroups`).
+- ``attention_context``: `HybridAttention`, attention per segment over the sub-group of its degree, the
+  groups built once at mesh setup (`ParallelDims.build_cp_subgroups`): ring or all-gather for the
+  reference backend (`attention_by_degree`), and for a backend with CP kernels of its own one call per
+  segment (``HybridAttention.run``), see below.
 
 Encoding follows the sub-groups too (`process_groups`: degree -> this rank's process group of that size):
 
@@ -30,8 +32,13 @@ Encoding follows the sub-groups too (`process_groups`: degree -> this rank's pro
 - CTC-compressed audio gathers every clip to every CP rank as under dynamic CP (its sequences are placed
   only after the encoder).
 
-Backends with CP kernels of their own (transformer-engine) take one CP group per call and so cannot run
-this; the validator refuses ``model.attention_backend=te`` with hybrid degrees (``run`` raises too).
+A backend with CP kernels of its own (transformer-engine) calls ``HybridAttention.run``: each non-empty
+degree-d segment is this rank's chunk pairs of sequences split over its sub-group ``[k·d, k·d + d)`` of
+CP ranks (k = cp_rank // d) as rank ``cp_rank % d``, exactly the dual-chunk-swap THD layout over d ranks,
+so the backend gets it with the segment's `parallel.cp_attention.CPSplit`: the sub-group, its global ranks
+(those of CP ranks ``k·d .. k·d + d - 1``: the members `ParallelDims.cp_subgroup_ranks` gives it) and
+the segment's *global* boundaries (local ones times d). The whole segment (d = 1) goes to its CP-free
+call with its local boundaries. With d = cp the sub-group is the CP group itself.
 """
 
 from __future__ import annotations
@@ -45,11 +52,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallel.cp_attention import SplitFn, WholeFn, attention_by_degree, prepare_by_degree
+from parallel.cp_attention import (
+    CPSplit,
+    SplitFn,
+    WholeFn,
+    attention_by_degree,
+    prepare_by_degree,
+    run_by_segment,
+    split_over,
+)
 from parallel.cp_layout import CPPlan, DynamicCPLayout
 from parallel.cp_placement import LocalPlacement, place_hybrid
 from parallel.cp_shard import shard_by_degree
-from parallel.varlen_meta import VarlenMeta
+from parallel.varlen_meta import VarlenMeta, build_varlen_meta
 
 __all__ = ["HybridAttention", "HybridCPLayout", "local_segments"]
 
@@ -68,7 +83,11 @@ def local_segments(degrees: Sequence[int], lengths: Sequence[int]) -> list[tuple
 
 class HybridAttention:
     """The `parallel.cp_attention.CPAttentionContext` of one micro-batch under hybrid degrees: the local
-    stream's segments (``(d, host cu_local)`` each), attended by `attention_by_degree`."""
+    stream's segments (``(d, host cu_local)`` each). The reference backend's ``attention`` runs
+    `attention_by_degree`; a backend with CP kernels of its own calls ``run``, which hands it each
+    non-empty split segment with the `CPSplit` of this rank's sub-group of that degree (``groups[d]``, its
+    global ranks ``global_ranks[k·d : k·d + d]`` of the CP group's, this rank ``cp_rank % d`` in it) and
+    the whole segment with its varlen boundaries."""
 
     def __init__(
         self,
@@ -80,9 +99,11 @@ class HybridAttention:
         global_ranks: list[int],
         device: torch.device,
     ):
+        if len(global_ranks) != cp_size:
+            raise ValueError(f"a CP group of {cp_size} ranks has {len(global_ranks)} global ranks")
         self.segments, self.groups = segments, dict(groups)
         self.kind, self.cp_size, self.cp_rank = kind, cp_size, cp_rank
-        self.group, self.global_ranks = self.groups.get(cp_size), global_ranks
+        self.group, self.global_ranks = self.groups.get(cp_size), list(global_ranks)
         self.device = device
 
     @functools.cached_property
@@ -90,13 +111,26 @@ class HybridAttention:
         """Built by the first layer, from host integers, for every layer (`prepare_by_degree`)."""
         return prepare_by_degree(self.segments, self.cp_rank, self.kind, self.device)
 
-    @property
-    def split_cu_global(self) -> Tensor:
-        raise NotImplementedError(_NO_OWN_KERNELS)
+    def subgroup_ranks(self, d: int) -> list[int]:
+        """The global ranks of this rank's aligned sub-group of degree ``d``: CP ranks ``[k·d, k·d + d)``
+        with ``k = cp_rank // d``, the members `ParallelDims.cp_subgroup_ranks` gives that group."""
+        lo = self.cp_rank // d * d
+        return self.global_ranks[lo : lo + d]
 
-    @property
-    def split_max_global(self) -> int:
-        raise NotImplementedError(_NO_OWN_KERNELS)
+    @functools.cached_property
+    def parts(self) -> list[CPSplit | VarlenMeta | None]:
+        """Per segment, built by the first layer from host integers: what ``run`` hands the backend (a
+        split segment's `CPSplit`, the whole segment's boundaries; None for an empty segment)."""
+        out: list[CPSplit | VarlenMeta | None] = []
+        for d, cu in self.segments:
+            if not cu or cu[-1] == 0:
+                out.append(None)
+            elif d == 1:
+                out.append(build_varlen_meta(cu, device=self.device))
+            else:
+                ranks = self.subgroup_ranks(d)
+                out.append(split_over(self.kind, self.groups[d], ranks, self.cp_rank % d, cu, self.device))
+        return out
 
     def attention(
         self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens_local: Tensor, scale: float | None
@@ -108,14 +142,18 @@ class HybridAttention:
     def run(
         self, q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split_fn: SplitFn, whole_fn: WholeFn
     ) -> Tensor:
-        raise NotImplementedError(_NO_OWN_KERNELS)
+        """``split_fn(q, k, v, split)`` over each non-empty split segment's rows (its sub-group's
+        `CPSplit`), ``whole_fn(q, k, v, meta)`` over the whole segment's, in the local stream's order.
+        Every member of a sub-group holds the same segment, so they call together."""
 
+        def call(j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            part = self.parts[j]
+            if isinstance(part, CPSplit):
+                return split_fn(q, k, v, part)
+            assert part is not None  # run_by_segment skips the empty segments
+            return whole_fn(q, k, v, part)
 
-_NO_OWN_KERNELS = (
-    "parallel.cp_degrees=hybrid runs ring/all-gather attention per CP sub-group; a backend with CP kernels "
-    "of its own (transformer-engine) takes one CP group: use model.attention_backend=reference, or "
-    "parallel.cp_degrees=all"
-)
+        return run_by_segment(q_THD, k_TGD, v_TGD, self.segments, call)
 
 
 @dataclass(frozen=True)

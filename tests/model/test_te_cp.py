@@ -1,19 +1,20 @@
 """The transformer-engine backend under context parallelism, with a stand-in for transformer-engine
-(it cannot be installed here): what we pass TE (the CP group set once per core with the p2p ring, the
-split sequences' *global* cu_seqlens with this rank's local tokens, dynamic CP's whole sequences
-through a CP-free core, training mode), and, on 2 gloo ranks, a stand-in that computes TE's THD-CP
-contract (global boundaries, dual-chunk-swap layout) with our own ring gives the single-process
-attention forward and backward."""
+(it cannot be installed here, `te_stub.install_fake_te`): what we pass TE (the CP group set once per
+core with the p2p ring, the split sequences' *global* cu_seqlens with this rank's local tokens, dynamic
+CP's whole sequences through a CP-free core, training mode; under hybrid degrees one core per sub-group,
+each degree's segment with its own global boundaries, the output rows in place), and, on 2 gloo ranks,
+a stand-in that computes TE's THD-CP contract (global boundaries, dual-chunk-swap layout) with our own
+ring gives the single-process attention forward and backward."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from te_stub import install_te_module
+from te_stub import install_fake_te, thd_kwargs
 
 from parallel.cp_attention import CPAttention
+from parallel.hybrid_layout import HybridAttention, HybridCPLayout
+from parallel.mesh import ParallelDims
 from parallel.testing import run_distributed
 from parallel.varlen import build_varlen_meta, varlen_attention
 from speechlm.model.attention.te import _CORES, attend_te
@@ -21,53 +22,19 @@ from speechlm.model.attention.te import _CORES, attend_te
 H, G, D, SCALE = 4, 2, 8, 0.3
 
 
-def install_fake_te(monkeypatch: Any, compute: bool) -> dict[str, list]:
-    """A fake ``transformer_engine.pytorch.DotProductAttention`` recording every call. With ``compute`` its
-    CP forward follows TE's THD contract through `parallel.ring_attention` and its plain forward is one
-    varlen call; otherwise it returns zeros."""
-    log: dict[str, list] = {"init": [], "set_cp": [], "calls": []}
-
-    class FakeDPA(torch.nn.Module):
-        def __init__(self, **kw: Any):
-            super().__init__()
-            log["init"].append(kw)
-            self.kw, self.cp = kw, None
-
-        def set_context_parallel_group(self, group, ranks, stream, comm_type):
-            log["set_cp"].append((group, list(ranks), stream, comm_type))
-            self.cp = (group, list(ranks))
-
-        def forward(self, q, k, v, **kw):
-            log["calls"].append(dict(cp=self.cp is not None, training=self.training, tokens=q.shape[0], **kw))
-            assert kw["qkv_format"] == "thd" and kw["attn_mask_type"] == "padding_causal"
-            cu = kw["cu_seqlens_q"]
-            assert cu.dtype == torch.int32 and torch.equal(cu, kw["cu_seqlens_kv"])
-            if not compute:
-                return q.new_zeros(q.shape[0], q.shape[1] * v.shape[2])
-            scale = self.kw["softmax_scale"]
-            if self.cp is None:
-                out = varlen_attention(q, k, v, build_varlen_meta(cu.tolist()), causal=True, scale=scale)
-            else:
-                import torch.distributed as dist
-
-                from parallel.ring_attention import ring_attention_thd
-
-                group, ranks = self.cp
-                cp = len(ranks)
-                assert max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:])) == kw["max_seqlen_q"]
-                out = ring_attention_thd(
-                    q, k, v, cu // cp, group=group, cp_size=cp, cp_rank=dist.get_rank(group), scale=scale
-                )
-            return out.reshape(q.shape[0], -1)
-
-    install_te_module(monkeypatch, FakeDPA)
-    return log
-
-
-def _thd_kwargs(cu: list[int]) -> dict[str, Any]:
-    t = torch.tensor(cu, dtype=torch.int32)
-    m = max(b - a for a, b in zip(cu, cu[1:]))
-    return dict(cu_seq_lens_q=t, cu_seq_lens_k=t, max_length_q=m, max_length_k=m)
+def _assert_rows_from_cores(ctx, local_cu: list[int], group_size_per_row: list[int]) -> None:
+    """attend_te over a stream with these boundaries, in a training and an evaluation step: with the fake
+    (``compute=False``: ``q`` plus its core's CP group size) each output row is its input row plus the
+    group size of the core that should have produced it."""
+    T = local_cu[-1]
+    q, k = torch.randn(1, H, T, D), torch.randn(1, G, T, D)
+    tag = torch.tensor(group_size_per_row, dtype=q.dtype)[None, :, None, None]
+    layer = torch.nn.Linear(1, 1)
+    for mode in (True, False):
+        out, _ = attend_te(
+            layer.train(mode), q, k, k, None, scaling=SCALE, cp_context=ctx, **thd_kwargs(local_cu)
+        )
+        assert torch.equal(out, q.transpose(1, 2) + tag)
 
 
 def test_te_gets_the_cp_group_once_and_the_global_boundaries_of_the_split_sequences(monkeypatch):
@@ -76,18 +43,12 @@ def test_te_gets_the_cp_group_once_and_the_global_boundaries_of_the_split_sequen
     # 4 and 6) then two whole sequences of this rank (5 and 3 tokens)
     local_cu = [0, 4, 10, 15, 18]
     cp = CPAttention(None, 2, 0, "ring").for_split_prefix(2, build_varlen_meta(local_cu))
-    T = local_cu[-1]
-    q, k = torch.randn(1, H, T, D), torch.randn(1, G, T, D)
-    layer = torch.nn.Linear(1, 1)
-    for mode in (True, False):  # a training and an evaluation step
-        out, _ = attend_te(
-            layer.train(mode), q, k, k, None, scaling=SCALE, cp_context=cp, **_thd_kwargs(local_cu)
-        )
-        assert out.shape == (1, T, H, D)
+    # the fake adds its core's CP group size to q: rows 0-9 from the CP core, 10- from the CP-free one
+    _assert_rows_from_cores(cp, local_cu, [2] * 10 + [0] * 8)
     assert log["set_cp"] == [(None, [0, 1], None, "p2p")]  # once, on the cached CP core
     assert len(log["init"]) == 2  # one CP core, one CP-free core for the whole sequences
     split, whole = log["calls"][0], log["calls"][1]
-    assert split["cp"] and split["tokens"] == 10
+    assert split["cp"] == [0, 1] and split["tokens"] == 10
     assert split["cu_seqlens_q"].tolist() == [0, 8, 20]  # global: local x cp
     assert split["max_seqlen_q"] == 12
     assert not whole["cp"] and whole["tokens"] == 8
@@ -96,12 +57,65 @@ def test_te_gets_the_cp_group_once_and_the_global_boundaries_of_the_split_sequen
     _CORES.clear()
 
 
+def test_te_runs_each_hybrid_degree_segment_on_the_core_of_its_sub_group(monkeypatch):
+    """Hybrid degrees at cp 4, CP rank 3, local degrees [4, 2, 2, 1, 1]: the degree-4 sequence goes to a core
+    over the whole CP group, the degree-2 pair to a core over this rank's pair (CP ranks 2 and 3), each
+    with its global boundaries (local x d); the whole sequences to the CP-free core; every output row
+    comes from its segment's core; one core per group, its group set once."""
+    log = install_fake_te(monkeypatch, compute=False)
+    g4, g2 = object(), object()  # the CP group and this rank's degree-2 sub-group, opaque to the model
+    layout = HybridCPLayout(group=g4, cp_size=4, cp_rank=3, kind="ring", subgroups={2: g2})
+    # degree 4: global 16 (local 4); degree 2: global 8 and 12 (local 4, 6); whole: 5 and 3
+    local_cu = [0, 4, 8, 14, 19, 22]
+    ctx = layout.attention_context(build_varlen_meta(local_cu), 3, (4, 2, 2, 1, 1))
+    # rows 0-3 from the core over the group of 4, 4-13 over the pair, 14- from the CP-free core
+    _assert_rows_from_cores(ctx, local_cu, [4] * 4 + [2] * 10 + [0] * 8)
+    assert log["set_cp"] == [(g4, [0, 1, 2, 3], None, "p2p"), (g2, [2, 3], None, "p2p")]
+    assert len(log["init"]) == 3  # a core per CP group, and the CP-free one
+    got = [(c["cp"], c["tokens"], c["cu_seqlens_q"].tolist(), c["max_seqlen_q"]) for c in log["calls"][:3]]
+    assert got == [([0, 1, 2, 3], 4, [0, 16], 16), ([2, 3], 10, [0, 8, 20], 12), (None, 8, [0, 5, 8], 5)]
+    assert [c["training"] for c in log["calls"]] == [True] * 3 + [False] * 3
+    _CORES.clear()
+
+
+def test_hybrid_sub_groups_are_the_mesh_groups_and_an_empty_degree_calls_no_core(monkeypatch):
+    """With tp 2 the CP group of tp rank 1 is global ranks [1, 3, 5, 7]: each CP rank's pair is the one
+    `ParallelDims.cp_subgroup_ranks` creates. A micro-batch without a degree-4 sequence makes no call over
+    the whole group (the members of each group hold the same segments and skip it together)."""
+    cp_ranks = [1, 3, 5, 7]
+    pairs = [r for d, r in ParallelDims(16, cp=4, tp=2).cp_subgroup_ranks() if d == 2]
+    log = install_fake_te(monkeypatch, compute=False)
+    segments, cpu = [(4, []), (2, [0, 4]), (1, [0, 2])], torch.device("cpu")
+    for cp_rank in range(4):
+        ctx = HybridAttention(segments, {2: None, 4: None}, 4, cp_rank, "ring", cp_ranks, cpu)
+        assert ctx.subgroup_ranks(2) in pairs and cp_ranks[cp_rank] in ctx.subgroup_ranks(2)
+        assert ctx.subgroup_ranks(4) == cp_ranks
+        q = torch.randn(1, H, 6, D)
+        attend_te(None, q, q[:, :G], q[:, :G], None, scaling=SCALE, cp_context=ctx, **thd_kwargs([0, 4, 6]))
+        split = ctx.parts[1]
+        assert (split.cp_size, split.cp_rank, split.global_ranks) == (
+            2,
+            cp_rank % 2,
+            tuple(ctx.subgroup_ranks(2)),
+        )
+    assert [c["cp"] for c in log["calls"][::2]] == [[1, 3], [1, 3], [5, 7], [5, 7]]
+    assert [c["cp"] for c in log["calls"][1::2]] == [None] * 4
+    with pytest.raises(ValueError, match="4 ranks has 2 global ranks"):
+        HybridAttention([], {}, 4, 0, "ring", [0, 1], cpu)
+    gathered = HybridAttention(segments, {2: None, 4: None}, 4, 0, "allgather", cp_ranks, cpu)
+    with pytest.raises(ValueError, match="parallel.cp_attention=ring"):  # TE has no THD all-gather CP
+        attend_te(
+            None, q, q[:, :G], q[:, :G], None, scaling=SCALE, cp_context=gathered, **thd_kwargs([0, 4, 6])
+        )
+    _CORES.clear()
+
+
 def test_te_refuses_allgather_cp_with_the_fix(monkeypatch):
     install_fake_te(monkeypatch, compute=False)
     cp = CPAttention(None, 2, 0, "allgather").for_split_prefix(1, build_varlen_meta([0, 4]))
     q = torch.randn(1, H, 4, D)
     with pytest.raises(ValueError, match="parallel.cp_attention=ring"):
-        attend_te(None, q, q[:, :G], q[:, :G], None, scaling=SCALE, cp_context=cp, **_thd_kwargs([0, 4]))
+        attend_te(None, q, q[:, :G], q[:, :G], None, scaling=SCALE, cp_context=cp, **thd_kwargs([0, 4]))
     _CORES.clear()
 
 
@@ -148,7 +162,7 @@ def _te_cp_rank(rank: int, world: int) -> dict[str, float]:
         None,
         scaling=SCALE,
         cp_context=cp,
-        **_thd_kwargs(cl),
+        **thd_kwargs(cl),
     )
     out[0].backward(parts["d"])
     mp.undo()

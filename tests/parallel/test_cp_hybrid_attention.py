@@ -1,6 +1,8 @@
 """Attention under hybrid CP degrees (`parallel.cp_attention.attention_by_degree`) vs the single-process
 varlen reference, gloo: world 4 (degrees 1, 2, 4) and world 8 (1, 2, 8; `slow`), ring and all-gather,
-with the aligned sub-groups built as at mesh setup (`ParallelDims.build_cp_subgroups`).
+and the transformer-engine backend (`HybridAttention.run`: one TE core per sub-group) over a stand-in
+that computes TE's THD-CP contract with our ring (`te_stub.install_fake_te`), with the aligned sub-groups
+built as at mesh setup (`ParallelDims.build_cp_subgroups`).
 
 Letters: T tokens, H heads, G key/value heads, D head dim.
 
@@ -13,15 +15,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from te_stub import install_fake_te, thd_kwargs
 
 from parallel.attention_ops import varlen_attention_reference
 from parallel.cp_attention import attention_by_degree
 from parallel.cp_placement import HybridPlacement, place_hybrid
 from parallel.cp_shard import shard_by_degree, shard_thd
+from parallel.hybrid_layout import HybridAttention
 from parallel.mesh import ParallelDims
 from parallel.testing import run_distributed
+from speechlm.model.attention.te import attend_te
 
 H, G, D = 4, 2, 8
+KINDS = ("ring", "allgather", "te")  # te: `speechlm.model.attention.te` over `te_stub`'s stand-in
 LENGTHS = {
     4: [22, 23, 24, 25, 21, 26, 19],
     8: [22, 23, 24, 25, 21, 26, 19, 27, 20, 18, 22, 24, 23],
@@ -50,6 +56,27 @@ def _local_rows(p: HybridPlacement, starts: list[int], rank: int) -> tuple[torch
     return local["idx"], segments
 
 
+def _attend_te(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: HybridAttention) -> torch.Tensor:
+    """The te backend over the local stream, with the stand-in that computes TE's THD-CP contract."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    mp = MonkeyPatch()
+    install_fake_te(mp, compute=True)
+    cu = [0]
+    for _, seg in ctx.segments:
+        cu += [cu[-1] + c for c in seg[1:]]
+    out, _ = attend_te(
+        None,
+        *(x.transpose(0, 1)[None] for x in (q, k, v)),
+        None,
+        scaling=D**-0.5,
+        cp_context=ctx,
+        **thd_kwargs(cu),
+    )
+    mp.undo()
+    return out[0]
+
+
 def _worker(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     cp = world_size
     groups = ParallelDims(world_size, cp=cp).build_cp_subgroups(rank)
@@ -58,9 +85,13 @@ def _worker(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     starts, (q, k, v, grad) = _stream(p)
     idx, segments = _local_rows(p, starts, rank)
     out = {"idx": [idx]}
-    for kind in ("ring", "allgather"):
+    for kind in KINDS:
         ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-        o = attention_by_degree(ql, kl, vl, segments, groups, rank, kind, D**-0.5)
+        if kind == "te":  # one TE core per sub-group, each segment with its global boundaries
+            ctx = HybridAttention(segments, groups, cp, rank, "ring", list(range(cp)), torch.device("cpu"))
+            o = _attend_te(ql, kl, vl, ctx)
+        else:
+            o = attention_by_degree(ql, kl, vl, segments, groups, rank, kind, D**-0.5)
         o.backward(grad[idx])
         out[kind] = [x.detach() for x in (o, ql.grad, kl.grad, vl.grad)]
     return out
@@ -79,7 +110,7 @@ def _check(cp: int) -> None:
     seen = torch.cat([r["idx"][0] for r in per_rank])
     assert sorted(seen.tolist()) == list(range(starts[-1]))  # every row on exactly one rank
     for r in per_rank:
-        for kind in ("ring", "allgather"):
+        for kind in KINDS:
             for name, got, want in zip(("out", "dq", "dk", "dv"), r[kind], expected, strict=True):
                 err = (got - want[r["idx"][0]]).abs().max().item()
                 assert err <= 1e-5, f"cp {cp} {kind} {name}: max abs error {err:.3g}"

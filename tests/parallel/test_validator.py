@@ -135,7 +135,7 @@ RULE_CASES: dict[str, tuple[Case, Case]] = {
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 4}),
         Case(("parallel.cp_size=2", "parallel.tp_size=4"), world=8, attrs={"model__pad_to_multiple": 16}),
     ),
-    "cp-degrees-te": (
+    "cp-degrees-te-unmeasured": (
         Case(("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_degrees=hybrid"), world=2),
         Case(("model.attention_backend=te", "parallel.cp_size=2", "parallel.cp_degrees=all"), world=2),
     ),

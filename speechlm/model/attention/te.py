@@ -11,11 +11,14 @@ TE's THD output is ``[T, H * D]``. Install with ``pip install speechlm[te]``; se
 calling module's (``module.training``; grad mode when called without a module).
 
 Context parallelism (``cp_context``, the model's `parallel.cp_attention.CPAttentionContext`): TE's own
-THD ring (``cp_comm_type="p2p"``, set once per cached core with ``set_context_parallel_group``). Our
-CP layout (rank r keeps chunks r and 2cp-1-r of every sequence) is TE's dual-chunk-swap layout, so
-the split sequences go in with their global cu_seqlens unchanged; dynamic CP's whole sequences use a CP-free core. TE's all-gather
-and a2a CP have no THD path, so ``parallel.cp_attention=allgather`` is refused (the validator says
-so first, rule ``te-cp-allgather``).
+THD ring (``cp_comm_type="p2p"``). The context hands each part of the local stream that is split over one
+group (`parallel.cp_attention.CPSplit`: the whole CP group under dynamic CP; under hybrid degrees one part
+per degree, over this rank's aligned sub-group of that degree) to a core whose context-parallel group is
+that group, set once per cached core with ``set_context_parallel_group``. Our CP layout (rank r of a
+group of d keeps chunks r and 2d-1-r of every sequence split over it) is TE's dual-chunk-swap layout, so
+a part goes in with its sequences' global cu_seqlens (local boundaries times d); the whole sequences use
+a CP-free core. TE's all-gather and a2a CP have no THD path, so ``parallel.cp_attention=allgather`` is
+refused (the validator says so first, rule ``te-cp-allgather``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from parallel.cp_attention import CPAttentionContext
+from parallel.cp_attention import CPAttentionContext, CPSplit
 from speechlm.model.attention.layouts import as_thd, read_attention_context, read_varlen_args, to_thd
 from speechlm.model.attention.registry import BackendUnavailableError, attention_backend
 
@@ -58,10 +61,11 @@ def get_core_attention(
     head_dim: int,
     scale: float,
     dropout: float,
-    cp: CPAttentionContext | None = None,
+    cp: CPSplit | None = None,
 ) -> Any:
-    """The cached ``DotProductAttention`` for these shapes; with ``cp`` (the micro-batch's CP context)
-    one whose context-parallel group is set, once, to the CP group with TE's p2p ring."""
+    """The cached ``DotProductAttention`` for these shapes; with ``cp`` (a part of the stream split over one
+    CP group or sub-group) one whose context-parallel group is set, once, to that group with TE's p2p
+    ring: one core per group (keyed by its global ranks)."""
     key: tuple[Any, ...] = (heads, groups, head_dim, float(scale), float(dropout))
     if cp is not None:
         comm = TE_CP_COMM_TYPES.get(cp.kind)
@@ -148,23 +152,31 @@ def _attend_te_cp(
     dropout: float,
     training: bool,
 ) -> tuple[Tensor, None]:
-    """Context parallelism through TE's own THD ring. This rank holds chunks r and 2cp-1-r of every split
-    sequence (`parallel.cp_shard`), which is TE's dual-chunk-swap layout, so TE gets the local tokens
-    with the split sequences' *global* boundaries (`cp.split_cu_global`); dynamic CP's whole sequences
-    attend locally through the CP-free core with their local boundaries."""
+    """Context parallelism through TE's own THD ring. Each part of the local stream split over one group
+    (`parallel.cp_attention.CPSplit`; hybrid degrees: one per degree, over its sub-group) holds this
+    rank's chunks r and 2d-1-r of each of its sequences (`parallel.cp_shard`), which is TE's
+    dual-chunk-swap layout over that group, so TE gets the part's local tokens with its sequences'
+    *global* boundaries (``split.cu_global``) through the core of that group; the whole sequences attend
+    locally through the CP-free core with their local boundaries."""
     if read_varlen_args(kwargs, query_BHSD.device) is None:
         raise ValueError(
             "cp_context (context parallelism) needs a THD batch: pass cu_seq_lens_q/k to the model"
         )
     H, G, D = query_BHSD.shape[1], key_BGSD.shape[1], query_BHSD.shape[3]
-    cp_core = get_core_attention(te, heads=H, groups=G, head_dim=D, scale=scale, dropout=dropout, cp=cp)
-    cp_core.train(training)
-    cu, m = cp.split_cu_global, cp.split_max_global  # every split sequence at its full (global) length
+
+    def attend_split(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, split: CPSplit) -> Tensor:
+        cp_core = get_core_attention(
+            te, heads=H, groups=G, head_dim=D, scale=scale, dropout=dropout, cp=split
+        )
+        cp_core.train(training)
+        cu, m = split.cu_global, split.max_global  # every split sequence at its full (global) length
+        return _call_core(cp_core, q_THD, k_TGD, v_TGD, cu, cu, m, m)
+
     out_THD = cp.run(
         to_thd(query_BHSD),
         to_thd(key_BGSD),
         to_thd(value_BGSD),
-        lambda q, k, v: _call_core(cp_core, q, k, v, cu, cu, m, m),
+        attend_split,
         lambda q, k, v, w: _call_core(core, q, k, v, w.cu_seqlens_q, w.cu_seqlens_k, w.max_q, w.max_k),
     )
     return out_THD.unsqueeze(0), None
