@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import Layout, build_model, global_steps, rank_layouts, tiny_config
+from parallel_harness import Layout, build_model, global_steps, rank_layouts, reference_run, tiny_config
 from test_parallel_equivalence import N_STEPS, assert_layouts_match
 
 from parallel.cp_placement import LocalPlacement, place_hybrid
@@ -154,6 +154,26 @@ def test_a_long_clip_is_sharded_over_its_sub_group_and_trains_like_one_process(b
     for name, g in ref["grads"].items():
         err = (got[0]["grads"][name].double() - g.double()).norm()
         assert err <= 1e-5 * g.double().norm() + 1e-6 * total, (name, float(err), float(g.norm()))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+def test_three_training_steps_with_clips_sharded_over_nested_sub_groups_match_one_process():
+    """The real step at cp 4 with hybrid degrees (mesh, FSDP2 over the four ranks, whose collectives run
+    beside the sub-groups' halos, hand-overs and gathers): micro-batches whose long clips are sharded over all
+    four ranks and over each pair, 3 steps' losses and the first step's gradients equal one process."""
+    from test_long_clip_training import WINDOW, _assert_steps_match, _config
+
+    steps = global_steps(N_STEPS, 1, batches="three-long")
+    model = build_model(_config())
+    for (b,) in steps:  # every step holds clips sharded over nested groups
+        lens = [
+            2 + a + int(t) for a, t in zip(model.audio_embed_lengths(b.audio_lens), b.token_lens.tolist())
+        ]
+        assert place_hybrid(lens, 4, pair_cost=1 / (6 * 32)).degree[:3] == (4, 2, 2), lens
+    lay = Layout("cp4-hybrid-nested-long", 1, 4, 1, overrides=WINDOW + HYBRID, batches="three-long")
+    got = run_distributed(rank_layouts, 4, "gloo", [lay], N_STEPS, "gloo", timeout_s=1100)
+    _assert_steps_match(reference_run(_config(), steps), [per_rank[0] for per_rank in got])
 
 
 def test_record_work_counts_each_sequence_by_its_degree():
