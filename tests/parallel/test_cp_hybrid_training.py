@@ -121,27 +121,34 @@ def test_a_long_clip_sharded_over_every_rank_trains_like_one_process():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "batches, degrees, groups",
+    "world, batches, degrees, groups",
     [
         # two long sequences, one over each pair of ranks: each pair shards its own clip
-        ("two-long", (2, 2, 1, 1), [[(0, 2)], [(0, 2)], [(2, 2)], [(2, 2)]]),
+        (4, "two-long", (2, 2, 1, 1), [[(0, 2)]] * 2 + [[(2, 2)]] * 2),
         # one over all four ranks and one over each pair: every rank holds slices of two nested groups
-        (
+        (4, "three-long", (4, 2, 2, 1, 1), [[(0, 4), (0, 2)]] * 2 + [[(0, 4), (2, 2)]] * 2),
+        # cp 8: groups of four that are proper sub-groups, alone and nested in the whole group
+        pytest.param(8, "two-long", (4, 4, 1, 2), [[(0, 4)]] * 4 + [[(4, 4)]] * 4, marks=pytest.mark.slow),
+        pytest.param(
+            8,
             "three-long",
-            (4, 2, 2, 1, 1),
-            [[(0, 4), (0, 2)], [(0, 4), (0, 2)], [(0, 4), (2, 2)], [(0, 4), (2, 2)]],
+            (4, 8, 4, 1, 1),
+            [[(0, 4), (0, 8)]] * 4 + [[(0, 8), (4, 4)]] * 4,
+            marks=pytest.mark.slow,
         ),
     ],
 )
-def test_a_long_clip_is_sharded_over_its_sub_group_and_trains_like_one_process(batches, degrees, groups):
-    """cp 4 with hybrid degrees: a long clip whose sequence spans a pair of ranks is sharded over that pair
-    only (its slices, halos, feature statistics, hand-over and CTC gather stay there), and beside a clip
-    sharded over all four; one forward and backward equal one process (fp32, 1e-5)."""
+def test_a_long_clip_is_sharded_over_its_sub_group_and_trains_like_one_process(
+    world, batches, degrees, groups
+):
+    """Hybrid degrees: a long clip whose sequence spans a sub-group of ranks is sharded over that sub-group
+    only (its slices, halos, feature statistics, hand-over and CTC gather stay there), also beside a clip
+    sharded over a larger group that holds it; one forward and backward equal one process (fp32, 1e-5)."""
     from test_long_clip_training import _forward_worker, _reference
 
     ref = _reference(batches=batches)
-    assert place_hybrid(ref["seq_lens"], 4, pair_cost=1 / (6 * 32)).degree == degrees
-    got = run_distributed(_forward_worker, 4, "gloo", "auto", (), "", True, batches)
+    assert place_hybrid(ref["seq_lens"], world, pair_cost=1 / (6 * 32)).degree == degrees
+    got = run_distributed(_forward_worker, world, "gloo", "auto", (), "", True, batches)
     assert [res["groups"] for res in got] == groups
     for r, res in enumerate(got):
         assert res["ce"] == pytest.approx(ref["ce"], rel=1e-5), f"rank {r}"
