@@ -10,15 +10,25 @@ the headers). Reported per rank: CPU seconds of the data pipeline (``time.proces
 header reads, rendering, decoding, collation), ``data_wait_s`` (what the step would log: seconds waiting
 for the loader; ``--workers 0``, so it is the loading itself) and the clips decoded.
 
-The CP ranks are simulated one after the other in this process: the data path holds no collective (the
-placement is a pure function of the lengths, computed alike on every rank), so a rank's figures do not
-depend on the others running; what a gloo run would add is the model, not the loader. The CPU is shared
+By default the CP ranks are simulated one after the other in this process: the data path holds no
+collective (the placement is a pure function of the lengths, computed alike on every rank), so a rank's
+figures do not depend on the others running, and the CPU seconds are free of contention. The CPU is shared
 with nothing else only if the machine is idle: run it with ``OMP_NUM_THREADS=1``.
+
+``--gloo``: as training runs it. Each CP rank's pipeline runs in its own process of a gloo group of ``cp``
+ranks (forked: `parallel.testing.run_distributed`), in lockstep: after each step the ranks do the step's
+agreement all-reduce (`Collectives.agree`, as `SpeechLLMModule._agree_step` does; a clip that failed on
+the one rank that decoded it has every rank read the step again whole and agree once more), so a rank
+cannot read step n+1 before every peer has read step n. Reported besides: ``agree_wait_s``, the wall seconds
+a rank spent in the agreement, i.e. waiting for its slowest peer's loader (training logs ``data_wait_s`` as
+the loader's time only; this wait lands in its step time), and the loop's wall seconds. ``cp`` processes
+share the machine's cores: with fewer cores than ranks the wall-clock figures include that contention.
 
 ``--long``: the same rows over synthetic 48 kHz stereo FLAC clips of 8-16 s (decoded, mixed down and
 resampled to 16 kHz: decoding then dominates the loader, as with Common Voice's 48 kHz MP3 or podcasts).
 
-Usage: ``speechlm bench decode-local [--cp 1 2 4] [--steps 12] [--batch-seconds 40] [--long] [--json FILE]``.
+Usage: ``speechlm bench decode-local [--cp 1 2 4] [--steps 12] [--batch-seconds 40] [--long] [--gloo]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -116,16 +126,40 @@ def rank_loader(
     return loader
 
 
+def new_figures() -> dict[str, Any]:
+    """A rank's figures before its first step (`measure`, `lockstep`)."""
+    return {"cpu_s": 0.0, "data_wait_s": 0.0, "clips": 0, "decoded": 0, "redecoded_steps": 0}
+
+
+def tally(fig: dict[str, Any], step: Any) -> int:
+    """Add ``step``'s loader wait and clips to ``fig``; returns the clips this rank decoded in it."""
+    fig["data_wait_s"] += step.data_wait_s
+    decoded = 0
+    for b in step.micro_batches:
+        fig["clips"] += b.num_clips
+        decoded += b.num_clips if b.audio_present is None else int(b.audio_present.sum())
+    fig["decoded"] += decoded
+    return decoded
+
+
+def redecode(loader: Any, step: Any, fig: dict[str, Any]) -> Any:
+    """``step`` read again whole (`StepLoader.redecode`), its CPU and wall seconds counted to ``fig``."""
+    t0, w0 = time.process_time(), time.perf_counter()
+    step = loader.redecode(step)
+    fig["cpu_s"] += time.process_time() - t0
+    fig["data_wait_s"] += time.perf_counter() - w0
+    fig["redecoded_steps"] += 1
+    return step
+
+
 def measure(loaders: list[Any], steps: int) -> list[dict[str, float]]:
     """The CP ranks' loaders in lockstep over ``steps`` steps (module docstring): CPU seconds, data_wait_s
     and clips per rank. A step in which a clip failed on the one rank that decoded it is read again, whole,
     on every rank, as the training step's agreement has them do (`StepLoader.redecode`), and timed to each."""
-    figures = [
-        {"cpu_s": 0.0, "data_wait_s": 0.0, "clips": 0, "decoded": 0, "redecoded_steps": 0} for _ in loaders
-    ]
+    figures = [new_figures() for _ in loaders]
     its = [iter(x) for x in loaders]
     for _ in range(steps):
-        got = []
+        got: list[Any] = []
         for it, fig in zip(its, figures):
             t0 = time.process_time()
             step = next(it, None)
@@ -135,22 +169,65 @@ def measure(loaders: list[Any], steps: int) -> list[dict[str, float]]:
             break
         again = any(b.local_failure for s in got for b in s.micro_batches)
         for loader, step, fig in zip(loaders, got, figures):
-            if again:
-                t0, w0 = time.process_time(), time.perf_counter()
-                step = loader.redecode(step)
-                fig["cpu_s"] += time.process_time() - t0
-                fig["data_wait_s"] += time.perf_counter() - w0
-                fig["redecoded_steps"] += 1
-            fig["data_wait_s"] += step.data_wait_s
-            for b in step.micro_batches:
-                fig["clips"] += b.num_clips
-                fig["decoded"] += b.num_clips if b.audio_present is None else int(b.audio_present.sum())
+            tally(fig, redecode(loader, step, fig) if again else step)
     for loader in loaders:
         loader.close()
     return figures
 
 
-def run(manifest: str, tokenizer: str, cps: list[int], steps: int, batch_seconds: float) -> dict[str, Any]:
+def lockstep(loader: Any, steps: int, collectives: Any) -> dict[str, Any]:
+    """This rank's loader over ``steps`` steps in a gloo group, in lockstep with its peers as training runs
+    it (module docstring, ``--gloo``): after each step, the step's agreement all-reduce (clips read, and
+    whether a clip failed on the one rank that decoded it: then every rank reads the step again whole and
+    agrees once more, as `SpeechLLMModule._agree_step` does). Besides `measure`'s figures: ``agree_wait_s``
+    (wall seconds in the agreement: waiting for the slowest peer's loader), ``wall_s`` (the whole loop) and,
+    per step, the clips this rank decoded and whether the step was read again."""
+    fig: dict[str, Any] = {**new_figures(), "agree_wait_s": 0.0, "per_step": []}
+    it = iter(loader)
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.process_time()
+        step = next(it, None)
+        fig["cpu_s"] += time.process_time() - t0
+        clips = 0 if step is None else sum(b.num_clips for b in step.micro_batches)
+        failed = step is not None and any(b.local_failure for b in step.micro_batches)
+        w0 = time.perf_counter()
+        _, (ended, again) = collectives.agree([clips], [step is None, failed])
+        fig["agree_wait_s"] += time.perf_counter() - w0
+        if ended or step is None:  # the same sampler on every rank: they run out together
+            break
+        if again:
+            step = redecode(loader, step, fig)
+            w0 = time.perf_counter()
+            clips = sum(b.num_clips for b in step.micro_batches)  # the rows that still read
+            collectives.agree([clips], [False, False])  # the step read whole, agreed once more
+            fig["agree_wait_s"] += time.perf_counter() - w0
+        fig["per_step"].append({"clips": clips, "decoded": tally(fig, step), "read_again": again})
+    fig["wall_s"] = time.perf_counter() - start
+    loader.close()
+    return fig
+
+
+def gloo_rank(rank: int, world: int, table: Any, tok: Any, cfg: Any, steps: int, batch_seconds: float) -> Any:
+    """CP rank ``rank`` of a gloo group of ``world`` (= cp) ranks: every clip decoded, then its own clips,
+    each over the same micro-batches in lockstep with the group (`lockstep`)."""
+    from parallel.collectives import Collectives
+
+    collectives = Collectives(rank=rank, world_size=world, primary=rank == 0)
+    out = {}
+    for mode, local in (("every clip", False), ("its clips", True)):
+        loader = rank_loader(
+            table, tok, cfg, cp=world, rank=rank, local=local and world > 1, batch_seconds=batch_seconds
+        )
+        collectives.agree([], [])  # every rank's loader built: the clocks start together
+        out[mode] = lockstep(loader, steps, collectives)
+    return out
+
+
+def run(
+    manifest: str, tokenizer: str, cps: list[int], steps: int, batch_seconds: float, gloo: bool = False
+) -> dict[str, Any]:
+    from parallel.testing import run_distributed
     from speechlm.config import load_config
     from speechlm.data.sources.detect import load_source
     from speechlm.data.tokenizer import Tokenizer
@@ -161,6 +238,13 @@ def run(manifest: str, tokenizer: str, cps: list[int], steps: int, batch_seconds
     measure([rank_loader(table, tok, warm, cp=1, rank=0, local=False, batch_seconds=batch_seconds)], steps)
     for cp in cps:
         cfg = load_config(str(REPO / "configs/demo.yaml"), [f"parallel.cp_size={cp}"])
+        if gloo:  # one process per CP rank, forked from this one (imports and the page cache warm)
+            ranks = run_distributed(
+                gloo_rank, cp, "gloo", table, tok, cfg, steps, batch_seconds, timeout_s=3600
+            )
+            for mode in ("every clip", "its clips"):
+                out[f"cp{cp} {mode}"] = {"cp": cp, "mode": mode, "ranks": [r[mode] for r in ranks]}
+            continue
         for mode, local in (("every clip", False), ("its clips", True)):
             loaders = [
                 rank_loader(
@@ -174,18 +258,25 @@ def run(manifest: str, tokenizer: str, cps: list[int], steps: int, batch_seconds
 
 
 def format_table(results: dict[str, Any]) -> str:
+    gloo = any("agree_wait_s" in x for r in results.values() for x in r["ranks"])
+    extra = " waiting for peers s per rank (mean / max) | loop wall s (max) |" if gloo else ""
     rows = [
-        "| cp | each rank decodes | decode CPU s per rank (mean / max) | data_wait_s per rank (mean / max) "
-        "| clips decoded per rank (of the micro-batches') | steps read again whole |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| cp | each rank decodes | decode CPU s per rank (mean / max) | data_wait_s per rank (mean / max) |"
+        f"{extra} clips decoded per rank (of the micro-batches') | steps read again whole |",
+        "| --- " * (8 if gloo else 6) + "|",
     ]
     for r in results.values():
         cpu = [x["cpu_s"] for x in r["ranks"]]
         wait = [x["data_wait_s"] for x in r["ranks"]]
         dec = [x["decoded"] for x in r["ranks"]]
+        cells = ""
+        if gloo:
+            peers = [x["agree_wait_s"] for x in r["ranks"]]
+            wall = max(x["wall_s"] for x in r["ranks"])
+            cells = f" {statistics.mean(peers):.2f} / {max(peers):.2f} | {wall:.2f} |"
         rows.append(
             f"| {r['cp']} | {r['mode']} | {statistics.mean(cpu):.2f} / {max(cpu):.2f} | "
-            f"{statistics.mean(wait):.2f} / {max(wait):.2f} | {statistics.mean(dec):.1f} "
+            f"{statistics.mean(wait):.2f} / {max(wait):.2f} |{cells} {statistics.mean(dec):.1f} "
             f"(of {r['ranks'][0]['clips']}) | {r['ranks'][0]['redecoded_steps']} |"
         )
     return "\n".join(rows)
@@ -202,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         "--long", action="store_true",
         help="the demo texts over synthetic 48 kHz stereo FLAC clips of 8-16 s (resampled on decode)",
     )  # fmt: skip
+    ap.add_argument(
+        "--gloo", action="store_true",
+        help="each CP rank in its own process of a gloo group, in lockstep with the step's agreement",
+    )  # fmt: skip
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if (args.manifest is None) != (args.tokenizer is None):
@@ -212,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest, tokenizer = demo_corpus(Path(tmp))
         if args.long:
             manifest = long_corpus(manifest, Path(tmp) / "long", 48000, (8.0, 16.0))
-        results = run(manifest, tokenizer, args.cp, args.steps, args.batch_seconds)
+        results = run(manifest, tokenizer, args.cp, args.steps, args.batch_seconds, args.gloo)
     print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "args": vars(args)}, indent=1))
