@@ -20,13 +20,14 @@ clip (`CPPlacement.clip_owners`). Then `encode_placed`:
 2. Gather. A gathered clip goes to the ranks of its sequence's group (the whole CP group, or under
    hybrid CP degrees its aligned sub-group: ``gather_groups``), one gather per group size, largest first,
    each over the rank's own group of that size (skipped where that group gathers nothing). Frame counts
-   U_i differ per clip, so each rank first all-gathers the frame counts of the
-   clips it sends (a fixed-size int tensor), pads its sent rows to ``P = max_r`` and runs one
-   DIFFERENTIABLE exchange (``parallel.collectives.gather_head_dim0``: all-gather forward,
-   reduce-scatter backward) whose input is all of this rank's rows: the sent head, the kept tail and
-   the dummy pass through one autograd node, so the backward reaches the encoder at the same point on
-   every rank.
-3. Backward. The all-gather's backward sums, over all CP ranks, the gradient each rank's loss sends
+   U_i differ per clip, so at each size every rank first all-gathers the frame counts of the clips it
+   sends (a fixed-size int tensor), pads its sent rows to ``P = max_r`` and runs one DIFFERENTIABLE
+   exchange (``parallel.collectives.gather_head_dim0``: all-gather forward, reduce-scatter backward)
+   whose input is all of this rank's rows not gathered yet: the sent head goes out, the rest (the later
+   sizes' heads, the kept clips, the dummy) passes through the same autograd node to the next size's
+   exchange. With one chain of nodes through every exchange, the backward reaches the encoder at the same
+   point on every rank.
+3. Backward. The all-gather's backward sums, over the group's ranks, the gradient each rank's loss sends
    to a gathered clip, and delivers the sum to its owner. So the owner's encoder receives the
    gradient of the whole CP group's loss for its clips, and the sum of the encoder gradients over the
    CP ranks (which FSDP2's reduction over dp_shard_cp performs) is the gradient of the total loss. A
